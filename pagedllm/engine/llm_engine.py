@@ -1,0 +1,338 @@
+"""LLMEngine: add requests, step the batch, collect outputs.
+
+It owns the tokenizer, the scheduler (with the KV cache manager) and the
+model runner, and turns sampled token ids into text, logprobs and finish
+reasons.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.logger import init_logger
+from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.loader import load_checkpoint
+from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.memory import available_memory_bytes
+from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput, kv_bytes_per_token
+
+logger = init_logger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _OutputState:
+    """What the engine keeps per request beyond token ids: text, logprobs, times."""
+
+    prompt: str | None
+    metrics: RequestMetrics
+    text: str = ""
+    cumulative_logprob: float = 0.0
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class LLMEngine:
+    """The engine core behind ``LLM`` and the server.
+
+    Safety rules: ``add_request`` validates everything before the request
+    enters the scheduler, so a bad request raises ``ValueError`` and leaves
+    running requests untouched; every way a request ends (stop, length, stop
+    string, abort) frees its blocks.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = _TORCH_DTYPES[config.dtype]
+        checkpoint = load_checkpoint(config.model, dtype=dtype)
+        self.model_config = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        self.model_path = checkpoint.path
+        self.scheduler_config = config.scheduler_config(checkpoint.config.max_position_embeddings)
+        self.max_model_len = self.scheduler_config.max_model_len
+
+        model = LlamaForCausalLM(checkpoint.config, max_position=self.max_model_len)
+        model.load_weights(checkpoint.state_dict)
+        del checkpoint
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+
+        self.bytes_per_token = kv_bytes_per_token(self.model_config, dtype)
+        block_size = config.cache.block_size
+        num_blocks = self._num_blocks(block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self.eos_token_ids = self._eos_token_ids()
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, dtype, self.eos_token_ids)
+        self.vocab_size = self.model_config.vocab_size
+        self._rng = random.Random(config.seed)
+        self._states: dict[str, _OutputState] = {}
+        self._request_counter = 0
+        logger.info(self.capacity_line())
+
+    # ------------------------------------------------------------- set-up
+
+    def _num_blocks(self, block_size: int) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        if cache.kv_cache_memory is not None:
+            budget = cache.kv_cache_memory
+        elif cache.kv_cache_fraction is not None:
+            budget = int(available_memory_bytes(self.device) * cache.kv_cache_fraction)
+        else:
+            budget = cache.DEFAULT_KV_CACHE_MEMORY
+        num_blocks = budget // (self.bytes_per_token * block_size)
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV budget of {budget} bytes holds no block of {block_size} tokens "
+                f"({self.bytes_per_token * block_size} bytes); raise kv_cache_memory or kv_cache_fraction"
+            )
+        return num_blocks
+
+    def _eos_token_ids(self) -> list[int]:
+        ids: set[int] = set()
+        for source in (self.tokenizer.eos_token_id, getattr(self.model_config, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, (list, tuple)):
+                ids.update(int(t) for t in source)
+        return sorted(ids)
+
+    def capacity_line(self) -> str:
+        kv = self.kv_cache_manager
+        tokens = kv.num_blocks * kv.block_size
+        return (
+            f"KV cache: {kv.num_blocks} blocks x {kv.block_size} tokens = {tokens} tokens "
+            f"({self.bytes_per_token} bytes/token, {tokens * self.bytes_per_token / 2**20:.1f} MiB, "
+            f"{self.config.dtype}) on {self.device.type}"
+        )
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Validate and queue a request. Raises ``ValueError`` (and changes
+        nothing) on an empty or too-long prompt, out-of-vocabulary token ids, a
+        request that could never fit in the pool, or a reused request id."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_text, token_ids = self._tokenize(prompt)
+        max_tokens = self._validate(token_ids, params)
+        if params.n > 1:
+            raise ValueError("SamplingParams.n > 1 is not supported yet (it arrives with block sharing); use n=1")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        request = Request(
+            request_id,
+            token_ids,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=max_tokens,
+            arrival_time=arrival_time,
+            priority=priority,
+            seed=seed,
+        )
+        self.scheduler.add_request(request)
+        state = _OutputState(prompt=prompt_text, metrics=RequestMetrics(arrival_time=request.arrival_time))
+        if params.logprobs is not None:
+            state.logprobs = []
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(token_ids)
+        self._states[request_id] = state
+
+    def next_request_id(self) -> str:
+        self._request_counter += 1
+        return str(self._request_counter - 1)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty; pass at least one character or token id")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs the key 'prompt_token_ids'")
+            return prompt.get("prompt"), self._token_list(prompt["prompt_token_ids"])
+        if isinstance(prompt, Sequence):
+            return None, self._token_list(prompt)
+        raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _token_list(self, token_ids: Sequence[Any]) -> list[int]:
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in token_ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        return list(token_ids)
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> int:
+        """Check the prompt against the model and the pool; return the effective max_tokens."""
+        if not token_ids:
+            raise ValueError("the prompt is empty (0 tokens); pass at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        prompt_len = len(token_ids)
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {prompt_len} tokens but max_model_len is {self.max_model_len} "
+                f"(prompt + at least one generated token must fit); shorten the prompt or raise max_model_len"
+            )
+        room = self.max_model_len - prompt_len
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        kv = self.kv_cache_manager
+        needed = cdiv(prompt_len + max_tokens, kv.block_size)
+        if needed > kv.num_blocks:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {needed} KV blocks but the "
+                f"whole pool has {kv.num_blocks}; lower max_tokens or enlarge the pool (kv_cache_memory / num_kv_blocks)"
+            )
+        return max_tokens
+
+    def abort_request(self, request_id: str | Sequence[str]) -> None:
+        """Stop requests now and free their blocks. Unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            self._states.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # ---------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass over the scheduled batch; return the outputs of
+        the requests that produced a token (``finished`` set on their last)."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("the scheduler could not schedule any unfinished request (this is a bug)")
+            return []
+        now = time.time()
+        for scheduled in scheduler_output.scheduled:
+            metrics = self._states[scheduled.request.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        runner_output = self.runner.execute(scheduler_output)
+        self._store_prompt_logprobs(runner_output)
+        advanced = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        outputs = [self._process(request, runner_output) for request in advanced]
+        if self.config.debug_invariants:
+            self.check_invariants()
+        return outputs
+
+    def _store_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> None:
+        for rid, (first, entries) in runner_output.prompt_logprobs.items():
+            state = self._states[rid]
+            if state.prompt_logprobs is not None:
+                state.prompt_logprobs[first : first + len(entries)] = [self._decode_logprobs(e) for e in entries]
+
+    def _decode_logprobs(self, entry: PositionLogprobs) -> PositionLogprobs:
+        for token_id, logprob in entry.items():
+            logprob.decoded_token = self.tokenizer.decode([token_id])
+        return entry
+
+    def _process(self, request: Request, runner_output: ModelRunnerOutput) -> RequestOutput:
+        rid = request.request_id
+        state = self._states[rid]
+        now = time.time()
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        state.cumulative_logprob += runner_output.sampled_logprobs[rid]
+        if state.logprobs is not None:
+            state.logprobs.append(self._decode_logprobs(runner_output.logprobs[rid]))
+        params = request.sampling_params
+        state.text = self.tokenizer.decode(
+            request.output_token_ids, skip_special_tokens=params.skip_special_tokens
+        )
+        if not request.is_finished and params.stop_strings:
+            self._check_stop_strings(request, state)
+        if request.is_finished:
+            state.finish_reason = request.status.finish_reason
+            state.stop_reason = state.stop_reason if state.stop_reason is not None else request.stop_reason
+            state.metrics.finished_time = now
+            del self._states[rid]
+        return self._request_output(request, state)
+
+    def _check_stop_strings(self, request: Request, state: _OutputState) -> None:
+        params = request.sampling_params
+        for stop in params.stop_strings:
+            index = state.text.find(stop)
+            if index != -1:
+                end = index + len(stop) if params.include_stop_str_in_output else index
+                state.text = state.text[:end]
+                state.stop_reason = stop
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                return
+
+    def _request_output(self, request: Request, state: _OutputState) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=state.text,
+            token_ids=list(request.output_token_ids),
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            finish_reason=state.finish_reason,
+            stop_reason=state.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs,
+            outputs=[completion],
+            finished=request.is_finished,
+            metrics=state.metrics,
+        )
+
+    # --------------------------------------------------------------- stats
+
+    def stats(self) -> dict[str, int]:
+        kv = self.kv_cache_manager
+        return {
+            "num_blocks": kv.num_blocks,
+            "block_size": kv.block_size,
+            "num_free_blocks": kv.num_free_blocks,
+            "num_blocks_in_use": kv.num_blocks_in_use,
+            "peak_blocks_in_use": kv.peak_blocks_in_use,
+            "token_capacity": kv.num_blocks * kv.block_size,
+            "bytes_per_token": self.bytes_per_token,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0,
+        }
+
+    def check_invariants(self) -> None:
+        """Raise ``RuntimeError`` on the first broken block-manager invariant."""
+        self.scheduler.check_invariants()

@@ -1,0 +1,151 @@
+"""`pagedllm run | generate | bench throughput`."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+
+from pagedllm.sampling_params import SamplingParams
+
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about memory pages.",
+    "Explain in one sentence why a KV cache is split into blocks.",
+    "List three prime numbers.",
+]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF checkpoint folder (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def make_llm(args: argparse.Namespace):
+    from pagedllm.entrypoints.llm import LLM
+
+    return LLM(
+        model=args.model,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    llm = make_llm(args)
+    print(llm.llm_engine.capacity_line())
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    conversations = [[{"role": "user", "content": p}] for p in DEMO_PROMPTS]
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    for prompt, out in zip(DEMO_PROMPTS, outputs):
+        completion = out.outputs[0]
+        print(f"\n>>> {prompt}\n{completion.text.strip()}\n[{len(completion.token_ids)} tokens, {completion.finish_reason}]")
+    stats = llm.stats()
+    print(f"\npeak blocks in use: {stats['peak_blocks_in_use']} of {stats['num_blocks']}; free now: {stats['num_free_blocks']}")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    llm = make_llm(args)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.sampling_seed
+    )
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    print(outputs[0].outputs[0].text)
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> None:
+    import torch
+
+    from pagedllm.bench import throughput as bench
+
+    llm = make_llm(args)
+    vocab = llm.llm_engine.vocab_size
+    if args.dataset == "random":
+        requests = bench.random_requests(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
+    else:
+        requests = bench.load_requests(args.dataset)
+    print(llm.llm_engine.capacity_line())
+    results = [bench.run_pagedllm(llm, requests)]
+    stats = llm.stats()
+    if args.baseline == "hf":
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+        results.append(bench.run_hf(args.model, requests, args.hf_batch_size, dtype))
+    table = bench.format_table(results)
+    print(table)
+    print(f"peak KV blocks in use: {stats['peak_blocks_in_use']} of {stats['num_blocks']}; preemptions: {stats['num_preemptions']}")
+    if args.record:
+        command = "pagedllm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        with open(args.record, "a", encoding="utf-8") as f:
+            f.write(
+                f"\n### {datetime.date.today().isoformat()}: `{command}`\n\n"
+                f"Machine: {bench.machine_description()}. {llm.llm_engine.capacity_line()}. "
+                f"Peak blocks in use {stats['peak_blocks_in_use']}, preemptions {stats['num_preemptions']}.\n\n"
+                f"{table}\n"
+            )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="Paged-KV LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate for a few demo prompts on the default model")
+    add_engine_args(run)
+    run.add_argument("--max-tokens", type=int, default=48)
+    run.set_defaults(func=cmd_run)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    add_engine_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    tp = bench_sub.add_parser("throughput", help="offline throughput vs a baseline on the same requests")
+    add_engine_args(tp)
+    tp.add_argument("--dataset", default="random", help="'random' or a JSON file of {prompt_token_ids, max_tokens}")
+    tp.add_argument("--num-prompts", type=int, default=32)
+    tp.add_argument("--input-len", type=int, default=128)
+    tp.add_argument("--output-len", type=int, default=64)
+    tp.add_argument("--baseline", choices=["none", "hf"], default="none")
+    tp.add_argument("--hf-batch-size", type=int, default=8)
+    tp.add_argument("--record", default=None, metavar="FILE", help="append the result table to FILE (e.g. BENCHMARKS.md)")
+    tp.set_defaults(func=cmd_bench_throughput)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

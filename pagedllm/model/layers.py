@@ -1,0 +1,85 @@
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, gated MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 as Hugging Face does so that
+    bf16 models normalise identically."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding with a precomputed cos/sin table.
+
+    The inverse frequencies (including rope scaling: linear, llama3, yarn,
+    longrope) come from transformers' own rope code, so scaling follows the
+    config exactly as Hugging Face applies it. Rotation is the "rotate half"
+    (NeoX) layout Hugging Face checkpoints use.
+    """
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:
+        super().__init__()
+        inv_freq, attention_scaling = _rope_inv_freq(config)
+        if inv_freq.numel() * 2 != head_dim:
+            raise ValueError(
+                f"partial rotary embeddings are not supported (rope dim {inv_freq.numel() * 2}, head_dim {head_dim})"
+            )
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :].float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", emb.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * attention_scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [tokens, heads, dim], k: [tokens, kv_heads, dim]; positions: [tokens]."""
+        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "dynamic":
+        raise ValueError("rope_type 'dynamic' (length-dependent NTK scaling) is not supported")
+    if rope_type == "default":
+        return LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+    return ROPE_INIT_FUNCTIONS[rope_type](config)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,121 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops.
+
+Field names and defaults follow vLLM so code written for vLLM runs unchanged.
+Every field is validated in ``__post_init__``; a bad value raises ``ValueError``
+naming the field and the accepted range, before the request reaches the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Below this temperature sampling is treated as greedy: dividing logits by a
+# number this small overflows fp32 and makes the softmax meaningless anyway.
+_GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping rules (vLLM semantics).
+
+    - ``temperature == 0`` means greedy decoding; ``top_p``/``top_k``/``min_p`` are
+      then ignored.
+    - ``top_k`` of 0 or -1 disables top-k filtering.
+    - ``seed`` makes the request reproducible regardless of what else is batched
+      with it: the randomness of the token at output position ``i`` is derived
+      from ``(seed, i)`` only.
+    - ``stop`` strings are searched in the detokenized output and are not
+      included in the returned text (unless ``include_stop_str_in_output``).
+    - ``logprobs=k`` returns, for every generated token, the log-probability of
+      the sampled token plus the ``k`` most likely tokens; ``prompt_logprobs=k``
+      does the same for every prompt token after the first.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # Filled in by __post_init__: ``stop`` normalised to a list.
+    _stop_strings: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+        if self.stop is None:
+            self._stop_strings = []
+        elif isinstance(self.stop, str):
+            self._stop_strings = [self.stop]
+        else:
+            self._stop_strings = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.best_of is None:
+            self.best_of = self.n
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop_strings
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_TEMPERATURE
+
+    def _validate(self) -> None:
+        def fail(field_name: str, rule: str, value: object) -> None:
+            raise ValueError(f"SamplingParams.{field_name} {rule}, got {value!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail("n", "must be an integer >= 1", self.n)
+        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+            fail("best_of", f"must be an integer >= n ({self.n})", self.best_of)
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            fail("presence_penalty", "must be in [-2, 2]", self.presence_penalty)
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            fail("frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
+        if not self.repetition_penalty > 0.0:
+            fail("repetition_penalty", "must be > 0", self.repetition_penalty)
+        if not self.temperature >= 0.0:
+            fail("temperature", "must be >= 0 (0 means greedy)", self.temperature)
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "must be in (0, 1]", self.top_p)
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            fail("top_k", "must be an integer >= 1, or 0 / -1 to disable", self.top_k)
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", "must be in [0, 1]", self.min_p)
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail("seed", "must be an integer or None", self.seed)
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            fail("max_tokens", "must be an integer >= 1 or None", self.max_tokens)
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail("min_tokens", "must be an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            fail("logprobs", "must be an integer >= 0 or None", self.logprobs)
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
+        ):
+            fail("prompt_logprobs", "must be an integer >= 0 or None", self.prompt_logprobs)
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(not isinstance(s, str) or s == "" for s in stops):
+            fail("stop", "must be a non-empty string or a list of non-empty strings", self.stop)
+        if self.stop_token_ids is not None and any(
+            not isinstance(t, int) or t < 0 for t in self.stop_token_ids
+        ):
+            fail("stop_token_ids", "must be a list of non-negative token ids", self.stop_token_ids)

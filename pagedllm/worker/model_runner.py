@@ -1,0 +1,170 @@
+"""Turns a SchedulerOutput into tensors, runs the model over the paged pool, samples.
+
+The runner owns the model and the KV pool tensors; it never decides anything
+about blocks (that is ``core/``), it only follows the block tables it is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
+from pagedllm.attention.torch_paged import TorchPagedAttention
+from pagedllm.core.kv_cache_manager import cdiv
+from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagedllm.model.llama import LlamaForCausalLM, head_dim_of
+from pagedllm.outputs import PositionLogprobs
+from pagedllm.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """K and V, every layer, every KV head: the pool's cost of one token."""
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * num_kv_heads * head_dim_of(config) * element
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    sampled_logprobs: dict[str, float] = field(default_factory=dict)
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    # request id -> (index in the prompt of the first target token, its logprobs...)
+    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+
+
+@dataclass
+class _Batch:
+    """The flattened inputs of one forward pass."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    order: list[ScheduledRequest]  # decodes first, then prefill spans
+    last_rows: list[int]  # row of each scheduled request's last token, in `order`
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        eos_token_ids: list[int],
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        config = model.config
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        shape = (num_blocks, block_size, num_kv_heads, head_dim_of(config))
+        # Block-major: one block of one layer is one contiguous slab.
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_hidden_layers)
+        ]
+        self.attention = TorchPagedAttention()
+        self.sampler = Sampler(eos_token_ids)
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self._prepare(scheduler_output)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, self.attention)
+        output = ModelRunnerOutput()
+        self._sample(batch, hidden, output)
+        self._prompt_logprobs(batch, hidden, output)
+        return output
+
+    def _prepare(self, scheduler_output: SchedulerOutput) -> _Batch:
+        # Single-token spans (decodes, and one-token prompt tails) read the pool
+        # in one batched gather; longer spans go through the prefill path.
+        order = sorted(scheduler_output.scheduled, key=lambda s: s.num_scheduled_tokens != 1)
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        for scheduled in order:
+            request = scheduled.request
+            start = request.num_computed_tokens
+            end = start + scheduled.num_scheduled_tokens
+            block_ids = scheduled.block_ids
+            row = len(input_ids)
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            last_rows.append(len(input_ids) - 1)
+            if scheduled.num_scheduled_tokens == 1:
+                decode_tables.append(block_ids[: cdiv(end, bs)])
+                decode_lens.append(end)
+            else:
+                prefills.append(
+                    PrefillSpan(
+                        query_start=row,
+                        query_len=end - start,
+                        context_len=end,
+                        block_table=torch.tensor(block_ids[: cdiv(end, bs)], dtype=torch.long, device=self.device),
+                    )
+                )
+        width = max((len(t) for t in decode_tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in decode_tables]
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            num_decodes=len(decode_tables),
+            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=self.device).view(len(padded), width),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=self.device),
+            prefills=prefills,
+        )
+        return _Batch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            metadata=metadata,
+            order=order,
+            last_rows=last_rows,
+        )
+
+    def _sample(self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+        sampling = [(s, row) for s, row in zip(batch.order, batch.last_rows) if s.samples]
+        if not sampling:
+            return
+        rows = torch.tensor([row for _, row in sampling], dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        requests = [s.request for s, _ in sampling]
+        metadata = SamplingMetadata(
+            params=[r.sampling_params for r in requests],
+            seeds=[r.seed for r in requests],
+            output_positions=[r.num_output_tokens for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+        )
+        result = self.sampler(logits, metadata)
+        for i, request in enumerate(requests):
+            rid = request.request_id
+            output.sampled_token_ids[rid] = result.sampled_token_ids[i]
+            output.sampled_logprobs[rid] = result.sampled_logprobs[i]
+            if result.logprobs[i] is not None:
+                output.logprobs[rid] = result.logprobs[i]
+
+    def _prompt_logprobs(self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+        """Logits at prompt position p score prompt token p + 1 (the first prompt
+        token has no logprob). Only spans that cover prompt positions need them."""
+        for scheduled, last_row in zip(batch.order, batch.last_rows):
+            request = scheduled.request
+            k = request.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            start = request.num_computed_tokens
+            stop = min(start + scheduled.num_scheduled_tokens, request.num_prompt_tokens - 1)
+            if stop <= start:
+                continue
+            first_row = last_row - scheduled.num_scheduled_tokens + 1
+            logits = self.model.compute_logits(hidden[first_row : first_row + stop - start])
+            targets = request.prompt_token_ids[start + 1 : stop + 1]
+            output.prompt_logprobs[request.request_id] = (start + 1, compute_prompt_logprobs(logits, targets, k))

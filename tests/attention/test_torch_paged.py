@@ -1,0 +1,134 @@
+"""Paged attention must equal plain contiguous causal attention."""
+
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
+from pagedllm.attention.torch_paged import TorchPagedAttention
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
+SCALE = HEAD_DIM**-0.5
+
+
+def reference(q, k, v):
+    """Contiguous causal attention of one whole sequence: q [L, H, D], k/v [L, Hkv, D]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        is_causal=True, scale=SCALE, enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+def random_tables(lengths, block_size, rng):
+    """Scatter each sequence over random, disjoint physical blocks."""
+    needed = [math.ceil(n / block_size) for n in lengths]
+    physical = list(range(sum(needed) + 3))
+    rng.shuffle(physical)
+    tables, at = [], 0
+    for n in needed:
+        tables.append(physical[at : at + n])
+        at += n
+    return tables, len(physical)
+
+
+def slots_of(table, positions, block_size):
+    return [table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_prefill_then_decode_equals_contiguous(block_size):
+    """Prefill ragged prompts in one batch, then decode one token each through the block tables."""
+    rng = random.Random(block_size)
+    torch.manual_seed(block_size)
+    prompt_lens = [1, 5, 17, 64, 100]
+    total_lens = [n + 1 for n in prompt_lens]
+    tables, num_blocks = random_tables(total_lens, block_size, rng)
+    key_cache = torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    value_cache = torch.zeros_like(key_cache)
+    seqs = [
+        (torch.randn(n, NUM_HEADS, HEAD_DIM), torch.randn(n, NUM_KV_HEADS, HEAD_DIM), torch.randn(n, NUM_KV_HEADS, HEAD_DIM))
+        for n in total_lens
+    ]
+    backend = TorchPagedAttention()
+
+    # Step 1: all prompts as prefill spans (the 1-token prompt too, to cover that shape).
+    q = torch.cat([s[0][:n] for s, n in zip(seqs, prompt_lens)])
+    k = torch.cat([s[1][:n] for s, n in zip(seqs, prompt_lens)])
+    v = torch.cat([s[2][:n] for s, n in zip(seqs, prompt_lens)])
+    spans, slots, start = [], [], 0
+    for table, n in zip(tables, prompt_lens):
+        spans.append(PrefillSpan(start, n, n, torch.tensor(table)))
+        slots += slots_of(table, range(n), block_size)
+        start += n
+    meta = AttentionMetadata(torch.tensor(slots), 0, torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long), spans)
+    out = backend.forward(q, k, v, key_cache, value_cache, meta, SCALE)
+    start = 0
+    for (sq, sk, sv), n in zip(seqs, prompt_lens):
+        torch.testing.assert_close(out[start : start + n], reference(sq[:n], sk[:n], sv[:n]), atol=1e-5, rtol=1e-5)
+        start += n
+
+    # Step 2: one decode token per sequence, batched, reading K/V through the tables.
+    q = torch.stack([s[0][n] for s, n in zip(seqs, prompt_lens)])
+    k = torch.stack([s[1][n] for s, n in zip(seqs, prompt_lens)])
+    v = torch.stack([s[2][n] for s, n in zip(seqs, prompt_lens)])
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([slots_of(t, [n], block_size)[0] for t, n in zip(tables, prompt_lens)]),
+        num_decodes=len(seqs),
+        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        decode_context_lens=torch.tensor(total_lens),
+        prefills=[],
+    )
+    out = backend.forward(q, k, v, key_cache, value_cache, meta, SCALE)
+    for i, (sq, sk, sv) in enumerate(seqs):
+        torch.testing.assert_close(out[i], reference(sq, sk, sv)[-1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_chunked_prefill_reads_earlier_context_from_pool(block_size):
+    """A second prefill chunk attends to the first chunk's K/V via the block table,
+    mixed in one step with a decode of another sequence."""
+    rng = random.Random(7 + block_size)
+    torch.manual_seed(7)
+    lens = [90, 33]
+    tables, num_blocks = random_tables(lens, block_size, rng)
+    key_cache = torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    value_cache = torch.zeros_like(key_cache)
+    seqs = [(torch.randn(n, NUM_HEADS, HEAD_DIM), torch.randn(n, NUM_KV_HEADS, HEAD_DIM), torch.randn(n, NUM_KV_HEADS, HEAD_DIM)) for n in lens]
+    backend = TorchPagedAttention()
+    chunk = 50
+    # Step 1: first chunk of seq 0 and all but the last token of seq 1.
+    parts = [(0, 0, chunk), (1, 0, lens[1] - 1)]
+    q = torch.cat([seqs[i][0][a:b] for i, a, b in parts])
+    k = torch.cat([seqs[i][1][a:b] for i, a, b in parts])
+    v = torch.cat([seqs[i][2][a:b] for i, a, b in parts])
+    spans, slots, start = [], [], 0
+    for i, a, b in parts:
+        spans.append(PrefillSpan(start, b - a, b, torch.tensor(tables[i])))
+        slots += slots_of(tables[i], range(a, b), block_size)
+        start += b - a
+    meta = AttentionMetadata(torch.tensor(slots), 0, torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long), spans)
+    backend.forward(q, k, v, key_cache, value_cache, meta, SCALE)
+    # Step 2: seq 1 decodes its last token (first in the batch), seq 0 prefills the rest.
+    q = torch.cat([seqs[1][0][-1:], seqs[0][0][chunk:]])
+    k = torch.cat([seqs[1][1][-1:], seqs[0][1][chunk:]])
+    v = torch.cat([seqs[1][2][-1:], seqs[0][2][chunk:]])
+    slots = slots_of(tables[1], [lens[1] - 1], block_size) + slots_of(tables[0], range(chunk, lens[0]), block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        num_decodes=1,
+        decode_block_tables=torch.tensor([tables[1]]),
+        decode_context_lens=torch.tensor([lens[1]]),
+        prefills=[PrefillSpan(1, lens[0] - chunk, lens[0], torch.tensor(tables[0]))],
+    )
+    out = backend.forward(q, k, v, key_cache, value_cache, meta, SCALE)
+    torch.testing.assert_close(out[0], reference(*seqs[1])[-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1:], reference(*seqs[0])[chunk:], atol=1e-5, rtol=1e-5)
+    # The pool holds exactly the sequences' K at their slots.
+    for i, n in enumerate(lens):
+        got = key_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[torch.tensor(slots_of(tables[i], range(n), block_size))]
+        torch.testing.assert_close(got, seqs[i][1])

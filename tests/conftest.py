@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random-weight checkpoints written to disk, and the pool check.
+
+Tiny models keep most engine tests fast; the real SmolLM2 is used only in the
+end-to-end tests that compare against Hugging Face.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+TINY_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    # Large random weights give well-separated logits, so greedy comparisons
+    # against Hugging Face are not decided by float noise between near-ties.
+    initializer_range=0.2,
+)
+
+
+def _tiny_config(arch: str):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if arch == "llama":
+        return LlamaConfig(**TINY_COMMON, tie_word_embeddings=True, rope_theta=10000.0)
+    if arch == "qwen2":
+        return Qwen2Config(**TINY_COMMON, tie_word_embeddings=False, rope_theta=1000000.0)
+    if arch == "qwen3":
+        return Qwen3Config(**TINY_COMMON, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0)
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer():
+    from transformers import AutoTokenizer
+
+    from pagedllm.model.loader import default_model_path
+
+    folder, name = os.path.split(default_model_path())
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm_tokenizer):
+    """Factory: write (once per session) a tiny random checkpoint folder for an
+    architecture and return its path. The SmolLM2 tokenizer is saved beside it."""
+    from transformers import AutoModelForCausalLM
+
+    made: dict[str, str] = {}
+
+    def make(arch: str) -> str:
+        if arch not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+            config = _tiny_config(arch)
+            config.vocab_size = len(smollm_tokenizer)
+            config.eos_token_id = smollm_tokenizer.eos_token_id
+            torch.manual_seed(1234)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model.save_pretrained(folder)
+            smollm_tokenizer.save_pretrained(folder)
+            made[arch] = str(folder)
+        return made[arch]
+
+    return make
+
+
+def assert_pool_free(llm) -> None:
+    """Every engine test ends here: nothing queued, every block back in the pool."""
+    stats = llm.stats()
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert stats["num_free_blocks"] == stats["num_blocks"], stats
+    llm.llm_engine.check_invariants()

@@ -1,0 +1,108 @@
+"""Scheduler behaviour without a model: budgets, admission, chunking, preemption."""
+
+import pytest
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.sampling_params import SamplingParams
+
+EOS = 0
+
+
+def make_scheduler(num_blocks=64, block_size=4, **config):
+    config.setdefault("max_model_len", 256)
+    kv = KVCacheManager(num_blocks, block_size)
+    return Scheduler(SchedulerConfig(**config), kv), kv
+
+
+def make_request(rid, prompt_len, max_tokens=8, priority=0):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(rid, list(range(1, prompt_len + 1)), params, [EOS], max_tokens, priority=priority)
+
+
+def run_step(scheduler, token=5):
+    """Schedule, then pretend the model sampled `token` for every sampling row."""
+    out = scheduler.schedule()
+    sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
+    scheduler.update_from_output(out, sampled)
+    scheduler.check_invariants()
+    return out
+
+
+def test_prefill_and_decode_share_a_step_and_requests_leave_when_done():
+    scheduler, kv = make_scheduler()
+    scheduler.add_request(make_request("a", 10, max_tokens=2))
+    out = run_step(scheduler)
+    assert [(s.request.request_id, s.num_scheduled_tokens) for s in out.scheduled] == [("a", 10)]
+    scheduler.add_request(make_request("b", 6, max_tokens=3))
+    out = run_step(scheduler)  # a decodes its 2nd token, b prefills
+    assert [(s.request.request_id, s.num_scheduled_tokens) for s in out.scheduled] == [("a", 1), ("b", 6)]
+    assert "a" not in scheduler.requests  # max_tokens=2 reached
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_token_budget_and_max_num_seqs_bound_a_step():
+    scheduler, _ = make_scheduler(max_num_batched_tokens=16, max_num_seqs=2, enable_chunked_prefill=False, max_model_len=16)
+    for rid in "abc":
+        scheduler.add_request(make_request(rid, 6))
+    out = scheduler.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["a", "b"]  # 12 tokens, 2 seqs
+    assert out.total_num_scheduled_tokens == 12
+    assert scheduler.num_waiting == 1
+
+
+def test_chunked_prefill_splits_a_long_prompt_over_steps():
+    scheduler, kv = make_scheduler(max_num_batched_tokens=8)
+    scheduler.add_request(make_request("a", 20, max_tokens=1))
+    chunks = []
+    while scheduler.has_unfinished_requests():
+        out = run_step(scheduler)
+        chunks.append(out.scheduled[0].num_scheduled_tokens)
+        if scheduler.has_unfinished_requests():
+            # Blocks come in instalments: exactly what the computed tokens need.
+            computed = scheduler.requests["a"].num_computed_tokens
+            assert len(kv.get_block_ids("a")) == -(-computed // 4)
+    assert chunks == [8, 8, 4]
+
+
+def test_preemption_recomputes_the_latest_arrival_and_nothing_leaks():
+    # 4 blocks of 4 tokens: two requests of 6 prompt tokens fit (2 blocks each)
+    # until both need a third block while decoding.
+    scheduler, kv = make_scheduler(num_blocks=4, block_size=4)
+    scheduler.add_request(make_request("a", 6, max_tokens=6))
+    scheduler.add_request(make_request("b", 6, max_tokens=6))
+    preempted = []
+    while scheduler.has_unfinished_requests():
+        out = run_step(scheduler)
+        preempted += out.preempted_request_ids
+    assert preempted and preempted[0] == "b"  # the later arrival is the victim
+    assert scheduler.num_preemptions == len(preempted)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_priority_orders_admission_and_chooses_the_victim():
+    scheduler, _ = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(make_request("low", 4, priority=5))
+    scheduler.add_request(make_request("high", 4, priority=-1))
+    out = scheduler.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["high"]
+
+
+def test_abort_frees_blocks_of_running_and_waiting_requests():
+    scheduler, kv = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(make_request("a", 9))
+    scheduler.add_request(make_request("b", 9))
+    run_step(scheduler)
+    assert kv.num_free_blocks < kv.num_blocks
+    scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    scheduler.finish_request("b", RequestStatus.FINISHED_ABORTED)
+    scheduler.finish_request("b", RequestStatus.FINISHED_ABORTED)  # twice is harmless
+    assert not scheduler.has_unfinished_requests()
+    assert kv.num_free_blocks == kv.num_blocks
+    assert scheduler.schedule().is_empty
+    with pytest.raises(ValueError, match="finished status"):
+        scheduler.finish_request("a", RequestStatus.RUNNING)

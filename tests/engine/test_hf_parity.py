@@ -1,0 +1,91 @@
+"""Greedy output and prefill logits match Hugging Face transformers on the same weights.
+
+Hugging Face runs each prompt alone (no padding), pagedllm runs all of them
+together in one ``generate`` call: continuous batching, paging and ragged
+prefill must not change a single token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.bench.hf_reference import load_hf_model
+from tests.conftest import assert_pool_free
+
+TEXT = (
+    "The history of computing is a story of layers. Early machines were programmed by rewiring "
+    "panels, then by punched cards, then by assembly language written on paper and typed into "
+    "terminals. Operating systems arrived to share one expensive machine among many users, and "
+    "with them came virtual memory: each program saw a private, contiguous address space while "
+    "the hardware scattered its pages across physical memory wherever room could be found. A "
+    "page table translated every address, and a small cache of recent translations kept the cost "
+    "low. When memory ran short, pages that had not been used recently were written to disk and "
+    "read back on demand. Decades later the same ideas returned in a new setting. Large language "
+    "models keep a cache of keys and values for every token they have seen, and serving many "
+    "conversations at once means sharing a fixed amount of accelerator memory among requests "
+    "whose lengths nobody knows in advance. Reserving the maximum for each request wastes most "
+    "of it, so modern engines split the cache into fixed-size blocks, keep a block table per "
+    "sequence, and let the attention kernel follow the table. Blocks can be shared between "
+    "sequences that start with the same prompt, copied only when one of them writes, and evicted "
+    "when nobody needs them. The result is that far more conversations fit in the same memory, "
+    "and the throughput of the whole system rises with the batch size. Engineers who learned "
+    "operating systems in school recognise every part of the design, from reference counts to "
+    "least recently used eviction, and that familiarity is part of why the approach spread so "
+    "quickly through the industry and became the default way to serve models at scale today."
+)
+PROMPT_LENGTHS = [8, 17, 33, 64, 100, 150, 220, 300]
+NEW_TOKENS = 32
+
+
+def prompts_for(tokenizer) -> list[list[int]]:
+    ids = tokenizer.encode(TEXT)
+    if len(ids) < max(PROMPT_LENGTHS):
+        raise ValueError(f"TEXT has only {len(ids)} tokens")
+    # Different starting points so prompts are not prefixes of each other.
+    return [ids[i % 7 : i % 7 + n] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+def hf_greedy(hf_model, prompt: list[int]) -> list[int]:
+    out = hf_model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def check_parity(llm: LLM, hf_model) -> None:
+    prompts = prompts_for(llm.get_tokenizer())
+    # min_tokens == max_tokens masks EOS exactly as HF's min_new_tokens does.
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, prompt_logprobs=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_pool_free(llm)
+    with torch.inference_mode():
+        for prompt, output in zip(prompts, outputs):
+            assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt), f"prompt of {len(prompt)} tokens"
+            # Prefill logits: every prompt position's log-probabilities agree with HF's.
+            hf_logprobs = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+            assert output.prompt_logprobs[0] is None
+            max_diff = 0.0
+            for position, entry in enumerate(output.prompt_logprobs[1:]):
+                assert prompt[position + 1] in entry
+                for token_id, logprob in entry.items():
+                    max_diff = max(max_diff, abs(logprob.logprob - hf_logprobs[position, token_id].item()))
+            assert max_diff < 1e-3, f"prompt of {len(prompt)} tokens: max |logprob diff| {max_diff}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_random_models_match_hf(arch, tiny_model_dir):
+    folder = tiny_model_dir(arch)
+    llm = LLM(folder, num_kv_blocks=256, debug_invariants=True)
+    check_parity(llm, load_hf_model(folder))
+
+
+def test_smollm2_gguf_matches_hf():
+    llm = LLM(num_kv_blocks=512, debug_invariants=True)
+    check_parity(llm, load_hf_model(None))
