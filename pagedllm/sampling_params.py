@@ -65,8 +65,6 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        if self.best_of is None:
-            self.best_of = self.n
 
     @property
     def stop_strings(self) -> list[str]:
@@ -79,6 +77,14 @@ class SamplingParams:
     def _validate(self) -> None:
         def fail(field_name: str, rule: str, value: object) -> None:
             raise ValueError(f"SamplingParams.{field_name} {rule}, got {value!r}")
+
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                fail(name, "must be a number", value)
+        for name in ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            if isinstance(getattr(self, name), bool):
+                fail(name, "must be an integer, not a bool", getattr(self, name))
 
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", "must be an integer >= 1", self.n)
