@@ -94,7 +94,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     print(table)
     print(f"peak KV blocks in use: {stats['peak_blocks_in_use']} of {stats['num_blocks']}; preemptions: {stats['num_preemptions']}")
     if args.record:
-        command = "pagedllm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        command = "pagedllm " + " ".join(shlex.quote(a) for a in args.argv)
         with open(args.record, "a", encoding="utf-8") as f:
             f.write(
                 f"\n### {datetime.date.today().isoformat()}: `{command}`\n\n"
@@ -139,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         args.func(args)
     except ValueError as exc:

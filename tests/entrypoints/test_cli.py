@@ -1,0 +1,50 @@
+"""The command line: generate, run and bench throughput, on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedllm.entrypoints.cli import main
+
+
+def test_generate_prints_the_completion(tiny_model_dir, capsys):
+    main(["generate", "Hello", "--model", tiny_model_dir("llama"), "--max-tokens", "5", "--num-kv-blocks", "16"])
+    out = capsys.readouterr().out
+    assert out.strip() != ""
+
+
+def test_run_prints_capacity_then_generations(tiny_model_dir, capsys):
+    main(["run", "--model", tiny_model_dir("llama"), "--max-tokens", "4", "--num-kv-blocks", "32"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("KV cache: 32 blocks x 16 tokens = 512 tokens")
+    assert out.count(">>> ") == 4
+    assert "free now: 32" in out
+
+
+def test_bad_engine_flag_is_an_error_message(tiny_model_dir, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "Hello", "--model", tiny_model_dir("llama"), "--block-size", "3"])
+    assert exc.value.code == 2
+    assert "block_size must be a power of two" in capsys.readouterr().err
+
+
+def test_bench_throughput_against_hf_records_a_table(tiny_model_dir, tmp_path, capsys):
+    dataset = tmp_path / "requests.json"
+    dataset.write_text(json.dumps([{"prompt_token_ids": [300 + i] * (5 + i), "max_tokens": 3 + i} for i in range(4)]))
+    record = tmp_path / "BENCH.md"
+    main([
+        "bench", "throughput", "--model", tiny_model_dir("llama"), "--dataset", str(dataset),
+        "--baseline", "hf", "--hf-batch-size", "2", "--num-kv-blocks", "32", "--record", str(record),
+    ])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| pagedllm") or line.startswith("| hf generate")]
+    assert len(rows) == 2
+    # 4 requests, 5+6+7+8 prompt tokens, 3+4+5+6 output tokens, for both engines.
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1:4] == ["4", "26", "18"]
+    assert "| pagedllm |" in record.read_text()
+    assert "--baseline hf" in record.read_text()
