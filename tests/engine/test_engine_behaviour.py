@@ -218,3 +218,34 @@ def test_block_size_chunking_and_preemption_do_not_change_greedy_output(tiny_lla
         bs = stats["block_size"]
         assert stats["peak_blocks_in_use"] <= min(stats["num_blocks"], 6 * math.ceil(85 / bs))
         assert_pool_free(other)
+
+
+def test_pool_is_sized_from_the_memory_budget(tiny_llama, caplog):
+    import logging
+
+    probe = LLM(tiny_llama, num_kv_blocks=4)
+    per_token = probe.stats()["bytes_per_token"]
+    # 2 (K, V) x 2 layers x 2 KV heads x 16 head dim x 4 bytes
+    assert per_token == 2 * 2 * 2 * 16 * 4
+    budget = per_token * 16 * 37 + 5
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        sized = LLM(tiny_llama, kv_cache_memory=budget)
+    assert sized.stats()["num_blocks"] == 37
+    assert any("KV cache: 37 blocks x 16 tokens = 592 tokens" in r.getMessage() for r in caplog.records)
+    fraction = LLM(tiny_llama, kv_cache_fraction=0.001, max_model_len=256)
+    assert fraction.stats()["num_blocks"] >= 1
+    with pytest.raises(ValueError, match="holds no block"):
+        LLM(tiny_llama, kv_cache_memory=per_token)
+    with pytest.raises(ValueError, match="kv_cache_fraction"):
+        LLM(tiny_llama, kv_cache_fraction=1.5)
+
+
+def test_bfloat16_runs_with_a_bfloat16_pool(tiny_llama):
+    import torch
+
+    llm_bf16 = LLM(tiny_llama, dtype="bfloat16", num_kv_blocks=32, debug_invariants=True)
+    assert llm_bf16.llm_engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert llm_bf16.stats()["bytes_per_token"] == 2 * 2 * 2 * 16 * 2
+    out = llm_bf16.generate(token_prompts(3, 20), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+    assert_pool_free(llm_bf16)

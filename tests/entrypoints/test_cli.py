@@ -6,7 +6,25 @@ import json
 
 import pytest
 
+from pagedllm.entrypoints import cli
 from pagedllm.entrypoints.cli import main
+from tests.conftest import assert_pool_free
+
+
+@pytest.fixture(autouse=True)
+def pool_is_free_after_each_command(monkeypatch):
+    """Capture every LLM a command builds and check its pool once the command is done."""
+    made = []
+    real_make_llm = cli.make_llm
+
+    def recording_make_llm(args):
+        made.append(real_make_llm(args))
+        return made[-1]
+
+    monkeypatch.setattr(cli, "make_llm", recording_make_llm)
+    yield
+    for llm in made:
+        assert_pool_free(llm)
 
 
 def test_generate_prints_the_completion(tiny_model_dir, capsys):
