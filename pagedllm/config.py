@@ -27,6 +27,9 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     kv_cache_fraction: float | None = None
     num_kv_blocks: int | None = None
+    # False gives every forked sequence private copies of its parent's blocks:
+    # the no-sharing baseline that `pagedllm bench sharing` compares against.
+    enable_block_sharing: bool = True
 
     def __post_init__(self) -> None:
         bs = self.block_size

@@ -17,7 +17,7 @@ TINY_COMMON = dict(
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    max_position_embeddings=512,
+    max_position_embeddings=4096,
     rms_norm_eps=1e-5,
     # Large random weights give well-separated logits, so greedy comparisons
     # against Hugging Face are not decided by float noise between near-ties.

@@ -114,6 +114,13 @@ class BlockPool:
             new_blocks.append(block)
         return new_blocks
 
+    def share(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Add one reference to each (in-use) block: another table now points at it."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"cannot share free block {block.block_id}")
+            block.ref_cnt += 1
+
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the back of
         the free queue in the order given."""

@@ -18,8 +18,12 @@ class KVCacheManager:
 
     Safety rules:
     - ``allocate_slots`` is all-or-nothing: it counts the blocks a step needs
-      before mutating anything and returns None on shortfall, so the scheduler
-      can preempt and retry without undoing a half-made allocation.
+      (including a copy-on-write block) before mutating anything and returns
+      None on shortfall, so the scheduler can preempt and retry without undoing
+      a half-made allocation.
+    - Only a table's last block is ever written, and never while it is shared:
+      writing into a block with ``ref_cnt > 1`` first replaces it by a copy.
+      Reads never check sharing.
     - Block tables are append-only while a request lives; a block is taken only
       when the previous last block is full, so a table never holds more than
       ``ceil(num_tokens / block_size)`` blocks and waste per request is at most
@@ -28,13 +32,15 @@ class KVCacheManager:
       around) a shared prefix is evicted after the private tails that follow it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_block_sharing: bool = True) -> None:
         if block_size < 1 or block_size > 256 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size}")
         self.block_size = block_size
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.peak_blocks_in_use = 0
+        # False only for the no-sharing baseline of `pagedllm bench sharing`.
+        self.enable_block_sharing = enable_block_sharing
 
     @property
     def num_blocks(self) -> int:
@@ -51,24 +57,58 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def allocate_slots(self, request_id: str, num_tokens_after_step: int) -> list[int] | None:
-        """Grow the request's table to hold ``num_tokens_after_step`` tokens.
+    def allocate_slots(
+        self, request_id: str, num_computed_tokens: int, num_new_tokens: int
+    ) -> list[tuple[int, int]] | None:
+        """Make room to write tokens ``[num_computed_tokens, num_computed_tokens + num_new_tokens)``.
 
-        Returns the new block ids (possibly empty), or None if the pool is short;
-        on None nothing was changed.
+        Grows the table with fresh blocks and, if the first token lands in a
+        block shared with another table (a partly filled tail after a fork),
+        replaces that entry by a private copy: copy-on-write. Returns the
+        ``(src, dst)`` block copies the model runner must perform before the
+        forward pass (at most one, whatever the sequence length), or None if
+        the pool is short; on None nothing was changed.
         """
-        blocks = self.req_to_blocks.setdefault(request_id, [])
-        num_new = self.num_blocks_for(num_tokens_after_step) - len(blocks)
-        if num_new <= 0:
-            return []
-        if num_new > self.num_free_blocks:
-            if not blocks:
-                del self.req_to_blocks[request_id]
+        blocks = self.req_to_blocks.get(request_id, [])
+        num_new_blocks = max(0, self.num_blocks_for(num_computed_tokens + num_new_tokens) - len(blocks))
+        write_index = num_computed_tokens // self.block_size
+        needs_copy = write_index < len(blocks) and blocks[write_index].ref_cnt > 1
+        if num_new_blocks + needs_copy > self.num_free_blocks:
             return None
-        new_blocks = self.block_pool.get_new_blocks(num_new)
-        blocks.extend(new_blocks)
+        blocks = self.req_to_blocks.setdefault(request_id, blocks)
+        copies = []
+        if needs_copy:
+            shared = blocks[write_index]
+            (private,) = self.block_pool.get_new_blocks(1)
+            self.block_pool.free_blocks([shared])  # drops our reference only
+            blocks[write_index] = private
+            copies.append((shared.block_id, private.block_id))
+        blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
-        return [block.block_id for block in new_blocks]
+        return copies
+
+    def fork(self, parent_id: str, child_id: str) -> list[tuple[int, int]] | None:
+        """Give ``child_id`` the parent's block table.
+
+        With block sharing (the normal case) the child points at the parent's
+        blocks and each block's count goes up: no data moves, and a later write
+        into a shared tail is copied on write. Without it (the benchmarks'
+        baseline) the child gets private copies of every block, returned as
+        ``(src, dst)`` copies, or None if the pool is short.
+        """
+        if child_id in self.req_to_blocks:
+            raise ValueError(f"request {child_id!r} already has a block table")
+        parent_blocks = self.req_to_blocks.get(parent_id, [])
+        if self.enable_block_sharing:
+            self.block_pool.share(parent_blocks)
+            self.req_to_blocks[child_id] = list(parent_blocks)
+            return []
+        if len(parent_blocks) > self.num_free_blocks:
+            return None
+        child_blocks = self.block_pool.get_new_blocks(len(parent_blocks))
+        self.req_to_blocks[child_id] = child_blocks
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
+        return [(src.block_id, dst.block_id) for src, dst in zip(parent_blocks, child_blocks)]
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (tail first). Freeing an unknown request is a no-op,

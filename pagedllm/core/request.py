@@ -33,6 +33,22 @@ _FINISHED = {
 }
 
 
+def child_request_id(group_id: str, index: int) -> str:
+    """Id of sample ``index`` of a request (index 0 is the request itself)."""
+    return group_id if index == 0 else f"{group_id}::{index}"
+
+
+def child_seed(seed: int, index: int) -> int:
+    """Seed of sample ``index``: the request's own for index 0, a well-mixed
+    distinct one for the others, so n samples differ and stay reproducible."""
+    if index == 0:
+        return seed
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 1
+
+
 class Request:
     """Token ids of one sequence and how many of them have K/V in the pool.
 
@@ -51,6 +67,9 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         seed: int = 0,
+        num_samples: int = 1,
+        group_id: str | None = None,
+        sample_index: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -69,6 +88,16 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Sharing: the request whose prompt this sequence shares, and its place
+        # among the samples. ``num_pending_samples`` > 1 means the first sampled
+        # position forks this sequence into that many (parallel sampling);
+        # until then the request holds that many of max_num_seqs' places.
+        self.group_id = group_id if group_id is not None else request_id
+        self.sample_index = sample_index
+        self.num_pending_samples = num_samples
+        # Beam search picks the tokens itself, so the scheduler must not append
+        # the sampled one.
+        self.tokens_chosen_externally = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,6 +114,28 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def fork(self, child_id: str, sample_index: int, seed: int) -> Request:
+        """A new sequence with this one's tokens and computed state (no blocks:
+        the caller forks the block table too)."""
+        child = Request(
+            child_id,
+            self.prompt_token_ids,
+            self.sampling_params,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=self.max_tokens,
+            arrival_time=self.arrival_time,
+            priority=self.priority,
+            seed=seed,
+            group_id=self.group_id,
+            sample_index=sample_index,
+        )
+        child.output_token_ids = list(self.output_token_ids)
+        child.all_token_ids = list(self.all_token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child.tokens_chosen_externally = self.tokens_chosen_externally
+        return child
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request import Request, RequestStatus, child_request_id, child_seed
 
 
 @dataclass
@@ -46,6 +46,9 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # (src, dst) physical blocks to copy, in order, before the forward pass
+    # (copy-on-write, and forks when block sharing is off).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -83,6 +86,8 @@ class Scheduler:
         self.num_waiting = 0
         self.num_running = 0
         self.num_preemptions = 0
+        # Copies owed by forks made after the last forward pass.
+        self._pending_copies: list[tuple[int, int]] = []
 
     # ----------------------------------------------------------------- queue
 
@@ -103,8 +108,8 @@ class Scheduler:
             heapq.heappop(self._waiting)
         return self._waiting[0][2] if self._waiting else None
 
-    def _rank(self, request: Request) -> tuple[int, int]:
-        return (request.priority, self._arrival_order[request.request_id])
+    def _rank(self, request: Request) -> tuple[int, int, int]:
+        return (request.priority, self._arrival_order[request.request_id], request.sample_index)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -112,7 +117,8 @@ class Scheduler:
     # -------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
-        output = SchedulerOutput()
+        output = SchedulerOutput(block_copies=self._pending_copies)
+        self._pending_copies = []
         budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager
         self.running = sorted((r for r in self.running if not r.is_finished), key=self._rank)
@@ -121,8 +127,8 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            block_ids = kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
-            while block_ids is None:
+            copies = kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
+            while copies is None:
                 # Victims come from the tail: lowest priority, latest arrival, and
                 # not yet scheduled this step (scheduling walks from the head).
                 victim = self.running.pop()
@@ -131,9 +137,10 @@ class Scheduler:
                 output.preempted_request_ids.append(victim.request_id)
                 if victim is request:
                     break
-                block_ids = kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
-            if block_ids is None:
+                copies = kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
+            if copies is None:
                 break
+            output.block_copies.extend(copies)
             output.scheduled.append(
                 ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id))
             )
@@ -143,17 +150,20 @@ class Scheduler:
         if output.preempted_request_ids:
             return output
 
-        while budget > 0 and self.num_running < self.config.max_num_seqs:
+        while budget > 0:
             request = self._peek_waiting()
-            if request is None:
+            # A request that will fork into n samples needs n places.
+            if request is None or self.num_running + request.num_pending_samples > self.config.max_num_seqs:
                 break
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+            copies = kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
+            if copies is None:
                 break
+            output.block_copies.extend(copies)
             heapq.heappop(self._waiting)
             self.num_waiting -= 1
             request.status = RequestStatus.RUNNING
@@ -180,23 +190,54 @@ class Scheduler:
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
     ) -> list[Request]:
         """Advance the scheduled requests by the tokens just computed and append
-        the sampled ones. Returns the requests that got a new token; those that
-        hit a stop condition are already finished and their blocks freed."""
+        the sampled ones. A request with ``num_pending_samples`` > 1 first forks
+        into its samples (the sample of fork ``i`` is keyed by its child id).
+        Returns the requests that got a new token, and the externally driven
+        (beam search) ones that reached a sampling position; those that hit a
+        stop condition are already finished and their blocks freed."""
         advanced = []
         for scheduled in output.scheduled:
             request = scheduled.request
             if request.is_finished:
                 continue
             request.num_computed_tokens += scheduled.num_scheduled_tokens
-            token_id = sampled_token_ids.get(request.request_id)
-            if token_id is None:
+            if request.request_id not in sampled_token_ids:
                 continue
-            request.append_output_token(token_id)
-            status = request.check_stop(self.config.max_model_len)
-            if status is not None:
-                self.finish_request(request.request_id, status)
-            advanced.append(request)
+            if request.tokens_chosen_externally:
+                advanced.append(request)
+                continue
+            # Fork before appending: every sample starts from the prompt alone.
+            samples = [request] + [
+                self.fork_request(request, child_request_id(request.group_id, i), i, child_seed(request.seed, i))
+                for i in range(1, request.num_pending_samples)
+            ]
+            request.num_pending_samples = 1
+            for sample in samples:
+                self.append_token(sample, sampled_token_ids[sample.request_id])
+                advanced.append(sample)
         return advanced
+
+    def append_token(self, request: Request, token_id: int) -> None:
+        """Append a generated token and finish the request if it must stop."""
+        request.append_output_token(token_id)
+        status = request.check_stop(self.config.max_model_len)
+        if status is not None:
+            self.finish_request(request.request_id, status)
+
+    def fork_request(self, parent: Request, child_id: str, sample_index: int, seed: int) -> Request:
+        """Start a running sequence that shares ``parent``'s tokens and blocks."""
+        if child_id in self.requests:
+            raise ValueError(f"request id {child_id!r} is already in use")
+        copies = self.kv_cache_manager.fork(parent.request_id, child_id)
+        if copies is None:
+            raise RuntimeError("the pool ran out of blocks while copying a fork (block sharing is off)")
+        self._pending_copies.extend(copies)
+        child = parent.fork(child_id, sample_index, seed)
+        self.requests[child_id] = child
+        self._arrival_order[child_id] = self._arrival_order[parent.request_id]
+        self.running.append(child)
+        self.num_running += 1
+        return child
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (or abort) a live request and free its blocks. Unknown or

@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,34 +17,21 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.logger import init_logger
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import load_checkpoint
-from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.memory import available_memory_bytes
-from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput, kv_bytes_per_token
+from pagedllm.worker.model_runner import ModelRunner, kv_bytes_per_token
 
 logger = init_logger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class _OutputState:
-    """What the engine keeps per request beyond token ids: text, logprobs, times."""
-
-    prompt: str | None
-    metrics: RequestMetrics
-    text: str = ""
-    cumulative_logprob: float = 0.0
-    logprobs: list[PositionLogprobs] | None = None
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 class LLMEngine:
@@ -76,13 +62,13 @@ class LLMEngine:
         self.bytes_per_token = kv_bytes_per_token(self.model_config, dtype)
         block_size = config.cache.block_size
         num_blocks = self._num_blocks(block_size)
-        self.kv_cache_manager = KVCacheManager(num_blocks, block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_block_sharing)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.eos_token_ids = self._eos_token_ids()
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, dtype, self.eos_token_ids)
         self.vocab_size = self.model_config.vocab_size
         self._rng = random.Random(config.seed)
-        self._states: dict[str, _OutputState] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)
         self._request_counter = 0
         logger.info(self.capacity_line())
 
@@ -143,12 +129,16 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self._states:
+        if request_id in self.output_processor.states or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, token_ids = self._tokenize(prompt)
         max_tokens = self._validate(token_ids, params)
-        if params.n > 1:
-            raise ValueError("SamplingParams.n > 1 is not supported yet (it arrives with block sharing); use n=1")
+        num_sequences = params.best_of or params.n
+        if num_sequences > self.scheduler_config.max_num_seqs:
+            raise ValueError(
+                f"best_of/n ({num_sequences}) exceeds max_num_seqs ({self.scheduler_config.max_num_seqs}); "
+                f"lower n or raise max_num_seqs"
+            )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         request = Request(
             request_id,
@@ -159,14 +149,10 @@ class LLMEngine:
             arrival_time=arrival_time,
             priority=priority,
             seed=seed,
+            num_samples=num_sequences,
         )
         self.scheduler.add_request(request)
-        state = _OutputState(prompt=prompt_text, metrics=RequestMetrics(arrival_time=request.arrival_time))
-        if params.logprobs is not None:
-            state.logprobs = []
-        if params.prompt_logprobs is not None:
-            state.prompt_logprobs = [None] * len(token_ids)
-        self._states[request_id] = state
+        self.output_processor.add(request, prompt_text)
 
     def next_request_id(self) -> str:
         self._request_counter += 1
@@ -218,8 +204,8 @@ class LLMEngine:
         """Stop requests now and free their blocks. Unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
-            self._states.pop(rid, None)
+            for sequence_id in self.output_processor.abort(rid):
+                self.scheduler.finish_request(sequence_id, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -239,80 +225,17 @@ class LLMEngine:
             return []
         now = time.time()
         for scheduled in scheduler_output.scheduled:
-            metrics = self._states[scheduled.request.request_id].metrics
+            metrics = self.output_processor.states[scheduled.request.group_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         runner_output = self.runner.execute(scheduler_output)
-        self._store_prompt_logprobs(runner_output)
+        for rid, (first, entries) in runner_output.prompt_logprobs.items():
+            self.output_processor.store_prompt_logprobs(rid, first, entries)
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
-        outputs = [self._process(request, runner_output) for request in advanced]
+        outputs = self.output_processor.process(advanced, runner_output.sampled_logprobs, runner_output.logprobs)
         if self.config.debug_invariants:
             self.check_invariants()
         return outputs
-
-    def _store_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> None:
-        for rid, (first, entries) in runner_output.prompt_logprobs.items():
-            state = self._states[rid]
-            if state.prompt_logprobs is not None:
-                state.prompt_logprobs[first : first + len(entries)] = [self._decode_logprobs(e) for e in entries]
-
-    def _decode_logprobs(self, entry: PositionLogprobs) -> PositionLogprobs:
-        for token_id, logprob in entry.items():
-            logprob.decoded_token = self.tokenizer.decode([token_id])
-        return entry
-
-    def _process(self, request: Request, runner_output: ModelRunnerOutput) -> RequestOutput:
-        rid = request.request_id
-        state = self._states[rid]
-        now = time.time()
-        if state.metrics.first_token_time is None:
-            state.metrics.first_token_time = now
-        state.cumulative_logprob += runner_output.sampled_logprobs[rid]
-        if state.logprobs is not None:
-            state.logprobs.append(self._decode_logprobs(runner_output.logprobs[rid]))
-        params = request.sampling_params
-        state.text = self.tokenizer.decode(
-            request.output_token_ids, skip_special_tokens=params.skip_special_tokens
-        )
-        if not request.is_finished and params.stop_strings:
-            self._check_stop_strings(request, state)
-        if request.is_finished:
-            state.finish_reason = request.status.finish_reason
-            state.stop_reason = state.stop_reason if state.stop_reason is not None else request.stop_reason
-            state.metrics.finished_time = now
-            del self._states[rid]
-        return self._request_output(request, state)
-
-    def _check_stop_strings(self, request: Request, state: _OutputState) -> None:
-        params = request.sampling_params
-        for stop in params.stop_strings:
-            index = state.text.find(stop)
-            if index != -1:
-                end = index + len(stop) if params.include_stop_str_in_output else index
-                state.text = state.text[:end]
-                state.stop_reason = stop
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-                return
-
-    def _request_output(self, request: Request, state: _OutputState) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
-            text=state.text,
-            token_ids=list(request.output_token_ids),
-            cumulative_logprob=state.cumulative_logprob,
-            logprobs=list(state.logprobs) if state.logprobs is not None else None,
-            finish_reason=state.finish_reason,
-            stop_reason=state.stop_reason,
-        )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=state.prompt_logprobs,
-            outputs=[completion],
-            finished=request.is_finished,
-            metrics=state.metrics,
-        )
 
     # --------------------------------------------------------------- stats
 

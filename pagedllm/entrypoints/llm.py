@@ -32,6 +32,7 @@ class LLM:
         kv_cache_memory: int | None = None,
         kv_cache_fraction: float | None = None,
         num_kv_blocks: int | None = None,
+        enable_block_sharing: bool = True,
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
@@ -55,6 +56,7 @@ class LLM:
                 kv_cache_memory=kv_cache_memory,
                 kv_cache_fraction=kv_cache_fraction,
                 num_kv_blocks=num_kv_blocks,
+                enable_block_sharing=enable_block_sharing,
             ),
             debug_invariants=debug_invariants,
         )

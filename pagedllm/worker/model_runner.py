@@ -13,6 +13,7 @@ import torch
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
 from pagedllm.attention.torch_paged import TorchPagedAttention
 from pagedllm.core.kv_cache_manager import cdiv
+from pagedllm.core.request import Request, child_request_id, child_seed
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.model.llama import LlamaForCausalLM, head_dim_of
 from pagedllm.outputs import PositionLogprobs
@@ -72,12 +73,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._copy_blocks(scheduler_output.block_copies)
         batch = self._prepare(scheduler_output)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, self.attention)
         output = ModelRunnerOutput()
         self._sample(batch, hidden, output)
         self._prompt_logprobs(batch, hidden, output)
         return output
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole physical blocks, every layer, before anything writes to them.
+        The gather reads all sources before the scatter writes, so the copies of
+        one step never see each other's results."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        for key_cache, value_cache in self.kv_caches:
+            key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
+            value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
 
     def _prepare(self, scheduler_output: SchedulerOutput) -> _Batch:
         # Single-token spans (decodes, and one-token prompt tails) read the pool
@@ -131,26 +145,37 @@ class ModelRunner:
         )
 
     def _sample(self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
-        sampling = [(s, row) for s, row in zip(batch.order, batch.last_rows) if s.samples]
-        if not sampling:
+        """Sample the next token of every request whose tokens are all computed.
+        A request about to fork into n samples gets n rows over the same logits,
+        one per future sequence, keyed by that sequence's id and seeded by its
+        own seed."""
+        rows: list[int] = []
+        sequences: list[tuple[str, int, Request]] = []  # (sequence id, seed, request)
+        for scheduled, last_row in zip(batch.order, batch.last_rows):
+            if not scheduled.samples:
+                continue
+            request = scheduled.request
+            for i in range(request.num_pending_samples if not request.tokens_chosen_externally else 1):
+                rows.append(last_row)
+                sequences.append((child_request_id(request.group_id, i) if i else request.request_id,
+                                  child_seed(request.seed, i), request))
+        if not rows:
             return
-        rows = torch.tensor([row for _, row in sampling], dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        requests = [s.request for s, _ in sampling]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+        requests = [request for _, _, request in sequences]
         metadata = SamplingMetadata(
             params=[r.sampling_params for r in requests],
-            seeds=[r.seed for r in requests],
+            seeds=[seed for _, seed, _ in sequences],
             output_positions=[r.num_output_tokens for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
             output_token_ids=[r.output_token_ids for r in requests],
         )
         result = self.sampler(logits, metadata)
-        for i, request in enumerate(requests):
-            rid = request.request_id
-            output.sampled_token_ids[rid] = result.sampled_token_ids[i]
-            output.sampled_logprobs[rid] = result.sampled_logprobs[i]
+        for i, (sequence_id, _, _) in enumerate(sequences):
+            output.sampled_token_ids[sequence_id] = result.sampled_token_ids[i]
+            output.sampled_logprobs[sequence_id] = result.sampled_logprobs[i]
             if result.logprobs[i] is not None:
-                output.logprobs[rid] = result.logprobs[i]
+                output.logprobs[sequence_id] = result.logprobs[i]
 
     def _prompt_logprobs(self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
         """Logits at prompt position p score prompt token p + 1 (the first prompt

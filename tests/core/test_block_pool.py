@@ -40,20 +40,22 @@ def test_pool_allocation_is_all_or_nothing_and_counts_references():
 
 def test_manager_takes_a_block_only_when_the_last_one_fills():
     kv = KVCacheManager(num_blocks=10, block_size=4)
-    assert kv.allocate_slots("a", 3) == [kv.get_block_ids("a")[0]]
-    assert kv.allocate_slots("a", 4) == []  # still fits in block 0
-    assert len(kv.allocate_slots("a", 5)) == 1
+    assert kv.allocate_slots("a", 0, 3) == []
+    assert len(kv.get_block_ids("a")) == 1
+    kv.allocate_slots("a", 3, 1)  # still fits in block 0
+    assert len(kv.get_block_ids("a")) == 1
+    kv.allocate_slots("a", 4, 1)
     assert len(kv.get_block_ids("a")) == 2
     assert kv.num_free_blocks == 8
 
 
 def test_manager_returns_none_and_changes_nothing_on_shortfall():
     kv = KVCacheManager(num_blocks=3, block_size=4)
-    kv.allocate_slots("a", 8)
+    kv.allocate_slots("a", 0, 8)
     before = kv.get_block_ids("a")
-    assert kv.allocate_slots("b", 8) is None
+    assert kv.allocate_slots("b", 0, 8) is None
     assert "b" not in kv.req_to_blocks
-    assert kv.allocate_slots("a", 16) is None
+    assert kv.allocate_slots("a", 8, 8) is None
     assert kv.get_block_ids("a") == before
     assert kv.num_free_blocks == 1
     kv.check_invariants({"a": 8})
@@ -62,7 +64,7 @@ def test_manager_returns_none_and_changes_nothing_on_shortfall():
 def test_free_is_tail_first():
     """Freed tails go to the free queue before the prefix blocks of the same request."""
     kv = KVCacheManager(num_blocks=4, block_size=2)
-    kv.allocate_slots("a", 6)
+    kv.allocate_slots("a", 0, 6)
     ids = kv.get_block_ids("a")
     kv.free("a")
     free_order = [b.block_id for b in kv.block_pool.free_block_queue]
@@ -93,7 +95,7 @@ def test_random_operations_keep_every_invariant(block_size, num_blocks, operatio
             target = tokens.get(rid, 0) + amount
             free_before = kv.num_free_blocks
             table_before = kv.get_block_ids(rid)
-            result = kv.allocate_slots(rid, target)
+            result = kv.allocate_slots(rid, tokens.get(rid, 0), amount)
             if result is None:
                 # All-or-nothing: a refusal changes nothing.
                 assert kv.num_free_blocks == free_before

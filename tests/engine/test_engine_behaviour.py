@@ -150,11 +150,6 @@ def test_a_bad_prompt_in_a_batch_runs_nothing(llm):
     llm.llm_engine.abort_request("dup")
 
 
-def test_unsupported_n_is_a_clear_error(llm):
-    with pytest.raises(ValueError, match="n > 1"):
-        llm.generate("hi", SamplingParams(n=2), use_tqdm=False)
-
-
 def test_abort_frees_blocks_mid_generation(llm):
     engine = llm.llm_engine
     for i, prompt in enumerate(token_prompts(3, 40)):

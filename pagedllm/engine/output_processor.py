@@ -1,0 +1,170 @@
+"""From sampled token ids to what users see: text, stop strings, logprobs,
+and one RequestOutput per user request however many sequences it forked into."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.core.request import Request, RequestStatus, child_request_id
+from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SequenceState:
+    """One generated sequence (one of the n samples)."""
+
+    request: Request
+    text: str = ""
+    cumulative_logprob: float = 0.0
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def completion(self, index: int) -> CompletionOutput:
+        return CompletionOutput(
+            index=index,
+            text=self.text,
+            token_ids=list(self.request.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class RequestState:
+    """One user request: its prompt and the sequences it became."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    sequences: dict[int, SequenceState] = field(default_factory=dict)
+
+    @property
+    def num_sequences(self) -> int:
+        return self.params.best_of or self.params.n
+
+    @property
+    def sequence_ids(self) -> list[str]:
+        return [child_request_id(self.request_id, i) for i in range(self.num_sequences)]
+
+    @property
+    def finished(self) -> bool:
+        return len(self.sequences) == self.num_sequences and all(
+            s.finish_reason is not None for s in self.sequences.values()
+        )
+
+
+class OutputProcessor:
+    """Keeps the per-request output state and builds RequestOutputs.
+
+    ``finish_sequence`` is the engine's hook to end a sequence that matched a
+    stop string (the scheduler only knows token-level stop conditions).
+    """
+
+    def __init__(self, tokenizer, finish_sequence) -> None:
+        self.tokenizer = tokenizer
+        self.finish_sequence = finish_sequence
+        self.states: dict[str, RequestState] = {}
+
+    def add(self, request: Request, prompt: str | None) -> None:
+        params = request.sampling_params
+        state = RequestState(
+            request_id=request.request_id,
+            prompt=prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            params=params,
+            metrics=RequestMetrics(arrival_time=request.arrival_time),
+        )
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * request.num_prompt_tokens
+        self.states[request.request_id] = state
+
+    def decode_logprobs(self, entry: PositionLogprobs) -> PositionLogprobs:
+        for token_id, logprob in entry.items():
+            logprob.decoded_token = self.tokenizer.decode([token_id])
+        return entry
+
+    def store_prompt_logprobs(self, request_id: str, first: int, entries: list[PositionLogprobs]) -> None:
+        state = self.states.get(request_id)
+        if state is not None and state.prompt_logprobs is not None:
+            state.prompt_logprobs[first : first + len(entries)] = [self.decode_logprobs(e) for e in entries]
+
+    def process(
+        self,
+        advanced: list[Request],
+        sampled_logprobs: dict[str, float],
+        logprobs: dict[str, PositionLogprobs],
+    ) -> list[RequestOutput]:
+        """Fold this step's tokens into the states; one output per user request
+        that advanced (best_of > n requests report only when finished)."""
+        now = time.time()
+        touched: dict[str, RequestState] = {}
+        for request in advanced:
+            state = self.states[request.group_id]
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            seq = state.sequences.get(request.sample_index)
+            if seq is None:
+                seq = state.sequences[request.sample_index] = SequenceState(request)
+                if request.sampling_params.logprobs is not None:
+                    seq.logprobs = []
+            rid = request.request_id
+            seq.cumulative_logprob += sampled_logprobs[rid]
+            if seq.logprobs is not None:
+                seq.logprobs.append(self.decode_logprobs(logprobs[rid]))
+            self._update_text(seq)
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            if state.finished:
+                state.metrics.finished_time = now
+                del self.states[state.request_id]
+            elif (state.params.best_of or state.params.n) > state.params.n:
+                continue
+            outputs.append(self._request_output(state))
+        return outputs
+
+    def _update_text(self, seq: SequenceState) -> None:
+        request = seq.request
+        params = request.sampling_params
+        seq.text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        if not request.is_finished:
+            for stop in params.stop_strings:
+                index = seq.text.find(stop)
+                if index != -1:
+                    seq.text = seq.text[: index + len(stop) if params.include_stop_str_in_output else index]
+                    seq.stop_reason = stop
+                    self.finish_sequence(request.request_id, RequestStatus.FINISHED_STOPPED)
+                    break
+        if request.is_finished:
+            seq.finish_reason = request.status.finish_reason
+            if seq.stop_reason is None:
+                seq.stop_reason = request.stop_reason
+
+    def _request_output(self, state: RequestState) -> RequestOutput:
+        sequences = [state.sequences[i] for i in sorted(state.sequences)]
+        params = state.params
+        if state.finished and len(sequences) > params.n:
+            # best_of: keep the n most likely samples, most likely first.
+            sequences = sorted(sequences, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs,
+            outputs=[seq.completion(i) for i, seq in enumerate(sequences)],
+            finished=state.finished,
+            metrics=state.metrics,
+        )
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a user request; returns the ids of all its sequences."""
+        state = self.states.pop(request_id, None)
+        return state.sequence_ids if state is not None else [request_id]
