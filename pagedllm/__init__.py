@@ -1,6 +1,7 @@
 """pagedllm: a readable LLM inference engine built around PagedAttention."""
 
 from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -10,6 +11,9 @@ __all__ = [
     "LLM",
     "LLMEngine",
     "SamplingParams",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

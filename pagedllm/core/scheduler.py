@@ -127,6 +127,10 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                # A beam waiting for its siblings: nothing to compute this step.
+                index += 1
+                continue
             copies = kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
             while copies is None:
                 # Victims come from the tail: lowest priority, latest arrival, and

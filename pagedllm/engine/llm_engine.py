@@ -17,12 +17,13 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.engine.beam_search import BeamGroup, BeamSearchManager, BeamSearchParams
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.logger import init_logger
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import load_checkpoint
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.memory import available_memory_bytes
 from pagedllm.worker.model_runner import ModelRunner, kv_bytes_per_token
@@ -69,6 +70,7 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self._rng = random.Random(config.seed)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)
+        self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
         self._request_counter = 0
         logger.info(self.capacity_line())
 
@@ -129,15 +131,49 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        request, prompt_text = self._new_request(
+            request_id, prompt, params, params.best_of or params.n, arrival_time, priority
+        )
+        self.scheduler.add_request(request)
+        self.output_processor.add(request, prompt_text)
+
+    def add_beam_request(
+        self, request_id: str, prompt: PromptType, params: BeamSearchParams, priority: int = 0
+    ) -> None:
+        """Queue a beam search; its result is one finished RequestOutput whose
+        outputs are the ``beam_width`` best hypotheses, best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        group = BeamGroup(
+            request_id, None, [], params, self.eos_token_ids, RequestMetrics(arrival_time=time.time())
+        )
+        # The sampled token is ignored; the top-K distribution ranks the beams.
+        sampling = SamplingParams(
+            temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, logprobs=group.num_candidates
+        )
+        request, group.prompt = self._new_request(request_id, prompt, sampling, params.beam_width, None, priority)
+        group.prompt_token_ids = request.prompt_token_ids
+        group.metrics.arrival_time = request.arrival_time
+        self.beam_search.add(group, request)
+        self.scheduler.add_request(request)
+
+    def _new_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        num_sequences: int,
+        arrival_time: float | None,
+        priority: int,
+    ) -> tuple[Request, str | None]:
         if request_id in self.output_processor.states or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, token_ids = self._tokenize(prompt)
         max_tokens = self._validate(token_ids, params)
-        num_sequences = params.best_of or params.n
         if num_sequences > self.scheduler_config.max_num_seqs:
             raise ValueError(
-                f"best_of/n ({num_sequences}) exceeds max_num_seqs ({self.scheduler_config.max_num_seqs}); "
-                f"lower n or raise max_num_seqs"
+                f"{num_sequences} parallel sequences (n / best_of / beam_width) exceed max_num_seqs "
+                f"({self.scheduler_config.max_num_seqs}); lower them or raise max_num_seqs"
             )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         request = Request(
@@ -151,8 +187,7 @@ class LLMEngine:
             seed=seed,
             num_samples=num_sequences,
         )
-        self.scheduler.add_request(request)
-        self.output_processor.add(request, prompt_text)
+        return request, prompt_text
 
     def next_request_id(self) -> str:
         self._request_counter += 1
@@ -204,6 +239,8 @@ class LLMEngine:
         """Stop requests now and free their blocks. Unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
+            if self.beam_search.abort(rid):
+                continue
             for sequence_id in self.output_processor.abort(rid):
                 self.scheduler.finish_request(sequence_id, RequestStatus.FINISHED_ABORTED)
 
@@ -225,17 +262,23 @@ class LLMEngine:
             return []
         now = time.time()
         for scheduled in scheduler_output.scheduled:
-            metrics = self.output_processor.states[scheduled.request.group_id].metrics
+            metrics = self._metrics(scheduled.request.group_id)
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         runner_output = self.runner.execute(scheduler_output)
         for rid, (first, entries) in runner_output.prompt_logprobs.items():
             self.output_processor.store_prompt_logprobs(rid, first, entries)
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
-        outputs = self.output_processor.process(advanced, runner_output.sampled_logprobs, runner_output.logprobs)
+        sampled = [r for r in advanced if not r.tokens_chosen_externally]
+        outputs = self.output_processor.process(sampled, runner_output.sampled_logprobs, runner_output.logprobs)
+        outputs += self.beam_search.on_step(advanced, runner_output.logprobs)
         if self.config.debug_invariants:
             self.check_invariants()
         return outputs
+
+    def _metrics(self, group_id: str) -> RequestMetrics:
+        state = self.output_processor.states.get(group_id)
+        return state.metrics if state is not None else self.beam_search.groups[group_id].metrics
 
     # --------------------------------------------------------------- stats
 

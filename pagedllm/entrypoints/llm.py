@@ -8,6 +8,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedllm.config import CacheConfig, EngineConfig
+from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -118,6 +119,41 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (vLLM's shape). Hypotheses share their
+        common prefix blocks; each output lists ``beam_width`` sequences (prompt
+        + generated tokens), best score first."""
+        engine = self.llm_engine
+        prompt_list = _as_prompt_list(prompts)
+        request_ids = [engine.next_request_id() for _ in prompt_list]
+        finished = self._drive(
+            request_ids, lambda rid, i: engine.add_beam_request(rid, prompt_list[i], params), use_tqdm
+        )
+        results = []
+        for rid in request_ids:
+            out = finished[rid]
+            results.append(
+                BeamSearchOutput(
+                    [
+                        BeamSearchSequence(
+                            tokens=out.prompt_token_ids + c.token_ids,
+                            text=c.text,
+                            cum_logprob=c.cumulative_logprob,
+                            score=c.cumulative_logprob / len(c.token_ids) ** params.length_penalty,
+                            finish_reason=c.finish_reason,
+                        )
+                        for c in out.outputs
+                    ]
+                )
+            )
+        return results
+
     def _run(
         self,
         prompts: list[PromptType],
@@ -127,11 +163,22 @@ class LLM:
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids = [engine.next_request_id() for _ in prompts]
+        finished = self._drive(
+            request_ids,
+            lambda rid, i: engine.add_request(rid, prompts[i], params_list[i], priority=priorities[i]),
+            use_tqdm,
+        )
+        return [finished[rid] for rid in request_ids]
+
+    def _drive(self, request_ids: list[str], add, use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Queue every request with ``add(request_id, index)``, step until all
+        finish, and return the final outputs by id."""
+        engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         try:
-            for rid, prompt, params, prio in zip(request_ids, prompts, params_list, priorities):
-                engine.add_request(rid, prompt, params, priority=prio)
-            with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            for i, rid in enumerate(request_ids):
+                add(rid, i)
+            with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
                 while engine.has_unfinished_requests():
                     for output in engine.step():
                         if output.finished:
@@ -140,7 +187,7 @@ class LLM:
         finally:
             # On any error (bad prompt midway, interrupt) nothing stays queued or holds blocks.
             engine.abort_request([rid for rid in request_ids if rid not in finished])
-        return [finished[rid] for rid in request_ids]
+        return finished
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:
