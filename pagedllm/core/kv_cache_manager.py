@@ -54,6 +54,10 @@ class KVCacheManager:
     def num_blocks_in_use(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
+    def reset_peak_blocks_in_use(self) -> None:
+        """Start a new peak measurement from the blocks in use now."""
+        self.peak_blocks_in_use = self.num_blocks_in_use
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 

@@ -40,6 +40,7 @@ def make_llm(args: argparse.Namespace):
         kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks,
         max_model_len=args.max_model_len,
+        enable_block_sharing=getattr(args, "enable_block_sharing", True),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,
@@ -94,14 +95,35 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     print(table)
     print(f"peak KV blocks in use: {stats['peak_blocks_in_use']} of {stats['num_blocks']}; preemptions: {stats['num_preemptions']}")
     if args.record:
-        command = "pagedllm " + " ".join(shlex.quote(a) for a in args.argv)
-        with open(args.record, "a", encoding="utf-8") as f:
-            f.write(
-                f"\n### {datetime.date.today().isoformat()}: `{command}`\n\n"
-                f"Machine: {bench.machine_description()}. {llm.llm_engine.capacity_line()}. "
-                f"Peak blocks in use {stats['peak_blocks_in_use']}, preemptions {stats['num_preemptions']}.\n\n"
-                f"{table}\n"
-            )
+        record(
+            args,
+            f"Machine: {bench.machine_description()}. {llm.llm_engine.capacity_line()}. "
+            f"Peak blocks in use {stats['peak_blocks_in_use']}, preemptions {stats['num_preemptions']}.",
+            table,
+        )
+
+
+def cmd_bench_sharing(args: argparse.Namespace) -> None:
+    from pagedllm.bench import sharing
+    from pagedllm.bench.throughput import machine_description
+
+    def make(enable_sharing: bool):
+        args.enable_block_sharing = enable_sharing
+        return make_llm(args)
+
+    rows = sharing.measure(make, args.prompt_len, args.output_len, args.n, args.beam_width)
+    table = sharing.format_table(rows, args.block_size)
+    print(table)
+    if args.record:
+        record(args, f"Machine: {machine_description()}. Prompt {args.prompt_len} tokens, "
+                     f"{args.output_len} generated per sequence, block size {args.block_size}.", table)
+
+
+def record(args: argparse.Namespace, preamble: str, table: str) -> None:
+    """Append a result table, with the command that made it, to ``args.record``."""
+    command = "pagedllm " + " ".join(shlex.quote(a) for a in args.argv)
+    with open(args.record, "a", encoding="utf-8") as f:
+        f.write(f"\n### {datetime.date.today().isoformat()}: `{command}`\n\n{preamble}\n\n{table}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--hf-batch-size", type=int, default=8)
     tp.add_argument("--record", default=None, metavar="FILE", help="append the result table to FILE (e.g. BENCHMARKS.md)")
     tp.set_defaults(func=cmd_bench_throughput)
+    sh = bench_sub.add_parser("sharing", help="KV blocks saved by block sharing (parallel sampling, beam search)")
+    add_engine_args(sh)
+    sh.add_argument("--prompt-len", type=int, default=2000)
+    sh.add_argument("--output-len", type=int, default=32)
+    sh.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8])
+    sh.add_argument("--beam-width", type=int, nargs="+", default=[2, 4, 8])
+    sh.add_argument("--record", default=None, metavar="FILE", help="append the result table to FILE")
+    sh.set_defaults(func=cmd_bench_sharing)
     return parser
 
 

@@ -66,3 +66,20 @@ def test_bench_throughput_against_hf_records_a_table(tiny_model_dir, tmp_path, c
         assert cells[1:4] == ["4", "26", "18"]
     assert "| pagedllm |" in record.read_text()
     assert "--baseline hf" in record.read_text()
+
+
+def test_bench_sharing_reports_the_saving(tiny_model_dir, tmp_path, capsys):
+    record = tmp_path / "BENCH.md"
+    main([
+        "bench", "sharing", "--model", tiny_model_dir("llama"), "--prompt-len", "100", "--output-len", "8",
+        "--n", "1", "4", "--beam-width", "2", "--num-kv-blocks", "64", "--record", str(record),
+    ])
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| n=") or line.startswith("| beam")}
+    assert set(rows) == {"n=1", "n=4", "beam width 2"}
+    # n=1 forks nothing: the same blocks either way (7 blocks for 108 tokens).
+    assert rows["n=1"][1].startswith("7 ") and rows["n=1"][2].startswith("7 ")
+    # n=4: the 100-token prompt (6 full blocks + a tail) is stored once instead of four times.
+    shared, unshared = int(rows["n=4"][1].split()[0]), int(rows["n=4"][2].split()[0])
+    assert shared <= 7 + 4 and unshared >= 4 * 7
+    assert "beam width 2" in record.read_text()
