@@ -30,6 +30,8 @@ class CacheConfig:
     # False gives every forked sequence private copies of its parent's blocks:
     # the no-sharing baseline that `pagedllm bench sharing` compares against.
     enable_block_sharing: bool = True
+    # Automatic prefix caching: full blocks are found again by their chained hash.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         bs = self.block_size

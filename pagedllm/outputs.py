@@ -56,3 +56,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+    # Prompt tokens whose K/V came from the prefix cache (a multiple of block_size).
+    num_cached_tokens: int = 0

@@ -72,8 +72,12 @@ def tiny_model_dir(tmp_path_factory, smollm_tokenizer):
 
 
 def assert_pool_free(llm) -> None:
-    """Every engine test ends here: nothing queued, every block back in the pool."""
+    """Every engine test ends here: nothing queued, every block back in the pool,
+    and after reset_prefix_cache() not even a cached block left."""
     stats = llm.stats()
     assert not llm.llm_engine.has_unfinished_requests()
     assert stats["num_free_blocks"] == stats["num_blocks"], stats
     llm.llm_engine.check_invariants()
+    llm.reset_prefix_cache()
+    assert llm.stats()["num_cached_blocks"] == 0
+    assert llm.stats()["num_free_blocks"] == stats["num_blocks"]

@@ -8,20 +8,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pagedllm.core.block_hash import BlockHash
+
 
 class KVCacheBlock:
     """One physical block of ``block_size`` token slots.
 
-    ``ref_cnt`` counts the block tables that point at this block. The
-    ``prev_free`` / ``next_free`` links belong to :class:`FreeBlockQueue` and are
-    only meaningful while the block is free.
+    ``ref_cnt`` counts the block tables that point at this block. ``block_hash``
+    is set once the block is full and registered in the prefix cache; from then
+    on its contents never change. The ``prev_free`` / ``next_free`` links belong
+    to :class:`FreeBlockQueue` and are only meaningful while the block is free.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -64,6 +68,14 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.num_free_blocks += 1
 
+    def appendleft(self, block: KVCacheBlock) -> None:
+        first: KVCacheBlock = self._head.next_free  # type: ignore[assignment]  # sentinel: never None
+        self._head.next_free = block
+        block.prev_free = self._head
+        block.next_free = first
+        first.prev_free = block
+        self.num_free_blocks += 1
+
     def remove(self, block: KVCacheBlock) -> None:
         prev_block, next_block = block.prev_free, block.next_free
         if prev_block is None or next_block is None:
@@ -84,13 +96,21 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All physical blocks of the KV pool.
+    """All physical blocks of the KV pool, and the prefix cache over them.
+
+    A free block is either uncached (no hash) or cached (hash known, contents
+    reusable, evictable). The free queue is also the LRU: allocation takes
+    from its front, evicting a cached block's hash in O(1); blocks that never
+    got a hash are returned to the front (reused first), cached ones to the
+    back (evicted last, least recently freed first).
 
     Safety rules:
     - ``get_new_blocks`` is all-or-nothing: it raises before touching anything
       when fewer than ``n`` blocks are free, so callers check
       ``num_free_blocks`` first and never leave a half-made allocation.
-    - A block is in the free queue exactly when its ``ref_cnt`` is 0.
+    - A block is in the free queue exactly when its ``ref_cnt`` is 0; a block
+      with ``ref_cnt`` > 0 is never evicted.
+    - A hashed block is full and immutable; a hash maps to at most one block.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -99,10 +119,16 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached_blocks)
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         if n > self.num_free_blocks:
@@ -110,29 +136,59 @@ class BlockPool:
         new_blocks = []
         for _ in range(n):
             block = self.free_block_queue.popleft()
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
             new_blocks.append(block)
         return new_blocks
 
-    def share(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Add one reference to each (in-use) block: another table now points at it."""
+    def _evict(self, block: KVCacheBlock) -> None:
+        del self.cached_blocks[block.block_hash]
+        block.block_hash = None
+        self.num_evictions += 1
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_blocks.get(block_hash)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Register a full, in-use block under its hash. If another block already
+        holds that content it stays the cached one; this block stays unhashed."""
+        if block.block_hash is None and block_hash not in self.cached_blocks:
+            block.block_hash = block_hash
+            self.cached_blocks[block_hash] = block
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Add one reference to each block, reviving cached free blocks out of
+        the free queue (O(1) each)."""
         for block in blocks:
-            if block.ref_cnt <= 0:
-                raise ValueError(f"cannot share free block {block.block_id}")
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each block; blocks reaching 0 join the back of
-        the free queue in the order given."""
+        """Drop one reference from each block; blocks reaching 0 join the free
+        queue in the order given: cached ones at the back, others at the front."""
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                if block.block_hash is None:
+                    self.free_block_queue.appendleft(block)
+                else:
+                    self.free_block_queue.append(block)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block nobody uses; returns how many were dropped.
+        Blocks still in use keep their hashes."""
+        dropped = [b for b in self.cached_blocks.values() if b.ref_cnt == 0]
+        for block in dropped:
+            del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+        return len(dropped)
 
     def check_invariants(self) -> None:
-        """Raise ``RuntimeError`` if the free queue and the ref counts disagree."""
+        """Raise ``RuntimeError`` if the free queue, the ref counts and the hash map disagree."""
         in_queue = set()
         for block in self.free_block_queue:
             if block.block_id in in_queue:
@@ -149,3 +205,8 @@ class BlockPool:
                 raise RuntimeError(f"block {block.block_id} has negative ref_cnt")
             if block.ref_cnt == 0 and block.block_id not in in_queue:
                 raise RuntimeError(f"block {block.block_id} has ref_cnt 0 but is not free (leak)")
+            if block.block_hash is not None and self.cached_blocks.get(block.block_hash) is not block:
+                raise RuntimeError(f"block {block.block_id} has a hash the cache does not map to it")
+        for block_hash, block in self.cached_blocks.items():
+            if block.block_hash != block_hash:
+                raise RuntimeError(f"the cache maps a hash to block {block.block_id}, which holds another")

@@ -6,7 +6,9 @@ Token ``t`` of a request lives in slot
 
 from __future__ import annotations
 
+from pagedllm.core.block_hash import extend_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
@@ -32,7 +34,13 @@ class KVCacheManager:
       around) a shared prefix is evicted after the private tails that follow it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_block_sharing: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_block_sharing: bool = True,
+        enable_prefix_caching: bool = True,
+    ) -> None:
         if block_size < 1 or block_size > 256 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size}")
         self.block_size = block_size
@@ -41,6 +49,12 @@ class KVCacheManager:
         self.peak_blocks_in_use = 0
         # False only for the no-sharing baseline of `pagedllm bench sharing`.
         self.enable_block_sharing = enable_block_sharing
+        self.enable_prefix_caching = enable_prefix_caching
+        # How many leading blocks of each table are registered in the prefix cache.
+        self.num_registered_blocks: dict[str, int] = {}
+        # Prefix-cache lookups, in tokens.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_blocks(self) -> int:
@@ -61,11 +75,45 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Cached blocks holding the request's leading full blocks, up to the first
+        miss, and the number of tokens they cover.
+
+        The hit stops short of the last token: at least one token is always
+        computed so there are logits to sample from. Because a hashed block is
+        never written, a fully cached block-aligned prompt recomputes its whole
+        last block rather than writing one token into a shared cached block.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's prefix-cache lookup (in tokens)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
     def allocate_slots(
-        self, request_id: str, num_computed_tokens: int, num_new_tokens: int
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        computed_blocks: list[KVCacheBlock] | None = None,
     ) -> list[tuple[int, int]] | None:
         """Make room to write tokens ``[num_computed_tokens, num_computed_tokens + num_new_tokens)``.
 
+        ``computed_blocks`` (from ``get_computed_blocks``, for a request with no
+        table yet) become the head of the table with one more reference each;
+        cached free ones are revived, and count against the free blocks.
         Grows the table with fresh blocks and, if the first token lands in a
         block shared with another table (a partly filled tail after a fork),
         replaces that entry by a private copy: copy-on-write. Returns the
@@ -73,12 +121,21 @@ class KVCacheManager:
         forward pass (at most one, whatever the sequence length), or None if
         the pool is short; on None nothing was changed.
         """
+        computed_blocks = computed_blocks or []
         blocks = self.req_to_blocks.get(request_id, [])
-        num_new_blocks = max(0, self.num_blocks_for(num_computed_tokens + num_new_tokens) - len(blocks))
+        if computed_blocks and blocks:
+            raise ValueError(f"request {request_id!r} already has blocks; cached blocks go only to a new table")
+        held = len(blocks) + len(computed_blocks)
+        num_new_blocks = max(0, self.num_blocks_for(num_computed_tokens + num_new_tokens) - held)
         write_index = num_computed_tokens // self.block_size
         needs_copy = write_index < len(blocks) and blocks[write_index].ref_cnt > 1
-        if num_new_blocks + needs_copy > self.num_free_blocks:
+        revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks + needs_copy + revived > self.num_free_blocks:
             return None
+        if computed_blocks:
+            self.block_pool.touch(computed_blocks)
+            blocks = list(computed_blocks)
+            self.num_registered_blocks[request_id] = len(computed_blocks)
         blocks = self.req_to_blocks.setdefault(request_id, blocks)
         copies = []
         if needs_copy:
@@ -90,6 +147,24 @@ class KVCacheManager:
         blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
         return copies
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that are full of computed tokens, so later
+        requests with the same prefix can find them."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        start = self.num_registered_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys)
+        for index in range(start, num_full):
+            self.block_pool.cache_block(blocks[index], hashes[index])
+        self.num_registered_blocks[request.request_id] = num_full
+
+    def reset_prefix_cache(self) -> int:
+        return self.block_pool.reset_prefix_cache()
 
     def fork(self, parent_id: str, child_id: str) -> list[tuple[int, int]] | None:
         """Give ``child_id`` the parent's block table.
@@ -104,8 +179,9 @@ class KVCacheManager:
             raise ValueError(f"request {child_id!r} already has a block table")
         parent_blocks = self.req_to_blocks.get(parent_id, [])
         if self.enable_block_sharing:
-            self.block_pool.share(parent_blocks)
+            self.block_pool.touch(parent_blocks)
             self.req_to_blocks[child_id] = list(parent_blocks)
+            self.num_registered_blocks[child_id] = self.num_registered_blocks.get(parent_id, 0)
             return []
         if len(parent_blocks) > self.num_free_blocks:
             return None
@@ -118,6 +194,7 @@ class KVCacheManager:
         """Release the request's blocks (tail first). Freeing an unknown request is a no-op,
         so every finish/abort/preempt path can call it unconditionally."""
         blocks = self.req_to_blocks.pop(request_id, None)
+        self.num_registered_blocks.pop(request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
@@ -138,12 +215,15 @@ class KVCacheManager:
             if num_tokens_of is not None:
                 if request_id not in num_tokens_of:
                     raise RuntimeError(f"request {request_id!r} holds blocks but is not live")
-                limit = self.num_blocks_for(num_tokens_of[request_id])
+                num_tokens = num_tokens_of[request_id]
+                limit = self.num_blocks_for(num_tokens)
                 if len(blocks) > limit:
                     raise RuntimeError(
-                        f"request {request_id!r} holds {len(blocks)} blocks for "
-                        f"{num_tokens_of[request_id]} tokens (at most {limit})"
+                        f"request {request_id!r} holds {len(blocks)} blocks for {num_tokens} tokens (at most {limit})"
                     )
+                for index, block in enumerate(blocks[num_tokens // self.block_size :], num_tokens // self.block_size):
+                    if block.block_hash is not None:
+                        raise RuntimeError(f"block {block.block_id} is hashed but is request {request_id!r}'s unfilled block {index}")
         for block in self.block_pool.blocks:
             expected = references.get(block.block_id, 0)
             if block.ref_cnt != expected:

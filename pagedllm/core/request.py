@@ -70,6 +70,7 @@ class Request:
         num_samples: int = 1,
         group_id: str | None = None,
         sample_index: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -88,6 +89,12 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Prefix caching: what besides the tokens a block's identity covers
+        # (the tenant's salt), and the hashes of the full blocks so far.
+        self.cache_salt = cache_salt
+        self.extra_keys: tuple = (cache_salt,) if cache_salt is not None else ()
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens = 0
         # Sharing: the request whose prompt this sequence shares, and its place
         # among the samples. ``num_pending_samples`` > 1 means the first sampled
         # position forks this sequence into that many (parallel sampling);
@@ -129,7 +136,10 @@ class Request:
             seed=seed,
             group_id=self.group_id,
             sample_index=sample_index,
+            cache_salt=self.cache_salt,
         )
+        child.block_hashes = list(self.block_hashes)
+        child.num_cached_tokens = self.num_cached_tokens
         child.output_token_ids = list(self.output_token_ids)
         child.all_token_ids = list(self.all_token_ids)
         child.num_computed_tokens = self.num_computed_tokens

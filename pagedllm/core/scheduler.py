@@ -159,20 +159,25 @@ class Scheduler:
             # A request that will fork into n samples needs n places.
             if request is None or self.num_running + request.num_pending_samples > self.config.max_num_seqs:
                 break
-            num_new = request.num_tokens - request.num_computed_tokens
+            computed_blocks, num_cached = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            copies = kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
+            copies = kv.allocate_slots(request.request_id, num_cached, num_new, computed_blocks)
             if copies is None:
                 break
-            output.block_copies.extend(copies)
             heapq.heappop(self._waiting)
             self.num_waiting -= 1
+            kv.record_lookup(request.num_tokens, num_cached)
+            request.num_computed_tokens = num_cached
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self.num_running += 1
+            output.block_copies.extend(copies)
             output.scheduled.append(
                 ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id))
             )
@@ -205,6 +210,7 @@ class Scheduler:
             if request.is_finished:
                 continue
             request.num_computed_tokens += scheduled.num_scheduled_tokens
+            self.kv_cache_manager.cache_full_blocks(request)
             if request.request_id not in sampled_token_ids:
                 continue
             if request.tokens_chosen_externally:

@@ -63,7 +63,9 @@ class LLMEngine:
         self.bytes_per_token = kv_bytes_per_token(self.model_config, dtype)
         block_size = config.cache.block_size
         num_blocks = self._num_blocks(block_size)
-        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_block_sharing)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, block_size, config.cache.enable_block_sharing, config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.eos_token_ids = self._eos_token_ids()
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, dtype, self.eos_token_ids)
@@ -124,6 +126,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         """Validate and queue a request. Raises ``ValueError`` (and changes
         nothing) on an empty or too-long prompt, out-of-vocabulary token ids, a
@@ -132,13 +135,18 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         request, prompt_text = self._new_request(
-            request_id, prompt, params, params.best_of or params.n, arrival_time, priority
+            request_id, prompt, params, params.best_of or params.n, arrival_time, priority, cache_salt
         )
         self.scheduler.add_request(request)
         self.output_processor.add(request, prompt_text)
 
     def add_beam_request(
-        self, request_id: str, prompt: PromptType, params: BeamSearchParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: BeamSearchParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a beam search; its result is one finished RequestOutput whose
         outputs are the ``beam_width`` best hypotheses, best first."""
@@ -151,7 +159,9 @@ class LLMEngine:
         sampling = SamplingParams(
             temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, logprobs=group.num_candidates
         )
-        request, group.prompt = self._new_request(request_id, prompt, sampling, params.beam_width, None, priority)
+        request, group.prompt = self._new_request(
+            request_id, prompt, sampling, params.beam_width, None, priority, cache_salt
+        )
         group.prompt_token_ids = request.prompt_token_ids
         group.metrics.arrival_time = request.arrival_time
         self.beam_search.add(group, request)
@@ -165,11 +175,19 @@ class LLMEngine:
         num_sequences: int,
         arrival_time: float | None,
         priority: int,
+        cache_salt: str | None,
     ) -> tuple[Request, str | None]:
+        """Build a validated Request. ``cache_salt`` (argument, or a dict prompt's
+        ``"cache_salt"`` key) isolates the request's prefix-cache blocks: only
+        requests with the same salt share them."""
         if request_id in self.output_processor.states or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, token_ids = self._tokenize(prompt)
         max_tokens = self._validate(token_ids, params)
+        if cache_salt is None and isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         if num_sequences > self.scheduler_config.max_num_seqs:
             raise ValueError(
                 f"{num_sequences} parallel sequences (n / best_of / beam_width) exceed max_num_seqs "
@@ -186,6 +204,7 @@ class LLMEngine:
             priority=priority,
             seed=seed,
             num_samples=num_sequences,
+            cache_salt=cache_salt,
         )
         return request, prompt_text
 
@@ -295,9 +314,17 @@ class LLMEngine:
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries": 0,
-            "prefix_cache_hits": 0,
+            # In tokens. A shared prefix shorter than one block (block_size tokens)
+            # never hits: only full blocks are cached.
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_cached_blocks": kv.block_pool.num_cached_blocks,
+            "min_cacheable_prefix_tokens": kv.block_size,
         }
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached blocks no request is using; returns how many."""
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` on the first broken block-manager invariant."""

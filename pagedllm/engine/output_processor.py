@@ -162,6 +162,7 @@ class OutputProcessor:
             outputs=[seq.completion(i) for i, seq in enumerate(sequences)],
             finished=state.finished,
             metrics=state.metrics,
+            num_cached_tokens=sequences[0].request.num_cached_tokens,
         )
 
     def abort(self, request_id: str) -> list[str]:

@@ -34,6 +34,7 @@ class LLM:
         kv_cache_fraction: float | None = None,
         num_kv_blocks: int | None = None,
         enable_block_sharing: bool = True,
+        enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
@@ -58,6 +59,7 @@ class LLM:
                 kv_cache_fraction=kv_cache_fraction,
                 num_kv_blocks=num_kv_blocks,
                 enable_block_sharing=enable_block_sharing,
+                enable_prefix_caching=enable_prefix_caching,
             ),
             debug_invariants=debug_invariants,
         )
@@ -68,6 +70,10 @@ class LLM:
 
     def stats(self) -> dict[str, int]:
         return self.llm_engine.stats()
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block that no running request uses; returns how many."""
+        return self.llm_engine.reset_prefix_cache()
 
     def generate(
         self,
@@ -105,6 +111,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -116,7 +123,10 @@ class LLM:
             text = tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
             )
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            prompt: dict = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+            if cache_salt is not None:
+                prompt["cache_salt"] = cache_salt
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(

@@ -61,16 +61,24 @@ def test_manager_returns_none_and_changes_nothing_on_shortfall():
     kv.check_invariants({"a": 8})
 
 
-def test_free_is_tail_first():
-    """Freed tails go to the free queue before the prefix blocks of the same request."""
-    kv = KVCacheManager(num_blocks=4, block_size=2)
-    kv.allocate_slots("a", 0, 6)
+def test_free_is_tail_first_and_uncached_blocks_are_reused_first():
+    """A finished request's cached blocks join the LRU tail-first, so its prefix is
+    evicted last; a block that never got a hash goes to the front (reused first)."""
+    from pagedllm.core.request import Request
+    from pagedllm.sampling_params import SamplingParams
+
+    kv = KVCacheManager(num_blocks=5, block_size=2)
+    request = Request("a", [1, 2, 3, 4, 5, 6, 7], SamplingParams(), [0], max_tokens=1)
+    kv.allocate_slots("a", 0, 7)
+    request.num_computed_tokens = 7
+    kv.cache_full_blocks(request)  # 3 full blocks hashed, the 4th (1 token) not
     ids = kv.get_block_ids("a")
     kv.free("a")
     free_order = [b.block_id for b in kv.block_pool.free_block_queue]
-    assert free_order[-3:] == list(reversed(ids))
+    assert free_order[0] == ids[3]  # the unhashed tail: reused first
+    assert free_order[-3:] == [ids[2], ids[1], ids[0]]  # the prefix block is evicted last
     kv.free("a")  # freeing twice is a no-op, not a double free
-    assert kv.num_free_blocks == 4
+    assert kv.num_free_blocks == 5
 
 
 def test_block_size_must_be_a_power_of_two():

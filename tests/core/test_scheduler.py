@@ -17,9 +17,11 @@ def make_scheduler(num_blocks=64, block_size=4, **config):
     return Scheduler(SchedulerConfig(**config), kv), kv
 
 
-def make_request(rid, prompt_len, max_tokens=8, priority=0):
+def make_request(rid, prompt_len, max_tokens=8, priority=0, prompt=None, cache_salt=None):
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return Request(rid, list(range(1, prompt_len + 1)), params, [EOS], max_tokens, priority=priority)
+    # Distinct prompts per id unless given, so the prefix cache stays out of the way.
+    prompt = prompt or [1000 * (sum(map(ord, rid)) % 97) + i for i in range(1, prompt_len + 1)]
+    return Request(rid, prompt, params, [EOS], max_tokens, priority=priority, cache_salt=cache_salt)
 
 
 def run_step(scheduler, token=5):
@@ -106,3 +108,22 @@ def test_abort_frees_blocks_of_running_and_waiting_requests():
     assert scheduler.schedule().is_empty
     with pytest.raises(ValueError, match="finished status"):
         scheduler.finish_request("a", RequestStatus.RUNNING)
+
+
+def test_admission_reuses_cached_prefix_blocks_and_computes_the_rest():
+    scheduler, kv = make_scheduler(block_size=4)
+    shared = list(range(1, 11))  # 10 tokens: 2 full blocks + 2
+    scheduler.add_request(make_request("a", 0, max_tokens=1, prompt=shared + [50, 51]))
+    run_step(scheduler)
+    assert kv.block_pool.num_cached_blocks == 3  # 12 computed tokens = 3 full blocks
+    scheduler.add_request(make_request("b", 0, max_tokens=1, prompt=shared + [60]))
+    out = run_step(scheduler)
+    assert out.scheduled[0].num_scheduled_tokens == 3  # 8 cached, tokens 8..10 computed
+    assert kv.prefix_cache_hits == 8 and kv.prefix_cache_queries == 12 + 11
+    # A different salt shares nothing.
+    scheduler.add_request(make_request("c", 0, max_tokens=1, prompt=shared + [60], cache_salt="tenant-2"))
+    assert run_step(scheduler).scheduled[0].num_scheduled_tokens == 11
+    # A fully cached prompt still computes its last block: there must be logits to sample.
+    scheduler.add_request(make_request("d", 0, max_tokens=1, prompt=shared + [50, 51]))
+    assert run_step(scheduler).scheduled[0].num_scheduled_tokens == 4
+    assert kv.num_free_blocks == kv.num_blocks
