@@ -148,13 +148,20 @@ class KVCacheManager:
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
         return copies
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's blocks that are full of computed tokens, so later
-        requests with the same prefix can find them."""
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the blocks that the request's first ``num_tokens`` tokens fill,
+        so later requests with the same prefix find them.
+
+        The scheduler calls this right after allocating a step, before the
+        forward pass: a request admitted later in the same step may then hit a
+        block whose K/V this very pass writes. That is safe because attention
+        writes every new token's K/V of a layer before any query of that layer
+        reads, and a block in use (ref_cnt > 0) is never evicted.
+        """
         if not self.enable_prefix_caching:
             return
         blocks = self.req_to_blocks.get(request.request_id, [])
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        num_full = min(num_tokens // self.block_size, len(blocks))
         start = self.num_registered_blocks.get(request.request_id, 0)
         if num_full <= start:
             return

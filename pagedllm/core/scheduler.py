@@ -144,6 +144,7 @@ class Scheduler:
                 copies = kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
             if copies is None:
                 break
+            kv.cache_full_blocks(request, request.num_computed_tokens + num_new)
             output.block_copies.extend(copies)
             output.scheduled.append(
                 ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id))
@@ -177,6 +178,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self.num_running += 1
+            kv.cache_full_blocks(request, num_cached + num_new)
             output.block_copies.extend(copies)
             output.scheduled.append(
                 ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id))
@@ -210,7 +212,6 @@ class Scheduler:
             if request.is_finished:
                 continue
             request.num_computed_tokens += scheduled.num_scheduled_tokens
-            self.kv_cache_manager.cache_full_blocks(request)
             if request.request_id not in sampled_token_ids:
                 continue
             if request.tokens_chosen_externally:

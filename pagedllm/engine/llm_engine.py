@@ -284,7 +284,14 @@ class LLMEngine:
             metrics = self._metrics(scheduled.request.group_id)
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        runner_output = self.runner.execute(scheduler_output)
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+        except Exception:
+            # The pass may have left K/V half-written: its requests cannot go on,
+            # and blocks registered for it in the prefix cache cannot be trusted.
+            self.abort_request(sorted({s.request.group_id for s in scheduler_output.scheduled}))
+            self.kv_cache_manager.reset_prefix_cache()
+            raise
         for rid, (first, entries) in runner_output.prompt_logprobs.items():
             self.output_processor.store_prompt_logprobs(rid, first, entries)
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)

@@ -41,6 +41,7 @@ def make_llm(args: argparse.Namespace):
         num_kv_blocks=args.num_kv_blocks,
         max_model_len=args.max_model_len,
         enable_block_sharing=getattr(args, "enable_block_sharing", True),
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,
@@ -119,6 +120,30 @@ def cmd_bench_sharing(args: argparse.Namespace) -> None:
                      f"{args.output_len} generated per sequence, block size {args.block_size}.", table)
 
 
+def cmd_bench_prefix(args: argparse.Namespace) -> None:
+    from pagedllm.bench import prefix
+    from pagedllm.bench.throughput import machine_description
+
+    results = []
+    for enabled in (True, False):
+        args.enable_prefix_caching = enabled
+        llm = make_llm(args)
+        prompts = prefix.shared_prompt_workload(
+            args.num_prompts, args.system_len, (args.question_min, args.question_max), llm.llm_engine.vocab_size
+        )
+        results.append(prefix.run(llm, "on" if enabled else "off", prompts, args.output_len))
+    table = prefix.format_table(results)
+    print(table)
+    if args.record:
+        record(
+            args,
+            f"Machine: {machine_description()}. {args.num_prompts} requests: a shared {args.system_len}-token "
+            f"system prompt + a unique {args.question_min}-{args.question_max}-token question, "
+            f"{args.output_len} output tokens, all submitted at once.",
+            table,
+        )
+
+
 def record(args: argparse.Namespace, preamble: str, table: str) -> None:
     """Append a result table, with the command that made it, to ``args.record``."""
     command = "pagedllm " + " ".join(shlex.quote(a) for a in args.argv)
@@ -165,6 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--beam-width", type=int, nargs="+", default=[2, 4, 8])
     sh.add_argument("--record", default=None, metavar="FILE", help="append the result table to FILE")
     sh.set_defaults(func=cmd_bench_sharing)
+    px = bench_sub.add_parser("prefix", help="shared-system-prompt workload, prefix caching on vs off")
+    add_engine_args(px)
+    px.add_argument("--num-prompts", type=int, default=64)
+    px.add_argument("--system-len", type=int, default=512)
+    px.add_argument("--question-min", type=int, default=32)
+    px.add_argument("--question-max", type=int, default=128)
+    px.add_argument("--output-len", type=int, default=64)
+    px.add_argument("--record", default=None, metavar="FILE", help="append the result table to FILE")
+    px.set_defaults(func=cmd_bench_prefix)
     return parser
 
 

@@ -71,7 +71,7 @@ def test_free_is_tail_first_and_uncached_blocks_are_reused_first():
     request = Request("a", [1, 2, 3, 4, 5, 6, 7], SamplingParams(), [0], max_tokens=1)
     kv.allocate_slots("a", 0, 7)
     request.num_computed_tokens = 7
-    kv.cache_full_blocks(request)  # 3 full blocks hashed, the 4th (1 token) not
+    kv.cache_full_blocks(request, 7)  # 3 full blocks hashed, the 4th (1 token) not
     ids = kv.get_block_ids("a")
     kv.free("a")
     free_order = [b.block_id for b in kv.block_pool.free_block_queue]

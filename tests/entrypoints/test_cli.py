@@ -83,3 +83,18 @@ def test_bench_sharing_reports_the_saving(tiny_model_dir, tmp_path, capsys):
     shared, unshared = int(rows["n=4"][1].split()[0]), int(rows["n=4"][2].split()[0])
     assert shared <= 7 + 4 and unshared >= 4 * 7
     assert "beam width 2" in record.read_text()
+
+
+def test_bench_prefix_compares_caching_on_and_off(tiny_model_dir, capsys):
+    main([
+        "bench", "prefix", "--model", tiny_model_dir("llama"), "--num-prompts", "4", "--system-len", "64",
+        "--question-min", "4", "--question-max", "8", "--output-len", "3", "--num-kv-blocks", "64",
+    ])
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| on") or line.startswith("| off")}
+    computed_on, total = map(int, rows["on"][1].split(" of "))
+    computed_off, total_off = map(int, rows["off"][1].split(" of "))
+    assert total == total_off and computed_off == total
+    # The first request computes the 64-token prefix; the other three reuse its 4 blocks.
+    assert computed_on == total - 3 * 64
+    assert rows["off"][2] == "0.0%"
