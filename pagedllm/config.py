@@ -59,8 +59,23 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "swap" (falls back to recompute when the swap space is full)
+    scheduling_policy: str = "fcfs"  # or "priority": lower `priority` value is served first
+    # Most prompt tokens one request may prefill in one step (None: no cap), so a
+    # huge prompt cannot stall everyone else's decoding.
+    long_prefill_token_threshold: int | None = None
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None:
+            if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
+                raise ValueError(f"long_prefill_token_threshold must be an integer >= 1 or None, got {threshold!r}")
+            if not self.enable_chunked_prefill:
+                raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill=True")
         if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
@@ -88,6 +103,10 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len) without chunking
     enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0  # GiB of host memory for swapped-out blocks (used with preemption_mode="swap")
+    scheduling_policy: str = "fcfs"
+    long_prefill_token_threshold: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     debug_invariants: bool = False
 
@@ -98,6 +117,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu', 'cuda' or None (auto), got {self.device!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2 or None, got {self.max_model_len!r}")
+        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space!r}")
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         """Resolve the defaults that depend on the loaded model."""
@@ -114,4 +135,7 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=batched,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            preemption_mode=self.preemption_mode,
+            scheduling_policy=self.scheduling_policy,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
         )

@@ -27,6 +27,7 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_preemptions: int = 0  # times this request (all its sequences) was preempted
 
 
 @dataclass

@@ -9,6 +9,10 @@ from __future__ import annotations
 from pagedllm.core.block_hash import extend_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.request import Request
+from pagedllm.core.swap_space import SwapSpace
+
+# A swapped-out table entry: a resident (shared) block, or the id of a host block.
+SwappedEntry = KVCacheBlock | int
 
 
 def cdiv(a: int, b: int) -> int:
@@ -40,6 +44,7 @@ class KVCacheManager:
         block_size: int,
         enable_block_sharing: bool = True,
         enable_prefix_caching: bool = True,
+        num_swap_blocks: int = 0,
     ) -> None:
         if block_size < 1 or block_size > 256 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size}")
@@ -52,6 +57,11 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         # How many leading blocks of each table are registered in the prefix cache.
         self.num_registered_blocks: dict[str, int] = {}
+        # Swap: host pool and the tables of swapped-out requests.
+        self.swap_space = SwapSpace(num_swap_blocks)
+        self.swapped_tables: dict[str, list[SwappedEntry]] = {}
+        self.num_swap_out_blocks = 0
+        self.num_swap_in_blocks = 0
         # Prefix-cache lookups, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -173,6 +183,64 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         return self.block_pool.reset_prefix_cache()
 
+    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Move the request's private blocks to host memory and free them.
+
+        Blocks shared with another table stay resident (the request keeps its
+        reference), so a preempted sibling never takes memory from the others.
+        Returns the ``(device block, host block)`` copies to perform before the
+        next forward pass, or None (nothing changed) if the host pool is short.
+        """
+        blocks = self.req_to_blocks.get(request_id, [])
+        private = [block for block in blocks if block.ref_cnt == 1]
+        host_blocks = self.swap_space.allocate(len(private))
+        if host_blocks is None:
+            return None
+        to_host = dict(zip((block.block_id for block in private), host_blocks))
+        self.swapped_tables[request_id] = [to_host.get(block.block_id, block) for block in blocks]
+        del self.req_to_blocks[request_id]
+        self.num_registered_blocks.pop(request_id, None)
+        self.block_pool.free_blocks(reversed(private))
+        self.num_swap_out_blocks += len(private)
+        return list(to_host.items())
+
+    def swap_in_cost(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """Free blocks that ``swap_in`` followed by ``allocate_slots(num_computed_tokens,
+        num_new_tokens)`` will take, so the scheduler can check before doing either."""
+        table = self.swapped_tables[request_id]
+        host = sum(1 for entry in table if isinstance(entry, int))
+        new_blocks = max(0, self.num_blocks_for(num_computed_tokens + num_new_tokens) - len(table))
+        write_index = num_computed_tokens // self.block_size
+        shared_tail = (
+            write_index < len(table)
+            and not isinstance(table[write_index], int)
+            and table[write_index].ref_cnt > 1
+        )
+        return host + new_blocks + shared_tail
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Bring a swapped request's blocks back into fresh device blocks.
+        Returns the ``(host block, device block)`` copies, or None if the pool is short."""
+        table = self.swapped_tables[request_id]
+        host_blocks = [entry for entry in table if isinstance(entry, int)]
+        if len(host_blocks) > self.num_free_blocks:
+            return None
+        fresh = iter(self.block_pool.get_new_blocks(len(host_blocks)))
+        blocks: list[KVCacheBlock] = []
+        copies = []
+        for entry in table:
+            if isinstance(entry, int):
+                block = next(fresh)
+                copies.append((entry, block.block_id))
+                entry = block
+            blocks.append(entry)
+        del self.swapped_tables[request_id]
+        self.req_to_blocks[request_id] = blocks
+        self.swap_space.free(host_blocks)
+        self.num_swap_in_blocks += len(host_blocks)
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
+        return copies
+
     def fork(self, parent_id: str, child_id: str) -> list[tuple[int, int]] | None:
         """Give ``child_id`` the parent's block table.
 
@@ -202,6 +270,10 @@ class KVCacheManager:
         so every finish/abort/preempt path can call it unconditionally."""
         blocks = self.req_to_blocks.pop(request_id, None)
         self.num_registered_blocks.pop(request_id, None)
+        swapped = self.swapped_tables.pop(request_id, None)
+        if swapped is not None:
+            self.swap_space.free([entry for entry in swapped if isinstance(entry, int)])
+            blocks = [entry for entry in swapped if not isinstance(entry, int)]
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
@@ -216,6 +288,19 @@ class KVCacheManager:
         """
         self.block_pool.check_invariants()
         references: dict[int, int] = {}
+        host_blocks: list[int] = []
+        for request_id, table in self.swapped_tables.items():
+            if request_id in self.req_to_blocks:
+                raise RuntimeError(f"request {request_id!r} is both swapped out and resident")
+            for entry in table:
+                if isinstance(entry, int):
+                    host_blocks.append(entry)
+                else:
+                    references[entry.block_id] = references.get(entry.block_id, 0) + 1
+        if len(set(host_blocks)) != len(host_blocks):
+            raise RuntimeError("a host swap block is used twice")
+        if len(host_blocks) + self.swap_space.num_free_blocks != self.swap_space.num_blocks:
+            raise RuntimeError("host swap blocks leaked")
         for request_id, blocks in self.req_to_blocks.items():
             for block in blocks:
                 references[block.block_id] = references.get(block.block_id, 0) + 1

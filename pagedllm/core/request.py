@@ -12,6 +12,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    SWAPPED = "swapped"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH_CAPPED = "length"
     FINISHED_ABORTED = "abort"

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus, child_request_id, child_seed
+from pagedllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -41,14 +44,20 @@ class SchedulerOutput:
     """What the model runner executes this step.
 
     Safety rule: the runner treats the ``Request`` objects as read-only; only
-    the scheduler mutates them, in ``update_from_output``.
+    the scheduler mutates them, in ``update_from_output``. The runner performs
+    the block moves in this order before the forward pass: ``swap_out``
+    (device -> host), ``block_copies`` (device -> device), ``swap_in``
+    (host -> device), because a block freed by a swap-out may be reused as a
+    copy or swap-in destination in the same step.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
-    # (src, dst) physical blocks to copy, in order, before the forward pass
-    # (copy-on-write, and forks when block sharing is off).
+    # (src, dst) physical blocks to copy, in order (copy-on-write, and forks
+    # when block sharing is off).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -63,14 +72,23 @@ class Scheduler:
     """Decides each step's batch under ``max_num_seqs`` and ``max_num_batched_tokens``.
 
     Rules:
-    - Running requests are served first, in priority order (lower ``priority``
-      value first, then earlier arrival); leftover budget admits waiting ones.
-    - When a running request cannot get a block, the lowest-priority,
-      latest-arrived running request is preempted (recompute: its blocks are
-      freed and it re-prefills later), repeatedly, until the request fits or it
-      is itself the victim. No new request is admitted in a step that preempted.
-    - Without chunked prefill a waiting request is admitted only when its whole
-      remaining prompt fits in the step's leftover budget.
+    - Requests are ranked by arrival (``fcfs``) or by ``priority`` then
+      arrival (``priority`` policy; lower value first). Running requests are
+      served first, in rank order; leftover budget admits waiting ones.
+    - When a running request cannot get a block, the worst-ranked running
+      request (lowest priority, latest arrival) is preempted, repeatedly, until
+      the request fits or it is itself the victim. ``recompute`` frees the
+      victim's blocks (it re-prefills later); ``swap`` copies its private
+      blocks to the host pool (shared ones stay resident) and falls back to
+      recompute when the host pool is full. No request is admitted in a step
+      whose decodes had to preempt.
+    - Under the ``priority`` policy a waiting request with a strictly better
+      priority than the worst running one preempts it when seats
+      (``max_num_seqs``) or blocks are what keeps it waiting; equal priorities
+      never preempt each other, so nothing ping-pongs.
+    - A prefill chunk is cut by the step's budget (chunked prefill) and by
+      ``long_prefill_token_threshold``; without chunked prefill a waiting
+      request is admitted only when its whole prompt fits.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
@@ -78,14 +96,16 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
-        # Heap of (priority, arrival order, request). Aborted waiting requests are
-        # left in place and skipped when they reach the top (lazy deletion).
-        self._waiting: list[tuple[int, int, Request]] = []
+        # Heap of (rank..., request). Finished waiting requests are left in
+        # place and skipped when they reach the top (lazy deletion).
+        self._waiting: list[tuple[int, int, int, Request]] = []
         self._arrival_order: dict[str, int] = {}
         self._arrival_counter = itertools.count()
         self.num_waiting = 0
         self.num_running = 0
+        self.num_swapped = 0
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
         # Copies owed by forks made after the last forward pass.
         self._pending_copies: list[tuple[int, int]] = []
 
@@ -99,34 +119,55 @@ class Scheduler:
         self._push_waiting(request)
 
     def _push_waiting(self, request: Request) -> None:
-        order = self._arrival_order[request.request_id]
-        heapq.heappush(self._waiting, (request.priority, order, request))
+        heapq.heappush(self._waiting, (*self._rank(request), request))
         self.num_waiting += 1
 
     def _peek_waiting(self) -> Request | None:
-        while self._waiting and self._waiting[0][2].is_finished:
+        while self._waiting and self._waiting[0][-1].is_finished:
             heapq.heappop(self._waiting)
-        return self._waiting[0][2] if self._waiting else None
+        return self._waiting[0][-1] if self._waiting else None
+
+    def _pop_waiting(self) -> None:
+        heapq.heappop(self._waiting)
+        self.num_waiting -= 1
 
     def _rank(self, request: Request) -> tuple[int, int, int]:
-        return (request.priority, self._arrival_order[request.request_id], request.sample_index)
+        priority = request.priority if self.config.scheduling_policy == "priority" else 0
+        return (priority, self._arrival_order[request.request_id], request.sample_index)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def _chunk(self, num_tokens: int, budget: int) -> int:
+        """Tokens of a pending span that fit in this step."""
+        threshold = self.config.long_prefill_token_threshold
+        if threshold is not None and num_tokens > 1:
+            num_tokens = min(num_tokens, threshold)
+        return min(num_tokens, budget)
 
     # -------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(block_copies=self._pending_copies)
         self._pending_copies = []
-        budget = self.config.max_num_batched_tokens
-        kv = self.kv_cache_manager
         self.running = sorted((r for r in self.running if not r.is_finished), key=self._rank)
+        if self.config.scheduling_policy == "priority":
+            self._preempt_for_priority(output)
+        budget = self.config.max_num_batched_tokens
+        decodes_preempted = self._schedule_running(output, budget)
+        budget -= output.total_num_scheduled_tokens
+        if not decodes_preempted:
+            self._schedule_waiting(output, budget)
+        return output
 
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> bool:
+        """Give running requests their tokens; returns whether it had to preempt."""
+        kv = self.kv_cache_manager
+        preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0:
                 # A beam waiting for its siblings: nothing to compute this step.
                 index += 1
@@ -136,64 +177,110 @@ class Scheduler:
                 # Victims come from the tail: lowest priority, latest arrival, and
                 # not yet scheduled this step (scheduling walks from the head).
                 victim = self.running.pop()
-                self.num_running -= 1
-                self._preempt(victim)
-                output.preempted_request_ids.append(victim.request_id)
+                self._preempt(victim, output)
+                preempted = True
                 if victim is request:
                     break
                 copies = kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
             if copies is None:
                 break
-            kv.cache_full_blocks(request, request.num_computed_tokens + num_new)
-            output.block_copies.extend(copies)
-            output.scheduled.append(
-                ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id))
-            )
+            self._add_scheduled(output, request, num_new, copies)
             budget -= num_new
             index += 1
+        return preempted
 
-        if output.preempted_request_ids:
-            return output
-
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        kv = self.kv_cache_manager
         while budget > 0:
             request = self._peek_waiting()
             # A request that will fork into n samples needs n places.
             if request is None or self.num_running + request.num_pending_samples > self.config.max_num_seqs:
-                break
-            computed_blocks, num_cached = kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_cached
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_new = budget
-            copies = kv.allocate_slots(request.request_id, num_cached, num_new, computed_blocks)
-            if copies is None:
-                break
-            heapq.heappop(self._waiting)
-            self.num_waiting -= 1
-            kv.record_lookup(request.num_tokens, num_cached)
-            request.num_computed_tokens = num_cached
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = num_cached
+                return
+            if request.status is RequestStatus.SWAPPED:
+                num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+                if kv.swap_in_cost(request.request_id, request.num_computed_tokens, num_new) > kv.num_free_blocks:
+                    return
+                output.swap_in.extend(kv.swap_in(request.request_id))
+                self.num_swapped -= 1
+                kv.num_registered_blocks[request.request_id] = 0  # swapped-in copies are not hashed yet
+                copies = kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
+            else:
+                computed_blocks, num_cached = kv.get_computed_blocks(request)
+                remaining = request.num_tokens - num_cached
+                if remaining > budget and not self.config.enable_chunked_prefill:
+                    return
+                num_new = self._chunk(remaining, budget)
+                copies = kv.allocate_slots(request.request_id, num_cached, num_new, computed_blocks)
+                if copies is None:
+                    return
+                kv.record_lookup(request.num_tokens, num_cached)
+                request.num_computed_tokens = num_cached
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = num_cached
+            self._pop_waiting()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self.num_running += 1
-            kv.cache_full_blocks(request, num_cached + num_new)
-            output.block_copies.extend(copies)
-            output.scheduled.append(
-                ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id))
-            )
+            self._add_scheduled(output, request, num_new, copies)
             budget -= num_new
-        return output
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop the K/V, keep every token id."""
-        self.kv_cache_manager.free(request.request_id)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
+    def _add_scheduled(
+        self, output: SchedulerOutput, request: Request, num_new: int, copies: list[tuple[int, int]]
+    ) -> None:
+        kv = self.kv_cache_manager
+        kv.cache_full_blocks(request, request.num_computed_tokens + num_new)
+        output.block_copies.extend(copies)
+        output.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id)))
+
+    def _preempt_for_priority(self, output: SchedulerOutput) -> None:
+        """Let a strictly more urgent waiting request displace the worst running one
+        when seats or blocks are what keep it out."""
+        kv = self.kv_cache_manager
+        while self.running:
+            head = self._peek_waiting()
+            worst = self.running[-1]
+            if head is None or head.priority >= worst.priority:
+                return
+            no_seat = self.num_running + head.num_pending_samples > self.config.max_num_seqs
+            first_chunk = self._chunk(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)
+            no_room = kv.num_blocks_for(head.num_computed_tokens + first_chunk) > kv.num_free_blocks
+            if not (no_seat or no_room):
+                return
+            self.running.pop()
+            self._preempt(worst, output)
+
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        """Take a running request off the device: swap its private blocks out, or
+        (recompute, and swap's fallback) drop its K/V and keep every token id."""
+        kv = self.kv_cache_manager
+        self.num_running -= 1
         self.num_preemptions += 1
+        request.num_preemptions += 1
+        output.preempted_request_ids.append(request.request_id)
+        usage = f"KV usage {kv.num_blocks_in_use}/{kv.num_blocks} blocks"
+        swapped = None
+        if self.config.preemption_mode == "swap":
+            swapped = kv.swap_out(request.request_id)
+        if swapped is not None:
+            output.swap_out.extend(swapped)
+            request.status = RequestStatus.SWAPPED
+            self.num_swapped += 1
+            detail = f"swap: {len(swapped)} blocks to host"
+        else:
+            self.num_recomputed_tokens += request.num_computed_tokens
+            detail = f"recompute: {request.num_computed_tokens} tokens to recompute"
+            kv.free(request.request_id)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
         self._push_waiting(request)
+        message = f"preempted request {request.request_id!r} ({detail}); {usage}"
+        if self.num_preemptions == 1:
+            logger.warning(
+                "%s. The KV pool is saturated: a larger pool (kv_cache_memory / num_kv_blocks) or a lower "
+                "max_num_seqs avoids preemption.", message
+            )
+        else:
+            logger.info(message)
 
     # ---------------------------------------------------------------- update
 
@@ -258,8 +345,9 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.SWAPPED):
             self.num_waiting -= 1
+            self.num_swapped -= request.status is RequestStatus.SWAPPED
         else:
             self.num_running -= 1
         # The request stays in the heap / running list until the next
@@ -275,6 +363,10 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 raise RuntimeError(f"request {request_id!r} holds blocks but is not running")
+        for request_id in self.kv_cache_manager.swapped_tables:
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.SWAPPED:
+                raise RuntimeError(f"request {request_id!r} has swapped blocks but is not swapped out")
         self.kv_cache_manager.check_invariants(
             {request_id: request.num_tokens for request_id, request in self.requests.items()}
         )

@@ -63,12 +63,21 @@ class LLMEngine:
         self.bytes_per_token = kv_bytes_per_token(self.model_config, dtype)
         block_size = config.cache.block_size
         num_blocks = self._num_blocks(block_size)
+        num_swap_blocks = 0
+        if config.preemption_mode == "swap":
+            num_swap_blocks = int(config.swap_space * 2**30) // (self.bytes_per_token * block_size)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, block_size, config.cache.enable_block_sharing, config.cache.enable_prefix_caching
+            num_blocks,
+            block_size,
+            config.cache.enable_block_sharing,
+            config.cache.enable_prefix_caching,
+            num_swap_blocks,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.eos_token_ids = self._eos_token_ids()
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, dtype, self.eos_token_ids)
+        self.runner = ModelRunner(
+            self.model, num_blocks, block_size, self.device, dtype, self.eos_token_ids, num_swap_blocks
+        )
         self.vocab_size = self.model_config.vocab_size
         self._rng = random.Random(config.seed)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)
@@ -182,6 +191,8 @@ class LLMEngine:
         requests with the same salt share them."""
         if request_id in self.output_processor.states or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if priority != 0 and self.scheduler_config.scheduling_policy != "priority":
+            raise ValueError("priority is only honoured with scheduling_policy='priority'; set it or drop priority")
         prompt_text, token_ids = self._tokenize(prompt)
         max_tokens = self._validate(token_ids, params)
         if cache_salt is None and isinstance(prompt, dict):
@@ -276,7 +287,8 @@ class LLMEngine:
         the requests that produced a token (``finished`` set on their last)."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            if self.scheduler.has_unfinished_requests():
+            self.runner.execute(scheduler_output)  # block moves owed by preemptions or forks
+            if not scheduler_output.preempted_request_ids and self.scheduler.has_unfinished_requests():
                 raise RuntimeError("the scheduler could not schedule any unfinished request (this is a bug)")
             return []
         now = time.time()
@@ -321,6 +333,11 @@ class LLMEngine:
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_recomputed_tokens": self.scheduler.num_recomputed_tokens,
+            "num_swapped": self.scheduler.num_swapped,
+            "swap_out_blocks": kv.num_swap_out_blocks,
+            "swap_in_blocks": kv.num_swap_in_blocks,
+            "num_swap_blocks": kv.swap_space.num_blocks,
             # In tokens. A shared prefix shorter than one block (block_size tokens)
             # never hits: only full blocks are cached.
             "prefix_cache_queries": kv.prefix_cache_queries,

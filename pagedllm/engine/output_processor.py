@@ -150,6 +150,7 @@ class OutputProcessor:
 
     def _request_output(self, state: RequestState) -> RequestOutput:
         sequences = [state.sequences[i] for i in sorted(state.sequences)]
+        state.metrics.num_preemptions = sum(s.request.num_preemptions for s in sequences)
         params = state.params
         if state.finished and len(sequences) > params.n:
             # best_of: keep the n most likely samples, most likely first.

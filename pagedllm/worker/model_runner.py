@@ -18,6 +18,7 @@ from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.model.llama import LlamaForCausalLM, head_dim_of
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from pagedllm.worker.swap import HostSwapPool
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -56,6 +57,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         eos_token_ids: list[int],
+        num_swap_blocks: int = 0,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -68,12 +70,18 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_hidden_layers)
         ]
+        self.swap_pool = HostSwapPool(num_swap_blocks, shape[1:], config.num_hidden_layers, dtype, device)
         self.attention = TorchPagedAttention()
         self.sampler = Sampler(eos_token_ids)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # Order matters: a block swapped out may be reused as a copy or swap-in target.
+        self.swap_pool.swap_out(self.kv_caches, scheduler_output.swap_out)
         self._copy_blocks(scheduler_output.block_copies)
+        self.swap_pool.swap_in(self.kv_caches, scheduler_output.swap_in)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput()
         batch = self._prepare(scheduler_output)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, self.attention)
         output = ModelRunnerOutput()

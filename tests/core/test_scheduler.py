@@ -86,12 +86,74 @@ def test_preemption_recomputes_the_latest_arrival_and_nothing_leaks():
     assert kv.num_free_blocks == kv.num_blocks
 
 
-def test_priority_orders_admission_and_chooses_the_victim():
-    scheduler, _ = make_scheduler(max_num_seqs=1)
+def test_priority_policy_orders_admission_and_fcfs_ignores_priority():
+    scheduler, _ = make_scheduler(max_num_seqs=1, scheduling_policy="priority")
     scheduler.add_request(make_request("low", 4, priority=5))
     scheduler.add_request(make_request("high", 4, priority=-1))
-    out = scheduler.schedule()
-    assert [s.request.request_id for s in out.scheduled] == ["high"]
+    assert [s.request.request_id for s in scheduler.schedule().scheduled] == ["high"]
+    fcfs, _ = make_scheduler(max_num_seqs=1)
+    fcfs.add_request(make_request("low", 4, priority=5))
+    fcfs.add_request(make_request("high", 4, priority=-1))
+    assert [s.request.request_id for s in fcfs.schedule().scheduled] == ["low"]
+
+
+def test_a_strictly_more_urgent_arrival_takes_the_seat_and_equals_never_ping_pong():
+    scheduler, kv = make_scheduler(max_num_seqs=1, scheduling_policy="priority")
+    scheduler.add_request(make_request("low", 4, priority=5, max_tokens=20))
+    run_step(scheduler)
+    scheduler.add_request(make_request("same", 4, priority=5, max_tokens=2))
+    out = run_step(scheduler)
+    assert [s.request.request_id for s in out.scheduled] == ["low"] and not out.preempted_request_ids
+    scheduler.add_request(make_request("urgent", 4, priority=0, max_tokens=2))
+    out = run_step(scheduler)
+    assert out.preempted_request_ids == ["low"]
+    assert [s.request.request_id for s in out.scheduled] == ["urgent"]
+    for _ in range(100):
+        if not scheduler.has_unfinished_requests():
+            break
+        run_step(scheduler)
+    assert not scheduler.has_unfinished_requests()
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_long_prefill_threshold_caps_each_chunk():
+    scheduler, _ = make_scheduler(max_num_batched_tokens=100, long_prefill_token_threshold=30)
+    scheduler.add_request(make_request("long", 70, max_tokens=1))
+    scheduler.add_request(make_request("short", 10, max_tokens=1))
+    out = run_step(scheduler)
+    assert [(s.request.request_id, s.num_scheduled_tokens) for s in out.scheduled] == [("long", 30), ("short", 10)]
+
+
+def test_swap_mode_moves_private_blocks_to_host_and_back():
+    kv = KVCacheManager(8, 4, num_swap_blocks=8)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=256, preemption_mode="swap"), kv)
+    scheduler.add_request(make_request("a", 10, max_tokens=20))
+    scheduler.add_request(make_request("b", 10, max_tokens=20))
+    swapped_out = swapped_in = 0
+    for _ in range(200):
+        if not scheduler.has_unfinished_requests():
+            break
+        out = run_step(scheduler)
+        swapped_out += len(out.swap_out)
+        swapped_in += len(out.swap_in)
+        assert not (out.swap_out and out.swap_in)  # never both in one step
+    assert swapped_out > 0 and swapped_in == swapped_out
+    assert scheduler.num_preemptions > 0 and scheduler.num_recomputed_tokens == 0
+    assert kv.num_swap_out_blocks == kv.num_swap_in_blocks == swapped_out
+    assert kv.num_free_blocks == kv.num_blocks and kv.swap_space.num_free_blocks == 8
+
+
+def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
+    kv = KVCacheManager(8, 4, num_swap_blocks=1)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=256, preemption_mode="swap"), kv)
+    scheduler.add_request(make_request("a", 10, max_tokens=20))
+    scheduler.add_request(make_request("b", 10, max_tokens=20))
+    for _ in range(200):
+        if not scheduler.has_unfinished_requests():
+            break
+        run_step(scheduler)
+    assert scheduler.num_recomputed_tokens > 0 and kv.num_swap_out_blocks == 0
+    assert kv.num_free_blocks == kv.num_blocks
 
 
 def test_abort_frees_blocks_of_running_and_waiting_requests():
