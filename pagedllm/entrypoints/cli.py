@@ -42,6 +42,7 @@ def make_llm(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         enable_block_sharing=getattr(args, "enable_block_sharing", True),
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+        preemption_mode=getattr(args, "preemption_mode", "recompute"),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,
@@ -144,6 +145,31 @@ def cmd_bench_prefix(args: argparse.Namespace) -> None:
         )
 
 
+def cmd_bench_preemption(args: argparse.Namespace) -> None:
+    from pagedllm.bench import preemption
+    from pagedllm.bench.throughput import machine_description
+
+    def make(mode: str, num_blocks: int):
+        args.preemption_mode, args.num_kv_blocks, args.enable_prefix_caching = mode, num_blocks, False
+        return make_llm(args)
+
+    results = [
+        preemption.run(make, prompt_len, args.output_len, args.num_prompts, mode, args.block_size)
+        for prompt_len in args.prompt_len
+        for mode in ("recompute", "swap")
+    ]
+    table = preemption.format_table(results)
+    print(table)
+    if args.record:
+        record(
+            args,
+            f"Machine: {machine_description()}. {args.num_prompts} requests of random tokens, "
+            f"{args.output_len} output tokens each, submitted at once; prefix caching off; the pool holds a "
+            f"third of the batch's peak need.",
+            table,
+        )
+
+
 def record(args: argparse.Namespace, preamble: str, table: str) -> None:
     """Append a result table, with the command that made it, to ``args.record``."""
     command = "pagedllm " + " ".join(shlex.quote(a) for a in args.argv)
@@ -199,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     px.add_argument("--output-len", type=int, default=64)
     px.add_argument("--record", default=None, metavar="FILE", help="append the result table to FILE")
     px.set_defaults(func=cmd_bench_prefix)
+    pe = bench_sub.add_parser("preemption", help="recompute vs swap under a pool that forces preemption")
+    add_engine_args(pe)
+    pe.add_argument("--prompt-len", type=int, nargs="+", default=[64, 1500])
+    pe.add_argument("--output-len", type=int, default=64)
+    pe.add_argument("--num-prompts", type=int, default=12)
+    pe.add_argument("--record", default=None, metavar="FILE", help="append the result table to FILE")
+    pe.set_defaults(func=cmd_bench_preemption)
     return parser
 
 

@@ -98,3 +98,16 @@ def test_bench_prefix_compares_caching_on_and_off(tiny_model_dir, capsys):
     # The first request computes the 64-token prefix; the other three reuse its 4 blocks.
     assert computed_on == total - 3 * 64
     assert rows["off"][2] == "0.0%"
+
+
+def test_bench_preemption_compares_recompute_and_swap(tiny_model_dir, capsys):
+    main([
+        "bench", "preemption", "--model", tiny_model_dir("llama"), "--prompt-len", "40",
+        "--output-len", "40", "--num-prompts", "6",
+    ])
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| 40 |")]
+    assert [r[1] for r in rows] == ["recompute", "swap"]
+    recompute, swap = rows
+    assert int(recompute[3]) > 0 and int(recompute[4]) > 0 and recompute[5] == "0"
+    assert int(swap[3]) > 0 and int(swap[5]) > 0 and swap[4] == "0"

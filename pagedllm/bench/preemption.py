@@ -1,0 +1,58 @@
+"""`pagedllm bench preemption`: recompute vs swap under a pool too small for the batch."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from pagedllm.bench.throughput import random_requests
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class PreemptionResult:
+    prompt_len: int
+    mode: str
+    num_blocks: int
+    preemptions: int
+    recomputed_tokens: int
+    swapped_blocks: int
+    elapsed_s: float
+
+
+def pool_for(num_requests: int, prompt_len: int, output_len: int, block_size: int) -> int:
+    """A third of what the whole batch needs at its peak (never less than one request
+    plus a block): enough to make progress, small enough to force preemption."""
+    per_request = math.ceil((prompt_len + output_len) / block_size)
+    return max(per_request + 1, num_requests * per_request // 3)
+
+
+def run(make_llm, prompt_len: int, output_len: int, num_requests: int, mode: str, block_size: int) -> PreemptionResult:
+    num_blocks = pool_for(num_requests, prompt_len, output_len, block_size)
+    llm = make_llm(mode, num_blocks)
+    requests = random_requests(num_requests, prompt_len, output_len, llm.llm_engine.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    stats = llm.stats()
+    return PreemptionResult(
+        prompt_len, mode, num_blocks, stats["num_preemptions"], stats["num_recomputed_tokens"],
+        stats["swap_out_blocks"], elapsed,
+    )
+
+
+def format_table(results: list[PreemptionResult]) -> str:
+    lines = [
+        "| prompt tokens | mode | pool blocks | preemptions | tokens recomputed | blocks swapped out | time (s) "
+        "| vs recompute |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    baseline = {r.prompt_len: r.elapsed_s for r in results if r.mode == "recompute"}
+    for r in results:
+        lines.append(
+            f"| {r.prompt_len} | {r.mode} | {r.num_blocks} | {r.preemptions} | {r.recomputed_tokens} | "
+            f"{r.swapped_blocks} | {r.elapsed_s:.2f} | {baseline[r.prompt_len] / r.elapsed_s:.2f}x |"
+        )
+    return "\n".join(lines)
