@@ -26,6 +26,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped blocks")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--seed", type=int, default=0)
@@ -41,8 +45,10 @@ def make_llm(args: argparse.Namespace):
         num_kv_blocks=args.num_kv_blocks,
         max_model_len=args.max_model_len,
         enable_block_sharing=getattr(args, "enable_block_sharing", True),
-        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
-        preemption_mode=getattr(args, "preemption_mode", "recompute"),
+        enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
+        scheduling_policy=args.scheduling_policy,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,
@@ -74,6 +80,31 @@ def cmd_generate(args: argparse.Namespace) -> None:
     else:
         outputs = llm.generate(args.prompt, params, use_tqdm=False)
     print(outputs[0].outputs[0].text)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import json
+
+    import uvicorn
+
+    from pagedllm.entrypoints.openai.api_server import ServerState, build_app
+
+    api_keys: dict[str, str | None] = {}
+    if args.api_key:
+        api_keys[args.api_key] = None
+    if args.api_keys_file:
+        with open(args.api_keys_file, encoding="utf-8") as f:
+            tenants = json.load(f)
+        if not isinstance(tenants, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tenants.items()):
+            raise ValueError(f"{args.api_keys_file}: expected a JSON object mapping API keys to tenant names")
+        api_keys.update(tenants)
+    llm = make_llm(args)
+    engine = llm.llm_engine
+    print(engine.capacity_line(), flush=True)
+    name = args.served_model_name or ("SmolLM2-135M-Instruct" if args.model is None else args.model)
+    app = build_app(ServerState(engine=engine, served_model_name=name, api_keys=api_keys))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                timeout_keep_alive=args.timeout_keep_alive)
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> None:
@@ -195,6 +226,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require this bearer token on /v1 endpoints")
+    serve.add_argument("--api-keys-file", default=None,
+                       help="JSON object {api_key: tenant}: each tenant gets a server-side cache_salt")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--uvicorn-log-level", default="warning")
+    serve.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle connection is kept")
+    serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

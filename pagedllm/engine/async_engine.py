@@ -1,0 +1,141 @@
+"""An asyncio front for the engine: many concurrent callers, one engine loop.
+
+Requests are added as they arrive; one background task runs ``LLMEngine.step``
+in a worker thread (so a forward pass never blocks the event loop) and routes
+each step's outputs to the per-request queues. The engine is only touched
+between steps, under ``_lock``, so adding and aborting never race a forward
+pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.logger import init_logger
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+
+class RequestStream:
+    """The outputs of one request, one per step it advanced, the last ``finished``.
+
+    Safety rule: a consumer that stops early must call ``abort()`` (idempotent,
+    a no-op once finished), typically in a ``finally``; the request's blocks
+    are then freed before the next step.
+    """
+
+    def __init__(self, request_id: str, queue: asyncio.Queue, abort: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self._queue = queue
+        self._abort = abort
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._abort(self.request_id)
+
+
+class AsyncLLMEngine:
+    """Safety rule: call ``start()`` from the running event loop before ``add_request``."""
+
+    def __init__(self, engine: LLMEngine, on_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
+        self.engine = engine
+        self._on_step = on_step
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._pending_aborts: set[str] = set()
+        self._lock = asyncio.Lock()
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._ids = 0
+
+    def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+            self._loop_task = None
+
+    def next_request_id(self, prefix: str) -> str:
+        self._ids += 1
+        return f"{prefix}-{self._ids}"
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Queue a request now (raises ``ValueError`` at once for a bad one) and
+        return the stream of its outputs."""
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        async with self._lock:
+            self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+            self._queues[request_id] = queue
+        self._wakeup.set()
+        return RequestStream(request_id, queue, self._abort_later)
+
+    def _abort_later(self, request_id: str) -> None:
+        # Applied by the loop before its next step: never in the middle of a forward pass.
+        self._queues.pop(request_id, None)
+        self._pending_aborts.add(request_id)
+        self._wakeup.set()
+
+    async def _run_loop(self) -> None:
+        while True:
+            if not self.engine.has_unfinished_requests() and not self._pending_aborts:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            async with self._lock:
+                if self._pending_aborts:
+                    self.engine.abort_request(sorted(self._pending_aborts))
+                    self._pending_aborts.clear()
+                if not self.engine.has_unfinished_requests():
+                    continue
+                try:
+                    outputs = await asyncio.to_thread(self.engine.step)
+                except Exception as exc:  # the engine aborted that step's requests; tell their callers
+                    logger.exception("engine step failed")
+                    self._fail_orphans(exc)
+                    continue
+            for output in outputs:
+                queue = self._queues.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+                    if output.finished:
+                        del self._queues[output.request_id]
+            if self._on_step is not None:
+                self._on_step(outputs)
+
+    def _fail_orphans(self, exc: Exception) -> None:
+        """Requests the failed step aborted will never produce output: end their streams."""
+        for request_id, queue in list(self._queues.items()):
+            if request_id not in self.engine.output_processor.states:
+                queue.put_nowait(RuntimeError(f"request {request_id} failed: {exc}"))
+                del self._queues[request_id]

@@ -1,0 +1,376 @@
+"""OpenAI-compatible HTTP server: FastAPI + uvicorn over one AsyncLLMEngine.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE
+streaming), GET /v1/models, GET /health, POST /tokenize, POST /detokenize,
+POST /reset_prefix_cache, GET /metrics (Prometheus). Errors use OpenAI's JSON
+shape ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagedllm.metrics import EngineMetrics
+from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def bad_request(exc: ValueError) -> APIError:
+    """A ValueError from validation becomes a 400 naming the field when it can."""
+    match = re.match(r"SamplingParams\.(\w+)", str(exc))
+    return APIError(400, str(exc), param=match.group(1) if match else None)
+
+
+@dataclass
+class ServerState:
+    engine: LLMEngine
+    served_model_name: str
+    # API key -> tenant name (None: a key without a tenant). Empty: no auth.
+    api_keys: dict[str, str | None] = field(default_factory=dict)
+    async_engine: AsyncLLMEngine | None = None
+    metrics: EngineMetrics = field(default_factory=EngineMetrics)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.async_engine = AsyncLLMEngine(
+            state.engine, on_step=lambda outputs: state.metrics.update(state.engine.stats(), outputs)
+        )
+        state.async_engine.start()
+        state.metrics.update(state.engine.stats(), [])
+        yield
+        await state.async_engine.stop()
+
+    app = FastAPI(title="pagedllm", lifespan=lifespan)
+    _install_error_handlers(app)
+
+    def tenant_of(request: Request) -> str | None:
+        """Bearer-token check; returns the key's tenant (None when untenanted)."""
+        if not state.api_keys:
+            return None
+        header = request.headers.get("authorization", "")
+        key = header[7:] if header.lower().startswith("bearer ") else None
+        if key is None or key not in state.api_keys:
+            raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+        return state.api_keys[key]
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != state.served_model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {state.served_model_name!r}",
+                           code="model_not_found", param="model")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(tenant: str | None = Depends(tenant_of)) -> dict:
+        return {"object": "list", "data": [{
+            "id": state.served_model_name, "object": "model", "created": 0, "owned_by": "pagedllm",
+            "max_model_len": state.engine.max_model_len,
+        }]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, tenant: str | None = Depends(tenant_of)) -> dict:
+        check_model(body.model)
+        tokenizer = state.engine.get_tokenizer()
+        if body.messages is not None:
+            ids = _chat_prompt(state.engine, body.messages, True)["prompt_token_ids"]
+        elif body.prompt is not None:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise APIError(400, "pass either prompt or messages", param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, tenant: str | None = Depends(tenant_of)) -> dict:
+        check_model(body.model)
+        vocab = state.engine.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": state.engine.get_tokenizer().decode(body.tokens)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(tenant: str | None = Depends(tenant_of)) -> dict:
+        return {"dropped_blocks": state.engine.reset_prefix_cache()}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, tenant: str | None = Depends(tenant_of)):
+        check_model(body.model)
+        if body.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        prompts = _completion_prompts(body.prompt)
+        try:
+            params = body.sampling_params(body.max_tokens, body.logprobs)
+        except ValueError as exc:
+            raise bad_request(exc) from exc
+        return await _serve(state, "cmpl", prompts, params, body, tenant, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, tenant: str | None = Depends(tenant_of)):
+        check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        try:
+            prompt = _chat_prompt(state.engine, body.messages, body.add_generation_prompt)
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs)
+        except ValueError as exc:
+            raise bad_request(exc) from exc
+        return await _serve(state, "chatcmpl", [prompt], params, body, tenant, chat=True)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return JSONResponse(error_body(f"invalid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
+                                           "invalid_request_error"), status_code=400)
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+                            for e in errors[:5])
+        return JSONResponse(error_body(message or "invalid request", "invalid_request_error",
+                                       ".".join(location) or None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code)
+
+
+def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
+
+
+def _chat_prompt(engine: LLMEngine, messages, add_generation_prompt: bool) -> dict:
+    tokenizer = engine.get_tokenizer()
+    if not tokenizer.chat_template:
+        raise APIError(400, "this model has no chat template", param="messages")
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+async def _serve(state: ServerState, kind: str, prompts: list[PromptType], params: SamplingParams,
+                 body, tenant: str | None, chat: bool):
+    # A tenant's salt is applied server-side and overrides the client's, so no
+    # client can pick another tenant's prefix-cache blocks.
+    salt = f"tenant:{tenant}" if tenant is not None else body.cache_salt
+    engine = state.async_engine
+    streams: list[RequestStream] = []
+    try:
+        for prompt in prompts:
+            rid = engine.next_request_id(kind)
+            streams.append(await engine.add_request(rid, prompt, params, priority=body.priority, cache_salt=salt))
+    except ValueError as exc:
+        for stream in streams:
+            stream.abort()
+        raise bad_request(exc) from exc
+    response = _ResponseBuilder(state, kind, params, chat, body.model or state.served_model_name)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(response, streams, include_usage), media_type="text/event-stream")
+    try:
+        finals = await asyncio.gather(*(_last(stream) for stream in streams))
+    finally:
+        for stream in streams:
+            stream.abort()
+    return response.full(finals)
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    final = None
+    async for output in stream:
+        final = output
+    return final
+
+
+async def _stream(response: _ResponseBuilder, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
+    """SSE events of every prompt's outputs as they come; aborts everything left
+    if the client goes away (the generator is cancelled or closed)."""
+    merged: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        async for output in stream:
+            await merged.put((index, output))
+        await merged.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    finals: dict[int, RequestOutput] = {}
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, output = await merged.get()
+            if output is None:
+                remaining -= 1
+                continue
+            for chunk in response.chunks(index, output, include_usage):
+                yield f"data: {json.dumps(chunk)}\n\n"
+            if output.finished:
+                finals[index] = output
+        for task in tasks:
+            task.result()  # re-raise an engine failure
+        if include_usage:
+            yield f"data: {json.dumps(response.usage_chunk([finals[i] for i in sorted(finals)]))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.abort()
+
+
+class _ResponseBuilder:
+    """OpenAI response and chunk bodies for one API request (several prompts x n choices)."""
+
+    def __init__(self, state: ServerState, kind: str, params: SamplingParams, chat: bool, model: str) -> None:
+        self.tokenizer = state.engine.get_tokenizer()
+        self.id = f"{kind}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.params = params
+        self.chat = chat
+        self.model = model
+        self.object = "chat.completion" if chat else "text_completion"
+        # Per choice: characters and tokens already streamed.
+        self.sent_text: dict[int, int] = {}
+        self.sent_tokens: dict[int, int] = {}
+        self.roles_sent: set[int] = set()
+        self.hold_back = max((len(s) for s in params.stop_strings), default=1) - 1
+
+    def _choice_index(self, prompt_index: int, completion: CompletionOutput) -> int:
+        return prompt_index * self.params.n + completion.index
+
+    def full(self, finals: list[RequestOutput]) -> dict:
+        choices = []
+        for prompt_index, output in enumerate(finals):
+            for completion in output.outputs:
+                choice = {"index": self._choice_index(prompt_index, completion), "finish_reason": completion.finish_reason,
+                          "logprobs": self._logprobs(completion.logprobs, 0) if completion.logprobs is not None else None}
+                if self.chat:
+                    choice["message"] = {"role": "assistant", "content": completion.text}
+                else:
+                    choice["text"] = completion.text
+                choices.append(choice)
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage(finals)}
+
+    def usage(self, finals: list[RequestOutput]) -> dict:
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
+        completion_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}
+
+    def usage_chunk(self, finals: list[RequestOutput]) -> dict:
+        return {"id": self.id, "object": self.object + ".chunk" if self.chat else self.object,
+                "created": self.created, "model": self.model, "choices": [], "usage": self.usage(finals)}
+
+    def chunks(self, prompt_index: int, output: RequestOutput, include_usage: bool) -> list[dict]:
+        """One chunk per choice with new text (or that just finished)."""
+        chunks = []
+        for completion in output.outputs:
+            index = self._choice_index(prompt_index, completion)
+            done = completion.finish_reason is not None
+            text = completion.text
+            # Hold back what could still become a stop string or a partial UTF-8 character.
+            visible = len(text) if done else max(0, len(text) - self.hold_back)
+            while not done and visible and text[visible - 1] == "\ufffd":
+                visible -= 1
+            start = self.sent_text.get(index, 0)
+            if visible <= start and not done:
+                continue
+            delta = text[start:max(start, visible)]
+            self.sent_text[index] = max(start, visible)
+            first_token = self.sent_tokens.get(index, 0)
+            self.sent_tokens[index] = len(completion.token_ids)
+            logprobs = None
+            if completion.logprobs is not None:
+                logprobs = self._logprobs(completion.logprobs[first_token:], start)
+            choice = {"index": index, "logprobs": logprobs, "finish_reason": completion.finish_reason}
+            if self.chat:
+                choice["delta"] = {"content": delta}
+                if index not in self.roles_sent:
+                    choice["delta"]["role"] = "assistant"
+                    self.roles_sent.add(index)
+            else:
+                choice["text"] = delta
+            chunk = {"id": self.id, "object": self.object + ".chunk" if self.chat else self.object,
+                     "created": self.created, "model": self.model, "choices": [choice]}
+            if include_usage:
+                chunk["usage"] = None
+            chunks.append(chunk)
+        return chunks
+
+    def _logprobs(self, positions: list[PositionLogprobs], text_start: int) -> dict:
+        """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: the legacy
+        {tokens, token_logprobs, top_logprobs, text_offset} lists, offsets counted from
+        ``text_start`` (where these tokens' text begins in the choice's text)."""
+        k = self.params.logprobs or 0
+        entries = []
+        for entry in positions:
+            chosen = next(iter(entry.items()))  # the sampler puts the sampled token first
+            top = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)[:k]
+            entries.append((chosen, top))
+        if self.chat:
+            def item(token_id, lp):
+                text = lp.decoded_token if lp.decoded_token is not None else self.tokenizer.decode([token_id])
+                return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+            return {"content": [{**item(*chosen), "top_logprobs": [item(*t) for t in top]} for chosen, top in entries]}
+        tokens = [lp.decoded_token or "" for (_, lp), _ in entries]
+        offsets, at = [], text_start
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for (_, lp), _ in entries],
+                "top_logprobs": [{lp.decoded_token or "": lp.logprob for _, lp in top} for _, top in entries],
+                "text_offset": offsets}

@@ -1,0 +1,197 @@
+"""The OpenAI-compatible server, live on 127.0.0.1 with the real default model,
+driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+API_KEY = "test-key"
+TENANTS = {"key-alpha": "alpha", "key-beta": "beta"}
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    keys_file = tmp_path_factory.mktemp("keys") / "keys.json"
+    keys_file.write_text(json.dumps(TENANTS))
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), "--num-kv-blocks", "768",
+         "--api-key", API_KEY, "--api-keys-file", str(keys_file)],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while True:
+            if process.poll() is not None or time.time() > deadline:
+                log.seek(0)
+                raise RuntimeError(f"server did not start:\n{log.read()[-3000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def client(base: str, key: str = API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics").text
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1))
+
+
+def wait_until_idle(base: str) -> None:
+    deadline = time.time() + 60
+    while metric(base, "pagedllm:num_requests_running") or metric(base, "pagedllm:kv_cache_used_blocks"):
+        assert time.time() < deadline, "requests still hold blocks"
+        time.sleep(0.2)
+    assert metric(base, "pagedllm:num_requests_waiting") == 0
+
+
+def test_completion_streamed_equals_non_streamed(server):
+    c = client(server)
+    full = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0)
+    choice = full.choices[0]
+    assert choice.finish_reason == "length" and choice.text
+    assert full.usage.completion_tokens == 12 and full.usage.prompt_tokens == 5
+    assert full.usage.prompt_tokens_details.cached_tokens == 0
+    chunks = list(c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12,
+                                       temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == choice.text
+    assert all(ch.usage is None for ch in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    wait_until_idle(server)
+
+
+def test_chat_streaming_and_not(server):
+    c = client(server)
+    messages = [{"role": "user", "content": "Name a color."}]
+    full = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert full.choices[0].message.role == "assistant" and full.choices[0].message.content
+    stream = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == full.choices[0].message.content
+    wait_until_idle(server)
+
+
+def test_n2_seeds_and_stop_strings(server):
+    c = client(server)
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=42, n=2)
+    first, again = c.completions.create(**kwargs), c.completions.create(**kwargs)
+    assert [ch.index for ch in first.choices] == [0, 1]
+    assert [ch.text for ch in first.choices] == [ch.text for ch in again.choices]
+    assert first.choices[0].text != first.choices[1].text
+    greedy = c.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=20, temperature=0).choices[0]
+    stop = greedy.text.strip().split()[1]
+    stopped = c.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=20, temperature=0, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stop not in stopped.choices[0].text and greedy.text.startswith(stopped.choices[0].text)
+    wait_until_idle(server)
+
+
+def test_errors_have_openai_shape_and_the_server_carries_on(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.completions.create(model=MODEL, prompt="hi", max_tokens=-1)
+    assert bad.value.status_code == 400
+    assert set(bad.value.response.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        c.completions.create(model=MODEL, prompt=[5] * 9000, max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=MODEL, prompt="hi", temperature="hot")
+    invalid_json = httpx.post(f"{server}/v1/completions", content=b"{not json",
+                              headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert invalid_json.status_code == 400 and invalid_json.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="gpt-17", prompt="hi", max_tokens=2)
+    assert c.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
+    wait_until_idle(server)
+
+
+def test_api_key_is_enforced_but_health_is_open(server):
+    with pytest.raises(openai.AuthenticationError):
+        client(server, key="wrong").completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert httpx.post(f"{server}/v1/completions", json={"prompt": "hi"}).status_code == 401
+    assert httpx.get(f"{server}/health").status_code == 200
+    assert [m.id for m in client(server).models.list().data] == [MODEL]
+
+
+def test_tenants_never_share_prefix_blocks(server):
+    prompt = "You are a careful assistant for a bank. " * 8 + "What is my balance?"
+    usage = {}
+    for key, salt in (("key-alpha", None), ("key-beta", "tenant:alpha"), ("key-alpha", "whatever")):
+        # A client-sent cache_salt cannot pick another tenant's blocks: the server overrides it.
+        extra = {"cache_salt": salt} if salt else {}
+        response = client(server, key).completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                                          temperature=0, extra_body=extra)
+        usage.setdefault(key, []).append(response.usage.prompt_tokens_details.cached_tokens)
+    assert usage["key-beta"] == [0]
+    assert usage["key-alpha"][0] == 0 and usage["key-alpha"][1] > 0
+
+
+def test_tokenize_and_detokenize(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    tokens = httpx.post(f"{server}/tokenize", json={"prompt": "Hello world"}, headers=headers).json()
+    assert tokens["count"] == len(tokens["tokens"]) == 2
+    text = httpx.post(f"{server}/detokenize", json={"tokens": tokens["tokens"]}, headers=headers).json()
+    assert text["prompt"] == "Hello world"
+
+
+def test_32_streaming_clients_with_8_disconnects(server):
+    async def one(i: int) -> str | None:
+        c = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+        stream = await c.completions.create(model=MODEL, prompt=f"Story number {i}:", max_tokens=24,
+                                            temperature=0.8, seed=i, stream=True)
+        finish = None
+        received = 0
+        async for chunk in stream:
+            received += 1
+            if i % 4 == 0 and received == 3:
+                await stream.close()  # this client goes away mid-stream
+                break
+            finish = chunk.choices[0].finish_reason or finish
+        await c.close()
+        return finish
+
+    async def all_clients():
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    results = asyncio.run(all_clients())
+    finished = [r for i, r in enumerate(results) if i % 4 != 0]
+    assert len(finished) == 24 and all(r == "length" for r in finished)
+    wait_until_idle(server)
+    assert metric(server, "pagedllm:kv_cache_usage_perc") == 0.0
+    assert httpx.post(f"{server}/reset_prefix_cache", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    assert metric(server, "pagedllm:kv_cache_free_blocks") == metric(server, "pagedllm:kv_cache_total_blocks")
