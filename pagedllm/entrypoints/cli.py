@@ -275,6 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--num-prompts", type=int, default=12)
     pe.add_argument("--record", default=None, metavar="FILE", help="append the result table to FILE")
     pe.set_defaults(func=cmd_bench_preemption)
+    sv = bench_sub.add_parser("serve", help="load generator against a running OpenAI-compatible server")
+    from pagedllm.bench import serve as serve_bench
+
+    serve_bench.build_arg_parser(sv)
+    sv.set_defaults(func=serve_bench.main)
     return parser
 
 
