@@ -32,8 +32,22 @@ class CacheConfig:
     enable_block_sharing: bool = True
     # Automatic prefix caching: full blocks are found again by their chained hash.
     enable_prefix_caching: bool = True
+    # "paged" (blocks on demand) or "contiguous" (the baseline: one first-fit
+    # reservation per request of `contiguous_reservation` tokens: "max_model_len",
+    # "request" (its prompt + max_tokens) or a number of tokens).
+    kv_layout: str = "paged"
+    contiguous_reservation: int | str = "max_model_len"
 
     def __post_init__(self) -> None:
+        if self.kv_layout not in ("paged", "contiguous"):
+            raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
+        reservation = self.contiguous_reservation
+        if reservation not in ("max_model_len", "request") and (
+            isinstance(reservation, bool) or not isinstance(reservation, int) or reservation < 1
+        ):
+            raise ValueError(
+                f"contiguous_reservation must be 'max_model_len', 'request' or a number of tokens >= 1, got {reservation!r}"
+            )
         bs = self.block_size
         if not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two between 1 and 256, got {bs!r}")

@@ -26,6 +26,7 @@ class BenchResult:
     prompt_tokens: int
     output_tokens: int
     elapsed_s: float
+    mean_batch: float | None = None  # running sequences per step (pagedllm only)
 
     @property
     def requests_per_s(self) -> float:
@@ -59,19 +60,23 @@ def load_requests(path: str) -> list[BenchRequest]:
         raise ValueError(f"{path}: every item needs prompt_token_ids and max_tokens ({exc})") from exc
 
 
-def run_pagedllm(llm, requests: list[BenchRequest]) -> BenchResult:
+def run_pagedllm(llm, requests: list[BenchRequest], label: str = "pagedllm") -> BenchResult:
     # ignore_eos makes every engine produce exactly max_tokens tokens, so the work is equal.
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     start = time.perf_counter()
+    engine = llm.llm_engine
+    steps_before, sequences_before = engine.num_steps, engine.num_scheduled_sequences
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    steps = engine.num_steps - steps_before
     return BenchResult(
-        engine="pagedllm",
+        engine=label,
         num_requests=len(requests),
         prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
         output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
         elapsed_s=elapsed,
+        mean_batch=(engine.num_scheduled_sequences - sequences_before) / max(1, steps),
     )
 
 
@@ -115,14 +120,15 @@ def run_hf(model_path: str | None, requests: list[BenchRequest], batch_size: int
 
 def format_table(results: list[BenchResult]) -> str:
     base = results[-1] if len(results) > 1 else None
-    header = "| engine | requests | prompt tok | output tok | time (s) | req/s | output tok/s | total tok/s |"
+    header = "| engine | requests | prompt tok | output tok | time (s) | req/s | output tok/s | total tok/s | mean batch |"
     if base:
         header += " vs baseline |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in results:
         line = (
             f"| {r.engine} | {r.num_requests} | {r.prompt_tokens} | {r.output_tokens} | {r.elapsed_s:.2f} | "
-            f"{r.requests_per_s:.2f} | {r.output_tokens_per_s:.1f} | {r.total_tokens_per_s:.1f} |"
+            f"{r.requests_per_s:.2f} | {r.output_tokens_per_s:.1f} | {r.total_tokens_per_s:.1f} | "
+            f"{'-' if r.mean_batch is None else f'{r.mean_batch:.1f}'} |"
         )
         if base:
             line += f" {r.total_tokens_per_s / base.total_tokens_per_s:.2f}x |"

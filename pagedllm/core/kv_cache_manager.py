@@ -75,6 +75,13 @@ class KVCacheManager:
         return self.block_pool.num_free_blocks
 
     @property
+    def num_cached_blocks(self) -> int:
+        return self.block_pool.num_cached_blocks
+
+    # Paged allocation never refuses a request that enough free blocks would fit.
+    num_external_fragmentation_waits = 0
+
+    @property
     def num_blocks_in_use(self) -> int:
         return self.num_blocks - self.num_free_blocks
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.contiguous import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.engine.beam_search import BeamGroup, BeamSearchManager, BeamSearchParams
@@ -64,15 +65,20 @@ class LLMEngine:
         block_size = config.cache.block_size
         num_blocks = self._num_blocks(block_size)
         num_swap_blocks = 0
-        if config.preemption_mode == "swap":
+        if config.preemption_mode == "swap" and config.cache.kv_layout == "paged":
             num_swap_blocks = int(config.swap_space * 2**30) // (self.bytes_per_token * block_size)
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks,
-            block_size,
-            config.cache.enable_block_sharing,
-            config.cache.enable_prefix_caching,
-            num_swap_blocks,
-        )
+        if config.cache.kv_layout == "contiguous":
+            reservation = config.cache.contiguous_reservation
+            tokens = {"max_model_len": self.max_model_len, "request": None}.get(reservation, reservation)
+            self.kv_cache_manager = ContiguousKVCacheManager(num_blocks, block_size, tokens)
+        else:
+            self.kv_cache_manager = KVCacheManager(
+                num_blocks,
+                block_size,
+                config.cache.enable_block_sharing,
+                config.cache.enable_prefix_caching,
+                num_swap_blocks,
+            )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.eos_token_ids = self._eos_token_ids()
         self.runner = ModelRunner(
@@ -83,6 +89,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
         self._request_counter = 0
+        self.num_steps = 0
+        self.num_scheduled_sequences = 0
         logger.info(self.capacity_line())
 
     # ------------------------------------------------------------- set-up
@@ -199,6 +207,8 @@ class LLMEngine:
             cache_salt = prompt.get("cache_salt")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        if num_sequences > 1 and self.config.cache.kv_layout == "contiguous":
+            raise ValueError("n > 1, best_of and beam search need kv_layout='paged' (contiguous cannot share blocks)")
         if num_sequences > self.scheduler_config.max_num_seqs:
             raise ValueError(
                 f"{num_sequences} parallel sequences (n / best_of / beam_width) exceed max_num_seqs "
@@ -257,6 +267,16 @@ class LLMEngine:
         room = self.max_model_len - prompt_len
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         kv = self.kv_cache_manager
+        reservation = self.config.cache.contiguous_reservation
+        if (
+            self.config.cache.kv_layout == "contiguous"
+            and isinstance(reservation, int)
+            and prompt_len + max_tokens > reservation
+        ):
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceed the contiguous reservation of "
+                f"{reservation} tokens; lower max_tokens or raise contiguous_reservation"
+            )
         needed = cdiv(prompt_len + max_tokens, kv.block_size)
         if needed > kv.num_blocks:
             raise ValueError(
@@ -296,6 +316,8 @@ class LLMEngine:
             metrics = self._metrics(scheduled.request.group_id)
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
+        self.num_steps += 1
+        self.num_scheduled_sequences += len(scheduler_output.scheduled)
         try:
             runner_output = self.runner.execute(scheduler_output)
         except Exception:
@@ -320,7 +342,7 @@ class LLMEngine:
 
     # --------------------------------------------------------------- stats
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         kv = self.kv_cache_manager
         return {
             "num_blocks": kv.num_blocks,
@@ -342,7 +364,11 @@ class LLMEngine:
             # never hits: only full blocks are cached.
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
-            "num_cached_blocks": kv.block_pool.num_cached_blocks,
+            "num_cached_blocks": kv.num_cached_blocks,
+            "external_fragmentation_waits": kv.num_external_fragmentation_waits,
+            "num_steps": self.num_steps,
+            # Sequences in the forward pass, averaged over steps: the achieved batch size.
+            "mean_running_per_step": self.num_scheduled_sequences / max(1, self.num_steps),
             "min_cacheable_prefix_tokens": kv.block_size,
         }
 

@@ -27,6 +27,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped blocks")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
@@ -46,6 +47,7 @@ def make_llm(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         enable_block_sharing=getattr(args, "enable_block_sharing", True),
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_layout=args.kv_layout,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
         scheduling_policy=args.scheduling_policy,
@@ -119,19 +121,28 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     else:
         requests = bench.load_requests(args.dataset)
     print(llm.llm_engine.capacity_line())
-    results = [bench.run_pagedllm(llm, requests)]
+    results = [bench.run_pagedllm(llm, requests, f"pagedllm ({args.kv_layout} KV)")]
     stats = llm.stats()
-    if args.baseline == "hf":
+    if args.baseline == "contiguous":
+        del llm  # one model copy at a time
+        args.kv_layout = "contiguous"
+        results.append(bench.run_pagedllm(make_llm(args), requests, "pagedllm (contiguous KV)"))
+        args.kv_layout = "paged"
+    elif args.baseline == "hf":
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
         results.append(bench.run_hf(args.model, requests, args.hf_batch_size, dtype))
     table = bench.format_table(results)
     print(table)
-    print(f"peak KV blocks in use: {stats['peak_blocks_in_use']} of {stats['num_blocks']}; preemptions: {stats['num_preemptions']}")
+    print(
+        f"peak KV blocks in use: {stats['peak_blocks_in_use']} of {stats['num_blocks']}; preemptions: "
+        f"{stats['num_preemptions']}; mean running sequences per step: {stats['mean_running_per_step']:.1f}"
+    )
     if args.record:
         record(
             args,
-            f"Machine: {bench.machine_description()}. {llm.llm_engine.capacity_line()}. "
-            f"Peak blocks in use {stats['peak_blocks_in_use']}, preemptions {stats['num_preemptions']}.",
+            f"Machine: {bench.machine_description()}. {llm.llm_engine.capacity_line()}, {args.kv_layout} layout. "
+            f"Peak blocks in use {stats['peak_blocks_in_use']}, preemptions {stats['num_preemptions']}, "
+            f"mean running sequences per step {stats['mean_running_per_step']:.1f}.",
             table,
         )
 
@@ -247,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--num-prompts", type=int, default=32)
     tp.add_argument("--input-len", type=int, default=128)
     tp.add_argument("--output-len", type=int, default=64)
-    tp.add_argument("--baseline", choices=["none", "hf"], default="none")
+    tp.add_argument("--baseline", choices=["none", "hf", "contiguous"], default="none",
+                    help="hf: transformers generate; contiguous: this engine with one max_model_len reservation per request")
     tp.add_argument("--hf-batch-size", type=int, default=8)
     tp.add_argument("--record", default=None, metavar="FILE", help="append the result table to FILE (e.g. BENCHMARKS.md)")
     tp.set_defaults(func=cmd_bench_throughput)

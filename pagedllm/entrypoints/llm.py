@@ -35,6 +35,8 @@ class LLM:
         num_kv_blocks: int | None = None,
         enable_block_sharing: bool = True,
         enable_prefix_caching: bool = True,
+        kv_layout: str = "paged",
+        contiguous_reservation: int | str = "max_model_len",
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
@@ -68,6 +70,8 @@ class LLM:
                 num_kv_blocks=num_kv_blocks,
                 enable_block_sharing=enable_block_sharing,
                 enable_prefix_caching=enable_prefix_caching,
+                kv_layout=kv_layout,
+                contiguous_reservation=contiguous_reservation,
             ),
             debug_invariants=debug_invariants,
         )
@@ -76,7 +80,7 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         return self.llm_engine.stats()
 
     def reset_prefix_cache(self) -> int:

@@ -64,7 +64,7 @@ def test_bench_throughput_against_hf_records_a_table(tiny_model_dir, tmp_path, c
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[1:4] == ["4", "26", "18"]
-    assert "| pagedllm |" in record.read_text()
+    assert "| pagedllm (paged KV) |" in record.read_text()
     assert "--baseline hf" in record.read_text()
 
 
@@ -111,3 +111,17 @@ def test_bench_preemption_compares_recompute_and_swap(tiny_model_dir, capsys):
     recompute, swap = rows
     assert int(recompute[3]) > 0 and int(recompute[4]) > 0 and recompute[5] == "0"
     assert int(swap[3]) > 0 and int(swap[5]) > 0 and swap[4] == "0"
+
+
+def test_bench_throughput_against_contiguous_kv(tiny_model_dir, capsys):
+    main([
+        "bench", "throughput", "--model", tiny_model_dir("llama"), "--num-prompts", "8", "--input-len", "20",
+        "--output-len", "12", "--baseline", "contiguous", "--num-kv-blocks", "32", "--max-model-len", "128",
+    ])
+    rows = {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| pagedllm"))}
+    paged, contiguous = rows["pagedllm (paged KV)"], rows["pagedllm (contiguous KV)"]
+    assert paged[1:4] == contiguous[1:4] == ["8", "160", "96"]
+    # 32 blocks hold 4 reservations of 128 tokens but all 8 paged requests (2 blocks each).
+    assert float(paged[8]) > float(contiguous[8])
+    assert float(contiguous[8]) <= 4
