@@ -18,9 +18,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.contiguous import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.beam_search import BeamGroup, BeamSearchManager, BeamSearchParams
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.core.scheduler import Scheduler
 from pagedllm.logger import init_logger
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import load_checkpoint
@@ -239,9 +239,11 @@ class LLMEngine:
                 raise ValueError("the prompt is empty; pass at least one character or token id")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a dict prompt needs the key 'prompt_token_ids'")
-            return prompt.get("prompt"), self._token_list(prompt["prompt_token_ids"])
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._token_list(prompt["prompt_token_ids"])
+            if isinstance(prompt.get("prompt"), str):
+                return self._tokenize(prompt["prompt"])
+            raise ValueError("a dict prompt needs 'prompt_token_ids' (token ids) or 'prompt' (text)")
         if isinstance(prompt, Sequence):
             return None, self._token_list(prompt)
         raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")

@@ -292,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_bench.build_arg_parser(sv)
     sv.set_defaults(func=serve_bench.main)
+    fr = bench_sub.add_parser("fragmentation", help="KV waste of paged vs contiguous layouts on a request trace "
+                                                    "(bookkeeping only, no model)")
+    from pagedllm.bench import fragmentation
+
+    fragmentation.build_arg_parser(fr)
+    fr.set_defaults(func=fragmentation.main)
     return parser
 
 
