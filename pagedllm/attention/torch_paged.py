@@ -36,7 +36,15 @@ def gather_from_cache(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.
 
 
 class TorchPagedAttention:
-    """The CPU / portable :class:`~pagedllm.attention.backend.AttentionBackend`."""
+    """The CPU / portable :class:`~pagedllm.attention.backend.AttentionBackend`.
+
+    With ``cpu_kernel`` (the compiled module from ``cpu_kernel.load_cpu_kernel``)
+    decodes read K/V straight through the block tables in C++ instead of
+    gathering a padded copy; prefill spans always use PyTorch.
+    """
+
+    def __init__(self, cpu_kernel=None) -> None:
+        self.cpu_kernel = cpu_kernel
 
     def forward(
         self,
@@ -52,7 +60,13 @@ class TorchPagedAttention:
         output = torch.empty_like(query)
         num_decodes = metadata.num_decodes
         if num_decodes:
-            output[:num_decodes] = self._decode(query[:num_decodes], key_cache, value_cache, metadata, scale)
+            if self.cpu_kernel is not None and query.device.type == "cpu":
+                output[:num_decodes] = self.cpu_kernel.paged_decode_attention(
+                    query[:num_decodes].contiguous(), key_cache, value_cache,
+                    metadata.decode_block_tables, metadata.decode_context_lens, scale,
+                )
+            else:
+                output[:num_decodes] = self._decode(query[:num_decodes], key_cache, value_cache, metadata, scale)
         for span in metadata.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
             output[rows] = self._prefill(query[rows], key[rows], value[rows], key_cache, value_cache, span, scale)

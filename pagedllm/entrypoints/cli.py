@@ -120,7 +120,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
         requests = bench.random_requests(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
     else:
         requests = bench.load_requests(args.dataset)
-    print(llm.llm_engine.capacity_line())
+    capacity = llm.llm_engine.capacity_line()
+    print(capacity)
     results = [bench.run_pagedllm(llm, requests, f"pagedllm ({args.kv_layout} KV)")]
     stats = llm.stats()
     if args.baseline == "contiguous":
@@ -140,7 +141,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     if args.record:
         record(
             args,
-            f"Machine: {bench.machine_description()}. {llm.llm_engine.capacity_line()}, {args.kv_layout} layout. "
+            f"Machine: {bench.machine_description()}. {capacity}, {args.kv_layout} layout. "
             f"Peak blocks in use {stats['peak_blocks_in_use']}, preemptions {stats['num_preemptions']}, "
             f"mean running sequences per step {stats['mean_running_per_step']:.1f}.",
             table,

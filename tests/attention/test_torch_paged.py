@@ -8,7 +8,18 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
+from pagedllm.attention.cpu_kernel import load_cpu_kernel
 from pagedllm.attention.torch_paged import TorchPagedAttention
+
+KERNEL = load_cpu_kernel()
+BACKENDS = {"pytorch": TorchPagedAttention(), "cpp": TorchPagedAttention(KERNEL)}
+
+
+@pytest.fixture(params=list(BACKENDS))
+def backend(request):
+    if request.param == "cpp" and KERNEL is None:
+        pytest.fail("the C++ decode kernel did not build on this machine")
+    return BACKENDS[request.param]
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
 SCALE = HEAD_DIM**-0.5
@@ -40,7 +51,7 @@ def slots_of(table, positions, block_size):
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 64])
-def test_prefill_then_decode_equals_contiguous(block_size):
+def test_prefill_then_decode_equals_contiguous(block_size, backend):
     """Prefill ragged prompts in one batch, then decode one token each through the block tables."""
     rng = random.Random(block_size)
     torch.manual_seed(block_size)
@@ -53,7 +64,6 @@ def test_prefill_then_decode_equals_contiguous(block_size):
         (torch.randn(n, NUM_HEADS, HEAD_DIM), torch.randn(n, NUM_KV_HEADS, HEAD_DIM), torch.randn(n, NUM_KV_HEADS, HEAD_DIM))
         for n in total_lens
     ]
-    backend = TorchPagedAttention()
 
     # Step 1: all prompts as prefill spans (the 1-token prompt too, to cover that shape).
     q = torch.cat([s[0][:n] for s, n in zip(seqs, prompt_lens)])
@@ -89,7 +99,7 @@ def test_prefill_then_decode_equals_contiguous(block_size):
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 64])
-def test_chunked_prefill_reads_earlier_context_from_pool(block_size):
+def test_chunked_prefill_reads_earlier_context_from_pool(block_size, backend):
     """A second prefill chunk attends to the first chunk's K/V via the block table,
     mixed in one step with a decode of another sequence."""
     rng = random.Random(7 + block_size)
@@ -99,7 +109,6 @@ def test_chunked_prefill_reads_earlier_context_from_pool(block_size):
     key_cache = torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
     value_cache = torch.zeros_like(key_cache)
     seqs = [(torch.randn(n, NUM_HEADS, HEAD_DIM), torch.randn(n, NUM_KV_HEADS, HEAD_DIM), torch.randn(n, NUM_KV_HEADS, HEAD_DIM)) for n in lens]
-    backend = TorchPagedAttention()
     chunk = 50
     # Step 1: first chunk of seq 0 and all but the last token of seq 1.
     parts = [(0, 0, chunk), (1, 0, lens[1] - 1)]
@@ -132,3 +141,30 @@ def test_chunked_prefill_reads_earlier_context_from_pool(block_size):
     for i, n in enumerate(lens):
         got = key_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[torch.tensor(slots_of(tables[i], range(n), block_size))]
         torch.testing.assert_close(got, seqs[i][1])
+
+
+def test_cpp_decode_kernel_handles_bfloat16(backend):
+    """bf16 storage, fp32 accumulation: close to fp32 attention on the same values."""
+    torch.manual_seed(3)
+    block_size, lens = 16, [1, 33, 200]
+    tables, num_blocks = random_tables(lens, block_size, random.Random(3))
+    key_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM).bfloat16()
+    value_cache = torch.randn_like(key_cache)
+    q = torch.randn(len(lens), NUM_HEADS, HEAD_DIM).bfloat16()
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lens),
+        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        decode_context_lens=torch.tensor(lens), prefills=[],
+    )
+    out = backend.forward(q, torch.zeros(0, NUM_KV_HEADS, HEAD_DIM).bfloat16(),
+                          torch.zeros(0, NUM_KV_HEADS, HEAD_DIM).bfloat16(), key_cache, value_cache, meta, SCALE)
+    for i, (table, n) in enumerate(zip(tables, lens)):
+        slots = torch.tensor(slots_of(table, range(n), block_size))
+        k = key_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].float()
+        v = value_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].float()
+        expected = F.scaled_dot_product_attention(
+            q[i].float().view(1, NUM_HEADS, 1, HEAD_DIM), k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            scale=SCALE, enable_gqa=True,
+        ).view(NUM_HEADS, HEAD_DIM)
+        torch.testing.assert_close(out[i].float(), expected, atol=2e-2, rtol=2e-2)
