@@ -22,10 +22,10 @@ class PreemptionResult:
 
 
 def pool_for(num_requests: int, prompt_len: int, output_len: int, block_size: int) -> int:
-    """A third of what the whole batch needs at its peak (never less than one request
+    """A quarter of what the whole batch needs at its peak (never less than one request
     plus a block): enough to make progress, small enough to force preemption."""
     per_request = math.ceil((prompt_len + output_len) / block_size)
-    return max(per_request + 1, num_requests * per_request // 3)
+    return max(per_request + 1, num_requests * per_request // 4)
 
 
 def run(make_llm, prompt_len: int, output_len: int, num_requests: int, mode: str, block_size: int) -> PreemptionResult:

@@ -208,7 +208,7 @@ def cmd_bench_preemption(args: argparse.Namespace) -> None:
             args,
             f"Machine: {machine_description()}. {args.num_prompts} requests of random tokens, "
             f"{args.output_len} output tokens each, submitted at once; prefix caching off; the pool holds a "
-            f"third of the batch's peak need.",
+            f"quarter of the batch's peak need.",
             table,
         )
 
