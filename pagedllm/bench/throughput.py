@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 import random
 import time
@@ -46,6 +47,22 @@ def random_requests(num: int, input_len: int, output_len: int, vocab_size: int, 
     rng = random.Random(seed)
     low, high = min(100, vocab_size // 4), vocab_size - min(100, vocab_size // 4)
     return [BenchRequest([rng.randrange(low, high) for _ in range(input_len)], output_len) for _ in range(num)]
+
+
+def mixed_requests(num: int, vocab_size: int, seed: int = 0,
+                   prompt_range: tuple[int, int] = (16, 512), output_range: tuple[int, int] = (16, 256)) -> list[BenchRequest]:
+    """Issue 8's mixed workload: prompt and output lengths log-uniform over the ranges
+    (most requests short, a few long; 64 requests give about 9k prompt and 5-6k output tokens)."""
+    rng = random.Random(seed)
+    low, high = min(100, vocab_size // 4), vocab_size - min(100, vocab_size // 4)
+
+    def log_uniform(bounds: tuple[int, int]) -> int:
+        return round(math.exp(rng.uniform(math.log(bounds[0]), math.log(bounds[1]))))
+
+    return [
+        BenchRequest([rng.randrange(low, high) for _ in range(log_uniform(prompt_range))], log_uniform(output_range))
+        for _ in range(num)
+    ]
 
 
 def load_requests(path: str) -> list[BenchRequest]:
@@ -119,7 +136,9 @@ def run_hf(model_path: str | None, requests: list[BenchRequest], batch_size: int
 
 
 def format_table(results: list[BenchResult]) -> str:
-    base = results[-1] if len(results) > 1 else None
+    """One row per engine; "vs baseline" divides by the best non-pagedllm row (or the last row)."""
+    baselines = [r for r in results if not r.engine.startswith("pagedllm")] or results[-1:]
+    base = max(baselines, key=lambda r: r.total_tokens_per_s) if len(results) > 1 else None
     header = "| engine | requests | prompt tok | output tok | time (s) | req/s | output tok/s | total tok/s | mean batch |"
     if base:
         header += " vs baseline |"
@@ -134,6 +153,13 @@ def format_table(results: list[BenchResult]) -> str:
             line += f" {r.total_tokens_per_s / base.total_tokens_per_s:.2f}x |"
         lines.append(line)
     return "\n".join(lines)
+
+
+def format_step_split(timings: dict[str, float]) -> str:
+    """Where engine step time went: bookkeeping (scheduler, block manager, outputs),
+    input preparation, forward pass, sampling."""
+    total = sum(timings.values()) or 1.0
+    return ", ".join(f"{name} {100 * seconds / total:.1f}%" for name, seconds in timings.items())
 
 
 def machine_description() -> str:

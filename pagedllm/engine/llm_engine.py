@@ -91,6 +91,7 @@ class LLMEngine:
         self._request_counter = 0
         self.num_steps = 0
         self.num_scheduled_sequences = 0
+        self.reset_step_timings()
         logger.info(self.capacity_line())
 
     # ------------------------------------------------------------- set-up
@@ -121,6 +122,10 @@ class LLMEngine:
             elif isinstance(source, (list, tuple)):
                 ids.update(int(t) for t in source)
         return sorted(ids)
+
+    def reset_step_timings(self) -> None:
+        """Seconds spent per phase of step(), for the benchmarks' split."""
+        self.step_timings = {"bookkeeping": 0.0, "input preparation": 0.0, "forward": 0.0, "sampling": 0.0}
 
     def capacity_line(self) -> str:
         kv = self.kv_cache_manager
@@ -307,6 +312,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one forward pass over the scheduled batch; return the outputs of
         the requests that produced a token (``finished`` set on their last)."""
+        started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             self.runner.execute(scheduler_output)  # block moves owed by preemptions or forks
@@ -320,6 +326,7 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
         self.num_steps += 1
         self.num_scheduled_sequences += len(scheduler_output.scheduled)
+        scheduled_at = time.perf_counter()
         try:
             runner_output = self.runner.execute(scheduler_output)
         except Exception:
@@ -336,6 +343,11 @@ class LLMEngine:
         outputs += self.beam_search.on_step(advanced, runner_output.logprobs)
         if self.config.debug_invariants:
             self.check_invariants()
+        timings = self.step_timings
+        timings["bookkeeping"] += (scheduled_at - started) + (time.perf_counter() - scheduled_at - runner_output.elapsed_s)
+        timings["input preparation"] += runner_output.timings["input preparation"]
+        timings["forward"] += runner_output.timings["forward"]
+        timings["sampling"] += runner_output.timings["sampling"]
         return outputs
 
     def _metrics(self, group_id: str) -> RequestMetrics:

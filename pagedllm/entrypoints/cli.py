@@ -118,12 +118,16 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     vocab = llm.llm_engine.vocab_size
     if args.dataset == "random":
         requests = bench.random_requests(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
+    elif args.dataset == "mixed":
+        requests = bench.mixed_requests(args.num_prompts, vocab, args.seed)
     else:
         requests = bench.load_requests(args.dataset)
     capacity = llm.llm_engine.capacity_line()
     print(capacity)
+    llm.llm_engine.reset_step_timings()
     results = [bench.run_pagedllm(llm, requests, f"pagedllm ({args.kv_layout} KV)")]
     stats = llm.stats()
+    split = bench.format_step_split(llm.llm_engine.step_timings)
     if args.baseline == "contiguous":
         del llm  # one model copy at a time
         args.kv_layout = "contiguous"
@@ -131,19 +135,21 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
         args.kv_layout = "paged"
     elif args.baseline == "hf":
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-        results.append(bench.run_hf(args.model, requests, args.hf_batch_size, dtype))
+        for batch_size in args.hf_batch_size:
+            results.append(bench.run_hf(args.model, requests, batch_size, dtype))
     table = bench.format_table(results)
     print(table)
     print(
         f"peak KV blocks in use: {stats['peak_blocks_in_use']} of {stats['num_blocks']}; preemptions: "
         f"{stats['num_preemptions']}; mean running sequences per step: {stats['mean_running_per_step']:.1f}"
     )
+    print(f"pagedllm step time: {split}")
     if args.record:
         record(
             args,
             f"Machine: {bench.machine_description()}. {capacity}, {args.kv_layout} layout. "
             f"Peak blocks in use {stats['peak_blocks_in_use']}, preemptions {stats['num_preemptions']}, "
-            f"mean running sequences per step {stats['mean_running_per_step']:.1f}.",
+            f"mean running sequences per step {stats['mean_running_per_step']:.1f}. Step time: {split}.",
             table,
         )
 
@@ -213,6 +219,53 @@ def cmd_bench_preemption(args: argparse.Namespace) -> None:
         )
 
 
+def cmd_bench_attention(args: argparse.Namespace) -> None:
+    from pagedllm.bench import kernels
+    from pagedllm.bench.throughput import machine_description
+
+    table = kernels.format_attention(kernels.attention_rows(args.batch, args.context))
+    print(table)
+    if args.record:
+        record(args, f"Machine: {machine_description()}. SmolLM2 attention shapes (9 query heads, 3 KV heads, "
+                     f"head dim 64), fp32, block size 16, best of 5 calls.", table)
+
+
+def cmd_bench_roofline(args: argparse.Namespace) -> None:
+    import time
+
+    import torch
+
+    from pagedllm.bench import kernels
+    from pagedllm.bench.throughput import machine_description, random_requests
+
+    args.enable_prefix_caching = False  # the two timed runs must both prefill
+    llm = make_llm(args)
+    engine = llm.llm_engine
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    gflops, bound = kernels.matmul_roofline(engine.model_config, args.batch_size, dtype)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids}
+               for r in random_requests(args.batch_size, args.prompt_len, 1, engine.vocab_size, args.seed)]
+
+    def timed(max_tokens: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    # Decode rate = the extra tokens over the extra time, so prefill cancels out.
+    decode_rate = args.batch_size * args.decode_tokens / (timed(1 + args.decode_tokens) - timed(1))
+    table = (
+        "| dtype | rows | matmul GFLOP/s (model shapes) | roofline decode tok/s | measured decode tok/s | of roofline |\n"
+        "|---|---|---|---|---|---|\n"
+        f"| {args.dtype} | {args.batch_size} | {gflops:.1f} | {bound:.0f} | {decode_rate:.0f} | "
+        f"{100 * decode_rate / bound:.0f}% |"
+    )
+    print(table)
+    if args.record:
+        record(args, f"Machine: {machine_description()}. Batch of {args.batch_size} sequences, "
+                     f"{args.prompt_len}-token prompts, {args.decode_tokens} decode steps.", table)
+
+
 def record(args: argparse.Namespace, preamble: str, table: str) -> None:
     """Append a result table, with the command that made it, to ``args.record``."""
     command = "pagedllm " + " ".join(shlex.quote(a) for a in args.argv)
@@ -255,13 +308,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     tp = bench_sub.add_parser("throughput", help="offline throughput vs a baseline on the same requests")
     add_engine_args(tp)
-    tp.add_argument("--dataset", default="random", help="'random' or a JSON file of {prompt_token_ids, max_tokens}")
+    tp.add_argument("--dataset", default="random",
+                    help="'random' (--input-len/--output-len), 'mixed' (log-uniform 16-512 prompt, 16-256 output) "
+                         "or a JSON file of {prompt_token_ids, max_tokens}")
     tp.add_argument("--num-prompts", type=int, default=32)
     tp.add_argument("--input-len", type=int, default=128)
     tp.add_argument("--output-len", type=int, default=64)
     tp.add_argument("--baseline", choices=["none", "hf", "contiguous"], default="none",
                     help="hf: transformers generate; contiguous: this engine with one max_model_len reservation per request")
-    tp.add_argument("--hf-batch-size", type=int, default=8)
+    tp.add_argument("--hf-batch-size", type=int, nargs="+", default=[8],
+                    help="static batch sizes for the HF baseline; the best one is the baseline")
     tp.add_argument("--record", default=None, metavar="FILE", help="append the result table to FILE (e.g. BENCHMARKS.md)")
     tp.set_defaults(func=cmd_bench_throughput)
     sh = bench_sub.add_parser("sharing", help="KV blocks saved by block sharing (parallel sampling, beam search)")
@@ -293,6 +349,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_bench.build_arg_parser(sv)
     sv.set_defaults(func=serve_bench.main)
+    at = bench_sub.add_parser("attention", help="paged decode attention vs contiguous SDPA")
+    at.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    at.add_argument("--context", type=int, nargs="+", default=[128, 512, 1024, 4096])
+    at.add_argument("--record", default=None, metavar="FILE")
+    at.set_defaults(func=cmd_bench_attention)
+    rf = bench_sub.add_parser("roofline", help="matmul roofline on the model's shapes vs measured decode")
+    add_engine_args(rf)
+    rf.add_argument("--batch-size", type=int, default=64)
+    rf.add_argument("--prompt-len", type=int, default=32)
+    rf.add_argument("--decode-tokens", type=int, default=32)
+    rf.add_argument("--record", default=None, metavar="FILE")
+    rf.set_defaults(func=cmd_bench_roofline)
     fr = bench_sub.add_parser("fragmentation", help="KV waste of paged vs contiguous layouts on a request trace "
                                                     "(bookkeeping only, no model)")
     from pagedllm.bench import fragmentation

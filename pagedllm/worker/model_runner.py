@@ -6,6 +6,7 @@ about blocks (that is ``core/``), it only follows the block tables it is given.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     # request id -> (index in the prompt of the first target token, its logprobs...)
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+    # Seconds per phase, and in total, of this execute().
+    timings: dict[str, float] = field(default_factory=lambda: {"input preparation": 0.0, "forward": 0.0, "sampling": 0.0})
+    elapsed_s: float = 0.0
 
 
 @dataclass
@@ -77,17 +81,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        started = time.perf_counter()
+        output = ModelRunnerOutput()
         # Order matters: a block swapped out may be reused as a copy or swap-in target.
         self.swap_pool.swap_out(self.kv_caches, scheduler_output.swap_out)
         self._copy_blocks(scheduler_output.block_copies)
         self.swap_pool.swap_in(self.kv_caches, scheduler_output.swap_in)
-        if scheduler_output.is_empty:
-            return ModelRunnerOutput()
-        batch = self._prepare(scheduler_output)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, self.attention)
-        output = ModelRunnerOutput()
-        self._sample(batch, hidden, output)
-        self._prompt_logprobs(batch, hidden, output)
+        if not scheduler_output.is_empty:
+            batch = self._prepare(scheduler_output)
+            prepared = time.perf_counter()
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, self.attention)
+            forwarded = time.perf_counter()
+            self._sample(batch, hidden, output)
+            self._prompt_logprobs(batch, hidden, output)
+            output.timings = {
+                "input preparation": prepared - started,
+                "forward": forwarded - prepared,
+                "sampling": time.perf_counter() - forwarded,
+            }
+        output.elapsed_s = time.perf_counter() - started
         return output
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -125,3 +126,27 @@ def test_bench_throughput_against_contiguous_kv(tiny_model_dir, capsys):
     # 32 blocks hold 4 reservations of 128 tokens but all 8 paged requests (2 blocks each).
     assert float(paged[8]) > float(contiguous[8])
     assert float(contiguous[8]) <= 4
+
+
+def test_bench_throughput_mixed_workload_reports_the_step_split(tiny_model_dir, capsys):
+    main([
+        "bench", "throughput", "--model", tiny_model_dir("llama"), "--dataset", "mixed", "--num-prompts", "6",
+        "--baseline", "hf", "--hf-batch-size", "2", "3", "--num-kv-blocks", "128",
+    ])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| hf generate")]
+    assert len(rows) == 2 and "1.00x" in "".join(rows)  # the best HF batch size is the baseline
+    split = next(line for line in out.splitlines() if line.startswith("pagedllm step time:"))
+    shares = [float(x) for x in re.findall(r"([\d.]+)%", split)]
+    assert len(shares) == 4 and abs(sum(shares) - 100) < 0.5
+
+
+def test_bench_attention_and_roofline_print_tables(tiny_model_dir, capsys):
+    main(["bench", "attention", "--batch", "2", "--context", "40"])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 | 40 |"))
+    assert row.count("|") == 7
+    main(["bench", "roofline", "--model", tiny_model_dir("llama"), "--batch-size", "4", "--prompt-len", "8",
+          "--decode-tokens", "4", "--num-kv-blocks", "32"])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| float32 | 4 |"))
+    gflops, bound, measured = (float(c) for c in [c.strip() for c in row.strip("|").split("|")][2:5])
+    assert gflops > 0 and bound > 0 and measured > 0

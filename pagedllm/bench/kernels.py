@@ -1,0 +1,100 @@
+"""`pagedllm bench attention` and `pagedllm bench roofline`: the kernels against the machine.
+
+attention: paged decode (the C++ kernel, and the PyTorch gather path) against
+contiguous ``scaled_dot_product_attention`` on the same shapes.
+roofline: matmul throughput on the model's own projection shapes, the decode
+rate it allows, and the engine's measured decode rate at the same batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.attention.cpu_kernel import load_cpu_kernel
+from pagedllm.attention.torch_paged import TorchPagedAttention
+
+
+def _time(fn: Callable[[], object], repeats: int) -> float:
+    """Best-of-``repeats`` seconds of one call (after a warm-up): the least noisy figure."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.inference_mode()
+def attention_rows(batches: list[int], contexts: list[int], num_heads: int = 9, num_kv_heads: int = 3,
+                   head_dim: int = 64, block_size: int = 16, repeats: int = 5) -> list[dict]:
+    """Per (batch, context): ms per decode call for each implementation."""
+    kernel = load_cpu_kernel()
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            blocks_per_seq = -(-context // block_size)
+            num_blocks = batch * blocks_per_seq
+            key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+            value_cache = torch.randn_like(key_cache)
+            tables = torch.randperm(num_blocks).view(batch, blocks_per_seq)  # scattered, as in a real pool
+            query = torch.randn(batch, num_heads, head_dim)
+            empty = torch.zeros(0, num_kv_heads, head_dim)
+            metadata = AttentionMetadata(torch.zeros(0, dtype=torch.long), batch, tables,
+                                         torch.full((batch,), context), [])
+            keys = torch.randn(batch, num_kv_heads, context, head_dim)
+            values = torch.randn_like(keys)
+            row = {"batch": batch, "context": context}
+            row["contiguous_sdpa_ms"] = 1e3 * _time(lambda: F.scaled_dot_product_attention(
+                query.unsqueeze(2), keys, values, enable_gqa=True), repeats)
+            for name, backend in (("paged_cpp_ms", TorchPagedAttention(kernel) if kernel else None),
+                                  ("paged_pytorch_ms", TorchPagedAttention())):
+                if backend is not None:
+                    row[name] = 1e3 * _time(lambda: backend.forward(
+                        query, empty, empty, key_cache, value_cache, metadata, head_dim**-0.5), repeats)
+            rows.append(row)
+    return rows
+
+
+def format_attention(rows: list[dict]) -> str:
+    lines = ["| batch | context | contiguous SDPA (ms) | paged C++ (ms) | paged PyTorch (ms) | C++ / SDPA |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        cpp, sdpa = r.get("paged_cpp_ms"), r["contiguous_sdpa_ms"]
+        cpp_ms = "-" if cpp is None else f"{cpp:.3f}"
+        ratio = "-" if cpp is None else f"{cpp / sdpa:.2f}x"
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {sdpa:.3f} | {cpp_ms} | {r['paged_pytorch_ms']:.3f} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def projection_shapes(config) -> list[tuple[int, int, int]]:
+    """(in, out, count) of every matmul one decoded token goes through."""
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    return [
+        (hidden, (heads + 2 * kv_heads) * head_dim, layers),
+        (heads * head_dim, hidden, layers),
+        (hidden, 2 * inter, layers),
+        (inter, hidden, layers),
+        (hidden, config.vocab_size, 1),
+    ]
+
+
+@torch.inference_mode()
+def matmul_roofline(config, rows: int, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
+    """(GFLOP/s over the model's shapes at ``rows`` rows, decode tokens/s that allows)."""
+    seconds = flops = 0.0
+    for fan_in, fan_out, count in projection_shapes(config):
+        x = torch.randn(rows, fan_in, dtype=dtype)
+        w = torch.randn(fan_out, fan_in, dtype=dtype)
+        seconds += count * _time(lambda: F.linear(x, w), repeats)
+        flops += count * 2 * rows * fan_in * fan_out
+    return flops / seconds / 1e9, rows / seconds
