@@ -22,10 +22,11 @@ class PreemptionResult:
 
 
 def pool_for(num_requests: int, prompt_len: int, output_len: int, block_size: int) -> int:
-    """A quarter of what the whole batch needs at its peak (never less than one request
-    plus a block): enough to make progress, small enough to force preemption."""
+    """Two prompts plus one request's growth: two requests fit at admission but not at
+    their full length, so decoding always runs out of blocks and someone is preempted."""
     per_request = math.ceil((prompt_len + output_len) / block_size)
-    return max(per_request + 1, num_requests * per_request // 4)
+    prompt_blocks = math.ceil(prompt_len / block_size)
+    return max(per_request + 1, 2 * prompt_blocks + per_request - prompt_blocks - 1)
 
 
 def run(make_llm, prompt_len: int, output_len: int, num_requests: int, mode: str, block_size: int) -> PreemptionResult:

@@ -213,8 +213,8 @@ def cmd_bench_preemption(args: argparse.Namespace) -> None:
         record(
             args,
             f"Machine: {machine_description()}. {args.num_prompts} requests of random tokens, "
-            f"{args.output_len} output tokens each, submitted at once; prefix caching off; the pool holds a "
-            f"quarter of the batch's peak need.",
+            f"{args.output_len} output tokens each, submitted at once; prefix caching off; the pool holds "
+            f"two prompts but not two whole requests.",
             table,
         )
 
