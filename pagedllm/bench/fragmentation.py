@@ -57,17 +57,15 @@ Metrics (per layout)
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import random
-import shlex
-import sys
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pagedllm.bench.record import append_result
 from pagedllm.core.contiguous import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
 
@@ -699,16 +697,7 @@ def main(args: argparse.Namespace) -> None:
     if args.plot:
         write_plots(report, args.plot)
     if args.record:
-        _record(args, describe(report, trace_name), tables)
-
-
-def _record(args: argparse.Namespace, preamble: str, tables: str) -> None:
-    """Append a section with the date, the command, ``preamble`` and ``tables`` to ``args.record``."""
-    argv = getattr(args, "argv", None)
-    argv = sys.argv[1:] if argv is None else argv
-    command = "pagedllm " + " ".join(shlex.quote(a) for a in argv)
-    with open(args.record, "a", encoding="utf-8") as f:
-        f.write(f"\n### {datetime.date.today().isoformat()}: `{command}`\n\n{preamble}\n\n{tables}\n")
+        append_result(args.record, getattr(args, "argv", None), describe(report, trace_name), tables)
 
 
 def _positive_int(text: str) -> int:

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import math
 import random
-import shlex
 import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
+from pagedllm.bench.record import append_result
 from pagedllm.bench.throughput import BenchRequest, load_requests, random_requests
 
 # Enough failure messages to tell what went wrong without flooding the report.
@@ -478,15 +477,6 @@ def _print_failures(result: ServeResult) -> None:
             print(f"  {error}", file=sys.stderr)
 
 
-def _record(args: argparse.Namespace, preamble: str, table: str) -> None:
-    """Append a section with the date, the command, ``preamble`` and ``table`` to ``args.record``."""
-    argv = getattr(args, "argv", None)
-    argv = sys.argv[1:] if argv is None else argv
-    command = "pagedllm " + " ".join(shlex.quote(a) for a in argv)
-    with open(args.record, "a", encoding="utf-8") as f:
-        f.write(f"\n### {datetime.date.today().isoformat()}: `{command}`\n\n{preamble}\n\n{table}\n")
-
-
 def main(args: argparse.Namespace) -> str:
     """Run one benchmark per ``--request-rate`` on the same requests, print the table (failures go
     to stderr), append it to ``--record`` when given, and return it."""
@@ -505,8 +495,9 @@ def main(args: argparse.Namespace) -> str:
     print(table)
     if args.record:
         concurrency = args.max_concurrency or "unlimited"
-        _record(
-            args,
+        append_result(
+            args.record,
+            getattr(args, "argv", None),
             f"Server {args.base_url}, model {model}. {description}; Poisson arrivals (seed {args.seed}), "
             f"max concurrency {concurrency}. Percentiles are nearest-rank over completed requests.",
             table,

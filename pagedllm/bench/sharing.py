@@ -56,7 +56,7 @@ def measure(make_llm, prompt_len: int, output_len: int, ns: list[int], widths: l
 
 def format_table(rows: list[SharingRow], block_size: int) -> str:
     lines = [
-        f"| workload | peak blocks, sharing | peak blocks, no sharing | saving | no sharing / sharing |",
+        "| workload | peak blocks, sharing | peak blocks, no sharing | saving | no sharing / sharing |",
         "|---|---|---|---|---|",
     ]
     for r in rows:

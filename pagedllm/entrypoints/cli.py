@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime
-import shlex
 import sys
 
 from pagedllm.sampling_params import SamplingParams
@@ -267,10 +265,9 @@ def cmd_bench_roofline(args: argparse.Namespace) -> None:
 
 
 def record(args: argparse.Namespace, preamble: str, table: str) -> None:
-    """Append a result table, with the command that made it, to ``args.record``."""
-    command = "pagedllm " + " ".join(shlex.quote(a) for a in args.argv)
-    with open(args.record, "a", encoding="utf-8") as f:
-        f.write(f"\n### {datetime.date.today().isoformat()}: `{command}`\n\n{preamble}\n\n{table}\n")
+    from pagedllm.bench.record import append_result
+
+    append_result(args.record, args.argv, preamble, table)
 
 
 def build_parser() -> argparse.ArgumentParser:
