@@ -92,25 +92,25 @@ class Sampler:
         The caller's tensor is never modified in place.
         """
         _check_batch(logits, metadata)
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
         token_ids = _sample(_process_logits(logits, metadata, self.eos_token_ids), metadata)
 
-        sampled_logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
+        # The sampled token's raw logprob is logit - logsumexp: one reduction, no
+        # full [rows, vocab] log_softmax unless some row asked for top-k logprobs.
+        sampled = token_ids.tolist()
+        sampled_logprobs = (logits.gather(1, token_ids[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)).tolist()
         logprobs: list[PositionLogprobs | None] = [None] * len(metadata.params)
         rows = [i for i, p in enumerate(metadata.params) if p.logprobs is not None]
         if rows:
             entries = _position_logprobs(
-                _take_rows(raw_logprobs, rows),
+                torch.log_softmax(_take_rows(logits, rows), dim=-1),
                 _take_rows(token_ids, rows),
                 [metadata.params[i].logprobs for i in rows],
             )
             for row, entry in zip(rows, entries):
                 logprobs[row] = entry
-        return SamplerOutput(
-            sampled_token_ids=token_ids.tolist(),
-            sampled_logprobs=sampled_logprobs.tolist(),
-            logprobs=logprobs,
-        )
+                # One value per token: the reported entry and the cumulative sum agree exactly.
+                sampled_logprobs[row] = entry[sampled[row]].logprob
+        return SamplerOutput(sampled_token_ids=sampled, sampled_logprobs=sampled_logprobs, logprobs=logprobs)
 
 
 def compute_prompt_logprobs(
