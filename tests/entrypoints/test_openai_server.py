@@ -146,6 +146,7 @@ def test_api_key_is_enforced_but_health_is_open(server):
     assert httpx.post(f"{server}/v1/completions", json={"prompt": "hi"}).status_code == 401
     assert httpx.get(f"{server}/health").status_code == 200
     assert [m.id for m in client(server).models.list().data] == [MODEL]
+    wait_until_idle(server)
 
 
 def test_tenants_never_share_prefix_blocks(server):
@@ -159,6 +160,7 @@ def test_tenants_never_share_prefix_blocks(server):
         usage.setdefault(key, []).append(response.usage.prompt_tokens_details.cached_tokens)
     assert usage["key-beta"] == [0]
     assert usage["key-alpha"][0] == 0 and usage["key-alpha"][1] > 0
+    wait_until_idle(server)
 
 
 def test_tokenize_and_detokenize(server):
@@ -167,6 +169,7 @@ def test_tokenize_and_detokenize(server):
     assert tokens["count"] == len(tokens["tokens"]) == 2
     text = httpx.post(f"{server}/detokenize", json={"tokens": tokens["tokens"]}, headers=headers).json()
     assert text["prompt"] == "Hello world"
+    wait_until_idle(server)
 
 
 def test_32_streaming_clients_with_8_disconnects(server):
