@@ -7,6 +7,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from pagedllm.bench.throughput import token_range
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -34,7 +35,7 @@ def shared_prompt_workload(
 ) -> list[list[int]]:
     """One system prompt shared by every request, then a unique question."""
     rng = random.Random(seed)
-    low, high = min(100, vocab_size // 4), vocab_size - min(100, vocab_size // 4)
+    low, high = token_range(vocab_size)
     system = [rng.randrange(low, high) for _ in range(system_len)]
     return [
         system + [rng.randrange(low, high) for _ in range(rng.randint(*question_len))] for _ in range(num_requests)

@@ -42,10 +42,16 @@ class BenchResult:
         return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
 
 
+def token_range(vocab_size: int) -> tuple[int, int]:
+    """Token ids random prompts draw from: clear of the special tokens at both ends of the vocabulary."""
+    margin = min(100, vocab_size // 4)
+    return margin, vocab_size - margin
+
+
 def random_requests(num: int, input_len: int, output_len: int, vocab_size: int, seed: int = 0) -> list[BenchRequest]:
     """Random token ids (clear of the special tokens at the ends of the vocabulary)."""
     rng = random.Random(seed)
-    low, high = min(100, vocab_size // 4), vocab_size - min(100, vocab_size // 4)
+    low, high = token_range(vocab_size)
     return [BenchRequest([rng.randrange(low, high) for _ in range(input_len)], output_len) for _ in range(num)]
 
 
@@ -54,7 +60,7 @@ def mixed_requests(num: int, vocab_size: int, seed: int = 0,
     """Issue 8's mixed workload: prompt and output lengths log-uniform over the ranges
     (most requests short, a few long; 64 requests give about 9k prompt and 5-6k output tokens)."""
     rng = random.Random(seed)
-    low, high = min(100, vocab_size // 4), vocab_size - min(100, vocab_size // 4)
+    low, high = token_range(vocab_size)
 
     def log_uniform(bounds: tuple[int, int]) -> int:
         return round(math.exp(rng.uniform(math.log(bounds[0]), math.log(bounds[1]))))

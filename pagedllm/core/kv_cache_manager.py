@@ -206,6 +206,7 @@ class KVCacheManager:
         to_host = dict(zip((block.block_id for block in private), host_blocks))
         self.swapped_tables[request_id] = [to_host.get(block.block_id, block) for block in blocks]
         del self.req_to_blocks[request_id]
+        # Swapped-in copies come back unhashed: registration restarts from block 0.
         self.num_registered_blocks.pop(request_id, None)
         self.block_pool.free_blocks(reversed(private))
         self.num_swap_out_blocks += len(private)

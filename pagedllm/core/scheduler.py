@@ -202,7 +202,6 @@ class Scheduler:
                     return
                 output.swap_in.extend(kv.swap_in(request.request_id))
                 self.num_swapped -= 1
-                kv.num_registered_blocks[request.request_id] = 0  # swapped-in copies are not hashed yet
                 copies = kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
             else:
                 computed_blocks, num_cached = kv.get_computed_blocks(request)
