@@ -57,23 +57,28 @@ class TorchPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         write_to_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
-        output = torch.empty_like(query)
         num_decodes = metadata.num_decodes
+        if not metadata.prefills:
+            # A pure decode step: the decode output is the whole output, no copy.
+            return self._decode(query, key_cache, value_cache, metadata, scale)
+        output = torch.empty_like(query)
         if num_decodes:
-            if self.cpu_kernel is not None and query.device.type == "cpu":
-                output[:num_decodes] = self.cpu_kernel.paged_decode_attention(
-                    query[:num_decodes].contiguous(), key_cache, value_cache,
-                    metadata.decode_block_tables, metadata.decode_context_lens, scale,
-                )
-            else:
-                output[:num_decodes] = self._decode(query[:num_decodes], key_cache, value_cache, metadata, scale)
+            output[:num_decodes] = self._decode(query[:num_decodes], key_cache, value_cache, metadata, scale)
         for span in metadata.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
             output[rows] = self._prefill(query[rows], key[rows], value[rows], key_cache, value_cache, span, scale)
         return output
 
+    def _decode(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.cpu_kernel is not None and query.device.type == "cpu":
+            return self.cpu_kernel.paged_decode_attention(
+                query.contiguous(), key_cache, value_cache,
+                metadata.decode_block_tables, metadata.decode_context_lens, scale,
+            )
+        return self._gather_decode(query, key_cache, value_cache, metadata, scale)
+
     @staticmethod
-    def _decode(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _gather_decode(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         block_tables = metadata.decode_block_tables
         keys = gather_from_cache(key_cache, block_tables)
         values = gather_from_cache(value_cache, block_tables)

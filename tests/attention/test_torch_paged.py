@@ -168,3 +168,35 @@ def test_cpp_decode_kernel_handles_bfloat16(backend):
             scale=SCALE, enable_gqa=True,
         ).view(NUM_HEADS, HEAD_DIM)
         torch.testing.assert_close(out[i].float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("lens", [[700], [1, 700], [5, 17, 64, 300], [40] * 9])
+def test_decode_kernel_splits_and_head_sizes_match_sdpa(backend, head_dim, lens):
+    """Short batches split each context into partitions that are merged after;
+    long batches take one task per sequence; head sizes 64 and 128 have their
+    own compiled paths. All must equal SDPA over the sequence's own K/V,
+    including partitions left empty by a short sequence."""
+    torch.manual_seed(len(lens) + head_dim)
+    block_size = 16
+    tables, num_blocks = random_tables(lens, block_size, random.Random(head_dim))
+    key_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, head_dim)
+    value_cache = torch.randn_like(key_cache)
+    q = torch.randn(len(lens), NUM_HEADS, head_dim)
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lens),
+        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        decode_context_lens=torch.tensor(lens), prefills=[],
+    )
+    empty = torch.zeros(0, NUM_KV_HEADS, head_dim)
+    out = backend.forward(q, empty, empty, key_cache, value_cache, meta, head_dim**-0.5)
+    for i, (table, n) in enumerate(zip(tables, lens)):
+        slots = torch.tensor(slots_of(table, range(n), block_size))
+        k = key_cache.view(-1, NUM_KV_HEADS, head_dim)[slots]
+        v = value_cache.view(-1, NUM_KV_HEADS, head_dim)[slots]
+        expected = F.scaled_dot_product_attention(
+            q[i].view(1, NUM_HEADS, 1, head_dim), k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            scale=head_dim**-0.5, enable_gqa=True,
+        ).view(NUM_HEADS, head_dim)
+        torch.testing.assert_close(out[i], expected, atol=1e-4, rtol=1e-4)

@@ -1,13 +1,19 @@
 // Paged decode attention for CPUs: one new query token per sequence attends to
 // its context straight through the block table. Nothing is gathered into a
-// padded copy: each (sequence, KV head) task walks its own blocks, so the work
-// and the memory read are exactly the sequence's tokens.
+// padded copy: each task walks its sequence's blocks once, so the work and the
+// memory read are exactly the sequence's tokens.
 //
 // Shapes: query [B, H, D]; key_cache / value_cache [num_blocks, block_size,
 // H_kv, D] (block-major, contiguous); block_tables [B, max_blocks] int64;
 // context_lens [B] int64. Query head h reads KV head h / (H / H_kv).
-// Scores, softmax and the weighted sum are accumulated in fp32 whatever the
-// storage dtype.
+//
+// One pass per task with an online softmax (as flash-decoding does): for each
+// block, score its tokens for every query head, rescale the running sums to
+// the new maximum, then accumulate that block's values while they are still in
+// cache. K and V are each read exactly once, the next block is prefetched
+// (blocks are scattered, so the hardware cannot guess it), and the scratch is
+// O(heads * (block_size + head_dim)) instead of O(context). Everything is
+// accumulated in fp32 whatever the storage dtype.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -18,48 +24,121 @@
 
 namespace {
 
-template <typename scalar_t>
-void decode_task(const scalar_t* query, const scalar_t* key_cache, const scalar_t* value_cache,
-                 const int64_t* table, int64_t context_len, scalar_t* out, int64_t block_size,
-                 int64_t num_kv_heads, int64_t head_dim, int64_t group, int64_t kv_head, float scale,
-                 std::vector<float>& scores, std::vector<float>& q, std::vector<float>& acc) {
-  const int64_t token_stride = num_kv_heads * head_dim;
-  scores.assign(group * context_len, 0.0f);
-  q.resize(group * head_dim);
-  acc.assign(group * head_dim, 0.0f);
-  for (int64_t g = 0; g < group * head_dim; ++g) q[g] = static_cast<float>(query[g]);
+struct Scratch {
+  std::vector<float> q, scores;
+};
 
-  for (int64_t t = 0; t < context_len; ++t) {
-    const int64_t slot = table[t / block_size] * block_size + t % block_size;
-    const scalar_t* k = key_cache + slot * token_stride + kv_head * head_dim;
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q.data() + g * head_dim;
-      float dot = 0.0f;
-      for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(k[d]);
-      scores[g * context_len + t] = dot * scale;
+// Views into the per-task partial results: [rows], [rows], [rows * head_dim].
+struct Partial {
+  float* max;
+  float* sum;
+  float* acc;
+};
+
+template <typename scalar_t>
+inline float dot(const float* __restrict q, const scalar_t* __restrict k, int64_t head_dim) {
+  float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t d = 0; d < head_dim; ++d) total += q[d] * static_cast<float>(k[d]);
+  return total;
+}
+
+template <typename scalar_t>
+inline void axpy(float w, const scalar_t* __restrict v, float* __restrict acc, int64_t head_dim) {
+#pragma omp simd
+  for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * static_cast<float>(v[d]);
+}
+
+// One task: all H query heads of one sequence over the blocks [block_begin,
+// block_end) of its table. Taking every KV head at once makes each block one
+// contiguous read (block_size * H_kv * D elements). The task leaves its
+// unnormalised partial result in ``part``: per query head the running max, the
+// running sum and the weighted value sum, which combine() merges across tasks.
+// kHeadDim > 0 fixes the head size at compile time (fully unrolled dot products
+// for the common 64 and 128); 0 reads it from ``runtime_head_dim``.
+template <typename scalar_t, int64_t kHeadDim>
+void decode_task(const scalar_t* query, const scalar_t* key_cache, const scalar_t* value_cache,
+                 const int64_t* table, int64_t block_begin, int64_t block_end, int64_t context_len,
+                 int64_t block_size, int64_t num_kv_heads, int64_t runtime_head_dim, int64_t group, float scale,
+                 Scratch& s, Partial part) {
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
+  const int64_t rows = num_kv_heads * group;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  s.q.resize(rows * head_dim);
+  s.scores.resize(rows * block_size);
+  std::fill(part.acc, part.acc + rows * head_dim, 0.0f);
+  std::fill(part.max, part.max + rows, -std::numeric_limits<float>::infinity());
+  std::fill(part.sum, part.sum + rows, 0.0f);
+  // Fold the softmax scale into q once instead of into every score.
+  for (int64_t i = 0; i < rows * head_dim; ++i) s.q[i] = static_cast<float>(query[i]) * scale;
+
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    const int64_t first_slot = table[b] * block_size;
+    const int64_t n = std::min(block_size, context_len - b * block_size);
+    const scalar_t* k_block = key_cache + first_slot * token_stride;
+    const scalar_t* v_block = value_cache + first_slot * token_stride;
+    if (b + 1 < block_end) {
+      // Blocks are scattered over the pool, so the hardware prefetcher cannot
+      // guess the next one: ask for it while this one is being scored.
+      const int64_t next_slot = table[b + 1] * block_size;
+      const char* k_next = reinterpret_cast<const char*>(key_cache + next_slot * token_stride);
+      const char* v_next = reinterpret_cast<const char*>(value_cache + next_slot * token_stride);
+      const int64_t block_bytes = block_size * token_stride * static_cast<int64_t>(sizeof(scalar_t));
+      for (int64_t byte = 0; byte < block_bytes; byte += 64) {
+        __builtin_prefetch(k_next + byte);
+        __builtin_prefetch(v_next + byte);
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const scalar_t* k = k_block + t * token_stride;
+      for (int64_t r = 0; r < rows; ++r)
+        s.scores[r * block_size + t] = dot(s.q.data() + r * head_dim, k + (r / group) * head_dim, head_dim);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* scores = s.scores.data() + r * block_size;
+      const float block_max = *std::max_element(scores, scores + n);
+      const float new_max = std::max(part.max[r], block_max);
+      // exp(-inf) = 0 on the first block, so the empty running sums stay empty.
+      const float correction = std::exp(part.max[r] - new_max);
+      float block_sum = 0.0f;
+      for (int64_t t = 0; t < n; ++t) {
+        scores[t] = std::exp(scores[t] - new_max);
+        block_sum += scores[t];
+      }
+      part.sum[r] = part.sum[r] * correction + block_sum;
+      part.max[r] = new_max;
+      if (correction != 1.0f) {
+        float* acc = part.acc + r * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const scalar_t* v = v_block + t * token_stride;
+      for (int64_t r = 0; r < rows; ++r)
+        axpy(s.scores[r * block_size + t], v + (r / group) * head_dim, part.acc + r * head_dim, head_dim);
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores.data() + g * context_len;
-    const float peak = *std::max_element(s, s + context_len);
+}
+
+// Merge a sequence's partial results (one per context partition) into its output:
+// rescale each partition to the global max, then divide by the global sum.
+template <typename scalar_t>
+void combine(const Partial* parts, int64_t num_parts, int64_t rows, int64_t head_dim, scalar_t* out) {
+  std::vector<float> acc(head_dim);
+  for (int64_t r = 0; r < rows; ++r) {
+    float global_max = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < num_parts; ++p) global_max = std::max(global_max, parts[p].max[r]);
     float total = 0.0f;
-    for (int64_t t = 0; t < context_len; ++t) {
-      s[t] = std::exp(s[t] - peak);
-      total += s[t];
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t p = 0; p < num_parts; ++p) {
+      if (parts[p].sum[r] == 0.0f) continue;  // an empty partition
+      const float weight = std::exp(parts[p].max[r] - global_max);
+      total += parts[p].sum[r] * weight;
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] += parts[p].acc[r * head_dim + d] * weight;
     }
     const float inv = 1.0f / total;
-    for (int64_t t = 0; t < context_len; ++t) s[t] *= inv;
+    for (int64_t d = 0; d < head_dim; ++d) out[r * head_dim + d] = static_cast<scalar_t>(acc[d] * inv);
   }
-  for (int64_t t = 0; t < context_len; ++t) {
-    const int64_t slot = table[t / block_size] * block_size + t % block_size;
-    const scalar_t* v = value_cache + slot * token_stride + kv_head * head_dim;
-    for (int64_t g = 0; g < group; ++g) {
-      const float w = scores[g * context_len + t];
-      float* a = acc.data() + g * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) a[d] += w * static_cast<float>(v[d]);
-    }
-  }
-  for (int64_t g = 0; g < group * head_dim; ++g) out[g] = static_cast<scalar_t>(acc[g]);
 }
 
 }  // namespace
@@ -78,22 +157,47 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   auto lens = context_lens.contiguous();
   auto out = torch::empty_like(query);
   const int64_t max_blocks = tables.size(1);
+  const int64_t* bt = tables.data_ptr<int64_t>();
+  const int64_t* cl = lens.data_ptr<int64_t>();
+
+  // A task per sequence keeps each block's read contiguous. With fewer
+  // sequences than twice the threads, each sequence's blocks are also split
+  // into partitions (flash-decoding) so every core has work.
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts_per_seq = batch >= 2 * threads ? 1 : std::min<int64_t>(max_blocks, (2 * threads + batch - 1) / batch);
+  const int64_t blocks_per_part = (max_blocks + parts_per_seq - 1) / parts_per_seq;
+  const int64_t state = num_heads * (head_dim + 2);
+  std::vector<float> partial_state(batch * parts_per_seq * state);
+  std::vector<Partial> parts(batch * parts_per_seq);
+  for (int64_t i = 0; i < batch * parts_per_seq; ++i) {
+    float* base = partial_state.data() + i * state;
+    parts[i] = Partial{base, base + num_heads, base + 2 * num_heads};
+  }
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     const scalar_t* q = query.data_ptr<scalar_t>();
     const scalar_t* kc = key_cache.data_ptr<scalar_t>();
     const scalar_t* vc = value_cache.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    const int64_t* bt = tables.data_ptr<int64_t>();
-    const int64_t* cl = lens.data_ptr<int64_t>();
-    at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, qbuf, acc;
+    auto run_task = head_dim == 64    ? decode_task<scalar_t, 64>
+                    : head_dim == 128 ? decode_task<scalar_t, 128>
+                                      : decode_task<scalar_t, 0>;
+    at::parallel_for(0, batch * parts_per_seq, 1, [&](int64_t begin, int64_t end) {
+      Scratch scratch;
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / num_kv_heads, kv_head = task % num_kv_heads;
-        const int64_t offset = (b * num_heads + kv_head * group) * head_dim;
-        decode_task<scalar_t>(q + offset, kc, vc, bt + b * max_blocks, cl[b], o + offset, block_size,
-                              num_kv_heads, head_dim, group, kv_head, static_cast<float>(scale), scores, qbuf, acc);
+        const int64_t b = task / parts_per_seq, part = task % parts_per_seq;
+        const int64_t seq_blocks = (cl[b] + block_size - 1) / block_size;
+        const int64_t block_begin = std::min(seq_blocks, part * blocks_per_part);
+        const int64_t block_end = std::min(seq_blocks, block_begin + blocks_per_part);
+        run_task(q + b * num_heads * head_dim, kc, vc, bt + b * max_blocks, block_begin, block_end,
+                              cl[b], block_size, num_kv_heads, head_dim, group, static_cast<float>(scale), scratch,
+                              parts[task]);
       }
+    });
+    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b)
+        combine<scalar_t>(parts.data() + b * parts_per_seq, parts_per_seq, num_heads, head_dim,
+                          o + b * num_heads * head_dim);
     });
   });
   return out;
