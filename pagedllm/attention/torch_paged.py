@@ -38,7 +38,7 @@ def gather_from_cache(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.
 class TorchPagedAttention:
     """The CPU / portable :class:`~pagedllm.attention.backend.AttentionBackend`.
 
-    With ``cpu_kernel`` (the compiled module from ``cpu_kernel.load_cpu_kernel``)
+    With ``cpu_kernel`` (the compiled module from ``pagedllm.kernels.cpu.load_cpu_kernels``)
     decodes read K/V straight through the block tables in C++ instead of
     gathering a padded copy; prefill spans always use PyTorch.
     """

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionMetadata
-from pagedllm.attention.cpu_kernel import load_cpu_kernel
+from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.attention.torch_paged import TorchPagedAttention
 
 
@@ -34,7 +34,7 @@ def _time(fn: Callable[[], object], repeats: int) -> float:
 def attention_rows(batches: list[int], contexts: list[int], num_heads: int = 9, num_kv_heads: int = 3,
                    head_dim: int = 64, block_size: int = 16, repeats: int = 5) -> list[dict]:
     """Per (batch, context): ms per decode call for each implementation."""
-    kernel = load_cpu_kernel()
+    kernel = load_cpu_kernels()
     rows = []
     for batch in batches:
         for context in contexts:

@@ -141,6 +141,41 @@ def run_hf(model_path: str | None, requests: list[BenchRequest], batch_size: int
     )
 
 
+@torch.inference_mode()
+def run_hf_continuous(model_path: str | None, requests: list[BenchRequest], dtype: torch.dtype) -> BenchResult:
+    """Hugging Face's own continuous batching (``generate_batch``'s manager, paged
+    KV cache, sdpa). Each request keeps its own ``max_new_tokens`` and EOS is
+    off, so it generates exactly the tokens pagedllm does. The clock starts once
+    the manager is up (its set-up and warm-up are not counted)."""
+    from transformers import GenerationConfig
+
+    from pagedllm.bench.hf_reference import load_hf_model
+
+    model = load_hf_model(model_path, dtype)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in requests), eos_token_id=-1)
+    output_tokens = 0
+    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
+        start = time.perf_counter()
+        for r in requests:
+            manager.add_request(r.prompt_token_ids, max_new_tokens=r.max_tokens, eos_token_id=-1)
+        finished = 0
+        while finished < len(requests):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                finished += 1
+                output_tokens += len(result.generated_tokens)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("Hugging Face's continuous batching stopped before finishing the requests")
+        elapsed = time.perf_counter() - start
+    return BenchResult(
+        engine="hf generate_batch (continuous, paged)",
+        num_requests=len(requests),
+        prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
+        output_tokens=output_tokens,
+        elapsed_s=elapsed,
+    )
+
+
 def format_table(results: list[BenchResult]) -> str:
     """One row per engine; "vs baseline" divides by the best non-pagedllm row (or the last row)."""
     baselines = [r for r in results if not r.engine.startswith("pagedllm")] or results[-1:]
@@ -159,6 +194,28 @@ def format_table(results: list[BenchResult]) -> str:
             line += f" {r.total_tokens_per_s / base.total_tokens_per_s:.2f}x |"
         lines.append(line)
     return "\n".join(lines)
+
+
+def format_ratios(results: list[BenchResult]) -> str:
+    """pagedllm's total tokens/s over each kind of baseline: the best static
+    ``generate`` batch size, and Hugging Face's continuous batching when run."""
+    ours, others = results[0], results[1:]
+    kinds = {
+        "Hugging Face `generate` (best batch size)": [r for r in others if r.engine.startswith("hf generate (")],
+        "Hugging Face continuous batching (`generate_batch`)": [r for r in others if "generate_batch" in r.engine],
+    }
+    lines = []
+    for kind, rows in kinds.items():
+        if rows:
+            best = max(rows, key=lambda r: r.total_tokens_per_s)
+            lines.append(f"{ours.engine} vs {kind}: **{ours.total_tokens_per_s / best.total_tokens_per_s:.2f}x**")
+    return "\n".join(lines)
+
+
+def hf_has_continuous_batching() -> bool:
+    from transformers import GenerationMixin
+
+    return hasattr(GenerationMixin, "generate_batch")
 
 
 def format_step_split(timings: dict[str, float]) -> str:

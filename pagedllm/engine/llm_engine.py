@@ -7,6 +7,7 @@ reasons.
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from collections.abc import Sequence
@@ -93,6 +94,10 @@ class LLMEngine:
         self.num_scheduled_sequences = 0
         self.reset_step_timings()
         logger.info(self.capacity_line())
+        # The model, tokenizer and pools are long-lived: move them out of the
+        # garbage collector's view so its passes during generation stay short.
+        gc.collect()
+        gc.freeze()
 
     # ------------------------------------------------------------- set-up
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedllm.core.request import Request, RequestStatus, child_request_id
+from pagedllm.engine.detokenizer import DetokenizerState, detokenize_incrementally
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -21,6 +22,7 @@ class SequenceState:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    detokenizer: DetokenizerState = field(default_factory=DetokenizerState)
 
     def completion(self, index: int) -> CompletionOutput:
         return CompletionOutput(
@@ -134,10 +136,16 @@ class OutputProcessor:
     def _update_text(self, seq: SequenceState) -> None:
         request = seq.request
         params = request.sampling_params
-        seq.text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
-        if not request.is_finished:
+        new_text = detokenize_incrementally(self.tokenizer, request.output_token_ids, seq.detokenizer,
+                                            params.skip_special_tokens)
+        if seq.stop_reason is not None:
+            return  # already cut at a stop string; later tokens add nothing
+        seq.text = seq.detokenizer.text
+        if not request.is_finished and new_text:
             for stop in params.stop_strings:
-                index = seq.text.find(stop)
+                # Only a match that ends in the new text is new: search from
+                # where it could begin.
+                index = seq.text.find(stop, max(0, len(seq.text) - len(new_text) - len(stop) + 1))
                 if index != -1:
                     seq.text = seq.text[: index + len(stop) if params.include_stop_str_in_output else index]
                     seq.stop_reason = stop

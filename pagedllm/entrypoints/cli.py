@@ -135,7 +135,12 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
         for batch_size in args.hf_batch_size:
             results.append(bench.run_hf(args.model, requests, batch_size, dtype))
+        if bench.hf_has_continuous_batching():
+            results.append(bench.run_hf_continuous(args.model, requests, dtype))
     table = bench.format_table(results)
+    ratios = bench.format_ratios(results)
+    if ratios:
+        table += "\n\n" + ratios
     print(table)
     print(
         f"peak KV blocks in use: {stats['peak_blocks_in_use']} of {stats['num_blocks']}; preemptions: "

@@ -1,10 +1,18 @@
-"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, gated MLP."""
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, gated MLP.
+
+On CPU, RMSNorm (with the residual add) and the rotary embedding each run as
+one fused C++ op (``pagedllm.kernels``) when the kernels built; the PyTorch
+code next to them is the fallback and the reference, and both round to the
+storage dtype where Hugging Face does.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+
+from pagedllm.kernels.cpu import cpu_kernels_for
 
 
 class RMSNorm(nn.Module):
@@ -16,11 +24,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with ``residual``, first residual += x (in place) and return
+        (norm(residual), residual): the decoder's add-then-norm in one pass."""
+        kernels = cpu_kernels_for(x)
+        if kernels is not None:
+            return kernels.rms_norm(x, self.weight, self.eps, residual) if residual is None else (
+                kernels.rms_norm(x, self.weight, self.eps, residual), residual)
+        if residual is not None:
+            residual += x
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * x32.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -46,7 +65,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", emb.sin() * attention_scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, dim], k: [tokens, kv_heads, dim]; positions: [tokens]."""
+        """q: [tokens, heads, dim], k: [tokens, kv_heads, dim]; positions: [tokens].
+
+        The C++ path rotates q and k in place (they may be views of the fused
+        qkv output); the PyTorch path returns new tensors."""
+        kernels = cpu_kernels_for(q)
+        if kernels is not None:
+            kernels.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
+            return q, k
         cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

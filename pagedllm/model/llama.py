@@ -74,9 +74,22 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, kv_cache, metadata, backend) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata, backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, positions, hidden, residual: torch.Tensor | None, kv_cache, metadata, backend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before adding it).
+
+        The residual add is deferred into the next norm (add-then-norm in one
+        pass), so the stream is only summed where it is normalised: the same
+        additions, in the same dtype and order, as Hugging Face's layer."""
+        if residual is None:
+            residual = hidden  # the embedding output: a fresh tensor, safe to add into
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, metadata, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -137,9 +150,11 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, metadata, backend)
-        return self.model.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, backend)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

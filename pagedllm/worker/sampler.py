@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.kernels.cpu import cpu_kernels_for
 from pagedllm.outputs import Logprob, PositionLogprobs
 from pagedllm.sampling_params import SamplingParams
 
@@ -92,12 +93,16 @@ class Sampler:
         The caller's tensor is never modified in place.
         """
         _check_batch(logits, metadata)
-        token_ids = _sample(_process_logits(logits, metadata, self.eos_token_ids), metadata)
+        processed = _process_logits(logits, metadata, self.eos_token_ids)
+        greedy_ids, log_normalizer = _argmax_logsumexp(processed)
+        if processed is not logits:
+            log_normalizer = _argmax_logsumexp(logits)[1]
+        token_ids = _sample(processed, metadata, greedy_ids)
 
         # The sampled token's raw logprob is logit - logsumexp: one reduction, no
         # full [rows, vocab] log_softmax unless some row asked for top-k logprobs.
         sampled = token_ids.tolist()
-        sampled_logprobs = (logits.gather(1, token_ids[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)).tolist()
+        sampled_logprobs = (logits.gather(1, token_ids[:, None]).squeeze(1) - log_normalizer).tolist()
         logprobs: list[PositionLogprobs | None] = [None] * len(metadata.params)
         rows = [i for i, p in enumerate(metadata.params) if p.logprobs is not None]
         if rows:
@@ -300,14 +305,21 @@ def _min_tokens_mask(
 # ---------------------------------------------------------------------------
 
 
-def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """[num_rows] int64 token ids: argmax for greedy rows, a seeded draw for the others."""
+def _argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the first argmax and the logsumexp, in one C++ pass over the
+    logits on CPU (PyTorch needs two, and a [rows, vocab] temporary)."""
+    kernels = cpu_kernels_for(logits)
+    if kernels is not None:
+        return kernels.argmax_logsumexp(logits)
+    return logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)
+
+
+def _sample(logits: torch.Tensor, metadata: SamplingMetadata, greedy_ids: torch.Tensor) -> torch.Tensor:
+    """[num_rows] int64 token ids: ``greedy_ids`` (the argmax of ``logits``,
+    overwritten here) for greedy rows, a seeded draw for the others."""
     params = metadata.params
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    if len(random_rows) < len(params):
-        token_ids = logits.argmax(dim=-1)
-    else:
-        token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
+    token_ids = greedy_ids
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)
         token_ids[index] = _sample_random(

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
-from pagedllm.attention.cpu_kernel import load_cpu_kernel
+from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.attention.torch_paged import TorchPagedAttention
 
-KERNEL = load_cpu_kernel()
+KERNEL = load_cpu_kernels()
 BACKENDS = {"pytorch": TorchPagedAttention(), "cpp": TorchPagedAttention(KERNEL)}
 
 

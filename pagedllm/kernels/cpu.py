@@ -1,0 +1,60 @@
+"""The C++ CPU kernels, compiled on first use.
+
+``torch.utils.cpp_extension`` builds ``csrc/*.cpp`` with the machine's compiler
+for the machine's own instruction set (cached under
+``~/.cache/torch_extensions``, so only the first engine start pays the ~1 minute
+build). If anything goes wrong (no compiler, no ninja) the engine logs a
+warning and every caller keeps its pure-PyTorch path; ``PAGEDLLM_CPU_KERNEL=0``
+turns the kernels off.
+
+The module provides: ``paged_decode_attention`` (paged_decode.cpp),
+``rms_norm``, ``rotary_embedding`` (layer_ops.cpp) and
+``argmax_logsumexp`` (sampling_ops.cpp).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from pagedllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ["bindings.cpp", "paged_decode.cpp", "layer_ops.cpp", "sampling_ops.cpp"]
+
+
+@functools.cache
+def load_cpu_kernels():
+    """The compiled module, or None when unavailable (callers then use PyTorch)."""
+    if os.environ.get("PAGEDLLM_CPU_KERNEL", "1") == "0":
+        return None
+    # The venv's ninja is found even when the venv is not activated.
+    if shutil.which("ninja") is None:
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name="pagedllm_cpu_kernels",
+            sources=[str(_CSRC / name) for name in _SOURCES],
+            # Fast math lets reductions vectorize; inf/NaN semantics stay, since
+            # masked logits and empty softmax sums rely on -inf.
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # any build problem: fall back, never fail the engine
+        logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch paths", exc)
+        return None
+
+
+def cpu_kernels_for(tensor: torch.Tensor):
+    """The compiled module when ``tensor`` lives on the CPU and the build succeeded, else None."""
+    return load_cpu_kernels() if tensor.is_cpu else None

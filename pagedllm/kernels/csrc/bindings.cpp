@@ -1,0 +1,9 @@
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding the residual in place first (CPU)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
+  m.def("rotary_embedding", &rotary_embedding, "Rotate query and key in place (NeoX layout, CPU)");
+  m.def("argmax_logsumexp", &argmax_logsumexp, "Per-row first argmax and logsumexp of fp32 logits (CPU)");
+}

@@ -1,0 +1,18 @@
+// Declarations of the CPU kernels bound in bindings.cpp; each .cpp file holds one idea.
+#pragma once
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+
+// paged_decode.cpp: decode attention read straight through the block tables.
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+
+// layer_ops.cpp: the elementwise parts of a decoder layer, fused.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, std::optional<torch::Tensor> residual);
+void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key, torch::Tensor cos_cache,
+                      torch::Tensor sin_cache);
+
+// sampling_ops.cpp: greedy token and log-normaliser of each logits row in one read.
+std::tuple<torch::Tensor, torch::Tensor> argmax_logsumexp(torch::Tensor logits);

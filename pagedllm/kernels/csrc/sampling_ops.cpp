@@ -1,0 +1,41 @@
+// Greedy sampling reads the [rows, vocab] logits once per row for both things
+// it needs: the first index of the maximum (torch.argmax's tie rule) and the
+// log-normaliser, so the chosen token's logprob is max - logsumexp. PyTorch
+// would make an argmax pass, then a logsumexp that allocates and exponentiates
+// a second [rows, vocab] tensor.
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+
+#include "fast_exp.h"
+#include "ops.h"
+
+std::tuple<torch::Tensor, torch::Tensor> argmax_logsumexp(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat,
+              "argmax_logsumexp: expects fp32 logits [rows, vocab]");
+  auto rows = logits.contiguous();
+  const int64_t num_rows = rows.size(0), vocab = rows.size(1);
+  TORCH_CHECK(vocab > 0, "argmax_logsumexp: empty vocabulary");
+  auto ids = torch::empty({num_rows}, logits.options().dtype(torch::kLong));
+  auto lse = torch::empty({num_rows}, logits.options());
+  const float* x = rows.data_ptr<float>();
+  int64_t* id = ids.data_ptr<int64_t>();
+  float* l = lse.data_ptr<float>();
+  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * vocab;
+      float peak = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : peak)
+      for (int64_t v = 0; v < vocab; ++v) peak = std::max(peak, row[v]);
+      int64_t first = 0;
+      while (first < vocab - 1 && !(row[first] == peak)) ++first;  // NaN rows end on the last index
+      float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t v = 0; v < vocab; ++v) total += fast_exp(row[v] - peak);
+      id[r] = first;
+      l[r] = peak + std::log(total);
+    }
+  });
+  return {ids, lse};
+}
