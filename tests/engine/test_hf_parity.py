@@ -89,3 +89,36 @@ def test_tiny_random_models_match_hf(arch, tiny_model_dir):
 def test_smollm2_gguf_matches_hf():
     llm = LLM(num_kv_blocks=512, debug_invariants=True)
     check_parity(llm, load_hf_model(None))
+
+
+# bf16 is not bit-identical to Hugging Face (kernels sum in other orders and bf16
+# rounding amplifies that). The documented tolerance: against the fp32 oracle,
+# pagedllm's bf16 prompt log-probabilities are off by no more than Hugging Face's
+# own bf16 run is (mean within 1.5x of it per prompt; measured 0.9-1.2x), and
+# never by 0.35 nats (measured max 0.25).
+BF16_MEAN_RATIO, BF16_MAX_NATS = 1.5, 0.35
+
+
+def test_smollm2_bfloat16_close_to_hf():
+    llm = LLM(dtype="bfloat16", num_kv_blocks=512)
+    prompts = prompts_for(llm.get_tokenizer())
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_pool_free(llm)
+    oracle, hf_bf16 = load_hf_model(None, torch.float32), load_hf_model(None, torch.bfloat16)
+    with torch.inference_mode():
+        for prompt, output in zip(prompts, outputs):
+            rows, targets = torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])
+
+            def target_logprobs(model) -> torch.Tensor:
+                logits = model(torch.tensor([prompt])).logits[0].float()
+                return torch.log_softmax(logits, dim=-1)[rows, targets]
+
+            reference = target_logprobs(oracle)
+            ours = torch.tensor([entry[prompt[i + 1]].logprob for i, entry in enumerate(output.prompt_logprobs[1:])])
+            our_error = (ours - reference).abs()
+            hf_error = (target_logprobs(hf_bf16) - reference).abs()
+            assert our_error.max() < BF16_MAX_NATS, f"prompt of {len(prompt)} tokens: {our_error.max():.3f} nats"
+            assert our_error.mean() <= BF16_MEAN_RATIO * hf_error.mean(), (
+                f"prompt of {len(prompt)} tokens: mean error {our_error.mean():.4f} vs HF bf16 {hf_error.mean():.4f}"
+            )
