@@ -98,11 +98,17 @@ class Scheduler:
         self.running: list[Request] = []
         # Heap of (rank..., request). Finished waiting requests are left in
         # place and skipped when they reach the top (lazy deletion).
-        self._waiting: list[tuple[int, int, int, Request]] = []
+        self._waiting: list[tuple[int, int, int, int, Request]] = []
         self._arrival_order: dict[str, int] = {}
         self._arrival_counter = itertools.count()
         self.num_waiting = 0
         self.num_running = 0
+        # Places in max_num_seqs held by running requests: one each, plus the
+        # samples a request will fork into at its first sampled position
+        # (num_pending_samples), so admissions in the meantime leave room.
+        self.num_seats_in_use = 0
+        # Breaks rank ties in the waiting heap (beams share group and index).
+        self._push_counter = itertools.count()
         self.num_swapped = 0
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
@@ -119,7 +125,7 @@ class Scheduler:
         self._push_waiting(request)
 
     def _push_waiting(self, request: Request) -> None:
-        heapq.heappush(self._waiting, (*self._rank(request), request))
+        heapq.heappush(self._waiting, (*self._rank(request), next(self._push_counter), request))
         self.num_waiting += 1
 
     def _peek_waiting(self) -> Request | None:
@@ -194,7 +200,7 @@ class Scheduler:
         while budget > 0:
             request = self._peek_waiting()
             # A request that will fork into n samples needs n places.
-            if request is None or self.num_running + request.num_pending_samples > self.config.max_num_seqs:
+            if request is None or self.num_seats_in_use + request.num_pending_samples > self.config.max_num_seqs:
                 return
             if request.status is RequestStatus.SWAPPED:
                 num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
@@ -220,6 +226,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self.num_running += 1
+            self.num_seats_in_use += request.num_pending_samples
             self._add_scheduled(output, request, num_new, copies)
             budget -= num_new
 
@@ -240,7 +247,7 @@ class Scheduler:
             worst = self.running[-1]
             if head is None or head.priority >= worst.priority:
                 return
-            no_seat = self.num_running + head.num_pending_samples > self.config.max_num_seqs
+            no_seat = self.num_seats_in_use + head.num_pending_samples > self.config.max_num_seqs
             first_chunk = self._chunk(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)
             no_room = kv.num_blocks_for(head.num_computed_tokens + first_chunk) > kv.num_free_blocks
             if not (no_seat or no_room):
@@ -253,12 +260,16 @@ class Scheduler:
         (recompute, and swap's fallback) drop its K/V and keep every token id."""
         kv = self.kv_cache_manager
         self.num_running -= 1
+        self.num_seats_in_use -= request.num_pending_samples
         self.num_preemptions += 1
         request.num_preemptions += 1
         output.preempted_request_ids.append(request.request_id)
         usage = f"KV usage {kv.num_blocks_in_use}/{kv.num_blocks} blocks"
         swapped = None
-        if self.config.preemption_mode == "swap":
+        # Beams are recomputed, never swapped: a beam parked for its siblings
+        # must produce its next-token distribution again after a preemption
+        # (beam_search drops the stale one), which only a recompute does.
+        if self.config.preemption_mode == "swap" and not request.tokens_chosen_externally:
             swapped = kv.swap_out(request.request_id)
         if swapped is not None:
             output.swap_out.extend(swapped)
@@ -308,7 +319,7 @@ class Scheduler:
                 self.fork_request(request, child_request_id(request.group_id, i), i, child_seed(request.seed, i))
                 for i in range(1, request.num_pending_samples)
             ]
-            request.num_pending_samples = 1
+            self.settle_samples(request)
             for sample in samples:
                 self.append_token(sample, sampled_token_ids[sample.request_id])
                 advanced.append(sample)
@@ -334,7 +345,15 @@ class Scheduler:
         self._arrival_order[child_id] = self._arrival_order[parent.request_id]
         self.running.append(child)
         self.num_running += 1
+        self.num_seats_in_use += 1
         return child
+
+    def settle_samples(self, request: Request) -> None:
+        """The request has forked into its samples (or beams): it now holds one
+        place in max_num_seqs, its children hold the others."""
+        if request.status is RequestStatus.RUNNING:
+            self.num_seats_in_use -= request.num_pending_samples - 1
+        request.num_pending_samples = 1
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (or abort) a live request and free its blocks. Unknown or
@@ -349,6 +368,7 @@ class Scheduler:
             self.num_swapped -= request.status is RequestStatus.SWAPPED
         else:
             self.num_running -= 1
+            self.num_seats_in_use -= request.num_pending_samples
         # The request stays in the heap / running list until the next
         # schedule() sweeps it out: O(1) here instead of a list remove.
         request.status = status
@@ -374,3 +394,9 @@ class Scheduler:
             raise RuntimeError("a request in the running list is not RUNNING")
         if len(running) > self.config.max_num_seqs:
             raise RuntimeError(f"{len(running)} running requests exceed max_num_seqs")
+        seats = sum(r.num_pending_samples for r in running)
+        if seats != self.num_seats_in_use or seats > self.config.max_num_seqs:
+            raise RuntimeError(
+                f"running requests hold {seats} places (counted {self.num_seats_in_use}), max_num_seqs "
+                f"{self.config.max_num_seqs}"
+            )

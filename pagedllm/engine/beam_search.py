@@ -175,6 +175,10 @@ class BeamSearchManager:
             group = self.groups[group_id]
             parked = self._parked.setdefault(group_id, {})
             parked.update({rid: (r, logprobs[rid]) for rid, r in requests.items()})
+            # A parked beam preempted since is recomputed and parks again later;
+            # until then it is no fork parent (its blocks are gone).
+            for rid in [rid for rid, (r, _) in parked.items() if r.status is not RequestStatus.RUNNING]:
+                del parked[rid]
             if set(parked) != set(group.running):
                 continue  # every running beam needs its next-token distribution first
             del self._parked[group_id]
@@ -202,7 +206,7 @@ class BeamSearchManager:
                 extensions.append((parent, token))
                 running[parent_id] = score
         for request, token in extensions:
-            request.num_pending_samples = 1
+            self.scheduler.settle_samples(request)
             self.scheduler.append_token(request, token)
         for rid in group.running:
             if rid not in used:
