@@ -279,6 +279,28 @@ def record(args: argparse.Namespace, preamble: str, table: str) -> None:
     append_result(args.record, args.argv, preamble, table)
 
 
+def cmd_bench_soak(args: argparse.Namespace) -> None:
+    from pagedllm.bench import soak
+    from pagedllm.bench.throughput import machine_description
+
+    server_args = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
+                   "--preemption-mode", args.preemption_mode, "--dtype", args.dtype]
+    for flag, value in (("--model", args.model), ("--num-kv-blocks", args.num_kv_blocks),
+                        ("--kv-cache-memory", args.kv_cache_memory)):
+        if value is not None:
+            server_args += [flag, str(value)]
+    result = soak.run_soak(args.duration, args.concurrency, args.abort_fraction, args.seed, server_args)
+    table = soak.format_table(result)
+    print(table)
+    for sample in result.error_samples:
+        print(f"error: {sample}")
+    if args.record:
+        record(args, f"Machine: {machine_description()}. Server: `pagedllm serve {' '.join(server_args)}`; "
+                     f"{args.concurrency} clients, {args.abort_fraction:.0%} of streams cut off mid-way.", table)
+    if result.errors or result.blocks_in_use_after_drain != 0:
+        raise SystemExit("soak failed: errors or KV blocks still in use after the drain")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="Paged-KV LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -367,6 +389,14 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("--decode-tokens", type=int, default=32)
     rf.add_argument("--record", default=None, metavar="FILE")
     rf.set_defaults(func=cmd_bench_roofline)
+    sk = bench_sub.add_parser("soak", help="a long randomized load with aborts against a server it starts; "
+                                           "fails on any error or a KV block still in use after the drain")
+    add_engine_args(sk)
+    sk.add_argument("--duration", type=float, default=60.0, help="seconds of load")
+    sk.add_argument("--concurrency", type=int, default=8, help="clients sending requests back to back")
+    sk.add_argument("--abort-fraction", type=float, default=0.3, help="share of streams cut off mid-way")
+    sk.add_argument("--record", default=None, metavar="FILE")
+    sk.set_defaults(func=cmd_bench_soak)
     fr = bench_sub.add_parser("fragmentation", help="KV waste of paged vs contiguous layouts on a request trace "
                                                     "(bookkeeping only, no model)")
     from pagedllm.bench import fragmentation

@@ -198,3 +198,57 @@ def test_32_streaming_clients_with_8_disconnects(server):
     assert metric(server, "pagedllm:kv_cache_usage_perc") == 0.0
     assert httpx.post(f"{server}/reset_prefix_cache", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
     assert metric(server, "pagedllm:kv_cache_free_blocks") == metric(server, "pagedllm:kv_cache_total_blocks")
+
+
+def _bodies():
+    """Request bodies mixing valid fields, wrong types and bad values."""
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(-2, 3, allow_nan=False),
+                        st.text(max_size=8), st.just(2**70))
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.text(max_size=5), inner, max_size=3), max_leaves=6)
+    fields = {
+        "model": st.sampled_from([MODEL, MODEL, "gpt-17", 3]),
+        "prompt": st.one_of(st.text(max_size=40), st.lists(st.integers(-5, 60000), max_size=6), values),
+        "messages": st.one_of(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bot"]),
+                                                               "content": st.text(max_size=20)}), max_size=2),
+                              values),
+        "max_tokens": st.sampled_from([-1, 0, 1, 2, 3, "x", None, 2.5]),
+        "temperature": st.one_of(st.sampled_from([0, 0.5, -1, "hot"]), values),
+        "top_p": st.sampled_from([0, 0.5, 1, 1.5]),
+        "n": st.sampled_from([0, 1, 2, 10**6, "2"]),
+        "stream": st.booleans(),
+        "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=5), values),
+        "logprobs": st.sampled_from([None, 0, 2, 100, True]),
+        "seed": st.one_of(st.integers(-5, 2**64), st.text(max_size=3)),
+        "priority": st.integers(-3, 3),
+    }
+    return st.fixed_dictionaries({}, optional=fields)
+
+
+def test_fuzzed_request_bodies_never_get_a_5xx(server):
+    """Random bodies, valid or not, on both generation endpoints: every answer is a
+    200 or an OpenAI-style 4xx, the server stays up, and nothing leaks."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=_bodies())
+    def check(path, body):
+        response = httpx.post(f"{server}{path}", json=body, headers=headers, timeout=120)
+        assert response.status_code in (200, 400, 404), (body, response.status_code, response.text[:300])
+        if response.status_code != 200:
+            error = response.json()["error"]
+            assert error["message"] and error["type"], error
+
+    check()
+    # Bytes that are not UTF-8, and JSON that is not an object.
+    for content in (b"\xff\xfe\x00garbage", b"[1, 2, 3]", b"42", b'"prompt"'):
+        response = httpx.post(f"{server}/v1/completions", content=content,
+                              headers={**headers, "Content-Type": "application/json"})
+        assert response.status_code == 400, (content, response.status_code, response.text[:300])
+    assert httpx.get(f"{server}/health").status_code == 200
+    wait_until_idle(server)
