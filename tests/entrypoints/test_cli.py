@@ -60,8 +60,12 @@ def test_bench_throughput_against_hf_records_a_table(tiny_model_dir, tmp_path, c
     ])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| pagedllm") or line.startswith("| hf generate")]
-    assert len(rows) == 2
-    # 4 requests, 5+6+7+8 prompt tokens, 3+4+5+6 output tokens, for both engines.
+    # pagedllm, HF generate at batch 2, and HF's continuous batching (generate_batch).
+    assert [row.split("|")[1].strip() for row in rows] == [
+        "pagedllm (paged KV)", "hf generate (batch 2)", "hf generate_batch (continuous, paged)"]
+    assert "vs Hugging Face `generate` (best batch size): **" in out
+    assert "vs Hugging Face continuous batching (`generate_batch`): **" in out
+    # 4 requests, 5+6+7+8 prompt tokens, 3+4+5+6 output tokens, for every engine.
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[1:4] == ["4", "26", "18"]
@@ -134,8 +138,10 @@ def test_bench_throughput_mixed_workload_reports_the_step_split(tiny_model_dir, 
         "--baseline", "hf", "--hf-batch-size", "2", "3", "--num-kv-blocks", "128",
     ])
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("| hf generate")]
-    assert len(rows) == 2 and "1.00x" in "".join(rows)  # the best HF batch size is the baseline
+    static = [line for line in out.splitlines() if line.startswith("| hf generate (batch")]
+    continuous = [line for line in out.splitlines() if line.startswith("| hf generate_batch")]
+    assert len(static) == 2 and len(continuous) == 1
+    assert "1.00x" in "".join(static + continuous)  # the fastest Hugging Face run is the baseline
     split = next(line for line in out.splitlines() if line.startswith("pagedllm step time:"))
     shares = [float(x) for x in re.findall(r"([\d.]+)%", split)]
     assert len(shares) == 4 and abs(sum(shares) - 100) < 0.5
