@@ -252,3 +252,60 @@ def test_fuzzed_request_bodies_never_get_a_5xx(server):
         assert response.status_code == 400, (content, response.status_code, response.text[:300])
     assert httpx.get(f"{server}/health").status_code == 200
     wait_until_idle(server)
+
+
+def test_disconnects_while_queued_and_in_prefill_leak_nothing(server):
+    """Clients that go away before their first token (waiting in the queue, or
+    while their long prompt is being prefilled) are aborted like those that leave
+    mid-decode: no block stays in use and the server keeps serving."""
+    body = {"model": MODEL, "max_tokens": 64, "stream": True, "temperature": 0}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    async def leave_after(delay_s: float, index: int) -> bool:
+        """True when the client left before the stream finished."""
+        async with httpx.AsyncClient(base_url=server, headers=headers, timeout=None) as c:
+            request = {**body, "prompt": [400 + index] * 3000}  # 3000 tokens: two prefill steps each
+            try:
+                async with asyncio.timeout(delay_s):
+                    async with c.stream("POST", "/v1/completions", json=request) as response:
+                        async for line in response.aiter_lines():
+                            if line == "data: [DONE]":
+                                return False
+            except TimeoutError:
+                return True
+            return False
+
+    async def all_clients():
+        # Eight long prompts at once: the first ones prefill while the rest queue.
+        return await asyncio.gather(*(leave_after(0.2 + 0.3 * i, i) for i in range(8)))
+
+    assert sum(asyncio.run(all_clients())) >= 6
+    wait_until_idle(server)
+    assert metric(server, "pagedllm:kv_cache_used_blocks") == 0
+    assert client(server).completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
+    wait_until_idle(server)
+
+
+def test_idle_connections_do_not_block_the_server_and_are_closed(server):
+    """Slowloris-style clients (a half-sent request, an idle keep-alive
+    connection) do not stop others from being served; an idle keep-alive
+    connection is closed after --timeout-keep-alive (5 s by default)."""
+    host, port = server.removeprefix("http://").split(":")
+    half_sent = []
+    for _ in range(20):
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n")  # never finished
+        half_sent.append(sock)
+    try:
+        start = time.time()
+        assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+        assert time.time() - start < 5
+        idle = socket.create_connection((host, int(port)))
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"200" in idle.recv(4096).split(b"\r\n", 1)[0]
+        idle.settimeout(15)
+        assert idle.recv(4096) == b"", "the server should close an idle keep-alive connection"
+        idle.close()
+    finally:
+        for sock in half_sent:
+            sock.close()
