@@ -1,7 +1,7 @@
 """`pagedllm bench soak`: a long randomized load against a live server.
 
-The soak starts ``pagedllm serve`` as a child process on a free port (so it can
-read the server's memory), then keeps ``--concurrency`` clients busy for
+The soak starts ``pagedllm serve`` as a child process on a free port
+(``server_process.running_server``, so it can read the server's memory), then keeps ``--concurrency`` clients busy for
 ``--duration`` seconds with a mix of requests: streamed and plain completions,
 chat completions, ``n`` = 2, stop strings, random prompt and output lengths.
 A ``--abort-fraction`` of the streamed ones are cut off mid-stream by closing
@@ -15,15 +15,13 @@ end of the run.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from pagedllm.bench.server_process import running_server
 
 WARMUP_FRACTION = 0.1  # memory is measured from here: caches and pools are warm by then
 WORDS = ("paging", "blocks", "memory", "cache", "tokens", "tables", "the", "a", "kernel", "request.")
@@ -44,12 +42,6 @@ class SoakResult:
     @property
     def rss_growth_mib(self) -> float:
         return self.rss_at_end_mib - self.rss_after_warmup_mib
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rss_mib(pid: int) -> float:
@@ -160,26 +152,8 @@ async def drive(base_url: str, duration_s: float, concurrency: int, abort_fracti
 def run_soak(duration_s: float, concurrency: int, abort_fraction: float, seed: int,
              server_args: list[str]) -> SoakResult:
     """Start a server with ``server_args``, soak it, stop it."""
-    port = free_port()
-    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), *server_args]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):  # the first start may compile the CPU kernels
-            if server.poll() is not None:
-                raise RuntimeError(f"the server exited: {server.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"{base_url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise RuntimeError("the server did not become healthy in 300 s")
-        return asyncio.run(drive(base_url, duration_s, concurrency, abort_fraction, seed, server.pid))
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    with running_server(server_args) as (base_url, pid):
+        return asyncio.run(drive(base_url, duration_s, concurrency, abort_fraction, seed, pid))
 
 
 def format_table(result: SoakResult) -> str:

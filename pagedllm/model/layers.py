@@ -29,12 +29,13 @@ class RMSNorm(nn.Module):
         (norm(residual), residual): the decoder's add-then-norm in one pass."""
         kernels = cpu_kernels_for(x)
         if kernels is not None:
-            return kernels.rms_norm(x, self.weight, self.eps, residual) if residual is None else (
-                kernels.rms_norm(x, self.weight, self.eps, residual), residual)
-        if residual is not None:
+            out = kernels.rms_norm(x, self.weight, self.eps, residual)
+        elif residual is not None:
             residual += x
-            return self._norm(residual), residual
-        return self._norm(x)
+            out = self._norm(residual)
+        else:
+            out = self._norm(x)
+        return out if residual is None else (out, residual)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()

@@ -5,60 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
+from pagedllm.bench.server_process import running_server
+from pagedllm.bench.soak import metric_value
+
 API_KEY = "test-key"
 TENANTS = {"key-alpha": "alpha", "key-beta": "beta"}
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     keys_file = tmp_path_factory.mktemp("keys") / "keys.json"
     keys_file.write_text(json.dumps(TENANTS))
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), "--num-kv-blocks", "768",
-         "--api-key", API_KEY, "--api-keys-file", str(keys_file)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 180
-        while True:
-            if process.poll() is not None or time.time() > deadline:
-                log.seek(0)
-                raise RuntimeError(f"server did not start:\n{log.read()[-3000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+    args = ["--num-kv-blocks", "768", "--api-key", API_KEY, "--api-keys-file", str(keys_file)]
+    with running_server(args, start_timeout_s=180) as (base, _pid):
         yield base
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
 
 
 def client(base: str, key: str = API_KEY) -> openai.OpenAI:
@@ -66,9 +34,7 @@ def client(base: str, key: str = API_KEY) -> openai.OpenAI:
 
 
 def metric(base: str, name: str) -> float:
-    text = httpx.get(f"{base}/metrics").text
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-    return float(match.group(1))
+    return metric_value(httpx.get(f"{base}/metrics").text, name)
 
 
 def wait_until_idle(base: str) -> None:

@@ -1,0 +1,54 @@
+"""A `pagedllm serve` child process on a free local port, for benches and tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(server_args: list[str], start_timeout_s: float = 300.0) -> Iterator[tuple[str, int]]:
+    """Start ``pagedllm serve *server_args``, wait until /health answers, yield
+    (base URL, process id), and stop it on exit. The server's output goes to a
+    temporary file (a pipe nobody reads would block a chatty server); its tail
+    is in the error when the server exits or never becomes healthy. The first
+    start on a machine may compile the CPU kernels, hence the long timeout."""
+    port = free_port()
+    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), *server_args]
+    with tempfile.TemporaryFile("w+") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        base_url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + start_timeout_s
+            while True:
+                if server.poll() is not None or time.time() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"the server did not start:\n{log.read()[-3000:]}")
+                try:
+                    if httpx.get(f"{base_url}/health", timeout=1.0).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.5)
+            yield base_url, server.pid
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
