@@ -17,15 +17,20 @@ class CacheConfig:
     Exactly one sizing rule applies, in this order: ``num_kv_blocks`` (exact,
     for tests and benchmarks, like vLLM's ``num_gpu_blocks_override``), then
     ``kv_cache_memory`` (bytes), then ``kv_cache_fraction`` of the memory
-    available after the weights are loaded. With none given the pool gets
-    ``DEFAULT_KV_CACHE_MEMORY`` bytes.
+    available after the weights are loaded. With none of those, on CUDA the
+    engine follows vLLM's ``gpu_memory_utilization`` (weights + the largest
+    step's activations + the pool within that fraction of the GPU's total
+    memory, 0.9 by default); on CPU the pool gets ``DEFAULT_KV_CACHE_MEMORY``
+    bytes (``gpu_memory_utilization`` there is a ``ValueError``).
     """
 
     DEFAULT_KV_CACHE_MEMORY = 2 * 2**30
+    DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
     block_size: int = 16
     kv_cache_memory: int | None = None
     kv_cache_fraction: float | None = None
+    gpu_memory_utilization: float | None = None
     num_kv_blocks: int | None = None
     # False gives every forked sequence private copies of its parent's blocks:
     # the no-sharing baseline that `pagedllm bench sharing` compares against.
@@ -55,6 +60,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
         if self.kv_cache_fraction is not None and not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be an integer >= 1, got {self.num_kv_blocks!r}")
 

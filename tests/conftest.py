@@ -11,6 +11,12 @@ import os
 import pytest
 import torch
 
+# Without a GPU, run the Triton decode kernel on CPU tensors through Triton's
+# interpreter. It must be set before pagedllm.kernels.triton_paged is imported,
+# since @triton.jit reads it when the kernel is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY_COMMON = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -69,6 +75,12 @@ def tiny_model_dir(tmp_path_factory, smollm_tokenizer):
         return made[arch]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_dir) -> str:
+    """The folder of the tiny random Llama most engine tests run on."""
+    return tiny_model_dir("llama")
 
 
 def assert_pool_free(llm) -> None:

@@ -8,10 +8,14 @@ its own fresh K/V directly and never touches the pool on the read side.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionMetadata
+
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 def write_to_cache(
@@ -38,13 +42,16 @@ def gather_from_cache(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.
 class TorchPagedAttention:
     """The CPU / portable :class:`~pagedllm.attention.backend.AttentionBackend`.
 
-    With ``cpu_kernel`` (the compiled module from ``pagedllm.kernels.cpu.load_cpu_kernels``)
-    decodes read K/V straight through the block tables in C++ instead of
-    gathering a padded copy; prefill spans always use PyTorch.
+    With a ``decode_kernel`` (the C++ CPU kernel or the Triton GPU kernel,
+    chosen by :func:`pagedllm.attention.selector.paged_decode_kernel_for`)
+    decodes read K/V straight through the block tables instead of gathering a
+    padded copy; prefill spans always use PyTorch's SDPA. The kernel takes
+    ``(query, key_cache, value_cache, block_tables, context_lens, scale)`` and
+    must accept tensors on the device the pool lives on.
     """
 
-    def __init__(self, cpu_kernel=None) -> None:
-        self.cpu_kernel = cpu_kernel
+    def __init__(self, decode_kernel: DecodeKernel | None = None) -> None:
+        self.decode_kernel = decode_kernel
 
     def forward(
         self,
@@ -70,8 +77,8 @@ class TorchPagedAttention:
         return output
 
     def _decode(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        if self.cpu_kernel is not None and query.device.type == "cpu":
-            return self.cpu_kernel.paged_decode_attention(
+        if self.decode_kernel is not None:
+            return self.decode_kernel(
                 query.contiguous(), key_cache, value_cache,
                 metadata.decode_block_tables, metadata.decode_context_lens, scale,
             )

@@ -52,7 +52,7 @@ def attention_rows(batches: list[int], contexts: list[int], num_heads: int = 9, 
             row = {"batch": batch, "context": context}
             row["contiguous_sdpa_ms"] = 1e3 * _time(lambda: F.scaled_dot_product_attention(
                 query.unsqueeze(2), keys, values, enable_gqa=True), repeats)
-            for name, backend in (("paged_cpp_ms", TorchPagedAttention(kernel) if kernel else None),
+            for name, backend in (("paged_cpp_ms", TorchPagedAttention(kernel.paged_decode_attention) if kernel else None),
                                   ("paged_pytorch_ms", TorchPagedAttention())):
                 if backend is not None:
                     row[name] = 1e3 * _time(lambda: backend.forward(

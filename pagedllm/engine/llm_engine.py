@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.attention.selector import attention_backend_for
+from pagedllm.config import CacheConfig, EngineConfig
 from pagedllm.core.contiguous import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.core.request import Request, RequestStatus
@@ -23,11 +24,16 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.beam_search import BeamGroup, BeamSearchManager, BeamSearchParams
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.logger import init_logger
-from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.llama import LlamaForCausalLM, head_dim_of
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.memory import available_memory_bytes
+from pagedllm.worker.memory import (
+    available_memory_bytes,
+    cuda_peak_activation_bytes,
+    run_dummy_step,
+    utilization_kv_budget,
+)
 from pagedllm.worker.model_runner import ModelRunner, kv_bytes_per_token
 
 logger = init_logger(__name__)
@@ -109,6 +115,13 @@ class LLMEngine:
             budget = cache.kv_cache_memory
         elif cache.kv_cache_fraction is not None:
             budget = int(available_memory_bytes(self.device) * cache.kv_cache_fraction)
+        elif self.device.type == "cuda":
+            budget = self._gpu_utilization_budget(block_size)
+        elif cache.gpu_memory_utilization is not None:
+            raise ValueError(
+                f"gpu_memory_utilization applies to CUDA devices and this engine runs on {self.device}; "
+                "size the pool with kv_cache_memory or kv_cache_fraction instead"
+            )
         else:
             budget = cache.DEFAULT_KV_CACHE_MEMORY
         num_blocks = budget // (self.bytes_per_token * block_size)
@@ -118,6 +131,23 @@ class LLMEngine:
                 f"({self.bytes_per_token * block_size} bytes); raise kv_cache_memory or kv_cache_fraction"
             )
         return num_blocks
+
+    def _gpu_utilization_budget(self, block_size: int) -> int:
+        """vLLM's rule: weights + the largest step's activations + the pool stay
+        within ``gpu_memory_utilization`` of the GPU's total memory."""
+        utilization = self.config.cache.gpu_memory_utilization or CacheConfig.DEFAULT_GPU_MEMORY_UTILIZATION
+        config = self.model_config
+        kv_shape = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim_of(config))
+        sched = self.scheduler_config
+        attention = attention_backend_for(self.device, block_size)
+        weights_bytes = torch.cuda.memory_allocated(self.device)
+        peak = cuda_peak_activation_bytes(
+            lambda: run_dummy_step(self.model, attention, sched.max_num_batched_tokens, sched.max_num_seqs,
+                                   block_size, kv_shape, _TORCH_DTYPES[self.config.dtype], self.device),
+            self.device,
+        )
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return utilization_kv_budget(total, utilization, weights_bytes, peak)
 
     def _eos_token_ids(self) -> list[int]:
         ids: set[int] = set()

@@ -21,6 +21,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
+    g.add_argument("--kv-cache-fraction", type=float, default=None,
+                   help="KV pool as a fraction of the memory free after the weights are loaded")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA only: fraction of GPU memory for weights + activations + KV pool (default 0.9)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -41,6 +45,8 @@ def make_llm(args: argparse.Namespace):
         model=args.model,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_fraction=args.kv_cache_fraction,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks,
         max_model_len=args.max_model_len,
         enable_block_sharing=getattr(args, "enable_block_sharing", True),

@@ -22,7 +22,9 @@ class LLM:
     ``model=None`` loads the embedded SmolLM2-135M-Instruct; otherwise pass a
     GGUF file or a Hugging Face checkpoint folder. The pool is sized by
     ``num_kv_blocks`` (exact), ``kv_cache_memory`` (bytes) or
-    ``kv_cache_fraction`` (of available memory after weights), in that order.
+    ``kv_cache_fraction`` (of available memory after weights), in that order;
+    otherwise on CUDA by ``gpu_memory_utilization`` (vLLM's meaning, 0.9 by
+    default) and on CPU 2 GiB.
     """
 
     def __init__(
@@ -32,6 +34,7 @@ class LLM:
         block_size: int = 16,
         kv_cache_memory: int | None = None,
         kv_cache_fraction: float | None = None,
+        gpu_memory_utilization: float | None = None,
         num_kv_blocks: int | None = None,
         enable_block_sharing: bool = True,
         enable_prefix_caching: bool = True,
@@ -67,6 +70,7 @@ class LLM:
                 block_size=block_size,
                 kv_cache_memory=kv_cache_memory,
                 kv_cache_fraction=kv_cache_fraction,
+                gpu_memory_utilization=gpu_memory_utilization,
                 num_kv_blocks=num_kv_blocks,
                 enable_block_sharing=enable_block_sharing,
                 enable_prefix_caching=enable_prefix_caching,

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
-from pagedllm.kernels.cpu import load_cpu_kernels
-from pagedllm.attention.torch_paged import TorchPagedAttention
+from pagedllm.attention.selector import attention_backend_for
 from pagedllm.core.kv_cache_manager import cdiv
 from pagedllm.core.request import Request, child_request_id, child_seed
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -76,7 +75,7 @@ class ModelRunner:
             for _ in range(config.num_hidden_layers)
         ]
         self.swap_pool = HostSwapPool(num_swap_blocks, shape[1:], config.num_hidden_layers, dtype, device)
-        self.attention = TorchPagedAttention(load_cpu_kernels() if device.type == "cpu" else None)
+        self.attention = attention_backend_for(device, block_size)
         self.sampler = Sampler(eos_token_ids)
 
     @torch.inference_mode()

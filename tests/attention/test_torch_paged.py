@@ -8,17 +8,26 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
-from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.attention.torch_paged import TorchPagedAttention
+from pagedllm.kernels import triton_paged
+from pagedllm.kernels.cpu import load_cpu_kernels
 
 KERNEL = load_cpu_kernels()
-BACKENDS = {"pytorch": TorchPagedAttention(), "cpp": TorchPagedAttention(KERNEL)}
+# Without a GPU the Triton kernel runs on CPU tensors through Triton's
+# interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before any import).
+BACKENDS = {
+    "pytorch": TorchPagedAttention(),
+    "cpp": TorchPagedAttention(KERNEL.paged_decode_attention if KERNEL else None),
+    "triton": TorchPagedAttention(triton_paged.paged_decode_attention),
+}
 
 
 @pytest.fixture(params=list(BACKENDS))
 def backend(request):
     if request.param == "cpp" and KERNEL is None:
         pytest.fail("the C++ decode kernel did not build on this machine")
+    if request.param == "triton" and not triton_paged.triton_paged_decode_available():
+        pytest.fail("Triton is not installed (it is a test dependency)")
     return BACKENDS[request.param]
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16

@@ -8,11 +8,6 @@ from pagedllm import LLM, SamplingParams
 from tests.conftest import assert_pool_free
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
 def test_contiguous_layout_gives_identical_greedy_outputs(tiny_llama):
     prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 3000 + 300 for j in range(10 + 9 * i)]} for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=20)

@@ -15,11 +15,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
 def llm(tiny_llama):
     return LLM(tiny_llama, num_kv_blocks=64, max_model_len=512, debug_invariants=True)
 

@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.conftest import assert_pool_free
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tiny_model_dir):
-    return tiny_model_dir("llama")
 
 
 def long_prompt(length: int) -> dict:

@@ -14,11 +14,6 @@ from tests.conftest import assert_pool_free
 MAX_STEPS = 5000
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
 def workload(num: int = 32, seed: int = 0):
     rng = random.Random(seed)
     prompts = [{"prompt_token_ids": [rng.randrange(300, 4000) for _ in range(rng.randint(20, 100))]} for _ in range(num)]

@@ -10,11 +10,6 @@ from tests.conftest import assert_pool_free
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
 def tokens(length: int, seed: int = 0) -> list[int]:
     return [(seed * 7919 + 31 * j) % 4000 + 300 for j in range(length)]
 
