@@ -46,8 +46,10 @@ class TorchPagedAttention:
     chosen by :func:`pagedllm.attention.selector.paged_decode_kernel_for`)
     decodes read K/V straight through the block tables instead of gathering a
     padded copy; prefill spans always use PyTorch's SDPA. The kernel takes
-    ``(query, key_cache, value_cache, block_tables, context_lens, scale)`` and
-    must accept tensors on the device the pool lives on.
+    ``(query, key_cache, value_cache, block_tables, context_lens, scale)``,
+    must accept tensors on the device the pool lives on, and must accept a
+    query whose rows are strided (a view into the fused qkv output) as long as
+    each row's heads and dims are packed.
     """
 
     def __init__(self, decode_kernel: DecodeKernel | None = None) -> None:
@@ -79,7 +81,7 @@ class TorchPagedAttention:
     def _decode(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         if self.decode_kernel is not None:
             return self.decode_kernel(
-                query.contiguous(), key_cache, value_cache,
+                query, key_cache, value_cache,
                 metadata.decode_block_tables, metadata.decode_context_lens, scale,
             )
         return self._gather_decode(query, key_cache, value_cache, metadata, scale)

@@ -109,9 +109,10 @@ def paged_decode_attention(
         raise ValueError(f"the Triton decode kernel needs a power-of-two block_size, got {block_size}")
     if key_cache.stride(3) != 1 or value_cache.stride() != key_cache.stride():
         raise ValueError("key_cache and value_cache must share one layout with a contiguous head_dim")
-    query = query.contiguous()
+    if query.stride(2) != 1:
+        query = query.contiguous()
     block_tables = block_tables.contiguous()
-    out = torch.empty_like(query)
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
     _paged_decode_kernel[(num_seqs, num_heads)](

@@ -185,13 +185,15 @@ def test_decode_kernel_splits_and_head_sizes_match_sdpa(backend, head_dim, lens)
     """Short batches split each context into partitions that are merged after;
     long batches take one task per sequence; head sizes 64 and 128 have their
     own compiled paths. All must equal SDPA over the sequence's own K/V,
-    including partitions left empty by a short sequence."""
+    including partitions left empty by a short sequence. The query is a
+    row-strided view, as the q part of the model's fused qkv output is."""
     torch.manual_seed(len(lens) + head_dim)
     block_size = 16
     tables, num_blocks = random_tables(lens, block_size, random.Random(head_dim))
     key_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, head_dim)
     value_cache = torch.randn_like(key_cache)
-    q = torch.randn(len(lens), NUM_HEADS, head_dim)
+    qkv = torch.randn(len(lens), (NUM_HEADS + 2 * NUM_KV_HEADS) * head_dim)
+    q = qkv[:, : NUM_HEADS * head_dim].view(len(lens), NUM_HEADS, head_dim)
     width = max(len(t) for t in tables)
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lens),

@@ -214,8 +214,11 @@ void combine(const Partial* parts, int64_t num_parts, int64_t rows, int64_t head
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "paged_decode_attention needs contiguous query and caches");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "paged_decode_attention needs contiguous caches");
+  // The query may be a row-strided view (the q part of the fused qkv output):
+  // only its heads and dims must be packed, which saves a copy per layer.
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "paged_decode_attention needs each query row's heads and dims contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
               "block_tables and context_lens must be int64");
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
@@ -224,7 +227,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   const int64_t group = num_heads / num_kv_heads;
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
-  auto out = torch::empty_like(query);
+  const int64_t query_stride = query.stride(0);
+  auto out = torch::empty({batch, num_heads, head_dim}, query.options());
   const int64_t max_blocks = tables.size(1);
   const int64_t* bt = tables.data_ptr<int64_t>();
   const int64_t* cl = lens.data_ptr<int64_t>();
@@ -258,7 +262,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
         const int64_t seq_blocks = (cl[b] + block_size - 1) / block_size;
         const int64_t block_begin = std::min(seq_blocks, part * blocks_per_part);
         const int64_t block_end = std::min(seq_blocks, block_begin + blocks_per_part);
-        run_task(q + b * num_heads * head_dim, kc, vc, bt + b * max_blocks, block_begin, block_end,
+        run_task(q + b * query_stride, kc, vc, bt + b * max_blocks, block_begin, block_end,
                               cl[b], block_size, num_kv_heads, head_dim, group, static_cast<float>(scale), scratch,
                               parts[task]);
       }
