@@ -3,13 +3,15 @@
 attention: paged decode (the C++ kernel, and the PyTorch gather path) against
 contiguous ``scaled_dot_product_attention`` on the same shapes.
 roofline: matmul throughput on the model's own projection shapes, the decode
-rate it allows, and the engine's measured decode rate at the same batch.
+rate it allows, and the engine's decode steps at the same batch, interleaved.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.attention.torch_paged import TorchPagedAttention
+from pagedllm.sampling_params import SamplingParams
 
 
 def _time(fn: Callable[[], object], repeats: int) -> float:
@@ -88,14 +91,18 @@ def projection_shapes(config) -> list[tuple[int, int, int]]:
     ]
 
 
-@torch.inference_mode()
-def matmul_roofline(config, rows: int, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
-    """(GFLOP/s over the model's shapes at ``rows`` rows, decode tokens/s that allows).
+@dataclass
+class RooflineResult:
+    gflops: float  # best matmul pass over the model's shapes
+    bound_tokens_per_s: float  # rows / best pass time
+    best_decode_tokens_per_s: float  # rows / best engine decode step
+    median_decode_tokens_per_s: float  # rows / median engine decode step
 
-    Every layer gets its own weight matrices, as in the model, and one timed pass
-    goes through all of them: the weights stream from memory as they do in a real
-    decode step instead of sitting hot in the cache (which would overstate the bound).
-    """
+
+def _matmul_pass(config, rows: int, dtype: torch.dtype) -> tuple[Callable[[], None], float]:
+    """One pass through every projection of the model (each layer with its own
+    weights, so they stream from memory as in a real decode step instead of
+    sitting hot in the cache, which would overstate the bound), and its FLOPs."""
     passes = []
     flops = 0.0
     for fan_in, fan_out, count in projection_shapes(config):
@@ -107,5 +114,40 @@ def matmul_roofline(config, rows: int, dtype: torch.dtype, repeats: int = 5) -> 
         for x, w in passes:
             F.linear(x, w)
 
-    seconds = _time(one_pass, repeats)
-    return flops / seconds / 1e9, rows / seconds
+    return one_pass, flops
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def roofline_vs_decode(engine, rows: int, prompts: list[list[int]], decode_steps: int,
+                       dtype: torch.dtype) -> RooflineResult:
+    """Interleave, ``decode_steps`` times, one matmul pass and one engine decode
+    step of ``rows`` sequences, and compare the best of each: the two sides then
+    see the same machine load (on a shared machine a long measurement rarely
+    gets a quiet window, a short one often does)."""
+    one_pass, flops = _matmul_pass(engine.model_config, rows, dtype)
+    params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 2, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"roofline-{i}", {"prompt_token_ids": prompt}, params)
+    started: set[str] = set()
+    while len(started) < len(prompts):  # prefill until every sequence has its first token
+        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+    one_pass()
+    pass_times, step_times = [], []
+    for _ in range(decode_steps):
+        pass_times.append(_timed(one_pass))
+        step_times.append(_timed(engine.step))
+    while engine.has_unfinished_requests():
+        engine.step()
+    best_pass = min(pass_times)
+    return RooflineResult(
+        gflops=flops / best_pass / 1e9,
+        bound_tokens_per_s=rows / best_pass,
+        best_decode_tokens_per_s=rows / min(step_times),
+        median_decode_tokens_per_s=rows / statistics.median(step_times),
+    )

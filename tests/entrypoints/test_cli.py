@@ -154,5 +154,5 @@ def test_bench_attention_and_roofline_print_tables(tiny_model_dir, capsys):
     main(["bench", "roofline", "--model", tiny_model_dir("llama"), "--batch-size", "4", "--prompt-len", "8",
           "--decode-tokens", "4", "--num-kv-blocks", "32"])
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| float32 | 4 |"))
-    gflops, bound, measured = (float(c) for c in [c.strip() for c in row.strip("|").split("|")][2:5])
-    assert gflops > 0 and bound > 0 and measured > 0
+    gflops, bound, best, median = (float(c) for c in [c.strip() for c in row.strip("|").split("|")][2:6])
+    assert gflops > 0 and bound > 0 and best >= median > 0
