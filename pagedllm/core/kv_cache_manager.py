@@ -100,8 +100,10 @@ class KVCacheManager:
         computed so there are logits to sample from. Because a hashed block is
         never written, a fully cached block-aligned prompt recomputes its whole
         last block rather than writing one token into a shared cached block.
+        A request that asks for prompt logprobs never hits (as in vLLM): the
+        logits of cached positions are never computed, so it computes them all.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -123,3 +123,18 @@ def test_a_failed_step_aborts_its_requests_and_drops_the_cache(tiny_llama, monke
     assert_pool_free(llm)
     assert len(run(llm, [tokens(40)])[0].outputs[0].token_ids) == GREEDY.max_tokens
     assert_pool_free(llm)
+
+
+def test_prompt_logprobs_requests_skip_the_cache_and_get_every_position(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64, debug_invariants=True)
+    prompt = tokens(70)
+    run(llm, [prompt])  # caches the prompt's 4 full blocks
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    first, second = run(llm, [prompt], params)[0], run(llm, [prompt], params)[0]
+    assert first.num_cached_tokens == second.num_cached_tokens == 0
+    assert first.prompt_logprobs[0] is None and all(e is not None for e in first.prompt_logprobs[1:])
+    assert [{t: lp.logprob for t, lp in e.items()} for e in first.prompt_logprobs[1:]] == \
+        [{t: lp.logprob for t, lp in e.items()} for e in second.prompt_logprobs[1:]]
+    # Without prompt logprobs the same prompt still hits.
+    assert run(llm, [prompt])[0].num_cached_tokens == 64
+    assert_pool_free(llm)
