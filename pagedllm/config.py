@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 
 
 @dataclass
@@ -42,8 +43,15 @@ class CacheConfig:
     # "request" (its prompt + max_tokens) or a number of tokens).
     kv_layout: str = "paged"
     contiguous_reservation: int | str = "max_model_len"
+    # "auto" stores K/V in the model dtype; "int8" / "fp8_e4m3" quantize each
+    # (token, KV head) vector with its own fp32 scale (attention/kv_cache.py).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.kv_layout not in ("paged", "contiguous"):
             raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
         reservation = self.contiguous_reservation

@@ -11,6 +11,8 @@ from typing import Protocol
 
 import torch
 
+from pagedllm.attention.kv_cache import LayerKVCache
+
 
 @dataclass
 class PrefillSpan:
@@ -44,9 +46,10 @@ class AttentionBackend(Protocol):
     """Paged attention: write this step's K/V into the pool, then attend.
 
     Shapes: ``query`` [num_tokens, num_heads, head_dim]; ``key``/``value``
-    [num_tokens, num_kv_heads, head_dim]; ``key_cache``/``value_cache``
-    [num_blocks, block_size, num_kv_heads, head_dim] (block-major, so one block
-    of one layer is one contiguous slab). Returns [num_tokens, num_heads, head_dim].
+    [num_tokens, num_kv_heads, head_dim]; ``kv_cache`` is the layer's
+    :class:`~pagedllm.attention.kv_cache.LayerKVCache` (block-major
+    [num_blocks, block_size, num_kv_heads, head_dim] K and V, plus per-token
+    scales when quantized). Returns [num_tokens, num_heads, head_dim].
     Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
     """
 
@@ -55,8 +58,7 @@ class AttentionBackend(Protocol):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor: ...

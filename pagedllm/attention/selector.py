@@ -1,29 +1,47 @@
-"""Which paged decode kernel runs on which device.
+"""Which paged decode kernel runs on which device and pool storage.
 
-CPU: the compiled C++ kernel (``pagedllm.kernels.cpu``). CUDA: the Triton
-kernel (``pagedllm.kernels.triton_paged``) when Triton is installed and the
-block size is a power of two. Anything else, or ``PAGEDLLM_CPU_KERNEL=0`` on
-CPU: None, and the backend gathers through PyTorch, which runs on any device.
+CPU: the compiled C++ kernel (``pagedllm.kernels.cpu``), for pools in the
+model's dtype or int8. CUDA: the Triton kernel (``pagedllm.kernels.triton_paged``)
+when Triton is installed and the block size is a power of two, for the same
+storage types. Anything else (fp8 pools, ``PAGEDLLM_CPU_KERNEL=0`` on CPU, no
+Triton): None, and the backend gathers through PyTorch, which runs on any
+device and storage type.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.attention.torch_paged import DecodeKernel, TorchPagedAttention
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.kernels.triton_paged import paged_decode_attention as triton_paged_decode
 from pagedllm.kernels.triton_paged import triton_paged_decode_available
 
+_KERNEL_KV_CACHE_DTYPES = ("auto", "int8")
 
-def paged_decode_kernel_for(device: torch.device, block_size: int) -> DecodeKernel | None:
+
+def paged_decode_kernel_for(device: torch.device, block_size: int, kv_cache_dtype: str = "auto") -> DecodeKernel | None:
+    if kv_cache_dtype not in _KERNEL_KV_CACHE_DTYPES:
+        return None
     if device.type == "cpu":
-        module = load_cpu_kernels()
-        return module.paged_decode_attention if module is not None else None
+        return cpu_decode if load_cpu_kernels() is not None else None
     if device.type == "cuda" and triton_paged_decode_available() and block_size & (block_size - 1) == 0:
-        return triton_paged_decode
+        return triton_decode
     return None
 
 
-def attention_backend_for(device: torch.device, block_size: int) -> TorchPagedAttention:
-    return TorchPagedAttention(paged_decode_kernel_for(device, block_size))
+def cpu_decode(query, kv_cache: LayerKVCache, block_tables, context_lens, scale):
+    """The C++ kernel over a layer cache (it must have built: see ``load_cpu_kernels``)."""
+    return load_cpu_kernels().paged_decode_attention(query, kv_cache.key, kv_cache.value, kv_cache.key_scale,
+                                                     kv_cache.value_scale, block_tables, context_lens, scale)
+
+
+def triton_decode(query, kv_cache: LayerKVCache, block_tables, context_lens, scale):
+    """The Triton kernel over a layer cache."""
+    return triton_paged_decode(query, kv_cache.key, kv_cache.value, block_tables, context_lens, scale,
+                               kv_cache.key_scale, kv_cache.value_scale)
+
+
+def attention_backend_for(device: torch.device, block_size: int, kv_cache_dtype: str = "auto") -> TorchPagedAttention:
+    return TorchPagedAttention(paged_decode_kernel_for(device, block_size, kv_cache_dtype))

@@ -14,29 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.attention.kv_cache import LayerKVCache, dequantize, quantize
 
-DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-
-
-def write_to_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Store token i's K/V at pool slot ``slot_mapping[i]`` (block * block_size + offset)."""
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
-
-
-def gather_from_cache(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[batch, max_blocks] block ids -> [batch, num_kv_heads, max_blocks * block_size, head_dim]."""
-    batch, max_blocks = block_tables.shape
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    gathered = cache.index_select(0, block_tables.reshape(-1))
-    return gathered.view(batch, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+# (query, layer cache, block_tables, context_lens, scale) -> output
+DecodeKernel = Callable[[torch.Tensor, LayerKVCache, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 class TorchPagedAttention:
@@ -46,10 +27,11 @@ class TorchPagedAttention:
     chosen by :func:`pagedllm.attention.selector.paged_decode_kernel_for`)
     decodes read K/V straight through the block tables instead of gathering a
     padded copy; prefill spans always use PyTorch's SDPA. The kernel takes
-    ``(query, key_cache, value_cache, block_tables, context_lens, scale)``,
-    must accept tensors on the device the pool lives on, and must accept a
-    query whose rows are strided (a view into the fused qkv output) as long as
-    each row's heads and dims are packed.
+    ``(query, kv_cache, block_tables, context_lens, scale)``, must accept
+    tensors on the device the pool lives on and the pool's storage type
+    (the selector only picks kernels that do), and must accept a query whose
+    rows are strided (a view into the fused qkv output) as long as each row's
+    heads and dims are packed.
     """
 
     def __init__(self, decode_kernel: DecodeKernel | None = None) -> None:
@@ -60,37 +42,39 @@ class TorchPagedAttention:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_to_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        kv_cache.write(key, value, metadata.slot_mapping)
+        if kv_cache.quantized and metadata.prefills:
+            # Every read sees what the pool holds: a prompt's own fresh K/V are
+            # rounded exactly as they were stored, so a prefix-cache hit (which
+            # reads them back from the pool) gives the same result as a recompute.
+            key = dequantize(*quantize(key, kv_cache.kv_cache_dtype), kv_cache.kv_cache_dtype, key.dtype)
+            value = dequantize(*quantize(value, kv_cache.kv_cache_dtype), kv_cache.kv_cache_dtype, value.dtype)
         num_decodes = metadata.num_decodes
         if not metadata.prefills:
             # A pure decode step: the decode output is the whole output, no copy.
-            return self._decode(query, key_cache, value_cache, metadata, scale)
+            return self._decode(query, kv_cache, metadata, scale)
         output = torch.empty_like(query)
         if num_decodes:
-            output[:num_decodes] = self._decode(query[:num_decodes], key_cache, value_cache, metadata, scale)
+            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, scale)
         for span in metadata.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
-            output[rows] = self._prefill(query[rows], key[rows], value[rows], key_cache, value_cache, span, scale)
+            output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, scale)
         return output
 
-    def _decode(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(self, query, kv_cache: LayerKVCache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         if self.decode_kernel is not None:
             return self.decode_kernel(
-                query, key_cache, value_cache,
-                metadata.decode_block_tables, metadata.decode_context_lens, scale,
+                query, kv_cache, metadata.decode_block_tables, metadata.decode_context_lens, scale
             )
-        return self._gather_decode(query, key_cache, value_cache, metadata, scale)
+        return self._gather_decode(query, kv_cache, metadata, scale)
 
     @staticmethod
-    def _gather_decode(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        block_tables = metadata.decode_block_tables
-        keys = gather_from_cache(key_cache, block_tables)
-        values = gather_from_cache(value_cache, block_tables)
+    def _gather_decode(query, kv_cache: LayerKVCache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        keys, values = kv_cache.gather(metadata.decode_block_tables, query.dtype)
         positions = torch.arange(keys.shape[2], device=query.device)
         # [batch, 1, 1, max_context]: key j is visible iff j < context_len.
         mask = (positions[None, :] < metadata.decode_context_lens[:, None])[:, None, None, :]
@@ -100,16 +84,15 @@ class TorchPagedAttention:
         return out.squeeze(2)
 
     @staticmethod
-    def _prefill(query, key, value, key_cache, value_cache, span, scale: float) -> torch.Tensor:
+    def _prefill(query, key, value, kv_cache: LayerKVCache, span, scale: float) -> torch.Tensor:
         q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
         if span.context_len == span.query_len:
             k = key.transpose(0, 1).unsqueeze(0)
             v = value.transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            table = span.block_table.unsqueeze(0)
-            k = gather_from_cache(key_cache, table)[:, :, : span.context_len]
-            v = gather_from_cache(value_cache, table)[:, :, : span.context_len]
+            k, v = kv_cache.gather(span.block_table.unsqueeze(0), query.dtype)
+            k, v = k[:, :, : span.context_len], v[:, :, : span.context_len]
             # Query i sits at position context_len - query_len + i and sees keys up to it.
             first = span.context_len - span.query_len
             q_pos = torch.arange(first, span.context_len, device=query.device)

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.kernels.cpu import load_cpu_kernels
+from pagedllm.attention.kv_cache import LayerKVCache
+from pagedllm.attention.selector import cpu_decode
 from pagedllm.attention.torch_paged import TorchPagedAttention
 from pagedllm.sampling_params import SamplingParams
 
@@ -55,11 +57,12 @@ def attention_rows(batches: list[int], contexts: list[int], num_heads: int = 9, 
             row = {"batch": batch, "context": context}
             row["contiguous_sdpa_ms"] = 1e3 * _time(lambda: F.scaled_dot_product_attention(
                 query.unsqueeze(2), keys, values, enable_gqa=True), repeats)
-            for name, backend in (("paged_cpp_ms", TorchPagedAttention(kernel.paged_decode_attention) if kernel else None),
+            pool = LayerKVCache(key_cache, value_cache)
+            for name, backend in (("paged_cpp_ms", TorchPagedAttention(cpu_decode) if kernel else None),
                                   ("paged_pytorch_ms", TorchPagedAttention())):
                 if backend is not None:
                     row[name] = 1e3 * _time(lambda: backend.forward(
-                        query, empty, empty, key_cache, value_cache, metadata, head_dim**-0.5), repeats)
+                        query, empty, empty, pool, metadata, head_dim**-0.5), repeats)
             rows.append(row)
     return rows
 

@@ -196,6 +196,19 @@ def format_table(results: list[BenchResult]) -> str:
     return "\n".join(lines)
 
 
+def format_pool_table(rows: list[tuple[str, dict]]) -> str:
+    """Per engine: the pool's size and what it allowed (for KV storage comparisons)."""
+    lines = ["| engine | KV bytes/token | blocks | token capacity | peak blocks in use | max concurrent sequences "
+             "| mean batch | preemptions |", "|---|---|---|---|---|---|---|---|"]
+    for label, stats in rows:
+        lines.append(
+            f"| {label} | {stats['bytes_per_token']} | {stats['num_blocks']} | {stats['token_capacity']} | "
+            f"{stats['peak_blocks_in_use']} | {stats['peak_running_per_step']} | "
+            f"{stats['mean_running_per_step']:.1f} | {stats['num_preemptions']} |"
+        )
+    return "\n".join(lines)
+
+
 def format_ratios(results: list[BenchResult]) -> str:
     """pagedllm's total tokens/s over each kind of baseline: the best static
     ``generate`` batch size, and Hugging Face's continuous batching when run."""

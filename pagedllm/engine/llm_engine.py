@@ -68,7 +68,10 @@ class LLMEngine:
         del checkpoint
         self.model = model.to(device=self.device, dtype=dtype).eval()
 
-        self.bytes_per_token = kv_bytes_per_token(self.model_config, dtype)
+        kv_cache_dtype = config.cache.kv_cache_dtype
+        self.bytes_per_token = kv_bytes_per_token(self.model_config, dtype, kv_cache_dtype)
+        # What the same memory would hold unquantized: the start-up line reports the gain.
+        self.unquantized_bytes_per_token = kv_bytes_per_token(self.model_config, dtype)
         block_size = config.cache.block_size
         num_blocks = self._num_blocks(block_size)
         num_swap_blocks = 0
@@ -89,7 +92,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.eos_token_ids = self._eos_token_ids()
         self.runner = ModelRunner(
-            self.model, num_blocks, block_size, self.device, dtype, self.eos_token_ids, num_swap_blocks
+            self.model, num_blocks, block_size, self.device, dtype, self.eos_token_ids, num_swap_blocks,
+            kv_cache_dtype,
         )
         self.vocab_size = self.model_config.vocab_size
         self._rng = random.Random(config.seed)
@@ -98,6 +102,7 @@ class LLMEngine:
         self._request_counter = 0
         self.num_steps = 0
         self.num_scheduled_sequences = 0
+        self.peak_running_per_step = 0  # most sequences in one forward pass
         self.reset_step_timings()
         logger.info(self.capacity_line())
         # The model, tokenizer and pools are long-lived: move them out of the
@@ -139,11 +144,13 @@ class LLMEngine:
         config = self.model_config
         kv_shape = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim_of(config))
         sched = self.scheduler_config
-        attention = attention_backend_for(self.device, block_size)
+        kv_cache_dtype = self.config.cache.kv_cache_dtype
+        attention = attention_backend_for(self.device, block_size, kv_cache_dtype)
         weights_bytes = torch.cuda.memory_allocated(self.device)
         peak = cuda_peak_activation_bytes(
             lambda: run_dummy_step(self.model, attention, sched.max_num_batched_tokens, sched.max_num_seqs,
-                                   block_size, kv_shape, _TORCH_DTYPES[self.config.dtype], self.device),
+                                   block_size, kv_shape, _TORCH_DTYPES[self.config.dtype], kv_cache_dtype,
+                                   self.device),
             self.device,
         )
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -165,11 +172,17 @@ class LLMEngine:
     def capacity_line(self) -> str:
         kv = self.kv_cache_manager
         tokens = kv.num_blocks * kv.block_size
-        return (
+        kv_cache_dtype = self.config.cache.kv_cache_dtype
+        storage = self.config.dtype if kv_cache_dtype == "auto" else f"{kv_cache_dtype} KV with per-token scales"
+        line = (
             f"KV cache: {kv.num_blocks} blocks x {kv.block_size} tokens = {tokens} tokens "
             f"({self.bytes_per_token} bytes/token, {tokens * self.bytes_per_token / 2**20:.1f} MiB, "
-            f"{self.config.dtype}) on {self.device.type}"
+            f"{storage}) on {self.device.type}"
         )
+        if kv_cache_dtype != "auto":
+            gain = self.unquantized_bytes_per_token / self.bytes_per_token
+            line += f"; {gain:.2f}x the tokens of a {self.config.dtype} pool of the same size"
+        return line
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -361,6 +374,7 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
         self.num_steps += 1
         self.num_scheduled_sequences += len(scheduler_output.scheduled)
+        self.peak_running_per_step = max(self.peak_running_per_step, len(scheduler_output.scheduled))
         scheduled_at = time.perf_counter()
         try:
             runner_output = self.runner.execute(scheduler_output)
@@ -401,6 +415,7 @@ class LLMEngine:
             "peak_blocks_in_use": kv.peak_blocks_in_use,
             "token_capacity": kv.num_blocks * kv.block_size,
             "bytes_per_token": self.bytes_per_token,
+            "kv_cache_dtype": self.config.cache.kv_cache_dtype,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,
@@ -418,6 +433,7 @@ class LLMEngine:
             "num_steps": self.num_steps,
             # Sequences in the forward pass, averaged over steps: the achieved batch size.
             "mean_running_per_step": self.num_scheduled_sequences / max(1, self.num_steps),
+            "peak_running_per_step": self.peak_running_per_step,
             "min_cacheable_prefix_tokens": kv.block_size,
         }
 

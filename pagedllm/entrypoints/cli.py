@@ -30,6 +30,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
+                   help="KV storage: the model dtype, or int8 / fp8 with a scale per (token, KV head)")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped blocks")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
@@ -52,6 +54,7 @@ def make_llm(args: argparse.Namespace):
         enable_block_sharing=getattr(args, "enable_block_sharing", True),
         enable_prefix_caching=args.enable_prefix_caching,
         kv_layout=args.kv_layout,
+        kv_cache_dtype=args.kv_cache_dtype,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
         scheduling_policy=args.scheduling_policy,
@@ -129,10 +132,22 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     capacity = llm.llm_engine.capacity_line()
     print(capacity)
     llm.llm_engine.reset_step_timings()
-    results = [bench.run_pagedllm(llm, requests, f"pagedllm ({args.kv_layout} KV)")]
+    label = f"pagedllm ({args.kv_layout} KV)" if args.kv_cache_dtype == "auto" else f"pagedllm ({args.kv_cache_dtype} KV)"
+    results = [bench.run_pagedllm(llm, requests, label)]
     stats = llm.stats()
+    pool_rows = [(label, stats)]
     split = bench.format_step_split(llm.llm_engine.step_timings)
-    if args.baseline == "contiguous":
+    if args.baseline == "kv-auto":
+        if args.kv_cache_dtype == "auto":
+            raise ValueError("--baseline kv-auto compares a quantized pool with the auto one: pass --kv-cache-dtype")
+        del llm  # one model copy at a time
+        quantized, args.kv_cache_dtype = args.kv_cache_dtype, "auto"
+        baseline = make_llm(args)
+        results.append(bench.run_pagedllm(baseline, requests, f"pagedllm (auto KV, {args.dtype})"))
+        pool_rows.append((results[-1].engine, baseline.stats()))
+        args.kv_cache_dtype = quantized
+        table_suffix = "\n\n" + bench.format_pool_table(pool_rows)
+    elif args.baseline == "contiguous":
         del llm  # one model copy at a time
         args.kv_layout = "contiguous"
         results.append(bench.run_pagedllm(make_llm(args), requests, "pagedllm (contiguous KV)"))
@@ -147,6 +162,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     ratios = bench.format_ratios(results)
     if ratios:
         table += "\n\n" + ratios
+    if args.baseline == "kv-auto":
+        table += table_suffix
     print(table)
     print(
         f"peak KV blocks in use: {stats['peak_blocks_in_use']} of {stats['num_blocks']}; preemptions: "
@@ -337,8 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--num-prompts", type=int, default=32)
     tp.add_argument("--input-len", type=int, default=128)
     tp.add_argument("--output-len", type=int, default=64)
-    tp.add_argument("--baseline", choices=["none", "hf", "contiguous"], default="none",
-                    help="hf: transformers generate; contiguous: this engine with one max_model_len reservation per request")
+    tp.add_argument("--baseline", choices=["none", "hf", "contiguous", "kv-auto"], default="none",
+                    help="hf: transformers generate; contiguous: this engine with one max_model_len reservation per "
+                         "request; kv-auto: this engine with an unquantized pool of the same memory "
+                         "(with --kv-cache-dtype int8 or fp8_e4m3)")
     tp.add_argument("--hf-batch-size", type=int, nargs="+", default=[8],
                     help="static batch sizes for the HF baseline; the best one is the baseline")
     tp.add_argument("--record", default=None, metavar="FILE", help="append the result table to FILE (e.g. BENCHMARKS.md)")

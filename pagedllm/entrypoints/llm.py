@@ -40,6 +40,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         kv_layout: str = "paged",
         contiguous_reservation: int | str = "max_model_len",
+        kv_cache_dtype: str = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
@@ -76,6 +77,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 kv_layout=kv_layout,
                 contiguous_reservation=contiguous_reservation,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             debug_invariants=debug_invariants,
         )

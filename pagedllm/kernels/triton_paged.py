@@ -32,12 +32,15 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(
-        out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr,
+        out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr,
+        block_tables_ptr, context_lens_ptr,
         scale,
         stride_q_token, stride_q_head,
         stride_o_token, stride_o_head,
         stride_c_block, stride_c_slot, stride_c_head,
         stride_table_row,
+        NUM_KV_HEADS: tl.constexpr,
+        QUANTIZED: tl.constexpr,
         QUERIES_PER_KV: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -67,11 +70,17 @@ if triton is not None:
             load_mask = visible[:, None] & dim_ok[None, :]
             k = tl.load(key_cache_ptr + offsets, mask=load_mask, other=0.0).to(tl.float32)
             scores = tl.sum(k * q[None, :], axis=1)
+            if QUANTIZED:
+                # int8 pool: one fp32 scale per (slot, KV head) for K and for V.
+                scale_offsets = (block * BLOCK_SIZE + slots) * NUM_KV_HEADS + kv_head
+                scores = scores * tl.load(key_scale_ptr + scale_offsets, mask=visible, other=0.0)
             scores = tl.where(visible, scores, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(scores, axis=0))
             correction = tl.exp(running_max - new_max)
             weights = tl.exp(scores - new_max)
             v = tl.load(value_cache_ptr + offsets, mask=load_mask, other=0.0).to(tl.float32)
+            if QUANTIZED:
+                v = v * tl.load(value_scale_ptr + scale_offsets, mask=visible, other=0.0)[:, None]
             acc = acc * correction + tl.sum(weights[:, None] * v, axis=0)
             running_sum = running_sum * correction + tl.sum(weights, axis=0)
             running_max = new_max
@@ -92,14 +101,18 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence attends over its paged context.
 
-    Shapes: ``query`` [num_seqs, num_heads, head_dim]; caches
-    [num_blocks, block_size, num_kv_heads, head_dim] with the last dimension
-    contiguous; ``block_tables`` [num_seqs, max_blocks] (entries past a
-    sequence's context are never read); ``context_lens`` [num_seqs], each at
-    least 1. The block size must be a power of two (Triton ranges are).
+    Shapes: ``query`` [num_seqs, num_heads, head_dim] (rows may be strided);
+    caches [num_blocks, block_size, num_kv_heads, head_dim], contiguous, in the
+    query's dtype or int8 with ``key_scale``/``value_scale`` fp32
+    [num_blocks, block_size, num_kv_heads]; ``block_tables``
+    [num_seqs, max_blocks] (entries past a sequence's context are never read);
+    ``context_lens`` [num_seqs], each at least 1. The block size must be a
+    power of two (Triton ranges are).
     """
     if triton is None:
         raise RuntimeError("Triton is not installed; use the PyTorch decode path")
@@ -107,8 +120,11 @@ def paged_decode_attention(
     _, block_size, num_kv_heads, _ = key_cache.shape
     if block_size & (block_size - 1):
         raise ValueError(f"the Triton decode kernel needs a power-of-two block_size, got {block_size}")
-    if key_cache.stride(3) != 1 or value_cache.stride() != key_cache.stride():
-        raise ValueError("key_cache and value_cache must share one layout with a contiguous head_dim")
+    if not key_cache.is_contiguous() or not value_cache.is_contiguous():
+        raise ValueError("key_cache and value_cache must be contiguous")
+    quantized = key_cache.dtype == torch.int8
+    if quantized and (key_scale is None or value_scale is None):
+        raise ValueError("an int8 pool needs key_scale and value_scale")
     if query.stride(2) != 1:
         query = query.contiguous()
     block_tables = block_tables.contiguous()
@@ -116,12 +132,16 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     _paged_decode_kernel[(num_seqs, num_heads)](
-        out, query, key_cache, value_cache, block_tables, context_lens,
+        out, query, key_cache, value_cache,
+        key_scale if quantized else key_cache, value_scale if quantized else value_cache,
+        block_tables, context_lens,
         scale,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0),
+        NUM_KV_HEADS=num_kv_heads,
+        QUANTIZED=quantized,
         QUERIES_PER_KV=num_heads // num_kv_heads,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,

@@ -13,6 +13,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -50,7 +51,7 @@ class Attention(nn.Module):
         self,
         positions: torch.Tensor,
         hidden: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -62,7 +63,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -145,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKVCache],
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
+from pagedllm.attention.kv_cache import allocate_layer
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -45,14 +46,13 @@ def utilization_kv_budget(total_bytes: int, utilization: float, weights_bytes: i
 
 @torch.inference_mode()
 def run_dummy_step(model, attention, num_tokens: int, num_logit_rows: int, block_size: int,
-                   kv_shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> None:
+                   kv_shape: tuple[int, int], dtype: torch.dtype, kv_cache_dtype: str, device: torch.device) -> None:
     """One forward pass of ``num_tokens`` fresh prompt tokens (the largest step
     the scheduler builds) into a throwaway pool just big enough for them, then
     the logits of ``num_logit_rows`` rows (the most sampled in one step)."""
     num_blocks = -(-num_tokens // block_size)
     kv_caches = [
-        (torch.zeros(num_blocks, block_size, *kv_shape, dtype=dtype, device=device),
-         torch.zeros(num_blocks, block_size, *kv_shape, dtype=dtype, device=device))
+        allocate_layer(num_blocks, block_size, *kv_shape, dtype, kv_cache_dtype, device)
         for _ in range(model.config.num_hidden_layers)
     ]
     metadata = AttentionMetadata(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
+from pagedllm.attention.kv_cache import allocate_layer, kv_bytes_per_token_per_kv_head
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.core.kv_cache_manager import cdiv
 from pagedllm.core.request import Request, child_request_id, child_seed
@@ -22,11 +23,11 @@ from pagedllm.worker.sampler import Sampler, SamplingMetadata, compute_prompt_lo
 from pagedllm.worker.swap import HostSwapPool
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """K and V, every layer, every KV head: the pool's cost of one token."""
+def kv_bytes_per_token(config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """K and V, every layer, every KV head (scales included): the pool's cost of one token."""
     num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * num_kv_heads * head_dim_of(config) * element
+    per_head = kv_bytes_per_token_per_kv_head(head_dim_of(config), dtype, kv_cache_dtype)
+    return config.num_hidden_layers * num_kv_heads * per_head
 
 
 @dataclass
@@ -62,20 +63,20 @@ class ModelRunner:
         dtype: torch.dtype,
         eos_token_ids: list[int],
         num_swap_blocks: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         config = model.config
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        shape = (num_blocks, block_size, num_kv_heads, head_dim_of(config))
-        # Block-major: one block of one layer is one contiguous slab.
+        # Block-major: one block of one layer is one contiguous slab (and its scales another).
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            allocate_layer(num_blocks, block_size, num_kv_heads, head_dim_of(config), dtype, kv_cache_dtype, device)
             for _ in range(config.num_hidden_layers)
         ]
-        self.swap_pool = HostSwapPool(num_swap_blocks, shape[1:], config.num_hidden_layers, dtype, device)
-        self.attention = attention_backend_for(device, block_size)
+        self.swap_pool = HostSwapPool(num_swap_blocks, self.kv_caches)
+        self.attention = attention_backend_for(device, block_size, kv_cache_dtype)
         self.sampler = Sampler(eos_token_ids)
 
     @torch.inference_mode()
@@ -109,9 +110,9 @@ class ModelRunner:
             return
         src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
-        for key_cache, value_cache in self.kv_caches:
-            key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
-            value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
+        for layer in self.kv_caches:
+            for tensor in layer.tensors():  # K, V and, when quantized, their scales
+                tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     def _prepare(self, scheduler_output: SchedulerOutput) -> _Batch:
         # Single-token spans (decodes, and one-token prompt tails) read the pool

@@ -2,43 +2,45 @@
 
 On a GPU it is pinned host memory; on a CPU-only machine it is a separate
 preallocated host pool, so the copies and the accounting are the same real
-mechanics either way.
+mechanics either way. Every block-major tensor of a layer cache is mirrored
+(K, V and, for a quantized pool, their scales), so a block's scales are
+swapped with it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedllm.attention.kv_cache import LayerKVCache
+
 
 class HostSwapPool:
-    """Per layer, K and V host tensors shaped like the device pool, ``num_blocks`` long."""
+    """Per layer, host tensors shaped like each of the device cache's tensors, ``num_blocks`` long."""
 
-    def __init__(self, num_blocks: int, block_shape: tuple[int, ...], num_layers: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        pin = device.type == "cuda"
-        shape = (num_blocks, *block_shape)
+    def __init__(self, num_blocks: int, device_caches: list[LayerKVCache]) -> None:
+        pin = bool(device_caches) and device_caches[0].key.device.type == "cuda"
         self.caches = [
-            (torch.zeros(shape, dtype=dtype, pin_memory=pin), torch.zeros(shape, dtype=dtype, pin_memory=pin))
-            for _ in range(num_layers)
+            [torch.zeros((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in layer.tensors()]
+            for layer in device_caches
         ]
 
-    def swap_out(self, device_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+    def swap_out(self, device_caches: list[LayerKVCache], pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks: ``pairs`` of (device block, host block)."""
         if not pairs:
             return
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device_caches[0][0].device)
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device_caches[0].key.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
-        for (device_k, device_v), (host_k, host_v) in zip(device_caches, self.caches):
-            host_k.index_copy_(0, dst, device_k.index_select(0, src).cpu())
-            host_v.index_copy_(0, dst, device_v.index_select(0, src).cpu())
+        for layer, host_tensors in zip(device_caches, self.caches):
+            for device_tensor, host_tensor in zip(layer.tensors(), host_tensors):
+                host_tensor.index_copy_(0, dst, device_tensor.index_select(0, src).cpu())
 
-    def swap_in(self, device_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+    def swap_in(self, device_caches: list[LayerKVCache], pairs: list[tuple[int, int]]) -> None:
         """Copy host blocks back: ``pairs`` of (host block, device block)."""
         if not pairs:
             return
-        device = device_caches[0][0].device
+        device = device_caches[0].key.device
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device)
-        for (device_k, device_v), (host_k, host_v) in zip(device_caches, self.caches):
-            device_k.index_copy_(0, dst, host_k.index_select(0, src).to(device, non_blocking=True))
-            device_v.index_copy_(0, dst, host_v.index_select(0, src).to(device, non_blocking=True))
+        for layer, host_tensors in zip(device_caches, self.caches):
+            for device_tensor, host_tensor in zip(layer.tensors(), host_tensors):
+                device_tensor.index_copy_(0, dst, host_tensor.index_select(0, src).to(device, non_blocking=True))

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
+from pagedllm.attention.kv_cache import LayerKVCache
+from pagedllm.attention.selector import cpu_decode, triton_decode
 from pagedllm.attention.torch_paged import TorchPagedAttention
 from pagedllm.kernels import triton_paged
 from pagedllm.kernels.cpu import load_cpu_kernels
@@ -17,8 +19,8 @@ KERNEL = load_cpu_kernels()
 # interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before any import).
 BACKENDS = {
     "pytorch": TorchPagedAttention(),
-    "cpp": TorchPagedAttention(KERNEL.paged_decode_attention if KERNEL else None),
-    "triton": TorchPagedAttention(triton_paged.paged_decode_attention),
+    "cpp": TorchPagedAttention(cpu_decode),
+    "triton": TorchPagedAttention(triton_decode),
 }
 
 
@@ -84,7 +86,7 @@ def test_prefill_then_decode_equals_contiguous(block_size, backend):
         slots += slots_of(table, range(n), block_size)
         start += n
     meta = AttentionMetadata(torch.tensor(slots), 0, torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long), spans)
-    out = backend.forward(q, k, v, key_cache, value_cache, meta, SCALE)
+    out = backend.forward(q, k, v, LayerKVCache(key_cache, value_cache), meta, SCALE)
     start = 0
     for (sq, sk, sv), n in zip(seqs, prompt_lens):
         torch.testing.assert_close(out[start : start + n], reference(sq[:n], sk[:n], sv[:n]), atol=1e-5, rtol=1e-5)
@@ -102,7 +104,7 @@ def test_prefill_then_decode_equals_contiguous(block_size, backend):
         decode_context_lens=torch.tensor(total_lens),
         prefills=[],
     )
-    out = backend.forward(q, k, v, key_cache, value_cache, meta, SCALE)
+    out = backend.forward(q, k, v, LayerKVCache(key_cache, value_cache), meta, SCALE)
     for i, (sq, sk, sv) in enumerate(seqs):
         torch.testing.assert_close(out[i], reference(sq, sk, sv)[-1], atol=1e-5, rtol=1e-5)
 
@@ -130,7 +132,7 @@ def test_chunked_prefill_reads_earlier_context_from_pool(block_size, backend):
         slots += slots_of(tables[i], range(a, b), block_size)
         start += b - a
     meta = AttentionMetadata(torch.tensor(slots), 0, torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long), spans)
-    backend.forward(q, k, v, key_cache, value_cache, meta, SCALE)
+    backend.forward(q, k, v, LayerKVCache(key_cache, value_cache), meta, SCALE)
     # Step 2: seq 1 decodes its last token (first in the batch), seq 0 prefills the rest.
     q = torch.cat([seqs[1][0][-1:], seqs[0][0][chunk:]])
     k = torch.cat([seqs[1][1][-1:], seqs[0][1][chunk:]])
@@ -143,7 +145,7 @@ def test_chunked_prefill_reads_earlier_context_from_pool(block_size, backend):
         decode_context_lens=torch.tensor([lens[1]]),
         prefills=[PrefillSpan(1, lens[0] - chunk, lens[0], torch.tensor(tables[0]))],
     )
-    out = backend.forward(q, k, v, key_cache, value_cache, meta, SCALE)
+    out = backend.forward(q, k, v, LayerKVCache(key_cache, value_cache), meta, SCALE)
     torch.testing.assert_close(out[0], reference(*seqs[1])[-1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[1:], reference(*seqs[0])[chunk:], atol=1e-5, rtol=1e-5)
     # The pool holds exactly the sequences' K at their slots.
@@ -167,7 +169,8 @@ def test_cpp_decode_kernel_handles_bfloat16(backend):
         decode_context_lens=torch.tensor(lens), prefills=[],
     )
     out = backend.forward(q, torch.zeros(0, NUM_KV_HEADS, HEAD_DIM).bfloat16(),
-                          torch.zeros(0, NUM_KV_HEADS, HEAD_DIM).bfloat16(), key_cache, value_cache, meta, SCALE)
+                          torch.zeros(0, NUM_KV_HEADS, HEAD_DIM).bfloat16(), LayerKVCache(key_cache, value_cache),
+                          meta, SCALE)
     for i, (table, n) in enumerate(zip(tables, lens)):
         slots = torch.tensor(slots_of(table, range(n), block_size))
         k = key_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].float()
@@ -201,7 +204,7 @@ def test_decode_kernel_splits_and_head_sizes_match_sdpa(backend, head_dim, lens)
         decode_context_lens=torch.tensor(lens), prefills=[],
     )
     empty = torch.zeros(0, NUM_KV_HEADS, head_dim)
-    out = backend.forward(q, empty, empty, key_cache, value_cache, meta, head_dim**-0.5)
+    out = backend.forward(q, empty, empty, LayerKVCache(key_cache, value_cache), meta, head_dim**-0.5)
     for i, (table, n) in enumerate(zip(tables, lens)):
         slots = torch.tensor(slots_of(table, range(n), block_size))
         k = key_cache.view(-1, NUM_KV_HEADS, head_dim)[slots]

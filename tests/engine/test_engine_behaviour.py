@@ -234,7 +234,7 @@ def test_bfloat16_runs_with_a_bfloat16_pool(tiny_llama):
     import torch
 
     llm_bf16 = LLM(tiny_llama, dtype="bfloat16", num_kv_blocks=32, debug_invariants=True)
-    assert llm_bf16.llm_engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert llm_bf16.llm_engine.runner.kv_caches[0].key.dtype == torch.bfloat16
     assert llm_bf16.stats()["bytes_per_token"] == 2 * 2 * 2 * 16 * 2
     out = llm_bf16.generate(token_prompts(3, 20), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)

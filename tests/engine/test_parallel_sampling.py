@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
@@ -59,11 +60,13 @@ def test_best_of_returns_the_most_likely_samples(tiny_llama):
     assert_pool_free(llm)
 
 
-def test_copy_on_write_copies_the_shared_tail_exactly(tiny_llama):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_copy_on_write_copies_the_shared_tail_exactly(tiny_llama, kv_cache_dtype):
     """Prompt of 20 tokens: block 1 holds 4 prompt tokens and is shared by both
     samples after the fork. The first decode copies it; both sequences then
-    read identical prompt K/V from different blocks, and the original is untouched."""
-    llm = LLM(tiny_llama, num_kv_blocks=32, debug_invariants=True)
+    read identical prompt K/V from different blocks, and the original is
+    untouched. With an int8 pool the scales are copied with the block, bit for bit."""
+    llm = LLM(tiny_llama, num_kv_blocks=32, debug_invariants=True, kv_cache_dtype=kv_cache_dtype)
     engine = llm.llm_engine
     kv = engine.kv_cache_manager
     engine.add_request("r", long_prompt(20), SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6))
@@ -71,15 +74,17 @@ def test_copy_on_write_copies_the_shared_tail_exactly(tiny_llama):
     table = kv.get_block_ids("r")
     assert kv.get_block_ids("r::1") == table and kv.block_pool.blocks[table[1]].ref_cnt == 2
     tail = table[1]
-    before = [(k[tail].clone(), v[tail].clone()) for k, v in engine.runner.kv_caches]
+    before = [[t[tail].clone() for t in layer.tensors()] for layer in engine.runner.kv_caches]
+    assert len(before[0]) == (4 if kv_cache_dtype == "int8" else 2)
     engine.step()  # both decode: exactly one copy-on-write
     tables = {rid: kv.get_block_ids(rid) for rid in ("r", "r::1")}
     assert tables["r"][0] == tables["r::1"][0]  # the full block stays shared
     copy = tables["r"][1] if tables["r"][1] != tail else tables["r::1"][1]
     assert {tables["r"][1], tables["r::1"][1]} == {tail, copy}
-    for (k, v), (k0, v0) in zip(engine.runner.kv_caches, before):
-        for block in (tail, copy):
-            assert torch.equal(k[block, :4], k0[:4]) and torch.equal(v[block, :4], v0[:4])
+    for layer, originals in zip(engine.runner.kv_caches, before):
+        for tensor, original in zip(layer.tensors(), originals):
+            for block in (tail, copy):
+                assert torch.equal(tensor[block, :4], original[:4])
     while engine.has_unfinished_requests():
         engine.step()
     assert_pool_free(llm)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.torch_paged import TorchPagedAttention
-from pagedllm.kernels import triton_paged
+from pagedllm.attention.selector import triton_decode
 from tests.conftest import assert_pool_free
 
 
@@ -19,7 +19,7 @@ def test_triton_decode_kernel_in_the_engine_matches_the_default(tiny_llama):
     reference = LLM(tiny_llama, num_kv_blocks=64, block_size=4, debug_invariants=True)
     expected = [[c.token_ids for c in o.outputs] for o in reference.generate(prompts, params, use_tqdm=False)]
     llm = LLM(tiny_llama, num_kv_blocks=64, block_size=4, debug_invariants=True)
-    llm.llm_engine.runner.attention = TorchPagedAttention(triton_paged.paged_decode_attention)
+    llm.llm_engine.runner.attention = TorchPagedAttention(triton_decode)
     got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     assert_pool_free(llm)

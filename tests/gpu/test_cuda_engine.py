@@ -12,6 +12,8 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.attention.kv_cache import LayerKVCache
+from pagedllm.attention.selector import triton_decode
 from pagedllm.attention.torch_paged import TorchPagedAttention
 from pagedllm.bench.hf_reference import load_hf_model
 from pagedllm.kernels import triton_paged
@@ -33,14 +35,14 @@ def test_triton_decode_matches_the_gather_path_on_cuda(dtype):
     query = torch.randn(len(lens), num_heads, head_dim, device="cuda", dtype=dtype)
     metadata = AttentionMetadata(torch.zeros(0, dtype=torch.long, device="cuda"), len(lens), tables, lens, [])
     got = triton_paged.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.125)
-    expected = TorchPagedAttention._gather_decode(query, key_cache, value_cache, metadata, 0.125)
+    expected = TorchPagedAttention._gather_decode(query, LayerKVCache(key_cache, value_cache), metadata, 0.125)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
 def test_smollm2_on_cuda_matches_hf_token_for_token():
     llm = LLM(device="cuda", num_kv_blocks=512, debug_invariants=True)
-    assert llm.llm_engine.runner.attention.decode_kernel is triton_paged.paged_decode_attention
+    assert llm.llm_engine.runner.attention.decode_kernel is triton_decode
     check_parity(llm, load_hf_model(None))
 
 

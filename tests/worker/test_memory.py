@@ -48,7 +48,7 @@ def test_dummy_step_writes_every_token_into_its_throwaway_pool(tiny_llama, monke
     monkeypatch.setattr(torch, "zeros", recording_zeros)
     run_dummy_step(model, attention_backend_for(torch.device("cpu"), 16), num_tokens=40, num_logit_rows=8,
                    block_size=16, kv_shape=(config.num_key_value_heads, head_dim_of(config)),
-                   dtype=torch.float32, device=torch.device("cpu"))
+                   dtype=torch.float32, kv_cache_dtype="auto", device=torch.device("cpu"))
     monkeypatch.undo()
     assert len(pools) == 2 * config.num_hidden_layers
     for pool in pools:

@@ -7,6 +7,7 @@
 
 // paged_decode.cpp: decode attention read straight through the block tables.
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     std::optional<torch::Tensor> key_scale, std::optional<torch::Tensor> value_scale,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 
 // layer_ops.cpp: the elementwise parts of a decoder layer, fused.

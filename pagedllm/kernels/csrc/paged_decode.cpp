@@ -6,6 +6,10 @@
 // Shapes: query [B, H, D]; key_cache / value_cache [num_blocks, block_size,
 // H_kv, D] (block-major, contiguous); block_tables [B, max_blocks] int64;
 // context_lens [B] int64. Query head h reads KV head h / (H / H_kv).
+// Caches are in the query's dtype, or int8 with an fp32 scale per (slot, KV
+// head) in key_scale / value_scale [num_blocks, block_size, H_kv]: a token's
+// score is scale_k * (q . k_int8) and its value weight is p * scale_v, so the
+// int8 values are never expanded into a dequantized copy.
 //
 // One pass per task with an online softmax (as flash-decoding does): for each
 // block, score its tokens for every query head, rescale the running sums to
@@ -63,6 +67,10 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 // Lane i of the result is the sum of the 16 lanes of v[i].
 inline __m512 sum_lanes_of_16(const __m512* v) {
   __m512 pairs[8], quads[4];
@@ -107,7 +115,8 @@ __attribute__((always_inline)) inline void score_tokens(const float* __restrict 
                                                         int64_t token_stride, int64_t n, int64_t head_dim,
                                                         float* __restrict scores) {
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16> ||
+                std::is_same_v<scalar_t, int8_t>) {
     if (head_dim % 16 == 0) return score_tokens_avx512(q, k, token_stride, n, head_dim, scores);
   }
 #endif
@@ -127,8 +136,9 @@ __attribute__((always_inline)) inline void axpy(float w, const scalar_t* __restr
 // running sum and the weighted value sum, which combine() merges across tasks.
 // kHeadDim > 0 fixes the head size at compile time (fully unrolled dot products
 // for the common 64 and 128); 0 reads it from ``runtime_head_dim``.
-template <typename scalar_t, int64_t kHeadDim>
-void decode_task(const scalar_t* query, const scalar_t* key_cache, const scalar_t* value_cache,
+template <typename scalar_t, typename cache_t, int64_t kHeadDim>
+void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t* value_cache,
+                 const float* key_scale, const float* value_scale,
                  const int64_t* table, int64_t block_begin, int64_t block_end, int64_t context_len,
                  int64_t block_size, int64_t num_kv_heads, int64_t runtime_head_dim, int64_t group, float scale,
                  Scratch& s, Partial part) {
@@ -146,23 +156,28 @@ void decode_task(const scalar_t* query, const scalar_t* key_cache, const scalar_
   for (int64_t b = block_begin; b < block_end; ++b) {
     const int64_t first_slot = table[b] * block_size;
     const int64_t n = std::min(block_size, context_len - b * block_size);
-    const scalar_t* k_block = key_cache + first_slot * token_stride;
-    const scalar_t* v_block = value_cache + first_slot * token_stride;
+    const cache_t* k_block = key_cache + first_slot * token_stride;
+    const cache_t* v_block = value_cache + first_slot * token_stride;
     if (b + 1 < block_end) {
       // Blocks are scattered over the pool, so the hardware prefetcher cannot
       // guess the next one: ask for it while this one is being scored.
       const int64_t next_slot = table[b + 1] * block_size;
       const char* k_next = reinterpret_cast<const char*>(key_cache + next_slot * token_stride);
       const char* v_next = reinterpret_cast<const char*>(value_cache + next_slot * token_stride);
-      const int64_t block_bytes = block_size * token_stride * static_cast<int64_t>(sizeof(scalar_t));
+      const int64_t block_bytes = block_size * token_stride * static_cast<int64_t>(sizeof(cache_t));
       for (int64_t byte = 0; byte < block_bytes; byte += 64) {
         __builtin_prefetch(k_next + byte);
         __builtin_prefetch(v_next + byte);
       }
     }
-    for (int64_t r = 0; r < rows; ++r)
-      score_tokens(s.q.data() + r * head_dim, k_block + (r / group) * head_dim, token_stride, n, head_dim,
-                   s.scores.data() + r * block_size);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* scores = s.scores.data() + r * block_size;
+      score_tokens(s.q.data() + r * head_dim, k_block + (r / group) * head_dim, token_stride, n, head_dim, scores);
+      if (key_scale != nullptr) {
+        const float* token_scales = key_scale + first_slot * num_kv_heads + r / group;
+        for (int64_t t = 0; t < n; ++t) scores[t] *= token_scales[t * num_kv_heads];
+      }
+    }
     for (int64_t r = 0; r < rows; ++r) {
       float* scores = s.scores.data() + r * block_size;
       const float block_max = *std::max_element(scores, scores + n);
@@ -182,9 +197,12 @@ void decode_task(const scalar_t* query, const scalar_t* key_cache, const scalar_
       }
     }
     for (int64_t t = 0; t < n; ++t) {
-      const scalar_t* v = v_block + t * token_stride;
-      for (int64_t r = 0; r < rows; ++r)
-        axpy(s.scores[r * block_size + t], v + (r / group) * head_dim, part.acc + r * head_dim, head_dim);
+      const cache_t* v = v_block + t * token_stride;
+      const float* token_scales = value_scale != nullptr ? value_scale + (first_slot + t) * num_kv_heads : nullptr;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float weight = s.scores[r * block_size + t] * (token_scales != nullptr ? token_scales[r / group] : 1.0f);
+        axpy(weight, v + (r / group) * head_dim, part.acc + r * head_dim, head_dim);
+      }
     }
   }
 }
@@ -210,9 +228,45 @@ void combine(const Partial* parts, int64_t num_parts, int64_t rows, int64_t head
   }
 }
 
+
+// Run every task of one call with queries of scalar_t and caches of cache_t.
+template <typename scalar_t, typename cache_t>
+void run_decode(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                const float* key_scale, const float* value_scale, const int64_t* bt, const int64_t* cl,
+                int64_t max_blocks, int64_t parts_per_seq, int64_t blocks_per_part, double scale,
+                std::vector<Partial>& parts, torch::Tensor& out) {
+  const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, query_stride = query.stride(0);
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const cache_t* kc = key_cache.data_ptr<cache_t>();
+  const cache_t* vc = value_cache.data_ptr<cache_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  auto run_task = head_dim == 64    ? decode_task<scalar_t, cache_t, 64>
+                  : head_dim == 128 ? decode_task<scalar_t, cache_t, 128>
+                                    : decode_task<scalar_t, cache_t, 0>;
+  at::parallel_for(0, batch * parts_per_seq, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / parts_per_seq, part = task % parts_per_seq;
+      const int64_t seq_blocks = (cl[b] + block_size - 1) / block_size;
+      const int64_t block_begin = std::min(seq_blocks, part * blocks_per_part);
+      const int64_t block_end = std::min(seq_blocks, block_begin + blocks_per_part);
+      run_task(q + b * query_stride, kc, vc, key_scale, value_scale, bt + b * max_blocks, block_begin, block_end,
+               cl[b], block_size, num_kv_heads, head_dim, group, static_cast<float>(scale), scratch, parts[task]);
+    }
+  });
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      combine<scalar_t>(parts.data() + b * parts_per_seq, parts_per_seq, num_heads, head_dim,
+                        o + b * num_heads * head_dim);
+  });
+}
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     std::optional<torch::Tensor> key_scale, std::optional<torch::Tensor> value_scale,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "paged_decode_attention needs contiguous caches");
   // The query may be a row-strided view (the q part of the fused qkv output):
@@ -221,17 +275,27 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
               "paged_decode_attention needs each query row's heads and dims contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
               "block_tables and context_lens must be int64");
+  const bool quantized = key_cache.scalar_type() == torch::kChar;
+  TORCH_CHECK(quantized ? value_cache.scalar_type() == torch::kChar && key_scale.has_value() && value_scale.has_value()
+                        : key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(),
+              "paged_decode_attention: caches must be in the query's dtype, or int8 with key and value scales");
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  if (quantized) {
+    for (const auto& scales : {key_scale.value(), value_scale.value()})
+      TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
+                      scales.numel() == key_cache.numel() / key_cache.size(3),
+                  "paged_decode_attention: scales must be contiguous fp32 [num_blocks, block_size, num_kv_heads]");
+    k_scale = key_scale.value().data_ptr<float>();
+    v_scale = value_scale.value().data_ptr<float>();
+  }
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t num_kv_heads = key_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  const int64_t group = num_heads / num_kv_heads;
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
-  const int64_t query_stride = query.stride(0);
   auto out = torch::empty({batch, num_heads, head_dim}, query.options());
   const int64_t max_blocks = tables.size(1);
-  const int64_t* bt = tables.data_ptr<int64_t>();
-  const int64_t* cl = lens.data_ptr<int64_t>();
 
   // A task per sequence keeps each block's read contiguous. With fewer
   // sequences than twice the threads, each sequence's blocks are also split
@@ -246,32 +310,15 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
     float* base = partial_state.data() + i * state;
     parts[i] = Partial{base, base + num_heads, base + 2 * num_heads};
   }
-
+  const int64_t* bt = tables.data_ptr<int64_t>();
+  const int64_t* cl = lens.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    const scalar_t* q = query.data_ptr<scalar_t>();
-    const scalar_t* kc = key_cache.data_ptr<scalar_t>();
-    const scalar_t* vc = value_cache.data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    auto run_task = head_dim == 64    ? decode_task<scalar_t, 64>
-                    : head_dim == 128 ? decode_task<scalar_t, 128>
-                                      : decode_task<scalar_t, 0>;
-    at::parallel_for(0, batch * parts_per_seq, 1, [&](int64_t begin, int64_t end) {
-      Scratch scratch;
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / parts_per_seq, part = task % parts_per_seq;
-        const int64_t seq_blocks = (cl[b] + block_size - 1) / block_size;
-        const int64_t block_begin = std::min(seq_blocks, part * blocks_per_part);
-        const int64_t block_end = std::min(seq_blocks, block_begin + blocks_per_part);
-        run_task(q + b * query_stride, kc, vc, bt + b * max_blocks, block_begin, block_end,
-                              cl[b], block_size, num_kv_heads, head_dim, group, static_cast<float>(scale), scratch,
-                              parts[task]);
-      }
-    });
-    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b)
-        combine<scalar_t>(parts.data() + b * parts_per_seq, parts_per_seq, num_heads, head_dim,
-                          o + b * num_heads * head_dim);
-    });
+    if (quantized)
+      run_decode<scalar_t, int8_t>(query, key_cache, value_cache, k_scale, v_scale, bt, cl, max_blocks, parts_per_seq,
+                                   blocks_per_part, scale, parts, out);
+    else
+      run_decode<scalar_t, scalar_t>(query, key_cache, value_cache, nullptr, nullptr, bt, cl, max_blocks,
+                                     parts_per_seq, blocks_per_part, scale, parts, out);
   });
   return out;
 }
