@@ -66,13 +66,13 @@ def test_swap_round_trip_restores_the_exact_bytes(tiny_llama):
 
     def swap_out(caches, pairs):
         for device_block, host_block in pairs:
-            saved[host_block] = [t[device_block].clone() for kv in caches for t in kv]
+            saved[host_block] = [t[device_block].clone() for layer in caches for t in layer.tensors()]
         real_out(caches, pairs)
 
     def swap_in(caches, pairs):
         real_in(caches, pairs)
         for host_block, device_block in pairs:
-            restored = [t[device_block] for kv in caches for t in kv]
+            restored = [t[device_block] for layer in caches for t in layer.tensors()]
             assert all(torch.equal(a, b) for a, b in zip(restored, saved.pop(host_block)))
             checked.append(device_block)
 
