@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedllm import LLM
+from pagedllm.attention.kv_cache import allocate_layer
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.model.llama import head_dim_of
 from pagedllm.worker.memory import run_dummy_step, utilization_kv_budget
@@ -33,25 +34,24 @@ def test_gpu_memory_utilization_is_refused_on_cpu(tiny_llama):
 def test_dummy_step_writes_every_token_into_its_throwaway_pool(tiny_llama, monkeypatch):
     """The profiling step is a real forward of the largest step: it must store
     K/V for all of its tokens (so the attention path it measures is the real one)."""
+    from pagedllm.worker import memory
+
     llm = LLM(tiny_llama, num_kv_blocks=8, device="cpu")
     model = llm.llm_engine.model
     config = llm.llm_engine.model_config
-    pools = []
-    real_zeros = torch.zeros
+    layers = []
 
-    def recording_zeros(*args, **kwargs):
-        tensor = real_zeros(*args, **kwargs)
-        if len(args) == 4:
-            pools.append(tensor)
-        return tensor
+    def recording_allocate(*args, **kwargs):
+        layers.append(allocate_layer(*args, **kwargs))
+        return layers[-1]
 
-    monkeypatch.setattr(torch, "zeros", recording_zeros)
+    monkeypatch.setattr(memory, "allocate_layer", recording_allocate)
     run_dummy_step(model, attention_backend_for(torch.device("cpu"), 16), num_tokens=40, num_logit_rows=8,
                    block_size=16, kv_shape=(config.num_key_value_heads, head_dim_of(config)),
                    dtype=torch.float32, kv_cache_dtype="auto", device=torch.device("cpu"))
-    monkeypatch.undo()
-    assert len(pools) == 2 * config.num_hidden_layers
-    for pool in pools:
-        assert pool.shape[:2] == (3, 16)
-        written = pool.view(48, -1).abs().sum(-1) > 0
-        assert written[:40].all() and not written[40:].any()
+    assert len(layers) == config.num_hidden_layers
+    for layer in layers:
+        for pool in (layer.key, layer.value):
+            assert pool.shape[:2] == (3, 16)
+            written = pool.view(48, -1).abs().sum(-1) > 0
+            assert written[:40].all() and not written[40:].any()
