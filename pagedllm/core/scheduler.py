@@ -205,6 +205,8 @@ class Scheduler:
             if request.status is RequestStatus.SWAPPED:
                 num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
                 if kv.swap_in_cost(request.request_id, request.num_computed_tokens, num_new) > kv.num_free_blocks:
+                    if self._recompute_swapped_if_stuck(output):
+                        continue
                     return
                 output.swap_in.extend(kv.swap_in(request.request_id))
                 self.num_swapped -= 1
@@ -217,6 +219,8 @@ class Scheduler:
                 num_new = self._chunk(remaining, budget)
                 copies = kv.allocate_slots(request.request_id, num_cached, num_new, computed_blocks)
                 if copies is None:
+                    if self._recompute_swapped_if_stuck(output):
+                        continue
                     return
                 kv.record_lookup(request.num_tokens, num_cached)
                 request.num_computed_tokens = num_cached
@@ -229,6 +233,25 @@ class Scheduler:
             self.num_seats_in_use += request.num_pending_samples
             self._add_scheduled(output, request, num_new, copies)
             budget -= num_new
+
+    def _recompute_swapped_if_stuck(self, output: SchedulerOutput) -> bool:
+        """When nothing runs (so no block will be freed) and the waiting head
+        does not fit, swapped requests may be what fills the pool: a swapped
+        request keeps its references to blocks it shares (a prefix, a forked
+        parent's tail), and together they can pin more than any one of them
+        needs back. Turn every swapped request into a recompute preemption,
+        releasing those references and its host blocks; returns whether any was."""
+        if self.running or output.scheduled or not self.num_swapped:
+            return False
+        for *_, request in self._waiting:
+            if request.status is RequestStatus.SWAPPED:
+                self.kv_cache_manager.free(request.request_id)
+                self.num_recomputed_tokens += request.num_computed_tokens
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.PREEMPTED
+                self.num_swapped -= 1
+        logger.info("no request could run: swapped requests fall back to recompute to release their blocks")
+        return True
 
     def _add_scheduled(
         self, output: SchedulerOutput, request: Request, num_new: int, copies: list[tuple[int, int]]

@@ -154,3 +154,26 @@ def test_bad_scheduling_options_are_value_errors(tiny_llama):
     with pytest.raises(ValueError, match="scheduling_policy='priority'"):
         llm.generate("hi", SamplingParams(max_tokens=2), priority=[3], use_tqdm=False)
     assert_pool_free(llm)
+
+
+def test_swapped_requests_pinning_shared_blocks_fall_back_to_recompute(tiny_llama):
+    """Swapped requests keep their references to shared blocks (a common
+    prefix, a fork's shared tail). With 12 blocks of 8 tokens, n=2 forks and a
+    shared 32-token prefix, those pinned blocks once left nothing running and
+    nothing able to come back (the engine raised "could not schedule"); now the
+    swapped requests fall back to recompute and every request finishes with the
+    tokens it gets in a roomy pool."""
+    prefix = [(17 * j) % 3000 + 200 for j in range(32)]
+    prompts = [{"prompt_token_ids": prefix + [(29 * i + 7 * j) % 3000 + 300 for j in range(10 + 6 * i)]}
+               for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True) if i % 2 == 0 else
+              SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=20, ignore_eos=True) for i in range(5)]
+    roomy = LLM(tiny_llama, num_kv_blocks=128, block_size=8, debug_invariants=True)
+    tight = LLM(tiny_llama, num_kv_blocks=12, block_size=8, preemption_mode="swap", debug_invariants=True)
+    for _ in range(2):  # the second round also hits the prefix cache
+        expected = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params, use_tqdm=False)]
+        got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params, use_tqdm=False)]
+        assert got == expected
+    assert tight.stats()["swap_out_blocks"] > 0 and tight.stats()["num_recomputed_tokens"] > 0
+    assert_pool_free(roomy)
+    assert_pool_free(tight)
