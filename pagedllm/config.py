@@ -138,6 +138,12 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     debug_invariants: bool = False
+    # Tensor parallelism: ranks over torch.distributed (gloo on CPU, NCCL on GPU).
+    # Without an init method the engine spawns the other ranks on this machine;
+    # with one (e.g. "tcp://host:port") it waits for `pagedllm worker` processes.
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None
+    distributed_timeout_s: float = 60.0  # any collective that waits longer raises
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -146,6 +152,11 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu', 'cuda' or None (auto), got {self.device!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2 or None, got {self.max_model_len!r}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if not isinstance(self.distributed_timeout_s, (int, float)) or self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got {self.distributed_timeout_s!r}")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space!r}")
 

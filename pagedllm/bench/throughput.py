@@ -209,6 +209,23 @@ def format_pool_table(rows: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
+def tensor_parallel_traffic(model_config, activation_bytes: int, tp_size: int, num_batched_tokens: int,
+                            num_steps: int) -> str:
+    """What the all-reduces move: two per layer (after o_proj and down_proj),
+    each of [tokens, hidden] activations; a ring all-reduce sends 2(N-1)/N of
+    that from every rank. Plus the step broadcast, which is token ids and block
+    tables (a few KiB)."""
+    per_token = 2 * model_config.num_hidden_layers * model_config.hidden_size * activation_bytes
+    ring = 2 * (tp_size - 1) / tp_size
+    tokens_per_step = num_batched_tokens / max(1, num_steps)
+    return (
+        f"tensor parallel ({tp_size} ranks): all-reduce payload {per_token / 1024:.1f} KiB per token "
+        f"(2 x {model_config.num_hidden_layers} layers x {model_config.hidden_size} x {activation_bytes} bytes), "
+        f"{tokens_per_step:.1f} tokens per step on average = {per_token * tokens_per_step / 2**20:.2f} MiB per step; "
+        f"each rank sends {ring:.2f}x that over a ring"
+    )
+
+
 def format_ratios(results: list[BenchResult]) -> str:
     """pagedllm's total tokens/s over each kind of baseline: the best static
     ``generate`` batch size, and Hugging Face's continuous batching when run."""

@@ -8,7 +8,9 @@ reasons.
 from __future__ import annotations
 
 import gc
+import os
 import random
+import weakref
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +26,10 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.beam_search import BeamGroup, BeamSearchManager, BeamSearchParams
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.logger import init_logger
-from pagedllm.model.llama import LlamaForCausalLM, head_dim_of
+from pagedllm.distributed.executor import DistributedExecutor, PoolShape
+from pagedllm.distributed.group import SINGLE
+from pagedllm.distributed.sharding import check_tensor_parallel_size
+from pagedllm.model.llama import build_model, head_dim_of
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -40,7 +45,7 @@ logger = init_logger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class LLMEngine:
@@ -55,7 +60,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = _TORCH_DTYPES[config.dtype]
+        dtype = TORCH_DTYPES[config.dtype]
         checkpoint = load_checkpoint(config.model, dtype=dtype)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
@@ -63,15 +68,32 @@ class LLMEngine:
         self.scheduler_config = config.scheduler_config(checkpoint.config.max_position_embeddings)
         self.max_model_len = self.scheduler_config.max_model_len
 
-        model = LlamaForCausalLM(checkpoint.config, max_position=self.max_model_len)
-        model.load_weights(checkpoint.state_dict)
+        # Tensor parallelism: this process is rank 0 (scheduler, bookkeeping,
+        # sampling and shard 0); the other ranks are started here.
+        self.tp_size = config.tensor_parallel_size
+        self.executor: DistributedExecutor | None = None
+        tp = SINGLE
+        if self.tp_size > 1:
+            check_tensor_parallel_size(checkpoint.config, self.tp_size)
+            if self.device.type == "cuda" and config.cache.num_kv_blocks is None and config.cache.kv_cache_memory is None:
+                raise ValueError("with tensor_parallel_size > 1 on GPUs, size the pool with kv_cache_memory "
+                                 "(bytes per rank) or num_kv_blocks")
+            self.executor = DistributedExecutor(config, self.tp_size, self.device.type)
+            # Stop the workers when the engine goes away, even without shutdown().
+            self._finalizer = weakref.finalize(self, self.executor.shutdown)
+            tp = self.executor.group
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
+        self.model = build_model(checkpoint, self.max_model_len, self.device, dtype, tp)
         del checkpoint
-        self.model = model.to(device=self.device, dtype=dtype).eval()
 
         kv_cache_dtype = config.cache.kv_cache_dtype
-        self.bytes_per_token = kv_bytes_per_token(self.model_config, dtype, kv_cache_dtype)
+        # Per rank (rank 0 holds the most KV heads when they do not split evenly):
+        # the budget is per rank, and every rank has the same number of blocks.
+        local_kv_heads = self.model.num_kv_heads
+        self.bytes_per_token = kv_bytes_per_token(self.model_config, dtype, kv_cache_dtype, local_kv_heads)
+        self.total_bytes_per_token = kv_bytes_per_token(self.model_config, dtype, kv_cache_dtype)
         # What the same memory would hold unquantized: the start-up line reports the gain.
-        self.unquantized_bytes_per_token = kv_bytes_per_token(self.model_config, dtype)
+        self.unquantized_bytes_per_token = kv_bytes_per_token(self.model_config, dtype, "auto", local_kv_heads)
         block_size = config.cache.block_size
         num_blocks = self._num_blocks(block_size)
         num_swap_blocks = 0
@@ -91,9 +113,11 @@ class LLMEngine:
             )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.eos_token_ids = self._eos_token_ids()
+        if self.executor is not None:
+            self.executor.send_pool_shape(PoolShape(num_blocks, num_swap_blocks))
         self.runner = ModelRunner(
             self.model, num_blocks, block_size, self.device, dtype, self.eos_token_ids, num_swap_blocks,
-            kv_cache_dtype,
+            kv_cache_dtype, broadcast_step=self.executor.broadcast_step if self.executor is not None else None,
         )
         self.vocab_size = self.model_config.vocab_size
         self._rng = random.Random(config.seed)
@@ -103,6 +127,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_scheduled_sequences = 0
         self.peak_running_per_step = 0  # most sequences in one forward pass
+        self.num_batched_tokens = 0  # tokens through the forward, summed over steps
         self.reset_step_timings()
         logger.info(self.capacity_line())
         # The model, tokenizer and pools are long-lived: move them out of the
@@ -149,7 +174,7 @@ class LLMEngine:
         weights_bytes = torch.cuda.memory_allocated(self.device)
         peak = cuda_peak_activation_bytes(
             lambda: run_dummy_step(self.model, attention, sched.max_num_batched_tokens, sched.max_num_seqs,
-                                   block_size, kv_shape, _TORCH_DTYPES[self.config.dtype], kv_cache_dtype,
+                                   block_size, kv_shape, TORCH_DTYPES[self.config.dtype], kv_cache_dtype,
                                    self.device),
             self.device,
         )
@@ -182,7 +207,16 @@ class LLMEngine:
         if kv_cache_dtype != "auto":
             gain = self.unquantized_bytes_per_token / self.bytes_per_token
             line += f"; {gain:.2f}x the tokens of a {self.config.dtype} pool of the same size"
+        if self.tp_size > 1:
+            line += (f"; that is rank 0, with {self.model.num_kv_heads} of {self.model_config.num_key_value_heads} "
+                     f"KV heads; all {self.tp_size} ranks together: {self.total_bytes_per_token} bytes/token, "
+                     f"{tokens * self.total_bytes_per_token / 2**20:.1f} MiB")
         return line
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do with one rank). Safe to call twice."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -375,6 +409,7 @@ class LLMEngine:
         self.num_steps += 1
         self.num_scheduled_sequences += len(scheduler_output.scheduled)
         self.peak_running_per_step = max(self.peak_running_per_step, len(scheduler_output.scheduled))
+        self.num_batched_tokens += scheduler_output.total_num_scheduled_tokens
         scheduled_at = time.perf_counter()
         try:
             runner_output = self.runner.execute(scheduler_output)
@@ -434,6 +469,8 @@ class LLMEngine:
             # Sequences in the forward pass, averaged over steps: the achieved batch size.
             "mean_running_per_step": self.num_scheduled_sequences / max(1, self.num_steps),
             "peak_running_per_step": self.peak_running_per_step,
+            "num_batched_tokens": self.num_batched_tokens,
+            "tensor_parallel_size": self.tp_size,
             "min_cacheable_prefix_tokens": kv.block_size,
         }
 

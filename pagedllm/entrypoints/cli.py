@@ -38,6 +38,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks to split heads and MLP over (torch.distributed; workers spawned on this machine)")
+    g.add_argument("--distributed-init-method", default=None,
+                   help="e.g. tcp://HOST:PORT: wait for `pagedllm worker` ranks started elsewhere instead of spawning")
 
 
 def make_llm(args: argparse.Namespace):
@@ -63,6 +67,8 @@ def make_llm(args: argparse.Namespace):
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_init_method=args.distributed_init_method,
     )
 
 
@@ -116,6 +122,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 timeout_keep_alive=args.timeout_keep_alive)
 
 
+def cmd_worker(args: argparse.Namespace) -> None:
+    from pagedllm.distributed.worker import main_from_environment
+
+    main_from_environment(args.distributed_init_method, args.rank, args.world_size, args.timeout, args.device)
+
+
 def cmd_bench_throughput(args: argparse.Namespace) -> None:
     import torch
 
@@ -133,11 +145,27 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     print(capacity)
     llm.llm_engine.reset_step_timings()
     label = f"pagedllm ({args.kv_layout} KV)" if args.kv_cache_dtype == "auto" else f"pagedllm ({args.kv_cache_dtype} KV)"
+    if args.tensor_parallel_size > 1:
+        label = f"pagedllm ({args.tensor_parallel_size} ranks)"
     results = [bench.run_pagedllm(llm, requests, label)]
     stats = llm.stats()
     pool_rows = [(label, stats)]
     split = bench.format_step_split(llm.llm_engine.step_timings)
-    if args.baseline == "kv-auto":
+    traffic = None
+    if args.tensor_parallel_size > 1:
+        activation_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[args.dtype]
+        traffic = bench.tensor_parallel_traffic(llm.llm_engine.model_config, activation_bytes,
+                                                args.tensor_parallel_size, stats["num_batched_tokens"],
+                                                stats["num_steps"])
+    if args.baseline == "tp1":
+        if args.tensor_parallel_size == 1:
+            raise ValueError("--baseline tp1 compares tensor parallelism with one rank: pass --tensor-parallel-size")
+        llm.shutdown()
+        del llm
+        size, args.tensor_parallel_size = args.tensor_parallel_size, 1
+        results.append(bench.run_pagedllm(make_llm(args), requests, "pagedllm (1 rank)"))
+        args.tensor_parallel_size = size
+    elif args.baseline == "kv-auto":
         if args.kv_cache_dtype == "auto":
             raise ValueError("--baseline kv-auto compares a quantized pool with the auto one: pass --kv-cache-dtype")
         del llm  # one model copy at a time
@@ -164,6 +192,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
         table += "\n\n" + ratios
     if args.baseline == "kv-auto":
         table += table_suffix
+    if traffic:
+        table += "\n\n" + traffic
     print(table)
     print(
         f"peak KV blocks in use: {stats['peak_blocks_in_use']} of {stats['num_blocks']}; preemptions: "
@@ -344,6 +374,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle connection is kept")
     serve.set_defaults(func=cmd_serve)
 
+    wk = sub.add_parser("worker", help="a tensor-parallel rank for an engine started with --distributed-init-method "
+                                       "(or launched by torchrun); it receives the engine's configuration")
+    wk.add_argument("--distributed-init-method", default=None, help="the engine's, e.g. tcp://HOST:PORT (default env://)")
+    wk.add_argument("--rank", type=int, default=None, help="1..N-1 (default: $RANK)")
+    wk.add_argument("--world-size", type=int, default=None, help="N (default: $WORLD_SIZE)")
+    wk.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    wk.add_argument("--timeout", type=float, default=60.0, help="seconds any collective may wait")
+    wk.set_defaults(func=cmd_worker)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     tp = bench_sub.add_parser("throughput", help="offline throughput vs a baseline on the same requests")
@@ -354,10 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--num-prompts", type=int, default=32)
     tp.add_argument("--input-len", type=int, default=128)
     tp.add_argument("--output-len", type=int, default=64)
-    tp.add_argument("--baseline", choices=["none", "hf", "contiguous", "kv-auto"], default="none",
+    tp.add_argument("--baseline", choices=["none", "hf", "contiguous", "kv-auto", "tp1"], default="none",
                     help="hf: transformers generate; contiguous: this engine with one max_model_len reservation per "
                          "request; kv-auto: this engine with an unquantized pool of the same memory "
-                         "(with --kv-cache-dtype int8 or fp8_e4m3)")
+                         "(with --kv-cache-dtype int8 or fp8_e4m3); tp1: this engine on one rank "
+                         "(with --tensor-parallel-size N)")
     tp.add_argument("--hf-batch-size", type=int, nargs="+", default=[8],
                     help="static batch sizes for the HF baseline; the best one is the baseline")
     tp.add_argument("--record", default=None, metavar="FILE", help="append the result table to FILE (e.g. BENCHMARKS.md)")

@@ -24,7 +24,8 @@ class LLM:
     ``num_kv_blocks`` (exact), ``kv_cache_memory`` (bytes) or
     ``kv_cache_fraction`` (of available memory after weights), in that order;
     otherwise on CUDA by ``gpu_memory_utilization`` (vLLM's meaning, 0.9 by
-    default) and on CPU 2 GiB.
+    default) and on CPU 2 GiB; with ``tensor_parallel_size`` > 1 the budget is
+    per rank (each rank holds 1/N of the KV heads of every block).
     """
 
     def __init__(
@@ -53,6 +54,9 @@ class LLM:
         device: str | None = None,
         seed: int = 0,
         debug_invariants: bool = False,
+        tensor_parallel_size: int = 1,
+        distributed_init_method: str | None = None,
+        distributed_timeout_s: float = 60.0,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -80,8 +84,16 @@ class LLM:
                 kv_cache_dtype=kv_cache_dtype,
             ),
             debug_invariants=debug_invariants,
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_init_method=distributed_init_method,
+            distributed_timeout_s=distributed_timeout_s,
         )
         self.llm_engine = LLMEngine(config)
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes (a no-op with one rank). They
+        also stop when this object is garbage-collected or the program exits."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.kernels.cpu import cpu_kernels_for
 
 
@@ -100,13 +101,16 @@ def _rope_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul.
+    Under tensor parallelism ``intermediate_size`` is this rank's share: gate/up
+    are column-parallel and down's partial sums are all-reduced."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(nn.functional.silu(gate) * up))

@@ -14,6 +14,8 @@ from transformers import PretrainedConfig
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.attention.kv_cache import LayerKVCache
+from pagedllm.distributed.group import SINGLE, TensorParallelGroup
+from pagedllm.distributed.sharding import shard_layout, shard_state_dict
 from pagedllm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -24,10 +26,14 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding) -> None:
+    """Self-attention over this rank's heads (all of them without tensor
+    parallelism): q/k/v are column-parallel, o_proj row-parallel and summed."""
+
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.tp = tp
+        layout = shard_layout(config, tp)
+        self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
         self.head_dim = head_dim_of(config)
         self.scale = self.head_dim**-0.5
         hidden = config.hidden_size
@@ -64,14 +70,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.self_attn = Attention(config, rotary)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)))
+        self.self_attn = Attention(config, rotary, tp)
+        self.mlp = GatedMLP(config.hidden_size, shard_layout(config, tp).intermediate_size,
+                            bool(getattr(config, "mlp_bias", False)), tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -94,12 +101,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_position: int) -> None:
+    def __init__(self, config: PretrainedConfig, max_position: int, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # One rotary table shared by all layers (it holds no weights).
         rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -127,7 +134,8 @@ class LlamaForCausalLM(nn.Module):
     """The decoder plus LM head. ``forward`` returns final hidden states; call
     ``compute_logits`` only on the rows that need them (sampling positions)."""
 
-    def __init__(self, config: PretrainedConfig, max_position: int | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, max_position: int | None = None,
+                 tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -137,7 +145,10 @@ class LlamaForCausalLM(nn.Module):
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
         self.config = config
-        self.model = DecoderModel(config, max_position or config.max_position_embeddings)
+        self.tp = tp
+        # KV heads this rank stores (all of them with one rank): its pool's width.
+        self.num_kv_heads = shard_layout(config, tp).num_kv_heads
+        self.model = DecoderModel(config, max_position or config.max_position_embeddings, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -162,13 +173,23 @@ class LlamaForCausalLM(nn.Module):
         return nn.functional.linear(hidden, weight).float()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face-named weights (q/k/v and gate/up are fused here); a
-        missing or unexpected tensor is a ValueError."""
+        """Load Hugging Face-named weights of the whole model: this rank's shard
+        is sliced out, then q/k/v and gate/up are fused; a missing or
+        unexpected tensor is a ValueError."""
         if self.tie_word_embeddings:
             state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
-        missing, unexpected = self.load_state_dict(fuse_projections(state_dict), strict=False)
+        shard = shard_state_dict(state_dict, self.config, self.tp)
+        missing, unexpected = self.load_state_dict(fuse_projections(shard), strict=False)
         if missing or unexpected:
             raise ValueError(
                 f"checkpoint does not match the {self.config.model_type} model: "
                 f"missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
+
+
+def build_model(checkpoint, max_model_len: int, device: torch.device, dtype: torch.dtype,
+                tp: TensorParallelGroup = SINGLE) -> LlamaForCausalLM:
+    """This rank's shard of a loaded checkpoint (the whole model with one rank), ready to run."""
+    model = LlamaForCausalLM(checkpoint.config, max_position=max_model_len, tp=tp)
+    model.load_weights(checkpoint.state_dict)
+    return model.to(device=device, dtype=dtype).eval()

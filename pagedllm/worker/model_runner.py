@@ -7,6 +7,7 @@ about blocks (that is ``core/``), it only follows the block tables it is given.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,9 +24,10 @@ from pagedllm.worker.sampler import Sampler, SamplingMetadata, compute_prompt_lo
 from pagedllm.worker.swap import HostSwapPool
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    """K and V, every layer, every KV head (scales included): the pool's cost of one token."""
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+def kv_bytes_per_token(config, dtype: torch.dtype, kv_cache_dtype: str = "auto", num_kv_heads: int | None = None) -> int:
+    """K and V, every layer, every KV head (scales included): the pool's cost of
+    one token; with ``num_kv_heads``, of one rank holding that many KV heads."""
+    num_kv_heads = num_kv_heads or getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     per_head = kv_bytes_per_token_per_kv_head(head_dim_of(config), dtype, kv_cache_dtype)
     return config.num_hidden_layers * num_kv_heads * per_head
 
@@ -53,6 +55,21 @@ class _Batch:
     last_rows: list[int]  # row of each scheduled request's last token, in `order`
 
 
+@dataclass
+class StepInputs:
+    """Everything a rank needs to run one step, and nothing about requests:
+    what the driver broadcasts to tensor-parallel workers. Block moves run
+    first, in this order (a block swapped out may be reused as a copy or
+    swap-in target), then the forward when there are tokens."""
+
+    swap_out: list[tuple[int, int]]
+    block_copies: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    input_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    metadata: AttentionMetadata | None = None
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -64,12 +81,17 @@ class ModelRunner:
         eos_token_ids: list[int],
         num_swap_blocks: int = 0,
         kv_cache_dtype: str = "auto",
+        broadcast_step: Callable[[StepInputs], None] | None = None,
     ) -> None:
+        """``broadcast_step``, on a tensor-parallel driver, sends each step's
+        inputs to the other ranks before this rank runs it (they run the same
+        forward, whose all-reduces need every rank)."""
         self.model = model
+        self.broadcast_step = broadcast_step
         self.block_size = block_size
         self.device = device
         config = model.config
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        num_kv_heads = model.num_kv_heads  # this rank's share under tensor parallelism
         # Block-major: one block of one layer is one contiguous slab (and its scales another).
         self.kv_caches = [
             allocate_layer(num_blocks, block_size, num_kv_heads, head_dim_of(config), dtype, kv_cache_dtype, device)
@@ -83,14 +105,15 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         started = time.perf_counter()
         output = ModelRunnerOutput()
-        # Order matters: a block swapped out may be reused as a copy or swap-in target.
-        self.swap_pool.swap_out(self.kv_caches, scheduler_output.swap_out)
-        self._copy_blocks(scheduler_output.block_copies)
-        self.swap_pool.swap_in(self.kv_caches, scheduler_output.swap_in)
-        if not scheduler_output.is_empty:
-            batch = self._prepare(scheduler_output)
-            prepared = time.perf_counter()
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, self.attention)
+        batch = None if scheduler_output.is_empty else self._prepare(scheduler_output)
+        step = StepInputs(scheduler_output.swap_out, scheduler_output.block_copies, scheduler_output.swap_in)
+        if batch is not None:
+            step.input_ids, step.positions, step.metadata = batch.input_ids, batch.positions, batch.metadata
+        if self.broadcast_step is not None:
+            self.broadcast_step(step)
+        prepared = time.perf_counter()
+        hidden = self.run_step(step)
+        if batch is not None:
             forwarded = time.perf_counter()
             self._sample(batch, hidden, output)
             self._prompt_logprobs(batch, hidden, output)
@@ -101,6 +124,18 @@ class ModelRunner:
             }
         output.elapsed_s = time.perf_counter() - started
         return output
+
+    @torch.inference_mode()
+    def run_step(self, step: StepInputs) -> torch.Tensor | None:
+        """Move blocks, then run the forward: the part every rank runs. Returns
+        the final hidden states (None when the step has no tokens)."""
+        # Order matters: a block swapped out may be reused as a copy or swap-in target.
+        self.swap_pool.swap_out(self.kv_caches, step.swap_out)
+        self._copy_blocks(step.block_copies)
+        self.swap_pool.swap_in(self.kv_caches, step.swap_in)
+        if step.input_ids is None:
+            return None
+        return self.model(step.input_ids, step.positions, self.kv_caches, step.metadata, self.attention)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole physical blocks, every layer, before anything writes to them.

@@ -149,6 +149,20 @@ def test_bench_throughput_int8_kv_against_auto_at_the_same_memory(tiny_model_dir
     assert int(auto[7]) >= int(int8[7])
 
 
+def test_bench_throughput_two_ranks_against_one(tiny_model_dir, capsys):
+    main([
+        "bench", "throughput", "--model", tiny_model_dir("llama"), "--num-prompts", "4", "--input-len", "16",
+        "--output-len", "8", "--tensor-parallel-size", "2", "--baseline", "tp1", "--num-kv-blocks", "32",
+    ])
+    lines = capsys.readouterr().out.splitlines()
+    rows = {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")]
+            for line in lines if line.startswith("| pagedllm"))}
+    assert rows["pagedllm (2 ranks)"][1:4] == rows["pagedllm (1 rank)"][1:4] == ["4", "64", "32"]
+    traffic = next(line for line in lines if line.startswith("tensor parallel (2 ranks)"))
+    # The tiny model: 2 layers, hidden 64, fp32.
+    assert "all-reduce payload 1.0 KiB per token (2 x 2 layers x 64 x 4 bytes)" in traffic
+
+
 def test_bench_throughput_mixed_workload_reports_the_step_split(tiny_model_dir, capsys):
     main([
         "bench", "throughput", "--model", tiny_model_dir("llama"), "--dataset", "mixed", "--num-prompts", "6",
