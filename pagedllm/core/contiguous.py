@@ -63,6 +63,16 @@ class ContiguousKVCacheManager:
         self.num_external_fragmentation_waits = 0
         self.externally_delayed: set[str] = set()
 
+    def pool_snapshot(self) -> list[dict]:
+        """The same per-block view as ``KVCacheManager.pool_snapshot``: a block is
+        "used" by the one request whose reservation covers it, else "free"."""
+        owner = {block: request_id for request_id, blocks in list(self.req_to_blocks.items()) for block in blocks}
+        return [
+            {"block_id": block, "state": "used" if block in owner else "free", "ref_cnt": int(block in owner),
+             "owners": [owner[block]] if block in owner else [], "hashed": False}
+            for block in range(self.num_blocks)
+        ]
+
     @property
     def num_free_blocks(self) -> int:
         return sum(length for _, length in self.holes)

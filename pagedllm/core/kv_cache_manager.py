@@ -287,6 +287,33 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
+    def pool_snapshot(self) -> list[dict]:
+        """Per physical block, for the live pool view: ``state`` ("used": some
+        table points at it; "cached": free but hashed, so prefix caching can
+        revive it until it is evicted; "free"), ``ref_cnt``, the ids of the
+        requests whose tables hold it (a swapped request keeps the shared blocks
+        it points at), and ``hashed``. Safe to call while another thread steps
+        the engine: each mapping is copied in one call, so the view may straddle
+        a step but never raises."""
+        owners: dict[int, list[str]] = {}
+        tables = list(self.req_to_blocks.items()) + [
+            (rid, [entry for entry in table if not isinstance(entry, int)])
+            for rid, table in list(self.swapped_tables.items())
+        ]
+        for request_id, blocks in tables:
+            for block in list(blocks):
+                owners.setdefault(block.block_id, []).append(request_id)
+        return [
+            {
+                "block_id": block.block_id,
+                "state": "used" if block.ref_cnt else ("cached" if block.block_hash is not None else "free"),
+                "ref_cnt": block.ref_cnt,
+                "owners": owners.get(block.block_id, []),
+                "hashed": block.block_hash is not None,
+            }
+            for block in self.block_pool.blocks
+        ]
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
 

@@ -213,6 +213,28 @@ class LLMEngine:
                      f"{tokens * self.total_bytes_per_token / 2**20:.1f} MiB")
         return line
 
+    def kv_pool_snapshot(self) -> dict:
+        """The block pool as data: every block (state, ref count, owners, hashed)
+        and the counters a live view shows next to it."""
+        stats = self.stats()
+        queries = stats["prefix_cache_queries"]
+        return {
+            "num_blocks": stats["num_blocks"],
+            "block_size": stats["block_size"],
+            "kv_layout": self.config.cache.kv_layout,
+            "blocks": self.kv_cache_manager.pool_snapshot(),
+            "counters": {
+                "blocks_in_use": stats["num_blocks_in_use"],
+                "cached_blocks": stats["num_cached_blocks"],
+                "free_blocks": stats["num_free_blocks"],
+                "usage": stats["num_blocks_in_use"] / stats["num_blocks"],
+                "prefix_cache_hit_rate": stats["prefix_cache_hits"] / queries if queries else 0.0,
+                "num_preemptions": stats["num_preemptions"],
+                "num_running": stats["num_running"],
+                "num_waiting": stats["num_waiting"],
+            },
+        }
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with one rank). Safe to call twice."""
         if self.executor is not None:

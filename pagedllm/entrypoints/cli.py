@@ -122,6 +122,30 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 timeout_keep_alive=args.timeout_keep_alive)
 
 
+def cmd_explain(args: argparse.Namespace) -> None:
+    from pagedllm.core.kv_arithmetic import GIB, KVShape, explain
+
+    explicit = (args.layers, args.kv_heads, args.head_dim)
+    if any(v is not None for v in explicit) and not all(v is not None for v in explicit):
+        raise ValueError("give all of --layers, --kv-heads and --head-dim, or none (then the model's are used)")
+    context = args.context
+    if explicit[0] is None:
+        from pagedllm.model.llama import head_dim_of
+        from pagedllm.model.loader import load_checkpoint
+
+        config = load_checkpoint(args.model).config
+        explicit = (config.num_hidden_layers, getattr(config, "num_key_value_heads", None)
+                    or config.num_attention_heads, head_dim_of(config))
+        context = context or config.max_position_embeddings
+        print(f"model: {args.model or 'SmolLM2-135M-Instruct (embedded)'}")
+    shape = KVShape(*explicit, dtype=args.dtype, block_size=args.block_size)
+    pool = None if args.kv_memory_gib is None else int(args.kv_memory_gib * GIB)
+    for line in explain(shape, context=context or 4096, chat_tokens=args.chat_tokens, pool_bytes=pool, n=args.n,
+                        prompt_tokens=args.prompt_tokens, sessions=args.sessions,
+                        shared_prefix_tokens=args.shared_prefix_tokens):
+        print(line)
+
+
 def cmd_worker(args: argparse.Namespace) -> None:
     from pagedllm.distributed.worker import main_from_environment
 
@@ -373,6 +397,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--uvicorn-log-level", default="warning")
     serve.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle connection is kept")
     serve.set_defaults(func=cmd_serve)
+
+    ex = sub.add_parser("explain", help="the KV-cache arithmetic for a model or a shape given by flags")
+    ex.add_argument("--model", default=None, help="read the shape from this model (default: the embedded SmolLM2)")
+    ex.add_argument("--layers", type=int, default=None)
+    ex.add_argument("--kv-heads", type=int, default=None)
+    ex.add_argument("--head-dim", type=int, default=None)
+    ex.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ex.add_argument("--block-size", type=int, default=16)
+    ex.add_argument("--context", type=int, default=None, help="max_model_len for the contiguous reservation "
+                                                              "(default: the model's, or 4096)")
+    ex.add_argument("--chat-tokens", type=int, default=300, help="a request's actual length, for the waste figures")
+    ex.add_argument("--kv-memory-gib", type=float, default=None, help="a pool size to count blocks and tokens in")
+    ex.add_argument("--n", type=int, default=4, help="parallel samples sharing one prompt")
+    ex.add_argument("--prompt-tokens", type=int, default=2000)
+    ex.add_argument("--sessions", type=int, default=500, help="sessions sharing one cached prefix")
+    ex.add_argument("--shared-prefix-tokens", type=int, default=3000)
+    ex.set_defaults(func=cmd_explain)
 
     wk = sub.add_parser("worker", help="a tensor-parallel rank for an engine started with --distributed-init-method "
                                        "(or launched by torchrun); it receives the engine's configuration")

@@ -101,6 +101,12 @@ class LLM:
     def stats(self) -> dict[str, int | float]:
         return self.llm_engine.stats()
 
+    def kv_pool_snapshot(self) -> dict:
+        """Every KV block's state ("used", "cached", "free"), ref count, owning
+        request ids and whether it is hashed, plus usage, hit-rate and
+        preemption counters: the data behind the server's /v1/kv_pool."""
+        return self.llm_engine.kv_pool_snapshot()
+
     def reset_prefix_cache(self) -> int:
         """Drop every cached block that no running request uses; returns how many."""
         return self.llm_engine.reset_prefix_cache()

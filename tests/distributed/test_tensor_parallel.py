@@ -126,3 +126,35 @@ def test_a_dead_worker_is_a_clear_error_not_a_hang(tiny_llama):
             tp.generate([{"prompt_token_ids": [300, 301, 302]}], SamplingParams(max_tokens=4), use_tqdm=False)
     finally:
         assert_no_workers_left(tp)
+
+
+def test_a_worker_started_elsewhere_joins_through_the_init_method(tiny_llama):
+    """The multi-host path: `pagedllm worker` (as torchrun or a second host would
+    start it) joins an engine given --distributed-init-method and receives the
+    configuration from it; outputs equal one rank's."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    init_method = f"tcp://127.0.0.1:{port}"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "worker", "--distributed-init-method", init_method,
+         "--rank", "1", "--world-size", "2", "--timeout", "60"],
+    )
+    try:
+        prompts = [{"prompt_token_ids": [(13 * i + 5 * j) % 3000 + 300 for j in range(12 + 5 * i)]} for i in range(4)]
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        expected = token_ids(LLM(tiny_llama, num_kv_blocks=32).generate(prompts, params, use_tqdm=False))
+        tp = LLM(tiny_llama, num_kv_blocks=32, tensor_parallel_size=2, distributed_init_method=init_method)
+        assert tp.llm_engine.executor.processes == []  # nothing spawned: the worker came on its own
+        assert token_ids(tp.generate(prompts, params, use_tqdm=False)) == expected
+        assert_pool_free(tp)
+        tp.shutdown()
+        assert worker.wait(timeout=30) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()

@@ -276,3 +276,19 @@ def test_idle_connections_do_not_block_the_server_and_are_closed(server):
     finally:
         for sock in half_sent:
             sock.close()
+
+
+def test_kv_pool_shows_an_n4_request_sharing_its_prompt(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(f"{server}/v1/kv_pool").status_code == 401  # the pool view needs the key too
+    prompt = "A long prompt about paging. " * 12  # several full blocks
+    body = {"model": MODEL, "prompt": prompt, "n": 4, "max_tokens": 200, "temperature": 1.0, "seed": 3,
+            "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers, timeout=120) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # generation is under way
+        pool = httpx.get(f"{server}/v1/kv_pool", headers=headers).json()
+    shared = [b for b in pool["blocks"] if b["ref_cnt"] == 4]
+    assert shared and all(b["state"] == "used" and b["hashed"] and len(b["owners"]) == 4 for b in shared)
+    assert pool["num_blocks"] == 768 and pool["counters"]["blocks_in_use"] >= len(shared)
+    wait_until_idle(server)

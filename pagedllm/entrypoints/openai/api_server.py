@@ -16,10 +16,11 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -52,6 +53,8 @@ def bad_request(exc: ValueError) -> APIError:
     match = re.match(r"SamplingParams\.(\w+)", str(exc))
     return APIError(400, str(exc), param=match.group(1) if match else None)
 
+
+_DASHBOARD = Path(__file__).parent / "static" / "dashboard.html"
 
 @dataclass
 class ServerState:
@@ -126,6 +129,20 @@ def build_app(state: ServerState) -> FastAPI:
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": state.engine.get_tokenizer().decode(body.tokens)}
+
+    @app.get("/dashboard")
+    async def dashboard(request: Request) -> Response:
+        """The live block-pool page. Under --api-key the key comes as ``?key=``
+        (a browser cannot set the header on a page load); the page sends it on."""
+        if state.api_keys and request.query_params.get("key") not in state.api_keys:
+            raise APIError(401, "invalid or missing API key: open /dashboard?key=YOUR_KEY", "authentication_error",
+                           code="invalid_api_key")
+        return HTMLResponse(_DASHBOARD.read_text(encoding="utf-8"))
+
+    @app.get("/v1/kv_pool")
+    async def kv_pool(tenant: str | None = Depends(tenant_of)) -> dict:
+        """The live block pool (see ``LLM.kv_pool_snapshot``)."""
+        return state.engine.kv_pool_snapshot()
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(tenant: str | None = Depends(tenant_of)) -> dict:

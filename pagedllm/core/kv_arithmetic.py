@@ -1,0 +1,102 @@
+"""The KV-cache arithmetic behind paging, as `pagedllm explain` prints it.
+
+Pure integers (no torch): bytes per token and per block, what a pool holds,
+what a contiguous reservation costs and wastes, block-table sizes, the
+block-size trade-off, and the savings of sharing a prompt or a prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KIB, MIB, GIB = 2**10, 2**20, 2**30
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def human(num_bytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1, trailing zeros dropped."""
+    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:,.2f}".rstrip("0").rstrip(".") + f" {unit}"
+    return f"{num_bytes:,.0f} bytes"
+
+
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+
+def explain(shape: KVShape, *, context: int = 4096, chat_tokens: int = 300, pool_bytes: int | None = None,
+            n: int = 4, prompt_tokens: int = 2000, sessions: int = 500, shared_prefix_tokens: int = 3000,
+            block_sizes: tuple[int, ...] = (8, 16, 32, 64, 128)) -> list[str]:
+    """The lines `pagedllm explain` prints, each with the formula that gives it."""
+    per_token, per_block, bs = shape.bytes_per_token, shape.bytes_per_block, shape.block_size
+    elem = DTYPE_BYTES[shape.dtype]
+    lines = [
+        f"KV bytes per token: 2 (K, V) x {shape.num_layers} layers x {shape.num_kv_heads} KV heads x "
+        f"{shape.head_dim} dims x {elem} bytes ({shape.dtype}) = {per_token:,} bytes = {human(per_token)}",
+        f"bytes per {bs}-token block: {bs} x {human(per_token)} = {per_block:,} bytes = {human(per_block)}",
+    ]
+    if pool_bytes is not None:
+        blocks = pool_bytes // per_block
+        lines.append(f"pool of {human(pool_bytes)}: {blocks:,} blocks = {blocks * bs:,} tokens")
+    reservation = context * per_token
+    entries = cdiv(context, bs)
+    lines += [
+        f"contiguous reservation of {context:,} tokens (max_model_len): {context:,} x {human(per_token)} = "
+        f"{human(reservation)}",
+        f"block table at {context:,} tokens: ceil({context:,} / {bs}) = {entries:,} entries x 4 bytes = "
+        f"{human(entries * 4)}, guarding {human(reservation)}",
+    ]
+    used = chat_tokens * per_token
+    chat_blocks = cdiv(chat_tokens, bs)
+    lines += [
+        f"a {chat_tokens}-token chat: {chat_tokens} x {human(per_token)} = {human(used)}; contiguous waste "
+        f"({human(reservation)} - {human(used)}) / {human(reservation)} = {100 * (reservation - used) / reservation:.1f}%",
+        f"  paged: {chat_blocks} blocks ({human(chat_blocks * per_block)}, a {chat_blocks}-entry block table), "
+        f"waste {chat_blocks * bs - chat_tokens} tokens = {100 * (chat_blocks * bs - chat_tokens) / (chat_blocks * bs):.1f}%",
+        f"block size trade-off for a {chat_tokens}-token sequence (expected waste (B - 1) / 2 tokens):",
+        "  | block size | expected waste (tokens) | of the sequence | block table entries |",
+    ]
+    for size in block_sizes:
+        waste = (size - 1) / 2
+        lines.append(f"  | {size} | {waste:g} | {100 * waste / chat_tokens:.1f}% | {cdiv(chat_tokens, size)} |")
+    private = n * prompt_tokens * per_token
+    shared = prompt_tokens * per_token
+    lines.append(
+        f"n={n} samples of a {prompt_tokens:,}-token prompt: unshared {n} x {prompt_tokens:,} x {human(per_token)} = "
+        f"{human(private)}; shared once ({cdiv(prompt_tokens, bs)} blocks, ref count {n}) = {human(shared)}: "
+        f"{private / shared:.1f}x less, {human(private - shared)} saved"
+    )
+    unshared = sessions * shared_prefix_tokens * per_token
+    prefix_blocks = cdiv(shared_prefix_tokens, bs)
+    cached = prefix_blocks * per_block
+    lines.append(
+        f"{sessions} sessions re-sending a {shared_prefix_tokens:,}-token prefix: unshared {sessions} x "
+        f"{shared_prefix_tokens:,} x {human(per_token)} = {human(unshared)}; prefix-cached {prefix_blocks} blocks x "
+        f"{human(per_block)} = {human(cached)}: {unshared / cached:.0f}x less"
+    )
+    return lines
