@@ -117,6 +117,10 @@ class AsyncLLMEngine:
                     self.engine.abort_request(sorted(self._pending_aborts))
                     self._pending_aborts.clear()
                 if not self.engine.has_unfinished_requests():
+                    # The aborts freed blocks and no step follows: report the idle state now,
+                    # or the gauges would keep the aborted requests' numbers until the next request.
+                    if self._on_step is not None:
+                        self._on_step([])
                     continue
                 try:
                     outputs = await asyncio.to_thread(self.engine.step)
