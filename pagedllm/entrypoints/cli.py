@@ -175,6 +175,11 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     stats = llm.stats()
     pool_rows = [(label, stats)]
     split = bench.format_step_split(llm.llm_engine.step_timings)
+    if args.plot:
+        from pagedllm.bench.pool_plot import peak_pool_snapshot, write_pool_plot
+
+        llm.reset_prefix_cache()  # replay from the measured run's starting point
+        print(f"pool at its fullest: {write_pool_plot(peak_pool_snapshot(llm, requests), args.plot)}")
     traffic = None
     if args.tensor_parallel_size > 1:
         activation_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[args.dtype]
@@ -439,6 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "request; kv-auto: this engine with an unquantized pool of the same memory "
                          "(with --kv-cache-dtype int8 or fp8_e4m3); tp1: this engine on one rank "
                          "(with --tensor-parallel-size N)")
+    tp.add_argument("--plot", default=None, metavar="DIR",
+                    help="also replay the workload (untimed) and write DIR/kv_pool.png: the pool at its fullest")
     tp.add_argument("--hf-batch-size", type=int, nargs="+", default=[8],
                     help="static batch sizes for the HF baseline; the best one is the baseline")
     tp.add_argument("--record", default=None, metavar="FILE", help="append the result table to FILE (e.g. BENCHMARKS.md)")

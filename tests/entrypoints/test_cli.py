@@ -163,6 +163,31 @@ def test_bench_throughput_two_ranks_against_one(tiny_model_dir, capsys):
     assert "all-reduce payload 1.0 KiB per token (2 x 2 layers x 64 x 4 bytes)" in traffic
 
 
+def test_bench_throughput_plots_the_pool_at_its_fullest(tiny_model_dir, capsys, tmp_path):
+    main([
+        "bench", "throughput", "--model", tiny_model_dir("llama"), "--num-prompts", "6", "--input-len", "40",
+        "--output-len", "10", "--num-kv-blocks", "64", "--plot", str(tmp_path),
+    ])
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("pool at its fullest: "))
+    path = tmp_path / "kv_pool.png"
+    assert line.endswith(str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5_000
+
+
+def test_peak_snapshot_sees_every_request_at_once(tiny_model_dir):
+    from pagedllm import LLM
+    from pagedllm.bench.pool_plot import peak_pool_snapshot
+    from pagedllm.bench.throughput import BenchRequest
+
+    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64)
+    requests = [BenchRequest([300 + 7 * i + j for j in range(40)], 20) for i in range(6)]
+    snapshot = peak_pool_snapshot(llm, requests)
+    # 6 running requests past 48 tokens (taken after a step, so before the last ones finish): 4 blocks each.
+    assert snapshot["counters"]["blocks_in_use"] == 24
+    assert len({o for b in snapshot["blocks"] for o in b["owners"]}) == 6
+    assert llm.stats()["num_blocks_in_use"] == 0
+
+
 def test_bench_throughput_mixed_workload_reports_the_step_split(tiny_model_dir, capsys):
     main([
         "bench", "throughput", "--model", tiny_model_dir("llama"), "--dataset", "mixed", "--num-prompts", "6",
