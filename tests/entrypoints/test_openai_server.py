@@ -282,8 +282,8 @@ def test_kv_pool_shows_an_n4_request_sharing_its_prompt(server):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     assert httpx.get(f"{server}/v1/kv_pool").status_code == 401  # the pool view needs the key too
     prompt = "A long prompt about paging. " * 12  # several full blocks
-    body = {"model": MODEL, "prompt": prompt, "n": 4, "max_tokens": 200, "temperature": 1.0, "seed": 3,
-            "stream": True}
+    body = {"model": MODEL, "prompt": prompt, "n": 4, "max_tokens": 3000, "temperature": 1.0, "seed": 3,
+            "stream": True, "ignore_eos": True}  # still running when the pool is read; closing aborts it
     with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers, timeout=120) as response:
         lines = response.iter_lines()
         next(line for line in lines if line.startswith("data: "))  # generation is under way
@@ -291,4 +291,28 @@ def test_kv_pool_shows_an_n4_request_sharing_its_prompt(server):
     shared = [b for b in pool["blocks"] if b["ref_cnt"] == 4]
     assert shared and all(b["state"] == "used" and b["hashed"] and len(b["owners"]) == 4 for b in shared)
     assert pool["num_blocks"] == 768 and pool["counters"]["blocks_in_use"] >= len(shared)
+    wait_until_idle(server)
+
+
+def test_kv_pool_shows_two_same_prefix_requests_sharing_blocks(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    prefix = "You are a careful assistant who answers in full sentences. " * 8  # several full blocks
+    # Long enough to be still running when the pool is read (SmolLM2 makes ~200 tokens a second
+    # here); closing the streams aborts them.
+    body = {"model": MODEL, "max_tokens": 3000, "temperature": 1.0, "seed": 1, "stream": True, "ignore_eos": True}
+    httpx.post(f"{server}/v1/completions", json={**body, "prompt": prefix + "Hi.", "max_tokens": 1, "stream": False},
+               headers=headers, timeout=120)  # caches the prefix blocks
+    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "prompt": prefix + "Question one?"},
+                      headers=headers, timeout=120) as first, \
+            httpx.stream("POST", f"{server}/v1/completions", json={**body, "prompt": prefix + "Question two?"},
+                         headers=headers, timeout=120) as second:
+        # Keep the line iterators: one that is dropped closes its stream (and aborts the request).
+        first_lines, second_lines = first.iter_lines(), second.iter_lines()
+        next(line for line in first_lines if line.startswith("data: "))
+        next(line for line in second_lines if line.startswith("data: "))
+        pool = httpx.get(f"{server}/v1/kv_pool", headers=headers).json()
+    shared = [b for b in pool["blocks"] if b["ref_cnt"] == 2]
+    assert len(shared) >= 3, [(b["ref_cnt"], b["owners"]) for b in pool["blocks"] if b["state"] == "used"]
+    assert all(b["state"] == "used" and b["hashed"] and len(set(b["owners"])) == 2 for b in shared)
+    assert pool["counters"]["prefix_cache_hit_rate"] > 0
     wait_until_idle(server)
