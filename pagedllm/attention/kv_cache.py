@@ -56,18 +56,25 @@ class LayerKVCache:
         scales = [self.key_scale, self.value_scale] if self.quantized else []
         return [self.key, self.value, *scales]
 
-    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+              read_back: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Store token i's K/V ([tokens, kv_heads, head_dim]) at pool slot
-        ``slot_mapping[i]`` (block * block_size + offset)."""
+        ``slot_mapping[i]`` (block * block_size + offset). Returns K and V as
+        the pool now holds them: the inputs themselves, or, with ``read_back``
+        on a quantized pool, their dequantized values (otherwise the inputs,
+        which the caller then must not read as stored values)."""
         num_kv_heads, head_dim = self.key.shape[2], self.key.shape[3]
         if not self.quantized:
             self.key.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
             self.value.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
-            return
+            return key, value
+        held = []
         for source, stored, scales in ((key, self.key, self.key_scale), (value, self.value, self.value_scale)):
             quantized, scale = quantize(source, self.kv_cache_dtype)
             stored.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, quantized)
             scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, scale)
+            held.append(dequantize(quantized, scale, self.kv_cache_dtype, source.dtype) if read_back else source)
+        return held[0], held[1]
 
     def gather(self, block_tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[batch, max_blocks] block ids -> K and V as

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionMetadata
-from pagedllm.attention.kv_cache import LayerKVCache, dequantize, quantize
+from pagedllm.attention.kv_cache import LayerKVCache
 
 # (query, layer cache, block_tables, context_lens, scale) -> output
 DecodeKernel = Callable[[torch.Tensor, LayerKVCache, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -46,13 +46,11 @@ class TorchPagedAttention:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        kv_cache.write(key, value, metadata.slot_mapping)
-        if kv_cache.quantized and metadata.prefills:
-            # Every read sees what the pool holds: a prompt's own fresh K/V are
-            # rounded exactly as they were stored, so a prefix-cache hit (which
-            # reads them back from the pool) gives the same result as a recompute.
-            key = dequantize(*quantize(key, kv_cache.kv_cache_dtype), kv_cache.kv_cache_dtype, key.dtype)
-            value = dequantize(*quantize(value, kv_cache.kv_cache_dtype), kv_cache.kv_cache_dtype, value.dtype)
+        # Every read sees what the pool holds: with a quantized pool a prompt's
+        # own fresh K/V come back rounded exactly as stored, so a prefix-cache hit
+        # (which reads them from the pool) gives the same result as a recompute.
+        # Decodes read only the pool, so a pure decode step needs nothing back.
+        key, value = kv_cache.write(key, value, metadata.slot_mapping, read_back=bool(metadata.prefills))
         num_decodes = metadata.num_decodes
         if not metadata.prefills:
             # A pure decode step: the decode output is the whole output, no copy.
