@@ -9,8 +9,9 @@ warning and every caller keeps its pure-PyTorch path; ``PAGEDLLM_CPU_KERNEL=0``
 turns the kernels off.
 
 The module provides: ``paged_decode_attention`` (paged_decode.cpp),
-``rms_norm``, ``rotary_embedding`` (layer_ops.cpp) and
-``argmax_logsumexp`` (sampling_ops.cpp).
+``rms_norm``, ``rotary_embedding`` (layer_ops.cpp),
+``linear_small_batch`` (small_batch_linear.cpp) and ``argmax_logsumexp``
+(sampling_ops.cpp).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pagedllm.logger import init_logger
 logger = init_logger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ["bindings.cpp", "paged_decode.cpp", "layer_ops.cpp", "sampling_ops.cpp"]
+_SOURCES = ["bindings.cpp", "paged_decode.cpp", "layer_ops.cpp", "small_batch_linear.cpp", "sampling_ops.cpp"]
 
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
@@ -46,7 +47,7 @@ def _build_directory() -> Path:
     digest = hashlib.sha256()
     for part in (sys.prefix, torch.__version__, " ".join(_CFLAGS)):
         digest.update(part.encode())
-    for name in _SOURCES + ["ops.h", "dtype.h", "fast_exp.h"]:
+    for name in _SOURCES + ["ops.h", "dtype.h", "fast_exp.h", "lanes.h"]:
         digest.update((_CSRC / name).read_bytes())
     cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
     directory = cache / f"pagedllm_cpu_kernels-{digest.hexdigest()[:16]}"

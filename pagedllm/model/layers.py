@@ -1,9 +1,10 @@
-"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, gated MLP.
+"""Building blocks of a Llama-family decoder: linear, RMSNorm, rotary embedding, gated MLP.
 
 On CPU, RMSNorm (with the residual add) and the rotary embedding each run as
 one fused C++ op (``pagedllm.kernels``) when the kernels built; the PyTorch
 code next to them is the fallback and the reference, and both round to the
-storage dtype where Hugging Face does.
+storage dtype where Hugging Face does. fp32 matmuls over a few rows (decode
+steps) run through the C++ small-batch linear, PyTorch's otherwise.
 """
 
 from __future__ import annotations
@@ -14,6 +15,31 @@ from transformers import PretrainedConfig
 
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.kernels.cpu import cpu_kernels_for
+
+
+# Up to this many rows an fp32 matmul is a decode step's, bound by streaming the
+# weights, and the C++ small-batch kernel beats MKL on SmolLM2's layers (1.7x at
+# 4-8 rows, 1.5x at 16, 1.2x at 32, 1.1x at 48); larger batches and prefill go to MKL.
+SMALL_BATCH_ROWS = 48
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``nn.functional.linear``, through the C++ small-batch kernel for fp32
+    inputs of at most ``SMALL_BATCH_ROWS`` rows on CPU. That kernel sums in
+    another order than MKL, so results agree to fp32 rounding."""
+    if (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS
+            and x.stride(1) == 1 and weight.is_contiguous()):
+        kernels = cpu_kernels_for(x)
+        if kernels is not None:
+            return kernels.linear_small_batch(x, weight, bias)
+    return nn.functional.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and names) whose forward is :func:`linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -108,8 +134,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
         self.tp = tp
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

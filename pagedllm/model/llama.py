@@ -16,7 +16,7 @@ from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.distributed.sharding import shard_layout, shard_state_dict
-from pagedllm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from pagedllm.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -43,8 +43,8 @@ class Attention(nn.Module):
         # q, k and v in one matmul: one pass over the activations instead of three.
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
         if config.model_type == "qwen3":
             # Qwen3 normalises each head's q and k before the rotation.
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -151,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(config, max_position or config.max_position_embeddings, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
         self,
@@ -170,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face-named weights of the whole model: this rank's shard

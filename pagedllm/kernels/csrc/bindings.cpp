@@ -5,5 +5,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding the residual in place first (CPU)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("rotary_embedding", &rotary_embedding, "Rotate query and key in place (NeoX layout, CPU)");
+  m.def("linear_small_batch", &linear_small_batch, "fp32 x @ weight^T + bias for few rows of x (CPU)",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("argmax_logsumexp", &argmax_logsumexp, "Per-row first argmax and logsumexp of fp32 logits (CPU)");
 }

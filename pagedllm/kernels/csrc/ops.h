@@ -15,5 +15,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, std::o
 void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key, torch::Tensor cos_cache,
                       torch::Tensor sin_cache);
 
+// small_batch_linear.cpp: x @ weight^T + bias for fp32 with few rows (decode matmuls).
+torch::Tensor linear_small_batch(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
+
 // sampling_ops.cpp: greedy token and log-normaliser of each logits row in one read.
 std::tuple<torch::Tensor, torch::Tensor> argmax_logsumexp(torch::Tensor logits);
