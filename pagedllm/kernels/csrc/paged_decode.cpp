@@ -108,10 +108,45 @@ __attribute__((always_inline)) inline void score_tokens(const float* __restrict 
   for (int64_t t = 0; t < n; ++t) scores[t] = dot(q, k + t * token_stride, head_dim);
 }
 
-template <typename scalar_t>
-__attribute__((always_inline)) inline void axpy(float w, const scalar_t* __restrict v, float* __restrict acc, int64_t head_dim) {
+// acc += sum over the block's n tokens of weight[t] (* the token's value scale)
+// * v_t, for one query row; v_t = v + t * token_stride.
+template <typename cache_t, int64_t kHeadDim>
+__attribute__((always_inline)) inline void accumulate_values(const float* __restrict weight, const cache_t* __restrict v,
+                                                             int64_t token_stride, int64_t n, const float* value_scales,
+                                                             int64_t num_kv_heads, int64_t kv_head,
+                                                             float* __restrict acc, int64_t head_dim) {
+  auto token_weight = [&](int64_t t) {
+    return weight[t] * (value_scales != nullptr ? value_scales[t * num_kv_heads + kv_head] : 1.0f);
+  };
+#if defined(__AVX512F__)
+  if constexpr (kHeadDim == 64 && (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16> ||
+                                   std::is_same_v<cache_t, int8_t>)) {
+    // The row's 64 sums stay in four registers for the whole block instead
+    // of a load and store of acc per token (named, not an array: see
+    // small_batch_linear.cpp for why GCC would keep an array in memory).
+    __m512 a0 = _mm512_loadu_ps(acc), a1 = _mm512_loadu_ps(acc + 16), a2 = _mm512_loadu_ps(acc + 32),
+           a3 = _mm512_loadu_ps(acc + 48);
+    for (int64_t t = 0; t < n; ++t) {
+      const cache_t* vt = v + t * token_stride;
+      const __m512 w = _mm512_set1_ps(token_weight(t));
+      a0 = _mm512_fmadd_ps(w, load16(vt), a0);
+      a1 = _mm512_fmadd_ps(w, load16(vt + 16), a1);
+      a2 = _mm512_fmadd_ps(w, load16(vt + 32), a2);
+      a3 = _mm512_fmadd_ps(w, load16(vt + 48), a3);
+    }
+    _mm512_storeu_ps(acc, a0);
+    _mm512_storeu_ps(acc + 16, a1);
+    _mm512_storeu_ps(acc + 32, a2);
+    _mm512_storeu_ps(acc + 48, a3);
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) {
+    const float w = token_weight(t);
+    const cache_t* vt = v + t * token_stride;
 #pragma omp simd
-  for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * load(v[d]);
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * load(vt[d]);
+  }
 }
 
 // One task: all H query heads of one sequence over the blocks [block_begin,
@@ -138,24 +173,30 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
   // Fold the softmax scale into q once instead of into every score.
   for (int64_t i = 0; i < rows * head_dim; ++i) s.q[i] = load(query[i]) * scale;
 
+  const int64_t block_lines = (block_size * token_stride * static_cast<int64_t>(sizeof(cache_t)) + 63) / 64;
   for (int64_t b = block_begin; b < block_end; ++b) {
     const int64_t first_slot = table[b] * block_size;
     const int64_t n = std::min(block_size, context_len - b * block_size);
     const cache_t* k_block = key_cache + first_slot * token_stride;
     const cache_t* v_block = value_cache + first_slot * token_stride;
+    // Blocks are scattered over the pool, so the hardware prefetcher cannot
+    // guess the next one: fetch it while this one is processed, a share per
+    // query row (all at once stalls on the line fill buffers).
+    const char* k_next = nullptr;
+    const char* v_next = nullptr;
     if (b + 1 < block_end) {
-      // Blocks are scattered over the pool, so the hardware prefetcher cannot
-      // guess the next one: ask for it while this one is being scored.
       const int64_t next_slot = table[b + 1] * block_size;
-      const char* k_next = reinterpret_cast<const char*>(key_cache + next_slot * token_stride);
-      const char* v_next = reinterpret_cast<const char*>(value_cache + next_slot * token_stride);
-      const int64_t block_bytes = block_size * token_stride * static_cast<int64_t>(sizeof(cache_t));
-      for (int64_t byte = 0; byte < block_bytes; byte += 64) {
-        __builtin_prefetch(k_next + byte);
-        __builtin_prefetch(v_next + byte);
-      }
+      k_next = reinterpret_cast<const char*>(key_cache + next_slot * token_stride);
+      v_next = reinterpret_cast<const char*>(value_cache + next_slot * token_stride);
     }
+    const int64_t lines_per_row = (block_lines + rows - 1) / rows;
+    auto prefetch_share = [&](const char* next, int64_t r) {
+      if (next == nullptr) return;
+      const int64_t end = std::min(block_lines, (r + 1) * lines_per_row);
+      for (int64_t line = r * lines_per_row; line < end; ++line) __builtin_prefetch(next + line * 64);
+    };
     for (int64_t r = 0; r < rows; ++r) {
+      prefetch_share(k_next, r);
       float* scores = s.scores.data() + r * block_size;
       score_tokens(s.q.data() + r * head_dim, k_block + (r / group) * head_dim, token_stride, n, head_dim, scores);
       if (key_scale != nullptr) {
@@ -181,13 +222,12 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
         for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
       }
     }
-    for (int64_t t = 0; t < n; ++t) {
-      const cache_t* v = v_block + t * token_stride;
-      const float* token_scales = value_scale != nullptr ? value_scale + (first_slot + t) * num_kv_heads : nullptr;
-      for (int64_t r = 0; r < rows; ++r) {
-        const float weight = s.scores[r * block_size + t] * (token_scales != nullptr ? token_scales[r / group] : 1.0f);
-        axpy(weight, v + (r / group) * head_dim, part.acc + r * head_dim, head_dim);
-      }
+    const float* block_value_scales = value_scale != nullptr ? value_scale + first_slot * num_kv_heads : nullptr;
+    for (int64_t r = 0; r < rows; ++r) {
+      prefetch_share(v_next, r);
+      accumulate_values<cache_t, kHeadDim>(s.scores.data() + r * block_size, v_block + (r / group) * head_dim,
+                                           token_stride, n, block_value_scales, num_kv_heads, r / group,
+                                           part.acc + r * head_dim, head_dim);
     }
   }
 }
