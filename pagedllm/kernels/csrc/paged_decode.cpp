@@ -206,7 +206,9 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
     }
     for (int64_t r = 0; r < rows; ++r) {
       float* scores = s.scores.data() + r * block_size;
-      const float block_max = *std::max_element(scores, scores + n);
+      float block_max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : block_max)
+      for (int64_t t = 0; t < n; ++t) block_max = scores[t] > block_max ? scores[t] : block_max;  // vectorizes
       const float new_max = std::max(part.max[r], block_max);
       // exp(-inf) = 0 on the first block, so the empty running sums stay empty.
       const float correction = fast_exp(part.max[r] - new_max);
