@@ -1,7 +1,9 @@
-"""`pagedllm bench attention` and `pagedllm bench roofline`: the kernels against the machine.
+"""`pagedllm bench attention`, `bench linear` and `bench roofline`: the kernels against the machine.
 
 attention: paged decode (the C++ kernel, and the PyTorch gather path) against
 contiguous ``scaled_dot_product_attention`` on the same shapes.
+linear: one decode step's fp32 projections, the C++ small-batch kernel against
+PyTorch's (MKL) matmul, per batch size.
 roofline: matmul throughput on the model's own projection shapes, the decode
 rate it allows, and the engine's decode steps at the same batch, interleaved.
 """
@@ -80,6 +82,38 @@ def format_attention(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@torch.inference_mode()
+def linear_rows(config, batches: list[int], repeats: int = 8) -> list[dict]:
+    """Per batch size: ms for every fp32 projection of one decode step (each
+    layer with its own weights, streamed from memory as in the engine), through
+    PyTorch's matmul and through the C++ small-batch kernel, interleaved so
+    both see the same machine load."""
+    kernel = load_cpu_kernels()
+    weights = [(fan_in, torch.randn(fan_out, fan_in))
+               for fan_in, fan_out, count in projection_shapes(config) for _ in range(count)]
+    rows = []
+    for batch in batches:
+        inputs = {fan_in: torch.randn(batch, fan_in) for fan_in, _ in weights}
+        passes = {"pytorch_ms": F.linear}
+        if kernel is not None:
+            passes["small_batch_ms"] = kernel.linear_small_batch
+        best = dict.fromkeys(passes, float("inf"))
+        for _ in range(repeats):
+            for name, linear in passes.items():
+                best[name] = min(best[name], _time_once(lambda: [linear(inputs[k], w) for k, w in weights]))
+        rows.append({"batch": batch, **{name: 1e3 * seconds for name, seconds in best.items()}})
+    return rows
+
+
+def format_linear(rows: list[dict]) -> str:
+    lines = ["| rows | PyTorch / MKL (ms) | C++ small-batch (ms) | speed-up |", "|---|---|---|---|"]
+    for r in rows:
+        small = r.get("small_batch_ms")
+        cells = ("-", "-") if small is None else (f"{small:.1f}", f"{r['pytorch_ms'] / small:.2f}x")
+        lines.append(f"| {r['batch']} | {r['pytorch_ms']:.1f} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def projection_shapes(config) -> list[tuple[int, int, int]]:
     """(in, out, count) of every matmul one decoded token goes through."""
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
@@ -120,7 +154,7 @@ def _matmul_pass(config, rows: int, dtype: torch.dtype) -> tuple[Callable[[], No
     return one_pass, flops
 
 
-def _timed(fn: Callable[[], object]) -> float:
+def _time_once(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -143,8 +177,8 @@ def roofline_vs_decode(engine, rows: int, prompts: list[list[int]], decode_steps
     one_pass()
     pass_times, step_times = [], []
     for _ in range(decode_steps):
-        pass_times.append(_timed(one_pass))
-        step_times.append(_timed(engine.step))
+        pass_times.append(_time_once(one_pass))
+        step_times.append(_time_once(engine.step))
     while engine.has_unfinished_requests():
         engine.step()
     best_pass = min(pass_times)

@@ -315,6 +315,20 @@ def cmd_bench_attention(args: argparse.Namespace) -> None:
                      f"head dim 64), fp32, block size 16, best of 5 calls.", table)
 
 
+def cmd_bench_linear(args: argparse.Namespace) -> None:
+    from pagedllm.bench import kernels
+    from pagedllm.bench.throughput import machine_description
+    from pagedllm.model.loader import load_checkpoint
+
+    config = load_checkpoint(args.model).config
+    table = kernels.format_linear(kernels.linear_rows(config, args.batch))
+    print(table)
+    if args.record:
+        record(args, f"Machine: {machine_description()}. Every fp32 projection of one decode step of "
+                     f"{args.model or 'SmolLM2-135M-Instruct (embedded)'} (own weights per layer, LM head included), "
+                     f"best of 8 interleaved passes.", table)
+
+
 def cmd_bench_roofline(args: argparse.Namespace) -> None:
     import torch
 
@@ -484,6 +498,11 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--context", type=int, nargs="+", default=[128, 512, 1024, 4096])
     at.add_argument("--record", default=None, metavar="FILE")
     at.set_defaults(func=cmd_bench_attention)
+    li = bench_sub.add_parser("linear", help="fp32 decode matmuls: the C++ small-batch kernel vs PyTorch (MKL)")
+    li.add_argument("--model", default=None, help="model whose shapes to use (default: the embedded SmolLM2)")
+    li.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16, 32, 48, 64])
+    li.add_argument("--record", default=None, metavar="FILE")
+    li.set_defaults(func=cmd_bench_linear)
     rf = bench_sub.add_parser("roofline", help="matmul roofline on the model's shapes vs measured decode")
     add_engine_args(rf)
     rf.add_argument("--batch-size", type=int, default=64)

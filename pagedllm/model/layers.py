@@ -18,8 +18,9 @@ from pagedllm.kernels.cpu import cpu_kernels_for
 
 
 # Up to this many rows an fp32 matmul is a decode step's, bound by streaming the
-# weights, and the C++ small-batch kernel beats MKL on SmolLM2's layers (1.7x at
-# 4-8 rows, 1.5x at 16, 1.2x at 32, 1.1x at 48); larger batches and prefill go to MKL.
+# weights, and the C++ small-batch kernel beats MKL on SmolLM2's shapes (1.7-2x at
+# 4-8 rows, 1.2-1.5x at 16, 1.0-1.2x at 32-48, behind from 64: `pagedllm bench
+# linear`); larger batches and prefill go to MKL.
 SMALL_BATCH_ROWS = 48
 
 

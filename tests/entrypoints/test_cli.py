@@ -207,6 +207,12 @@ def test_bench_attention_and_roofline_print_tables(tiny_model_dir, capsys):
     main(["bench", "attention", "--batch", "2", "--context", "40"])
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 | 40 |"))
     assert row.count("|") == 7
+    main(["bench", "linear", "--model", tiny_model_dir("llama"), "--batch", "3", "8"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 3 |", "| 8 |"))]
+    assert len(rows) == 2
+    for row in rows:  # rows | PyTorch ms | C++ ms | speed-up, all measured
+        pytorch_ms, small_ms, speedup = (c.strip() for c in row.strip("|").split("|")[1:])
+        assert float(pytorch_ms) > 0 and float(small_ms) > 0 and float(speedup.rstrip("x")) > 0
     main(["bench", "roofline", "--model", tiny_model_dir("llama"), "--batch-size", "4", "--prompt-len", "8",
           "--decode-tokens", "4", "--num-kv-blocks", "32"])
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| float32 | 4 |"))
