@@ -214,3 +214,36 @@ def test_decode_kernel_splits_and_head_sizes_match_sdpa(backend, head_dim, lens)
             scale=head_dim**-0.5, enable_gqa=True,
         ).view(NUM_HEADS, head_dim)
         torch.testing.assert_close(out[i], expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 4), (12, 3), (8, 2), (10, 2)])
+def test_decode_kernel_query_groups_match_sdpa(backend, dtype, num_heads, num_kv_heads):
+    """1, 2, 3 and 4 query heads per KV head take the C++ kernel's grouped
+    path (each K/V token read once for the whole group; head_dim 64, 16-token
+    blocks), 5 the general one; every group size must equal SDPA, on full and
+    partial blocks."""
+    torch.manual_seed(num_heads * 10 + num_kv_heads)
+    head_dim, block_size, lens = 64, 16, [1, 16, 33, 250]
+    tables, num_blocks = random_tables(lens, block_size, random.Random(num_heads))
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    value_cache = torch.randn_like(key_cache)
+    q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lens),
+        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        decode_context_lens=torch.tensor(lens), prefills=[],
+    )
+    empty = torch.zeros(0, num_kv_heads, head_dim, dtype=dtype)
+    out = backend.forward(q, empty, empty, LayerKVCache(key_cache, value_cache), meta, head_dim**-0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, (table, n) in enumerate(zip(tables, lens)):
+        slots = torch.tensor(slots_of(table, range(n), block_size))
+        k = key_cache.view(-1, num_kv_heads, head_dim)[slots].float()
+        v = value_cache.view(-1, num_kv_heads, head_dim)[slots].float()
+        expected = F.scaled_dot_product_attention(
+            q[i].float().view(1, num_heads, 1, head_dim), k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            scale=head_dim**-0.5, enable_gqa=True,
+        ).view(num_heads, head_dim)
+        torch.testing.assert_close(out[i].float(), expected, atol=tolerance, rtol=tolerance)

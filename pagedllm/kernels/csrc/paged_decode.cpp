@@ -149,6 +149,157 @@ __attribute__((always_inline)) inline void accumulate_values(const float* __rest
   }
 }
 
+#if defined(__AVX512F__)
+// The grouped fast path: head_dim 64, 16-token blocks, fp32 or bf16 storage,
+// up to 4 query heads per KV head. One call handles the `kGroup` query heads
+// that share a KV head, over one block: each K and V token is loaded (and
+// converted) once for all of them, and each row's 16 scores are one vector, so
+// the softmax is a few vector ops instead of a scalar loop per token.
+
+// e^x on 16 lanes: fast_exp's steps with intrinsics, 2^n by vscalefps.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-80.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 64 floats in four registers (named, not an array, so GCC keeps them there).
+struct Vec64 {
+  __m512 a, b, c, d;
+};
+
+template <typename cache_t>
+__attribute__((always_inline)) inline Vec64 load64(const cache_t* p) {
+  return {load16(p), load16(p + 16), load16(p + 32), load16(p + 48)};
+}
+
+__attribute__((always_inline)) inline __m512 dot_lanes(const Vec64& q, const Vec64& k) {
+  return _mm512_fmadd_ps(q.d, k.d, _mm512_fmadd_ps(q.c, k.c, _mm512_fmadd_ps(q.b, k.b, _mm512_mul_ps(q.a, k.a))));
+}
+
+__attribute__((always_inline)) inline void add_scaled(Vec64& acc, float weight, const Vec64& v) {
+  const __m512 w = _mm512_set1_ps(weight);
+  acc.a = _mm512_fmadd_ps(w, v.a, acc.a);
+  acc.b = _mm512_fmadd_ps(w, v.b, acc.b);
+  acc.c = _mm512_fmadd_ps(w, v.c, acc.c);
+  acc.d = _mm512_fmadd_ps(w, v.d, acc.d);
+}
+
+// Lines [first, first + count) of the next block's K and V to fetch while
+// this call computes, spread over its tokens (null pointers: nothing to fetch).
+struct PrefetchShare {
+  const char* key;
+  const char* value;
+  int64_t first, count;
+};
+
+// Fetch the part of ``share`` that belongs to token t of 16 (one of K or V).
+__attribute__((always_inline)) inline void prefetch_part(const char* base, const PrefetchShare& share, int64_t t) {
+  if (base == nullptr) return;
+  const int64_t begin = share.first + share.count * t / 16, end = share.first + share.count * (t + 1) / 16;
+  for (int64_t line = begin; line < end; ++line) __builtin_prefetch(base + line * 64);
+}
+
+// Rows r < kGroup of q / max / sum / acc (acc and q 64 apart) are the query
+// heads of one KV head; k and v point at that head's slice of token 0 of the
+// block, tokens token_stride apart; n <= 16 tokens are valid.
+template <typename cache_t, int kGroup>
+void attend_block_grouped(const float* q, const cache_t* k, const cache_t* v, int64_t token_stride, int64_t n,
+                          float* max, float* sum, float* acc, PrefetchShare next) {
+  static_assert(kGroup >= 1 && kGroup <= 4, "1-4 query heads per KV head");
+  const Vec64 q0 = load64(q);
+  const Vec64 q1 = kGroup > 1 ? load64(q + 64) : q0;
+  const Vec64 q2 = kGroup > 2 ? load64(q + 128) : q0;
+  const Vec64 q3 = kGroup > 3 ? load64(q + 192) : q0;
+  __m512 partial[kGroup][16];  // per row and token: 16 lanes whose sum is the score
+  for (int64_t t = 0; t < 16; ++t) {
+    prefetch_part(next.key, next, t);
+    if (t >= n) {
+      for (int r = 0; r < kGroup; ++r) partial[r][t] = _mm512_setzero_ps();
+      continue;
+    }
+    const Vec64 kt = load64(k + t * token_stride);
+    partial[0][t] = dot_lanes(q0, kt);
+    if constexpr (kGroup > 1) partial[1][t] = dot_lanes(q1, kt);
+    if constexpr (kGroup > 2) partial[2][t] = dot_lanes(q2, kt);
+    if constexpr (kGroup > 3) partial[3][t] = dot_lanes(q3, kt);
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  alignas(64) float weights[kGroup][16];
+  float correction[kGroup];
+  for (int r = 0; r < kGroup; ++r) {
+    const __m512 scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                                               sum_lanes_of_16(partial[r]));
+    const float new_max = std::max(max[r], _mm512_reduce_max_ps(scores));
+    // exp(-inf) = 0 on the first block, so the empty running sums stay empty.
+    correction[r] = fast_exp(max[r] - new_max);
+    const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+    sum[r] = sum[r] * correction[r] + _mm512_reduce_add_ps(e);
+    max[r] = new_max;
+    _mm512_store_ps(weights[r], e);
+  }
+  auto rescaled = [&](int r) {
+    const __m512 c = _mm512_set1_ps(correction[r]);
+    const float* row = acc + r * 64;
+    return Vec64{_mm512_mul_ps(c, _mm512_loadu_ps(row)), _mm512_mul_ps(c, _mm512_loadu_ps(row + 16)),
+                 _mm512_mul_ps(c, _mm512_loadu_ps(row + 32)), _mm512_mul_ps(c, _mm512_loadu_ps(row + 48))};
+  };
+  Vec64 a0 = rescaled(0);
+  Vec64 a1 = kGroup > 1 ? rescaled(1) : a0;
+  Vec64 a2 = kGroup > 2 ? rescaled(2) : a0;
+  Vec64 a3 = kGroup > 3 ? rescaled(3) : a0;
+  for (int64_t t = 0; t < n; ++t) {
+    prefetch_part(next.value, next, t);
+    const Vec64 vt = load64(v + t * token_stride);
+    add_scaled(a0, weights[0][t], vt);
+    if constexpr (kGroup > 1) add_scaled(a1, weights[1][t], vt);
+    if constexpr (kGroup > 2) add_scaled(a2, weights[2][t], vt);
+    if constexpr (kGroup > 3) add_scaled(a3, weights[3][t], vt);
+  }
+  auto store_row = [&](int r, const Vec64& x) {
+    float* row = acc + r * 64;
+    _mm512_storeu_ps(row, x.a);
+    _mm512_storeu_ps(row + 16, x.b);
+    _mm512_storeu_ps(row + 32, x.c);
+    _mm512_storeu_ps(row + 48, x.d);
+  };
+  store_row(0, a0);
+  if constexpr (kGroup > 1) store_row(1, a1);
+  if constexpr (kGroup > 2) store_row(2, a2);
+  if constexpr (kGroup > 3) store_row(3, a3);
+}
+
+template <typename cache_t>
+using GroupedBlockFn = void (*)(const float*, const cache_t*, const cache_t*, int64_t, int64_t, float*, float*, float*,
+                                PrefetchShare);
+
+// The grouped path for this call's shapes, or null where it does not apply.
+template <typename cache_t, int64_t kHeadDim>
+GroupedBlockFn<cache_t> grouped_block_fn(int64_t block_size, int64_t group, bool quantized) {
+  if constexpr (kHeadDim == 64 && (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>)) {
+    if (block_size != 16 || quantized) return nullptr;
+    switch (group) {
+      case 1: return attend_block_grouped<cache_t, 1>;
+      case 2: return attend_block_grouped<cache_t, 2>;
+      case 3: return attend_block_grouped<cache_t, 3>;
+      case 4: return attend_block_grouped<cache_t, 4>;
+      default: return nullptr;
+    }
+  }
+  return nullptr;
+}
+#endif
+
 // One task: all H query heads of one sequence over the blocks [block_begin,
 // block_end) of its table. Taking every KV head at once makes each block one
 // contiguous read (block_size * H_kv * D elements). The task leaves its
@@ -174,6 +325,9 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
   for (int64_t i = 0; i < rows * head_dim; ++i) s.q[i] = load(query[i]) * scale;
 
   const int64_t block_lines = (block_size * token_stride * static_cast<int64_t>(sizeof(cache_t)) + 63) / 64;
+#if defined(__AVX512F__)
+  const GroupedBlockFn<cache_t> grouped = grouped_block_fn<cache_t, kHeadDim>(block_size, group, key_scale != nullptr);
+#endif
   for (int64_t b = block_begin; b < block_end; ++b) {
     const int64_t first_slot = table[b] * block_size;
     const int64_t n = std::min(block_size, context_len - b * block_size);
@@ -195,6 +349,19 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
       const int64_t end = std::min(block_lines, (r + 1) * lines_per_row);
       for (int64_t line = r * lines_per_row; line < end; ++line) __builtin_prefetch(next + line * 64);
     };
+#if defined(__AVX512F__)
+    if (grouped != nullptr) {
+      // Each KV head's call fetches an equal share of the next block's lines.
+      const int64_t lines_per_head = (block_lines + num_kv_heads - 1) / num_kv_heads;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t first = h * lines_per_head;
+        const PrefetchShare share{k_next, v_next, first, std::max<int64_t>(0, std::min(lines_per_head, block_lines - first))};
+        grouped(s.q.data() + h * group * head_dim, k_block + h * head_dim, v_block + h * head_dim, token_stride, n,
+                part.max + h * group, part.sum + h * group, part.acc + h * group * head_dim, share);
+      }
+      continue;
+    }
+#endif
     for (int64_t r = 0; r < rows; ++r) {
       prefetch_share(k_next, r);
       float* scores = s.scores.data() + r * block_size;
