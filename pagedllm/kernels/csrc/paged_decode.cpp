@@ -108,6 +108,37 @@ __attribute__((always_inline)) inline void score_tokens(const float* __restrict 
   for (int64_t t = 0; t < n; ++t) scores[t] = dot(q, k + t * token_stride, head_dim);
 }
 
+#if defined(__AVX512F__)
+// 64 floats in four registers (named, not an array, so GCC keeps them there).
+struct Vec64 {
+  __m512 a, b, c, d;
+};
+
+template <typename cache_t>
+__attribute__((always_inline)) inline Vec64 load64(const cache_t* p) {
+  return {load16(p), load16(p + 16), load16(p + 32), load16(p + 48)};
+}
+
+__attribute__((always_inline)) inline void store64(float* p, const Vec64& x) {
+  _mm512_storeu_ps(p, x.a);
+  _mm512_storeu_ps(p + 16, x.b);
+  _mm512_storeu_ps(p + 32, x.c);
+  _mm512_storeu_ps(p + 48, x.d);
+}
+
+__attribute__((always_inline)) inline __m512 dot_lanes(const Vec64& q, const Vec64& k) {
+  return _mm512_fmadd_ps(q.d, k.d, _mm512_fmadd_ps(q.c, k.c, _mm512_fmadd_ps(q.b, k.b, _mm512_mul_ps(q.a, k.a))));
+}
+
+__attribute__((always_inline)) inline void add_scaled(Vec64& acc, float weight, const Vec64& v) {
+  const __m512 w = _mm512_set1_ps(weight);
+  acc.a = _mm512_fmadd_ps(w, v.a, acc.a);
+  acc.b = _mm512_fmadd_ps(w, v.b, acc.b);
+  acc.c = _mm512_fmadd_ps(w, v.c, acc.c);
+  acc.d = _mm512_fmadd_ps(w, v.d, acc.d);
+}
+#endif
+
 // acc += sum over the block's n tokens of weight[t] (* the token's value scale)
 // * v_t, for one query row; v_t = v + t * token_stride.
 template <typename cache_t, int64_t kHeadDim>
@@ -122,22 +153,10 @@ __attribute__((always_inline)) inline void accumulate_values(const float* __rest
   if constexpr (kHeadDim == 64 && (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16> ||
                                    std::is_same_v<cache_t, int8_t>)) {
     // The row's 64 sums stay in four registers for the whole block instead
-    // of a load and store of acc per token (named, not an array: see
-    // small_batch_linear.cpp for why GCC would keep an array in memory).
-    __m512 a0 = _mm512_loadu_ps(acc), a1 = _mm512_loadu_ps(acc + 16), a2 = _mm512_loadu_ps(acc + 32),
-           a3 = _mm512_loadu_ps(acc + 48);
-    for (int64_t t = 0; t < n; ++t) {
-      const cache_t* vt = v + t * token_stride;
-      const __m512 w = _mm512_set1_ps(token_weight(t));
-      a0 = _mm512_fmadd_ps(w, load16(vt), a0);
-      a1 = _mm512_fmadd_ps(w, load16(vt + 16), a1);
-      a2 = _mm512_fmadd_ps(w, load16(vt + 32), a2);
-      a3 = _mm512_fmadd_ps(w, load16(vt + 48), a3);
-    }
-    _mm512_storeu_ps(acc, a0);
-    _mm512_storeu_ps(acc + 16, a1);
-    _mm512_storeu_ps(acc + 32, a2);
-    _mm512_storeu_ps(acc + 48, a3);
+    // of a load and store of acc per token.
+    Vec64 sums = load64(acc);
+    for (int64_t t = 0; t < n; ++t) add_scaled(sums, token_weight(t), load64(v + t * token_stride));
+    store64(acc, sums);
     return;
   }
 #endif
@@ -149,6 +168,17 @@ __attribute__((always_inline)) inline void accumulate_values(const float* __rest
   }
 }
 
+// Blocks are scattered over the pool, so the hardware prefetcher cannot guess
+// the next one: it is fetched while this one is processed, in equal shares of
+// its cache lines spread over the work (all at once stalls on the line fill
+// buffers). This issues share ``part`` of ``parts`` of lines [first, first +
+// count) starting at ``base`` (null: nothing to fetch).
+inline void prefetch_share(const char* base, int64_t first, int64_t count, int64_t part, int64_t parts) {
+  if (base == nullptr) return;
+  const int64_t end = first + count * (part + 1) / parts;
+  for (int64_t line = first + count * part / parts; line < end; ++line) __builtin_prefetch(base + line * 64);
+}
+
 #if defined(__AVX512F__)
 // The grouped fast path: head_dim 64, 16-token blocks, fp32 or bf16 storage,
 // up to 4 query heads per KV head. One call handles the `kGroup` query heads
@@ -156,59 +186,13 @@ __attribute__((always_inline)) inline void accumulate_values(const float* __rest
 // converted) once for all of them, and each row's 16 scores are one vector, so
 // the softmax is a few vector ops instead of a scalar loop per token.
 
-// e^x on 16 lanes: fast_exp's steps with intrinsics, 2^n by vscalefps.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-80.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-// 64 floats in four registers (named, not an array, so GCC keeps them there).
-struct Vec64 {
-  __m512 a, b, c, d;
-};
-
-template <typename cache_t>
-__attribute__((always_inline)) inline Vec64 load64(const cache_t* p) {
-  return {load16(p), load16(p + 16), load16(p + 32), load16(p + 48)};
-}
-
-__attribute__((always_inline)) inline __m512 dot_lanes(const Vec64& q, const Vec64& k) {
-  return _mm512_fmadd_ps(q.d, k.d, _mm512_fmadd_ps(q.c, k.c, _mm512_fmadd_ps(q.b, k.b, _mm512_mul_ps(q.a, k.a))));
-}
-
-__attribute__((always_inline)) inline void add_scaled(Vec64& acc, float weight, const Vec64& v) {
-  const __m512 w = _mm512_set1_ps(weight);
-  acc.a = _mm512_fmadd_ps(w, v.a, acc.a);
-  acc.b = _mm512_fmadd_ps(w, v.b, acc.b);
-  acc.c = _mm512_fmadd_ps(w, v.c, acc.c);
-  acc.d = _mm512_fmadd_ps(w, v.d, acc.d);
-}
-
 // Lines [first, first + count) of the next block's K and V to fetch while
-// this call computes, spread over its tokens (null pointers: nothing to fetch).
+// one grouped call computes (null pointers: nothing to fetch).
 struct PrefetchShare {
   const char* key;
   const char* value;
   int64_t first, count;
 };
-
-// Fetch the part of ``share`` that belongs to token t of 16 (one of K or V).
-__attribute__((always_inline)) inline void prefetch_part(const char* base, const PrefetchShare& share, int64_t t) {
-  if (base == nullptr) return;
-  const int64_t begin = share.first + share.count * t / 16, end = share.first + share.count * (t + 1) / 16;
-  for (int64_t line = begin; line < end; ++line) __builtin_prefetch(base + line * 64);
-}
 
 // Rows r < kGroup of q / max / sum / acc (acc and q 64 apart) are the query
 // heads of one KV head; k and v point at that head's slice of token 0 of the
@@ -223,7 +207,7 @@ void attend_block_grouped(const float* q, const cache_t* k, const cache_t* v, in
   const Vec64 q3 = kGroup > 3 ? load64(q + 192) : q0;
   __m512 partial[kGroup][16];  // per row and token: 16 lanes whose sum is the score
   for (int64_t t = 0; t < 16; ++t) {
-    prefetch_part(next.key, next, t);
+    prefetch_share(next.key, next.first, next.count, t, 16);
     if (t >= n) {
       for (int r = 0; r < kGroup; ++r) partial[r][t] = _mm512_setzero_ps();
       continue;
@@ -249,34 +233,26 @@ void attend_block_grouped(const float* q, const cache_t* k, const cache_t* v, in
     _mm512_store_ps(weights[r], e);
   }
   auto rescaled = [&](int r) {
+    const Vec64 row = load64(acc + r * 64);
     const __m512 c = _mm512_set1_ps(correction[r]);
-    const float* row = acc + r * 64;
-    return Vec64{_mm512_mul_ps(c, _mm512_loadu_ps(row)), _mm512_mul_ps(c, _mm512_loadu_ps(row + 16)),
-                 _mm512_mul_ps(c, _mm512_loadu_ps(row + 32)), _mm512_mul_ps(c, _mm512_loadu_ps(row + 48))};
+    return Vec64{_mm512_mul_ps(c, row.a), _mm512_mul_ps(c, row.b), _mm512_mul_ps(c, row.c), _mm512_mul_ps(c, row.d)};
   };
   Vec64 a0 = rescaled(0);
   Vec64 a1 = kGroup > 1 ? rescaled(1) : a0;
   Vec64 a2 = kGroup > 2 ? rescaled(2) : a0;
   Vec64 a3 = kGroup > 3 ? rescaled(3) : a0;
   for (int64_t t = 0; t < n; ++t) {
-    prefetch_part(next.value, next, t);
+    prefetch_share(next.value, next.first, next.count, t, 16);
     const Vec64 vt = load64(v + t * token_stride);
     add_scaled(a0, weights[0][t], vt);
     if constexpr (kGroup > 1) add_scaled(a1, weights[1][t], vt);
     if constexpr (kGroup > 2) add_scaled(a2, weights[2][t], vt);
     if constexpr (kGroup > 3) add_scaled(a3, weights[3][t], vt);
   }
-  auto store_row = [&](int r, const Vec64& x) {
-    float* row = acc + r * 64;
-    _mm512_storeu_ps(row, x.a);
-    _mm512_storeu_ps(row + 16, x.b);
-    _mm512_storeu_ps(row + 32, x.c);
-    _mm512_storeu_ps(row + 48, x.d);
-  };
-  store_row(0, a0);
-  if constexpr (kGroup > 1) store_row(1, a1);
-  if constexpr (kGroup > 2) store_row(2, a2);
-  if constexpr (kGroup > 3) store_row(3, a3);
+  store64(acc, a0);
+  if constexpr (kGroup > 1) store64(acc + 64, a1);
+  if constexpr (kGroup > 2) store64(acc + 128, a2);
+  if constexpr (kGroup > 3) store64(acc + 192, a3);
 }
 
 template <typename cache_t>
@@ -333,9 +309,6 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
     const int64_t n = std::min(block_size, context_len - b * block_size);
     const cache_t* k_block = key_cache + first_slot * token_stride;
     const cache_t* v_block = value_cache + first_slot * token_stride;
-    // Blocks are scattered over the pool, so the hardware prefetcher cannot
-    // guess the next one: fetch it while this one is processed, a share per
-    // query row (all at once stalls on the line fill buffers).
     const char* k_next = nullptr;
     const char* v_next = nullptr;
     if (b + 1 < block_end) {
@@ -343,19 +316,12 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
       k_next = reinterpret_cast<const char*>(key_cache + next_slot * token_stride);
       v_next = reinterpret_cast<const char*>(value_cache + next_slot * token_stride);
     }
-    const int64_t lines_per_row = (block_lines + rows - 1) / rows;
-    auto prefetch_share = [&](const char* next, int64_t r) {
-      if (next == nullptr) return;
-      const int64_t end = std::min(block_lines, (r + 1) * lines_per_row);
-      for (int64_t line = r * lines_per_row; line < end; ++line) __builtin_prefetch(next + line * 64);
-    };
 #if defined(__AVX512F__)
     if (grouped != nullptr) {
       // Each KV head's call fetches an equal share of the next block's lines.
-      const int64_t lines_per_head = (block_lines + num_kv_heads - 1) / num_kv_heads;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const int64_t first = h * lines_per_head;
-        const PrefetchShare share{k_next, v_next, first, std::max<int64_t>(0, std::min(lines_per_head, block_lines - first))};
+        const int64_t first = block_lines * h / num_kv_heads;
+        const PrefetchShare share{k_next, v_next, first, block_lines * (h + 1) / num_kv_heads - first};
         grouped(s.q.data() + h * group * head_dim, k_block + h * head_dim, v_block + h * head_dim, token_stride, n,
                 part.max + h * group, part.sum + h * group, part.acc + h * group * head_dim, share);
       }
@@ -363,7 +329,7 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
     }
 #endif
     for (int64_t r = 0; r < rows; ++r) {
-      prefetch_share(k_next, r);
+      prefetch_share(k_next, 0, block_lines, r, rows);
       float* scores = s.scores.data() + r * block_size;
       score_tokens(s.q.data() + r * head_dim, k_block + (r / group) * head_dim, token_stride, n, head_dim, scores);
       if (key_scale != nullptr) {
@@ -393,7 +359,7 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
     }
     const float* block_value_scales = value_scale != nullptr ? value_scale + first_slot * num_kv_heads : nullptr;
     for (int64_t r = 0; r < rows; ++r) {
-      prefetch_share(v_next, r);
+      prefetch_share(v_next, 0, block_lines, r, rows);
       accumulate_values<cache_t, kHeadDim>(s.scores.data() + r * block_size, v_block + (r / group) * head_dim,
                                            token_stride, n, block_value_scales, num_kv_heads, r / group,
                                            part.acc + r * head_dim, head_dim);
