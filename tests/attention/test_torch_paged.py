@@ -60,6 +60,16 @@ def random_tables(lengths, block_size, rng):
 def slots_of(table, positions, block_size):
     return [table[p // block_size] * block_size + p % block_size for p in positions]
 
+def decode_only_metadata(tables, lens):
+    """A step of decodes only: each sequence's table padded to the widest, nothing to write."""
+    width = max(len(t) for t in tables)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lens),
+        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        decode_context_lens=torch.tensor(lens), prefills=[],
+    )
+
+
 
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 def test_prefill_then_decode_equals_contiguous(block_size, backend):
@@ -162,12 +172,7 @@ def test_cpp_decode_kernel_handles_bfloat16(backend):
     key_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM).bfloat16()
     value_cache = torch.randn_like(key_cache)
     q = torch.randn(len(lens), NUM_HEADS, HEAD_DIM).bfloat16()
-    width = max(len(t) for t in tables)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lens),
-        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        decode_context_lens=torch.tensor(lens), prefills=[],
-    )
+    meta = decode_only_metadata(tables, lens)
     out = backend.forward(q, torch.zeros(0, NUM_KV_HEADS, HEAD_DIM).bfloat16(),
                           torch.zeros(0, NUM_KV_HEADS, HEAD_DIM).bfloat16(), LayerKVCache(key_cache, value_cache),
                           meta, SCALE)
@@ -197,12 +202,7 @@ def test_decode_kernel_splits_and_head_sizes_match_sdpa(backend, head_dim, lens)
     value_cache = torch.randn_like(key_cache)
     qkv = torch.randn(len(lens), (NUM_HEADS + 2 * NUM_KV_HEADS) * head_dim)
     q = qkv[:, : NUM_HEADS * head_dim].view(len(lens), NUM_HEADS, head_dim)
-    width = max(len(t) for t in tables)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lens),
-        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        decode_context_lens=torch.tensor(lens), prefills=[],
-    )
+    meta = decode_only_metadata(tables, lens)
     empty = torch.zeros(0, NUM_KV_HEADS, head_dim)
     out = backend.forward(q, empty, empty, LayerKVCache(key_cache, value_cache), meta, head_dim**-0.5)
     for i, (table, n) in enumerate(zip(tables, lens)):
@@ -229,12 +229,7 @@ def test_decode_kernel_query_groups_match_sdpa(backend, dtype, num_heads, num_kv
     key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
     value_cache = torch.randn_like(key_cache)
     q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
-    width = max(len(t) for t in tables)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lens),
-        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        decode_context_lens=torch.tensor(lens), prefills=[],
-    )
+    meta = decode_only_metadata(tables, lens)
     empty = torch.zeros(0, num_kv_heads, head_dim, dtype=dtype)
     out = backend.forward(q, empty, empty, LayerKVCache(key_cache, value_cache), meta, head_dim**-0.5)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
