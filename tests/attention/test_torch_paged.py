@@ -69,6 +69,20 @@ def decode_only_metadata(tables, lens):
         decode_context_lens=torch.tensor(lens), prefills=[],
     )
 
+def sdpa_reference(query, key_cache, value_cache, table, length, scale):
+    """fp32 SDPA of one decode query ([heads, head_dim]) over the ``length``
+    tokens its block table points at in the pool: what a paged decode must give."""
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    slots = torch.tensor(slots_of(table, range(length), block_size))
+    k = key_cache.view(-1, num_kv_heads, head_dim)[slots].float()
+    v = value_cache.view(-1, num_kv_heads, head_dim)[slots].float()
+    num_heads = query.shape[0]
+    return F.scaled_dot_product_attention(
+        query.float().view(1, num_heads, 1, head_dim), k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        scale=scale, enable_gqa=True,
+    ).view(num_heads, head_dim)
+
+
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 64])
@@ -177,13 +191,7 @@ def test_cpp_decode_kernel_handles_bfloat16(backend):
                           torch.zeros(0, NUM_KV_HEADS, HEAD_DIM).bfloat16(), LayerKVCache(key_cache, value_cache),
                           meta, SCALE)
     for i, (table, n) in enumerate(zip(tables, lens)):
-        slots = torch.tensor(slots_of(table, range(n), block_size))
-        k = key_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].float()
-        v = value_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].float()
-        expected = F.scaled_dot_product_attention(
-            q[i].float().view(1, NUM_HEADS, 1, HEAD_DIM), k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            scale=SCALE, enable_gqa=True,
-        ).view(NUM_HEADS, HEAD_DIM)
+        expected = sdpa_reference(q[i], key_cache, value_cache, table, n, SCALE)
         torch.testing.assert_close(out[i].float(), expected, atol=2e-2, rtol=2e-2)
 
 
@@ -206,13 +214,7 @@ def test_decode_kernel_splits_and_head_sizes_match_sdpa(backend, head_dim, lens)
     empty = torch.zeros(0, NUM_KV_HEADS, head_dim)
     out = backend.forward(q, empty, empty, LayerKVCache(key_cache, value_cache), meta, head_dim**-0.5)
     for i, (table, n) in enumerate(zip(tables, lens)):
-        slots = torch.tensor(slots_of(table, range(n), block_size))
-        k = key_cache.view(-1, NUM_KV_HEADS, head_dim)[slots]
-        v = value_cache.view(-1, NUM_KV_HEADS, head_dim)[slots]
-        expected = F.scaled_dot_product_attention(
-            q[i].view(1, NUM_HEADS, 1, head_dim), k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            scale=head_dim**-0.5, enable_gqa=True,
-        ).view(NUM_HEADS, head_dim)
+        expected = sdpa_reference(q[i], key_cache, value_cache, table, n, head_dim**-0.5)
         torch.testing.assert_close(out[i], expected, atol=1e-4, rtol=1e-4)
 
 
@@ -234,11 +236,5 @@ def test_decode_kernel_query_groups_match_sdpa(backend, dtype, num_heads, num_kv
     out = backend.forward(q, empty, empty, LayerKVCache(key_cache, value_cache), meta, head_dim**-0.5)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for i, (table, n) in enumerate(zip(tables, lens)):
-        slots = torch.tensor(slots_of(table, range(n), block_size))
-        k = key_cache.view(-1, num_kv_heads, head_dim)[slots].float()
-        v = value_cache.view(-1, num_kv_heads, head_dim)[slots].float()
-        expected = F.scaled_dot_product_attention(
-            q[i].float().view(1, num_heads, 1, head_dim), k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            scale=head_dim**-0.5, enable_gqa=True,
-        ).view(num_heads, head_dim)
+        expected = sdpa_reference(q[i], key_cache, value_cache, table, n, head_dim**-0.5)
         torch.testing.assert_close(out[i].float(), expected, atol=tolerance, rtol=tolerance)
