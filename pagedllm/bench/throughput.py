@@ -83,6 +83,14 @@ def load_requests(path: str) -> list[BenchRequest]:
         raise ValueError(f"{path}: every item needs prompt_token_ids and max_tokens ({exc})") from exc
 
 
+def warm_up(llm) -> None:
+    """One short untimed request, so one-time costs (Triton compiling its kernel,
+    cuBLAS and allocator start-up on a GPU) stay out of the timed run. Its 8-token
+    prompt fills no whole block, so it leaves nothing in the prefix cache."""
+    llm.generate([{"prompt_token_ids": [0] * 8}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+
+
 def run_pagedllm(llm, requests: list[BenchRequest], label: str = "pagedllm") -> BenchResult:
     # ignore_eos makes every engine produce exactly max_tokens tokens, so the work is equal.
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
@@ -104,15 +112,16 @@ def run_pagedllm(llm, requests: list[BenchRequest], label: str = "pagedllm") -> 
 
 
 @torch.inference_mode()
-def run_hf(model_path: str | None, requests: list[BenchRequest], batch_size: int, dtype: torch.dtype) -> BenchResult:
-    """Hugging Face ``generate`` in static, left-padded batches of ``batch_size``
-    (requests sorted by length so padding is small, as vLLM's HF baseline does).
-    Only the tokens each request asked for are counted."""
-    from pagedllm.bench.hf_reference import load_hf_model
-
-    model = load_hf_model(model_path, dtype)
+def run_hf(model, requests: list[BenchRequest], batch_size: int) -> BenchResult:
+    """Hugging Face ``generate`` (``model``: ``load_hf_model``'s, on the device to
+    measure) in static, left-padded batches of ``batch_size`` (requests sorted by
+    length so padding is small, as vLLM's HF baseline does), after one short
+    untimed call. Only the tokens each request asked for are counted."""
+    device = model.device
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     ordered = sorted(requests, key=lambda r: (len(r.prompt_token_ids), r.max_tokens))
+    model.generate(input_ids=torch.zeros((1, 8), dtype=torch.long, device=device), max_new_tokens=4,
+                   min_new_tokens=4, do_sample=False, pad_token_id=pad_id)
     start = time.perf_counter()
     for i in range(0, len(ordered), batch_size):
         batch = ordered[i : i + batch_size]
@@ -124,8 +133,8 @@ def run_hf(model_path: str | None, requests: list[BenchRequest], batch_size: int
             mask[row, width - len(r.prompt_token_ids) :] = 1
         new_tokens = max(r.max_tokens for r in batch)
         model.generate(
-            input_ids=ids,
-            attention_mask=mask,
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,
@@ -142,16 +151,13 @@ def run_hf(model_path: str | None, requests: list[BenchRequest], batch_size: int
 
 
 @torch.inference_mode()
-def run_hf_continuous(model_path: str | None, requests: list[BenchRequest], dtype: torch.dtype) -> BenchResult:
+def run_hf_continuous(model, requests: list[BenchRequest]) -> BenchResult:
     """Hugging Face's own continuous batching (``generate_batch``'s manager, paged
     KV cache, sdpa). Each request keeps its own ``max_new_tokens`` and EOS is
     off, so it generates exactly the tokens pagedllm does. The clock starts once
     the manager is up (its set-up and warm-up are not counted)."""
     from transformers import GenerationConfig
 
-    from pagedllm.bench.hf_reference import load_hf_model
-
-    model = load_hf_model(model_path, dtype)
     config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in requests), eos_token_id=-1)
     output_tokens = 0
     with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
@@ -255,5 +261,8 @@ def format_step_split(timings: dict[str, float]) -> str:
     return ", ".join(f"{name} {100 * seconds / total:.1f}%" for name, seconds in timings.items())
 
 
-def machine_description() -> str:
-    return f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+def machine_description(device: torch.device | None = None) -> str:
+    host = f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    if device is not None and device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda}), host {host}"
+    return host

@@ -167,6 +167,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
         requests = bench.load_requests(args.dataset)
     capacity = llm.llm_engine.capacity_line()
     print(capacity)
+    device = llm.llm_engine.device
+    bench.warm_up(llm)
     llm.llm_engine.reset_step_timings()
     label = f"pagedllm ({args.kv_layout} KV)" if args.kv_cache_dtype == "auto" else f"pagedllm ({args.kv_cache_dtype} KV)"
     if args.tensor_parallel_size > 1:
@@ -210,11 +212,18 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
         results.append(bench.run_pagedllm(make_llm(args), requests, "pagedllm (contiguous KV)"))
         args.kv_layout = "paged"
     elif args.baseline == "hf":
+        from pagedllm.bench.hf_reference import load_hf_model
+
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+        if device.type == "cuda":  # give Hugging Face the memory this engine's pool held
+            llm.shutdown()
+            del llm
+            torch.cuda.empty_cache()
+        hf_model = load_hf_model(args.model, dtype).to(device)
         for batch_size in args.hf_batch_size:
-            results.append(bench.run_hf(args.model, requests, batch_size, dtype))
+            results.append(bench.run_hf(hf_model, requests, batch_size))
         if bench.hf_has_continuous_batching():
-            results.append(bench.run_hf_continuous(args.model, requests, dtype))
+            results.append(bench.run_hf_continuous(hf_model, requests))
     table = bench.format_table(results)
     ratios = bench.format_ratios(results)
     if ratios:
@@ -232,7 +241,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     if args.record:
         record(
             args,
-            f"Machine: {bench.machine_description()}. {capacity}, {args.kv_layout} layout. "
+            f"Machine: {bench.machine_description(device)}. {capacity}, {args.kv_layout} layout. "
             f"Peak blocks in use {stats['peak_blocks_in_use']}, preemptions {stats['num_preemptions']}, "
             f"mean running sequences per step {stats['mean_running_per_step']:.1f}. Step time: {split}.",
             table,
