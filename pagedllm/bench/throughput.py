@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.logger import init_logger
 from pagedllm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -83,6 +86,12 @@ def load_requests(path: str) -> list[BenchRequest]:
         raise ValueError(f"{path}: every item needs prompt_token_ids and max_tokens ({exc})") from exc
 
 
+def finished(result: BenchResult) -> BenchResult:
+    """Log each engine's figure as it completes: the table comes only at the end of a long run."""
+    logger.info("%s: %.2f s, %.1f total tok/s", result.engine, result.elapsed_s, result.total_tokens_per_s)
+    return result
+
+
 def warm_up(llm) -> None:
     """One short untimed request, so one-time costs (Triton compiling its kernel,
     cuBLAS and allocator start-up on a GPU) stay out of the timed run. Its 8-token
@@ -101,14 +110,14 @@ def run_pagedllm(llm, requests: list[BenchRequest], label: str = "pagedllm") -> 
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     steps = engine.num_steps - steps_before
-    return BenchResult(
+    return finished(BenchResult(
         engine=label,
         num_requests=len(requests),
         prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
         output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
         elapsed_s=elapsed,
         mean_batch=(engine.num_scheduled_sequences - sequences_before) / max(1, steps),
-    )
+    ))
 
 
 @torch.inference_mode()
@@ -141,21 +150,25 @@ def run_hf(model, requests: list[BenchRequest], batch_size: int) -> BenchResult:
             pad_token_id=pad_id,
         )
     elapsed = time.perf_counter() - start
-    return BenchResult(
+    return finished(BenchResult(
         engine=f"hf generate (batch {batch_size})",
         num_requests=len(requests),
         prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
         output_tokens=sum(r.max_tokens for r in requests),
         elapsed_s=elapsed,
-    )
+    ))
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def run_hf_continuous(model, requests: list[BenchRequest]) -> BenchResult:
     """Hugging Face's own continuous batching (``generate_batch``'s manager, paged
     KV cache, sdpa). Each request keeps its own ``max_new_tokens`` and EOS is
     off, so it generates exactly the tokens pagedllm does. The clock starts once
-    the manager is up (its set-up and warm-up are not counted)."""
+    the manager is up (its set-up and warm-up are not counted).
+
+    ``no_grad`` rather than ``inference_mode``: the manager's thread writes in place to the
+    buffers it makes here (on CUDA, its static inputs), which inference tensors
+    forbid outside that mode."""
     from transformers import GenerationConfig
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in requests), eos_token_id=-1)
@@ -164,22 +177,28 @@ def run_hf_continuous(model, requests: list[BenchRequest]) -> BenchResult:
         start = time.perf_counter()
         for r in requests:
             manager.add_request(r.prompt_token_ids, max_new_tokens=r.max_tokens, eos_token_id=-1)
-        finished = 0
-        while finished < len(requests):
+        num_finished = 0
+        while num_finished < len(requests):
             result = manager.get_result(timeout=1)
+            if result is not None and result.error is not None:
+                # A failed request also counts as finished: never time it as a result.
+                raise RuntimeError(f"Hugging Face's continuous batching failed a request: {result.error}")
             if result is not None and result.is_finished():
-                finished += 1
+                num_finished += 1
                 output_tokens += len(result.generated_tokens)
             elif result is None and not manager.is_running():
                 raise RuntimeError("Hugging Face's continuous batching stopped before finishing the requests")
         elapsed = time.perf_counter() - start
-    return BenchResult(
+    expected = sum(r.max_tokens for r in requests)
+    if output_tokens != expected:
+        raise RuntimeError(f"Hugging Face's continuous batching generated {output_tokens} of {expected} tokens")
+    return finished(BenchResult(
         engine="hf generate_batch (continuous, paged)",
         num_requests=len(requests),
         prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
         output_tokens=output_tokens,
         elapsed_s=elapsed,
-    )
+    ))
 
 
 def format_table(results: list[BenchResult]) -> str:

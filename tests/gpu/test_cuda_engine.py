@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_triton_decode_matches_the_gather_path_on_cuda(dtype):
     torch.manual_seed(0)
-    num_blocks, block_size, num_kv_heads, num_heads, head_dim = 300, 16, 3, 9, 64
+    num_blocks, block_size, num_kv_heads, num_heads, head_dim = 400, 16, 3, 9, 64
     key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device="cuda", dtype=dtype)
     value_cache = torch.randn_like(key_cache)
     lens = torch.tensor([1, 15, 16, 17, 200, 1000], device="cuda")
