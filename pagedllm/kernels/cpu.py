@@ -9,7 +9,7 @@ warning and every caller keeps its pure-PyTorch path; ``PAGEDLLM_CPU_KERNEL=0``
 turns the kernels off.
 
 The module provides: ``paged_decode_attention`` (paged_decode.cpp),
-``rms_norm``, ``rotary_embedding`` (layer_ops.cpp),
+``rms_norm``, ``rotary_embedding``, ``silu_and_mul`` (layer_ops.cpp),
 ``linear_small_batch`` (small_batch_linear.cpp) and ``argmax_logsumexp``
 (sampling_ops.cpp).
 """
@@ -47,7 +47,7 @@ def _build_directory() -> Path:
     digest = hashlib.sha256()
     for part in (sys.prefix, torch.__version__, " ".join(_CFLAGS)):
         digest.update(part.encode())
-    for name in _SOURCES + ["ops.h", "dtype.h", "fast_exp.h", "lanes.h"]:
+    for name in _SOURCES + ["ops.h", "dtype.h", "fast_exp.h", "lanes.h", "vec16.h"]:
         digest.update((_CSRC / name).read_bytes())
     cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
     directory = cache / f"pagedllm_cpu_kernels-{digest.hexdigest()[:16]}"

@@ -1,12 +1,16 @@
-"""The decoder's linear layer: fp32 decode-sized matmuls go through the C++
-small-batch kernel, whose results must be those of a float64 reference to fp32
-rounding, for every shape remainder the tile loop has to handle."""
+"""The decoder's linear layer and gated-MLP activation.
+
+fp32 decode-sized matmuls go through the C++ small-batch kernel, whose results
+must be those of a float64 reference to fp32 rounding, for every shape
+remainder the tile loop has to handle. ``silu_and_mul`` runs in one C++ pass:
+bit-identical to PyTorch's silu-then-mul in bf16 (it rounds where they do),
+equal to fp32 rounding in fp32."""
 
 import pytest
 import torch
 
 from pagedllm.kernels.cpu import load_cpu_kernels
-from pagedllm.model.layers import SMALL_BATCH_ROWS, Linear, linear
+from pagedllm.model.layers import SMALL_BATCH_ROWS, Linear, linear, silu_and_mul
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -51,3 +55,44 @@ def test_kernel_rejects_mismatched_shapes_with_a_message():
         kernels.linear_small_batch(torch.randn(2, 8), torch.randn(4, 9))
     with pytest.raises(RuntimeError, match="x must be fp32"):
         kernels.linear_small_batch(torch.randn(2, 8).double(), torch.randn(4, 8))
+
+
+def _silu_then_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+# Widths: the model's, whole vectors only, and tails of 7 and 9 lanes past whole vectors.
+@pytest.mark.parametrize("width", [1536, 32, 7, 41])
+def test_silu_and_mul_bf16_is_bit_identical_to_pytorch(width):
+    generator = torch.Generator().manual_seed(width)
+    # Up to +-40: both tails of the sigmoid, where exp over- and underflows.
+    x = (torch.randn(37, 2 * width, generator=generator) * 10).clamp(-40, 40).bfloat16()
+    assert torch.equal(silu_and_mul(x), _silu_then_mul(x))
+
+
+@pytest.mark.parametrize("width", [1536, 32, 7, 41])
+def test_silu_and_mul_fp32_matches_pytorch_to_rounding(width):
+    generator = torch.Generator().manual_seed(width)
+    x = torch.randn(37, 2 * width, generator=generator) * 10
+    torch.testing.assert_close(silu_and_mul(x), _silu_then_mul(x), rtol=2e-6, atol=1e-7)
+    big = torch.tensor([[-200.0, -90.0, 90.0, 200.0, 1.0, 1.0, 1.0, 1.0]])
+    torch.testing.assert_close(silu_and_mul(big), _silu_then_mul(big))
+
+
+def test_silu_and_mul_reads_row_strided_input_and_keeps_other_dtypes_on_pytorch():
+    wide = torch.randn(5, 100)
+    x = wide[:, 10:74]  # rows 100 apart: a slice of a wider activation
+    torch.testing.assert_close(silu_and_mul(x), _silu_then_mul(x), rtol=2e-6, atol=1e-7)
+    half = torch.randn(3, 16).half()
+    assert torch.equal(silu_and_mul(half), _silu_then_mul(half))
+
+
+def test_silu_and_mul_kernel_rejects_bad_input_with_a_message():
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("the C++ kernels did not build on this machine")
+    with pytest.raises(RuntimeError, match="must be \\[rows, 2 \\* width\\]"):
+        kernels.silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.silu_and_mul(torch.randn(2, 8).double())

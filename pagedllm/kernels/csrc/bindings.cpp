@@ -4,6 +4,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding the residual in place first (CPU)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [rows, 2 * width] gate|up output (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "Rotate query and key in place (NeoX layout, CPU)");
   m.def("linear_small_batch", &linear_small_batch, "fp32 x @ weight^T + bias for few rows of x (CPU)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());

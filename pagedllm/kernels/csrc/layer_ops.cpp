@@ -8,7 +8,9 @@
 #include <cmath>
 
 #include "dtype.h"
+#include "fast_exp.h"
 #include "ops.h"
+#include "vec16.h"
 
 namespace {
 
@@ -125,4 +127,54 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tenso
     else
       run(cos_cache.data_ptr<scalar_t>(), sin_cache.data_ptr<scalar_t>());
   });
+}
+
+#if defined(__AVX512F__)
+namespace {
+
+// silu(g) * u for one row: HF rounds silu's result to the dtype before the
+// product (two PyTorch ops), so this does too; the product is rounded on store.
+template <typename scalar_t>
+void silu_and_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* out, int64_t width) {
+  int64_t i = 0;
+  for (; i + 16 <= width; i += 16) {
+    const __m512 g = load16(gate + i);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    store16(out + i, _mm512_mul_ps(round16<scalar_t>(silu), load16(up + i)));
+  }
+  for (; i < width; ++i) {
+    const float g = load(gate[i]);
+    out[i] = store<scalar_t>(round_to<scalar_t>(g / (1.0f + fast_exp(-g))) * load(up[i]));
+  }
+}
+
+}  // namespace
+#endif
+
+// x is [rows, 2 * width]: gate | up, as the fused gate_up projection writes
+// them. One pass and one output instead of PyTorch's silu, mul and the
+// temporary between them. Without AVX-512 it is exactly PyTorch's two ops.
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1,
+              "silu_and_mul: x must be [rows, 2 * width] with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16,
+              "silu_and_mul: x must be float32 or bfloat16");
+  const int64_t rows = x.size(0), width = x.size(1) / 2;
+#if defined(__AVX512F__)
+  auto out = torch::empty({rows, width}, x.options());
+  auto run = [&](auto* in, auto* o) {
+    const int64_t row_stride = x.stride(0);
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row)
+        silu_and_mul_row(in + row * row_stride, in + row * row_stride + width, o + row * width, width);
+    });
+  };
+  if (x.scalar_type() == torch::kFloat)
+    run(x.data_ptr<float>(), out.data_ptr<float>());
+  else
+    run(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  return out;
+#else
+  return at::silu(x.narrow(1, 0, width)) * x.narrow(1, width, width);
+#endif
 }

@@ -14,6 +14,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, std::optional<torch::Tensor> residual);
 void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key, torch::Tensor cos_cache,
                       torch::Tensor sin_cache);
+torch::Tensor silu_and_mul(torch::Tensor x);
 
 // small_batch_linear.cpp: x @ weight^T + bias for fp32 with few rows (decode matmuls).
 torch::Tensor linear_small_batch(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);

@@ -24,6 +24,7 @@
 #include "fast_exp.h"
 #include "lanes.h"
 #include "ops.h"
+#include "vec16.h"
 
 #include <algorithm>
 #include <cmath>
@@ -61,17 +62,6 @@ __attribute__((always_inline)) inline float dot(const float* __restrict q, const
 // its multiply-adds at head_dim 64. Scoring 16 tokens at once instead leaves
 // 16 vectors of partial sums, and one transpose-and-add tree sums all of them
 // (~3 shuffles per token instead of ~8).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
 template <typename scalar_t>
 void score_tokens_avx512(const float* __restrict q, const scalar_t* __restrict k, int64_t token_stride, int64_t n,
                          int64_t head_dim, float* __restrict scores) {
