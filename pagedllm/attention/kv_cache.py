@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.config import KV_CACHE_DTYPES
+from pagedllm.kernels.cpu import cpu_kernels_for
 
 __all__ = ["KV_CACHE_DTYPES", "LayerKVCache", "allocate_layer", "dequantize", "quantize"]
 
@@ -65,6 +66,10 @@ class LayerKVCache:
         which the caller then must not read as stored values)."""
         num_kv_heads, head_dim = self.key.shape[2], self.key.shape[3]
         if not self.quantized:
+            kernels = cpu_kernels_for(key)
+            if kernels is not None and _heads_contiguous(key) and _heads_contiguous(value):
+                kernels.write_kv_cache(key, value, self.key, self.value, slot_mapping)
+                return key, value
             self.key.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
             self.value.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
             return key, value
@@ -92,6 +97,12 @@ class LayerKVCache:
         if self.quantized:
             gathered = dequantize(gathered, scales.index_select(0, flat), self.kv_cache_dtype, dtype)
         return gathered.view(batch, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def _heads_contiguous(rows: torch.Tensor) -> bool:
+    """Each token's [kv_heads, head_dim] values are one run of memory (rows may be
+    strided, as slices of the fused qkv output): what the C++ cache write copies."""
+    return rows.dim() == 3 and rows.stride(2) == 1 and rows.stride(1) == rows.shape[2]
 
 
 def quantize(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:

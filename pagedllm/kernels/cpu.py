@@ -9,7 +9,7 @@ warning and every caller keeps its pure-PyTorch path; ``PAGEDLLM_CPU_KERNEL=0``
 turns the kernels off.
 
 The module provides: ``paged_decode_attention`` (paged_decode.cpp),
-``rms_norm``, ``rotary_embedding``, ``silu_and_mul`` (layer_ops.cpp),
+``rms_norm``, ``rotary_embedding``, ``silu_and_mul`` (layer_ops.cpp), ``write_kv_cache`` (kv_write.cpp),
 ``linear_small_batch`` (small_batch_linear.cpp) and ``argmax_logsumexp``
 (sampling_ops.cpp).
 """
@@ -31,7 +31,8 @@ from pagedllm.logger import init_logger
 logger = init_logger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ["bindings.cpp", "paged_decode.cpp", "layer_ops.cpp", "small_batch_linear.cpp", "sampling_ops.cpp"]
+_SOURCES = ["bindings.cpp", "paged_decode.cpp", "layer_ops.cpp", "kv_write.cpp", "small_batch_linear.cpp",
+            "sampling_ops.cpp"]
 
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]

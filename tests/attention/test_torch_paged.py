@@ -238,3 +238,30 @@ def test_decode_kernel_query_groups_match_sdpa(backend, dtype, num_heads, num_kv
     for i, (table, n) in enumerate(zip(tables, lens)):
         expected = sdpa_reference(q[i], key_cache, value_cache, table, n, head_dim**-0.5)
         torch.testing.assert_close(out[i].float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_write_puts_each_token_in_its_slot_from_strided_rows(dtype):
+    # K and V as the model hands them over: row-strided slices of one fused qkv output.
+    qkv = torch.randn(7, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM).to(dtype)
+    k = qkv[:, NUM_HEADS * HEAD_DIM:(NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM].view(7, NUM_KV_HEADS, HEAD_DIM)
+    v = qkv[:, (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM:].view(7, NUM_KV_HEADS, HEAD_DIM)
+    slots = torch.tensor([5, 0, 63, 17, 16, 40, 2])
+    pool = LayerKVCache(torch.zeros(4, 16, NUM_KV_HEADS, HEAD_DIM, dtype=dtype),
+                        torch.zeros(4, 16, NUM_KV_HEADS, HEAD_DIM, dtype=dtype))
+    pool.write(k, v, slots)
+    expected_k = torch.zeros(64, NUM_KV_HEADS, HEAD_DIM, dtype=dtype).index_copy_(0, slots, k)
+    expected_v = torch.zeros(64, NUM_KV_HEADS, HEAD_DIM, dtype=dtype).index_copy_(0, slots, v)
+    assert torch.equal(pool.key.view(64, NUM_KV_HEADS, HEAD_DIM), expected_k)
+    assert torch.equal(pool.value.view(64, NUM_KV_HEADS, HEAD_DIM), expected_v)
+
+
+def test_cache_write_kernel_refuses_a_slot_outside_the_pool():
+    if KERNEL is None:
+        pytest.fail("the C++ kernels did not build on this machine")
+    rows = torch.randn(2, NUM_KV_HEADS, HEAD_DIM)
+    pool = torch.zeros(2, 16, NUM_KV_HEADS, HEAD_DIM)
+    with pytest.raises(RuntimeError, match="slot 32 is outside the pool's 32 slots"):
+        KERNEL.write_kv_cache(rows, rows, pool, pool.clone(), torch.tensor([3, 32]))
+    with pytest.raises(RuntimeError, match="one dtype"):
+        KERNEL.write_kv_cache(rows.double(), rows.double(), pool, pool.clone(), torch.tensor([3, 4]))

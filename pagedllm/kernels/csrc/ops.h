@@ -16,6 +16,10 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tenso
                       torch::Tensor sin_cache);
 torch::Tensor silu_and_mul(torch::Tensor x);
 
+// kv_write.cpp: a step's new K/V rows into their pool slots.
+void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
+                    torch::Tensor slot_mapping);
+
 // small_batch_linear.cpp: x @ weight^T + bias for fp32 with few rows (decode matmuls).
 torch::Tensor linear_small_batch(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
 
