@@ -1,11 +1,22 @@
-"""Incremental detokenization must emit exactly the text a full decode gives."""
+"""Incremental detokenization must emit exactly the text a full decode gives,
+through the Rust ``DecodeStream`` (fast tokenizers) and through the Python
+window of decodes (every other tokenizer) alike."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pagedllm.engine import detokenizer
 from pagedllm.engine.detokenizer import DetokenizerState, detokenize_incrementally
+
+
+@pytest.fixture(autouse=True, params=["stream", "window"])
+def decode_path(request, monkeypatch):
+    if request.param == "window":
+        monkeypatch.setattr(detokenizer, "stream_backend", lambda tokenizer: None)
+    return request.param
 
 SAMPLES = [
     "Hello, world! Paging the KV cache like virtual memory.",
@@ -18,6 +29,12 @@ def run_incrementally(tokenizer, ids: list[int], skip_special_tokens: bool = Tru
     state = DetokenizerState()
     deltas = [detokenize_incrementally(tokenizer, ids[: i + 1], state, skip_special_tokens) for i in range(len(ids))]
     return state.text, deltas
+
+
+def test_fast_tokenizers_take_the_stream(smollm_tokenizer, decode_path):
+    state = DetokenizerState()
+    detokenize_incrementally(smollm_tokenizer, smollm_tokenizer.encode("Hello"), state, True)
+    assert (state.stream is not None) == (decode_path == "stream")
 
 
 def test_incremental_text_equals_full_decode_on_real_text(smollm_tokenizer):
