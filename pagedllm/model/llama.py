@@ -169,8 +169,10 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype: the sampler reads bf16 ones as fp32
+        without a copy when it only needs the argmax."""
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return linear(hidden, weight).float()
+        return linear(hidden, weight)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face-named weights of the whole model: this rank's shard

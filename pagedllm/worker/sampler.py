@@ -88,11 +88,17 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """Sample every row of ``logits`` ([num_rows, vocab] float32).
+        """Sample every row of ``logits`` ([num_rows, vocab]): float32, or the
+        model's bf16/fp16, read as fp32. Low-precision logits go to fp32 first
+        unless every row only needs the argmax and the sampled logprob, which
+        are read from them directly (the upcast is exact, so the tokens are the
+        same; the logprobs agree to fp32 rounding).
 
         The caller's tensor is never modified in place.
         """
         _check_batch(logits, metadata)
+        if logits.dtype != torch.float32 and not all(p.is_greedy and p.logprobs is None for p in metadata.params):
+            logits = logits.float()
         processed = _process_logits(logits, metadata, self.eos_token_ids)
         greedy_ids, log_normalizer = _argmax_logsumexp(processed)
         if processed is not logits:
@@ -137,7 +143,7 @@ def compute_prompt_logprobs(
         return []
     targets = torch.tensor(target_token_ids, device=logits.device)
     return _position_logprobs(
-        torch.log_softmax(logits, dim=-1), targets, [num_logprobs] * len(target_token_ids)
+        torch.log_softmax(logits.float(), dim=-1), targets, [num_logprobs] * len(target_token_ids)
     )
 
 
@@ -227,7 +233,7 @@ def _process_logits(
     mask_rows, mask_cols = _min_tokens_mask(metadata, eos_token_ids, logits.shape[1])
     if not penalty_rows and not mask_rows:
         return logits
-    processed = logits.clone()
+    processed = logits.to(torch.float32, copy=True)  # penalties and masks always work in fp32
     device = logits.device
     if penalty_rows:
         index = torch.tensor(penalty_rows, device=device)
@@ -306,11 +312,12 @@ def _min_tokens_mask(
 
 
 def _argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: the first argmax and the logsumexp, in one C++ pass over the
+    """Per row: the first argmax and the fp32 logsumexp, in one C++ pass over the
     logits on CPU (PyTorch needs two, and a [rows, vocab] temporary)."""
     kernels = cpu_kernels_for(logits)
-    if kernels is not None:
+    if kernels is not None and logits.dtype in (torch.float32, torch.bfloat16):
         return kernels.argmax_logsumexp(logits)
+    logits = logits.float()
     return logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)
 
 

@@ -93,6 +93,33 @@ def test_callers_logits_are_not_modified() -> None:
     assert torch.equal(logits, before)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_logits_sample_exactly_as_their_fp32_values(dtype) -> None:
+    """bf16/fp16 logits (a bf16 model's) give the tokens their exact fp32 upcast
+    gives, and the logprobs to fp32 rounding (the log-normaliser's sum may run in
+    another order): greedy-only batches are read in place, others upcast first."""
+    logits = (torch.randn(6, 3000, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    before = logits.clone()
+    greedy = [SamplingParams(temperature=0.0)] * 6
+    mixed = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.8, top_k=20, seed=1),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.0, min_tokens=2),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=2),
+        SamplingParams(temperature=0.0),
+    ]
+    outputs = [[5, 6], [], [], [], [7], []]
+    for params in (greedy, mixed):
+        metadata = make_metadata(params, outputs=outputs)
+        low = Sampler([EOS])(logits, metadata)
+        exact = Sampler([EOS])(logits.float(), metadata)
+        assert low.sampled_token_ids == exact.sampled_token_ids
+        assert low.sampled_logprobs == pytest.approx(exact.sampled_logprobs, rel=1e-5, abs=1e-5)
+        assert low.logprobs == exact.logprobs
+    assert torch.equal(logits, before)
+
+
 # --------------------------------------------------------------------------- distributions
 
 
