@@ -1,7 +1,7 @@
 """Building blocks of a Llama-family decoder: linear, RMSNorm, rotary embedding, gated MLP.
 
-On CPU, RMSNorm (with the residual add) and the rotary embedding each run as
-one fused C++ op (``pagedllm.kernels``) when the kernels built; the PyTorch
+On CPU, RMSNorm (with the residual add), the rotary embedding and the gated
+MLP's silu(gate) * up each run as one fused C++ op (``pagedllm.kernels``) when the kernels built; the PyTorch
 code next to them is the fallback and the reference, and both round to the
 storage dtype where Hugging Face does. fp32 matmuls over a few rows (decode
 steps) run through the C++ small-batch linear, PyTorch's otherwise.
