@@ -30,6 +30,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -273,12 +274,15 @@ GroupedBlockFn<cache_t> grouped_block_fn(int64_t block_size, int64_t group, bool
 // running sum and the weighted value sum, which combine() merges across tasks.
 // kHeadDim > 0 fixes the head size at compile time (fully unrolled dot products
 // for the common 64 and 128); 0 reads it from ``runtime_head_dim``.
+// ``after`` is the first block of the task this thread runs next (null slot:
+// none), fetched during this task's last block: at short contexts a
+// sequence's first block would otherwise be a cold miss every time.
 template <typename scalar_t, typename cache_t, int64_t kHeadDim>
 void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t* value_cache,
                  const float* key_scale, const float* value_scale,
                  const int64_t* table, int64_t block_begin, int64_t block_end, int64_t context_len,
                  int64_t block_size, int64_t num_kv_heads, int64_t runtime_head_dim, int64_t group, float scale,
-                 Scratch& s, Partial part) {
+                 int64_t after, Scratch& s, Partial part) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
   const int64_t rows = num_kv_heads * group;
   const int64_t token_stride = num_kv_heads * head_dim;
@@ -301,8 +305,9 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
     const cache_t* v_block = value_cache + first_slot * token_stride;
     const char* k_next = nullptr;
     const char* v_next = nullptr;
-    if (b + 1 < block_end) {
-      const int64_t next_slot = table[b + 1] * block_size;
+    const int64_t next_block = b + 1 < block_end ? table[b + 1] : after;
+    if (next_block >= 0) {
+      const int64_t next_slot = next_block * block_size;
       k_next = reinterpret_cast<const char*>(key_cache + next_slot * token_stride);
       v_next = reinterpret_cast<const char*>(value_cache + next_slot * token_stride);
     }
@@ -357,6 +362,15 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
   }
 }
 
+// A sequence with one partition: its output is the weighted value sum over the softmax sum.
+template <typename scalar_t>
+void normalize(const Partial& part, int64_t rows, int64_t head_dim, scalar_t* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.0f / part.sum[r];
+    for (int64_t d = 0; d < head_dim; ++d) out[r * head_dim + d] = store<scalar_t>(part.acc[r * head_dim + d] * inv);
+  }
+}
+
 // Merge a sequence's partial results (one per context partition) into its output:
 // rescale each partition to the global max, then divide by the global sum.
 template <typename scalar_t>
@@ -395,17 +409,32 @@ void run_decode(const torch::Tensor& query, const torch::Tensor& key_cache, cons
   auto run_task = head_dim == 64    ? decode_task<scalar_t, cache_t, 64>
                   : head_dim == 128 ? decode_task<scalar_t, cache_t, 128>
                                     : decode_task<scalar_t, cache_t, 0>;
+  // Task t covers blocks [block_begin, block_end) of sequence t / parts_per_seq.
+  auto task_blocks = [&](int64_t task) {
+    const int64_t b = task / parts_per_seq, part = task % parts_per_seq;
+    const int64_t seq_blocks = (cl[b] + block_size - 1) / block_size;
+    const int64_t block_begin = std::min(seq_blocks, part * blocks_per_part);
+    return std::pair<int64_t, int64_t>{block_begin, std::min(seq_blocks, block_begin + blocks_per_part)};
+  };
   at::parallel_for(0, batch * parts_per_seq, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / parts_per_seq, part = task % parts_per_seq;
-      const int64_t seq_blocks = (cl[b] + block_size - 1) / block_size;
-      const int64_t block_begin = std::min(seq_blocks, part * blocks_per_part);
-      const int64_t block_end = std::min(seq_blocks, block_begin + blocks_per_part);
+      const int64_t b = task / parts_per_seq;
+      const auto [block_begin, block_end] = task_blocks(task);
+      int64_t after = -1;
+      if (task + 1 < end) {
+        const auto [next_begin, next_end] = task_blocks(task + 1);
+        if (next_begin < next_end) after = bt[(task + 1) / parts_per_seq * max_blocks + next_begin];
+      }
       run_task(q + b * query_stride, kc, vc, key_scale, value_scale, bt + b * max_blocks, block_begin, block_end,
-               cl[b], block_size, num_kv_heads, head_dim, group, static_cast<float>(scale), scratch, parts[task]);
+               cl[b], block_size, num_kv_heads, head_dim, group, static_cast<float>(scale), after, scratch,
+               parts[task]);
+      // One partition per sequence (the usual decode batch): finish it here,
+      // with its blocks' values still in cache and no second pass over the batch.
+      if (parts_per_seq == 1) normalize<scalar_t>(parts[task], num_heads, head_dim, o + b * num_heads * head_dim);
     }
   });
+  if (parts_per_seq == 1) return;
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       combine<scalar_t>(parts.data() + b * parts_per_seq, parts_per_seq, num_heads, head_dim,
