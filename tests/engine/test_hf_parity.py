@@ -12,6 +12,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.hf_reference import load_hf_model
+from pagedllm.kernels.cpu import load_cpu_kernels
 from tests.conftest import assert_pool_free
 
 TEXT = (
@@ -83,6 +84,23 @@ def check_parity(llm: LLM, hf_model) -> None:
 def test_tiny_random_models_match_hf(arch, tiny_model_dir):
     folder = tiny_model_dir(arch)
     llm = LLM(folder, num_kv_blocks=256, debug_invariants=True)
+    check_parity(llm, load_hf_model(folder))
+
+
+@pytest.fixture
+def without_cpp_kernels(monkeypatch):
+    """Every op on its PyTorch twin (the paths a GPU and a compiler-less CPU take)."""
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNEL", "0")
+    load_cpu_kernels.cache_clear()
+    yield
+    monkeypatch.delenv("PAGEDLLM_CPU_KERNEL")
+    load_cpu_kernels.cache_clear()
+
+
+def test_tiny_model_matches_hf_on_the_pytorch_paths(tiny_model_dir, without_cpp_kernels):
+    folder = tiny_model_dir("llama")
+    llm = LLM(folder, num_kv_blocks=256, debug_invariants=True)
+    assert llm.llm_engine.runner.attention.decode_kernel is None
     check_parity(llm, load_hf_model(folder))
 
 
