@@ -101,6 +101,10 @@ def warm_up(llm) -> None:
 
 
 def run_pagedllm(llm, requests: list[BenchRequest], label: str = "pagedllm") -> BenchResult:
+    """Time ``requests`` on ``llm`` after its warm-up; the engine's step-time split
+    then covers the timed requests alone."""
+    warm_up(llm)
+    llm.llm_engine.reset_step_timings()
     # ignore_eos makes every engine produce exactly max_tokens tokens, so the work is equal.
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]

@@ -168,8 +168,6 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     capacity = llm.llm_engine.capacity_line()
     print(capacity)
     device = llm.llm_engine.device
-    bench.warm_up(llm)
-    llm.llm_engine.reset_step_timings()
     label = f"pagedllm ({args.kv_layout} KV)" if args.kv_cache_dtype == "auto" else f"pagedllm ({args.kv_cache_dtype} KV)"
     if args.tensor_parallel_size > 1:
         label = f"pagedllm ({args.tensor_parallel_size} ranks)"

@@ -274,7 +274,7 @@ GroupedBlockFn<cache_t> grouped_block_fn(int64_t block_size, int64_t group, bool
 // running sum and the weighted value sum, which combine() merges across tasks.
 // kHeadDim > 0 fixes the head size at compile time (fully unrolled dot products
 // for the common 64 and 128); 0 reads it from ``runtime_head_dim``.
-// ``after`` is the first block of the task this thread runs next (null slot:
+// ``after`` is the first block of the task this thread runs next (-1:
 // none), fetched during this task's last block: at short contexts a
 // sequence's first block would otherwise be a cold miss every time.
 template <typename scalar_t, typename cache_t, int64_t kHeadDim>
