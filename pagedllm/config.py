@@ -6,9 +6,25 @@ Every check raises ``ValueError`` naming the option and what to change.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagedllm.utils import check_block_size
+
+if TYPE_CHECKING:
+    import torch
 
 _DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a ``dtype`` option value (torch is imported only here,
+    so the bookkeeping that reads this module stays torch-free)."""
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
+    import torch
+
+    return getattr(torch, name)
 
 
 @dataclass
@@ -61,9 +77,7 @@ class CacheConfig:
             raise ValueError(
                 f"contiguous_reservation must be 'max_model_len', 'request' or a number of tokens >= 1, got {reservation!r}"
             )
-        bs = self.block_size
-        if not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
-            raise ValueError(f"block_size must be a power of two between 1 and 256, got {bs!r}")
+        check_block_size(self.block_size)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
         if self.kv_cache_fraction is not None and not 0.0 < self.kv_cache_fraction <= 1.0:

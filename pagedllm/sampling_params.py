@@ -71,6 +71,11 @@ class SamplingParams:
         return self._stop_strings
 
     @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs: ``best_of`` samples when set, else ``n``."""
+        return self.best_of or self.n
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_TEMPERATURE
 

@@ -67,7 +67,8 @@ from typing import TYPE_CHECKING
 
 from pagedllm.bench.record import append_result
 from pagedllm.core.contiguous import ContiguousKVCacheManager
-from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.utils import cdiv
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -23,6 +23,7 @@ from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.attention.selector import cpu_decode
 from pagedllm.attention.torch_paged import TorchPagedAttention
+from pagedllm.model.shapes import num_kv_heads_of
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -116,7 +117,7 @@ def format_linear(rows: list[dict]) -> str:
 
 def projection_shapes(config) -> list[tuple[int, int, int]]:
     """(in, out, count) of every matmul one decoded token goes through."""
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    heads, kv_heads = config.num_attention_heads, num_kv_heads_of(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     return [

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import bisect
 
-from pagedllm.core.kv_cache_manager import cdiv
 from pagedllm.core.request import Request
 from pagedllm.core.swap_space import SwapSpace
+from pagedllm.utils import cdiv, check_block_size
 
 
 class ContiguousKVCacheManager:
@@ -40,8 +40,7 @@ class ContiguousKVCacheManager:
     num_swap_in_blocks = 0
 
     def __init__(self, num_blocks: int, block_size: int, reservation_tokens: int | None) -> None:
-        if block_size < 1 or block_size > 256 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size}")
+        check_block_size(block_size)
         self.block_size = block_size
         self.num_blocks = num_blocks
         # None: sized per request by reserve_for().

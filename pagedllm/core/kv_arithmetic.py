@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.utils import cdiv
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KIB, MIB, GIB = 2**10, 2**20, 2**30
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def human(num_bytes: float) -> str:

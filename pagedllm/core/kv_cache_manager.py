@@ -10,13 +10,10 @@ from pagedllm.core.block_hash import extend_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.request import Request
 from pagedllm.core.swap_space import SwapSpace
+from pagedllm.utils import cdiv, check_block_size
 
 # A swapped-out table entry: a resident (shared) block, or the id of a host block.
 SwappedEntry = KVCacheBlock | int
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:
@@ -46,8 +43,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         num_swap_blocks: int = 0,
     ) -> None:
-        if block_size < 1 or block_size > 256 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size}")
+        check_block_size(block_size)
         self.block_size = block_size
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}

@@ -6,6 +6,7 @@ import enum
 import time
 
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils import mix_seed
 
 
 class RequestStatus(enum.Enum):
@@ -42,12 +43,7 @@ def child_request_id(group_id: str, index: int) -> str:
 def child_seed(seed: int, index: int) -> int:
     """Seed of sample ``index``: the request's own for index 0, a well-mixed
     distinct one for the others, so n samples differ and stay reproducible."""
-    if index == 0:
-        return seed
-    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (x ^ (x >> 31)) >> 1
+    return seed if index == 0 else mix_seed(seed, index)
 
 
 class Request:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,8 @@ class ShardLayout:
 def shard_layout(config, tp: TensorParallelGroup) -> ShardLayout:
     """Raises ``ValueError`` when some rank would get no KV head or MLP column."""
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = num_kv_heads_of(config)
+    head_dim = head_dim_of(config)
     group = heads // kv_heads
     kv_first, kv_count = tp.split(kv_heads, "KV heads")
     mlp_first, mlp_count = tp.split(config.intermediate_size, "intermediate size")

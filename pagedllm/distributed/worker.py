@@ -29,8 +29,7 @@ def _receive(obj_type=None):
 
 
 def worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, device_type: str) -> None:
-    from pagedllm.config import EngineConfig
-    from pagedllm.engine.llm_engine import TORCH_DTYPES
+    from pagedllm.config import EngineConfig, torch_dtype
     from pagedllm.model.llama import build_model
     from pagedllm.model.loader import load_checkpoint
     from pagedllm.worker.model_runner import ModelRunner
@@ -46,7 +45,7 @@ def worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, 
     try:
         config: EngineConfig = _receive(EngineConfig)
         tp = TensorParallelGroup(rank=rank, world_size=world_size)
-        dtype = TORCH_DTYPES[config.dtype]
+        dtype = torch_dtype(config.dtype)
         checkpoint = load_checkpoint(config.model, dtype=dtype)
         max_model_len = config.scheduler_config(checkpoint.config.max_position_embeddings).max_model_len
         model = build_model(checkpoint, max_model_len, device, dtype, tp)

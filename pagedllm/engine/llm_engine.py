@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from pagedllm.attention.selector import attention_backend_for
-from pagedllm.config import CacheConfig, EngineConfig
+from pagedllm.config import CacheConfig, EngineConfig, torch_dtype
 from pagedllm.core.contiguous import ContiguousKVCacheManager
-from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.beam_search import BeamGroup, BeamSearchManager, BeamSearchParams
@@ -29,10 +29,12 @@ from pagedllm.logger import init_logger
 from pagedllm.distributed.executor import DistributedExecutor, PoolShape
 from pagedllm.distributed.group import SINGLE
 from pagedllm.distributed.sharding import check_tensor_parallel_size
-from pagedllm.model.llama import build_model, head_dim_of
+from pagedllm.model.llama import build_model
+from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils import cdiv
 from pagedllm.worker.memory import (
     available_memory_bytes,
     cuda_peak_activation_bytes,
@@ -44,8 +46,6 @@ from pagedllm.worker.model_runner import ModelRunner, kv_bytes_per_token
 logger = init_logger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class LLMEngine:
@@ -60,7 +60,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = TORCH_DTYPES[config.dtype]
+        dtype = torch_dtype(config.dtype)
         checkpoint = load_checkpoint(config.model, dtype=dtype)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
@@ -167,14 +167,14 @@ class LLMEngine:
         within ``gpu_memory_utilization`` of the GPU's total memory."""
         utilization = self.config.cache.gpu_memory_utilization or CacheConfig.DEFAULT_GPU_MEMORY_UTILIZATION
         config = self.model_config
-        kv_shape = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim_of(config))
+        kv_shape = (num_kv_heads_of(config), head_dim_of(config))
         sched = self.scheduler_config
         kv_cache_dtype = self.config.cache.kv_cache_dtype
         attention = attention_backend_for(self.device, block_size, kv_cache_dtype)
         weights_bytes = torch.cuda.memory_allocated(self.device)
         peak = cuda_peak_activation_bytes(
             lambda: run_dummy_step(self.model, attention, sched.max_num_batched_tokens, sched.max_num_seqs,
-                                   block_size, kv_shape, TORCH_DTYPES[self.config.dtype], kv_cache_dtype,
+                                   block_size, kv_shape, torch_dtype(self.config.dtype), kv_cache_dtype,
                                    self.device),
             self.device,
         )
@@ -261,7 +261,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         request, prompt_text = self._new_request(
-            request_id, prompt, params, params.best_of or params.n, arrival_time, priority, cache_salt
+            request_id, prompt, params, params.num_sequences, arrival_time, priority, cache_salt
         )
         self.scheduler.add_request(request)
         self.output_processor.add(request, prompt_text)

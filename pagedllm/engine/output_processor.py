@@ -50,7 +50,7 @@ class RequestState:
 
     @property
     def num_sequences(self) -> int:
-        return self.params.best_of or self.params.n
+        return self.params.num_sequences
 
     @property
     def sequence_ids(self) -> list[str]:
@@ -128,7 +128,7 @@ class OutputProcessor:
             if state.finished:
                 state.metrics.finished_time = now
                 del self.states[state.request_id]
-            elif (state.params.best_of or state.params.n) > state.params.n:
+            elif state.params.num_sequences > state.params.n:
                 continue
             outputs.append(self._request_output(state))
         return outputs

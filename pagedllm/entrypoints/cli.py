@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedllm.config import torch_dtype
 from pagedllm.sampling_params import SamplingParams
 
 DEMO_PROMPTS = [
@@ -130,12 +131,11 @@ def cmd_explain(args: argparse.Namespace) -> None:
         raise ValueError("give all of --layers, --kv-heads and --head-dim, or none (then the model's are used)")
     context = args.context
     if explicit[0] is None:
-        from pagedllm.model.llama import head_dim_of
+        from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
         from pagedllm.model.loader import load_checkpoint
 
         config = load_checkpoint(args.model).config
-        explicit = (config.num_hidden_layers, getattr(config, "num_key_value_heads", None)
-                    or config.num_attention_heads, head_dim_of(config))
+        explicit = (config.num_hidden_layers, num_kv_heads_of(config), head_dim_of(config))
         context = context or config.max_position_embeddings
         print(f"model: {args.model or 'SmolLM2-135M-Instruct (embedded)'}")
     shape = KVShape(*explicit, dtype=args.dtype, block_size=args.block_size)
@@ -212,7 +212,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     elif args.baseline == "hf":
         from pagedllm.bench.hf_reference import load_hf_model
 
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+        dtype = torch_dtype(args.dtype)
         if device.type == "cuda":  # give Hugging Face the memory this engine's pool held
             llm.shutdown()
             del llm
@@ -345,7 +345,7 @@ def cmd_bench_roofline(args: argparse.Namespace) -> None:
     args.enable_prefix_caching = False  # every sequence prefills its own prompt
     llm = make_llm(args)
     engine = llm.llm_engine
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = torch_dtype(args.dtype)
     prompts = [r.prompt_token_ids
                for r in random_requests(args.batch_size, args.prompt_len, 1, engine.vocab_size, args.seed)]
     result = kernels.roofline_vs_decode(engine, args.batch_size, prompts, args.decode_tokens, dtype)

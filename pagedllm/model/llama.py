@@ -16,13 +16,10 @@ from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.distributed.sharding import shard_layout, shard_state_dict
+from pagedllm.model.shapes import head_dim_of
 from pagedllm.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-
-
-def head_dim_of(config: PretrainedConfig) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class Attention(nn.Module):

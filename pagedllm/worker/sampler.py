@@ -50,8 +50,8 @@ import torch
 from pagedllm.kernels.cpu import cpu_kernels_for
 from pagedllm.outputs import Logprob, PositionLogprobs
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils import mix_seed
 
-_MASK64 = (1 << 64) - 1
 # top_p looks for its cut among this many most likely tokens before sorting a whole row.
 _TOP_P_CANDIDATES = 1024
 
@@ -145,23 +145,6 @@ def compute_prompt_logprobs(
     return _position_logprobs(
         torch.log_softmax(logits.float(), dim=-1), targets, [num_logprobs] * len(target_token_ids)
     )
-
-
-def _mix_seed(seed: int, position: int) -> int:
-    """A 63-bit generator seed that depends only on ``(seed, position)``.
-
-    Two rounds of splitmix64 so that neighbouring seeds and positions give
-    unrelated generator states (torch's CPU generator only uses the low 32
-    bits of its seed, so those must be well mixed too).
-    """
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
 
 
 def _check_batch(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
@@ -415,7 +398,7 @@ def _exponential_noise(
     noise = torch.empty(len(seeds), vocab, device=device)
     for row, (seed, position) in enumerate(zip(seeds, positions)):
         generator = torch.Generator(device=device)
-        generator.manual_seed(_mix_seed(seed, position))
+        generator.manual_seed(mix_seed(seed, position))
         noise[row].exponential_(generator=generator)
     # A draw of exactly 0 would make a masked token's 0 / 0 a NaN, which argmax
     # would pick as the maximum.

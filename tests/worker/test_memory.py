@@ -8,7 +8,7 @@ import torch
 from pagedllm import LLM
 from pagedllm.attention.kv_cache import allocate_layer
 from pagedllm.attention.selector import attention_backend_for
-from pagedllm.model.llama import head_dim_of
+from pagedllm.model.shapes import head_dim_of
 from pagedllm.worker.memory import run_dummy_step, utilization_kv_budget
 
 GIB = 2**30
