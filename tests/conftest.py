@@ -12,8 +12,8 @@ import pytest
 import torch
 
 # Without a GPU, run the Triton decode kernel on CPU tensors through Triton's
-# interpreter. It must be set before pagedllm.kernels.triton_paged is imported,
-# since @triton.jit reads it when the kernel is defined.
+# interpreter. It must be set before pagedllm.kernels.triton_paged_jit is imported
+# (on the first kernel call), since @triton.jit reads it when the kernel is defined.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
