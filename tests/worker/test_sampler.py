@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker import sampler as sampler_module
 from pagedllm.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from pagedllm.worker.sampling import draw as sampling_draw
 
 EOS = 3
 PROBS4 = [0.5, 0.3, 0.15, 0.05]
@@ -209,7 +209,7 @@ def test_top_p_beyond_the_candidate_tokens_falls_back_to_a_full_sort() -> None:
     # A nearly flat distribution over 3000 tokens: half the mass needs ~1500 tokens,
     # more than the top-p candidates, so the row is sorted in full.
     vocab = 3000
-    assert sampler_module._TOP_P_CANDIDATES < vocab // 2
+    assert sampling_draw._TOP_P_CANDIDATES < vocab // 2
     logits = torch.linspace(0.0, 1.0, vocab)
     logits = logits[torch.randperm(vocab, generator=torch.Generator().manual_seed(9))].tolist()
     allowed = top_p_prefix(logits, 0.5)
@@ -229,7 +229,7 @@ def test_top_p_cut_does_not_depend_on_the_candidate_count(
     params = [SamplingParams(top_p=0.05 + 0.9 * i / 63, temperature=0.8) for i in range(64)]
     metadata = make_metadata(params)
     reference = Sampler([EOS])(logits, metadata).sampled_token_ids
-    monkeypatch.setattr(sampler_module, "_TOP_P_CANDIDATES", num_candidates)
+    monkeypatch.setattr(sampling_draw, "_TOP_P_CANDIDATES", num_candidates)
     assert Sampler([EOS])(logits, metadata).sampled_token_ids == reference
     for row, token in enumerate(reference):
         assert token in top_p_prefix((logits[row] / 0.8).tolist(), params[row].top_p + 1e-4)

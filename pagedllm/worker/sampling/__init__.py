@@ -1,0 +1,1 @@
+"""The parts of ``pagedllm.worker.sampler``, one module per responsibility."""
