@@ -23,6 +23,16 @@ def human(num_bytes: float) -> str:
     return f"{num_bytes:,.0f} bytes"
 
 
+def _token_bytes(tokens: int, per_token: int) -> str:
+    """``tokens x bytes per token = total``, the product several explain lines show."""
+    return f"{tokens:,} x {human(per_token)} = {human(tokens * per_token)}"
+
+
+def _waste_percent(allocated: int, used: int) -> str:
+    """The share of ``allocated`` that ``used`` leaves idle."""
+    return f"{100 * (allocated - used) / allocated:.1f}%"
+
+
 @dataclass(frozen=True)
 class KVShape:
     num_layers: int
@@ -63,19 +73,16 @@ def explain(shape: KVShape, *, context: int = 4096, chat_tokens: int = 300, pool
         lines.append(f"pool of {human(pool_bytes)}: {blocks:,} blocks = {blocks * bs:,} tokens")
     reservation = context * per_token
     entries = cdiv(context, bs)
-    lines += [
-        f"contiguous reservation of {context:,} tokens (max_model_len): {context:,} x {human(per_token)} = "
-        f"{human(reservation)}",
-        f"block table at {context:,} tokens: ceil({context:,} / {bs}) = {entries:,} entries x 4 bytes = "
-        f"{human(entries * 4)}, guarding {human(reservation)}",
-    ]
     used = chat_tokens * per_token
     chat_blocks = cdiv(chat_tokens, bs)
     lines += [
-        f"a {chat_tokens}-token chat: {chat_tokens} x {human(per_token)} = {human(used)}; contiguous waste "
-        f"({human(reservation)} - {human(used)}) / {human(reservation)} = {100 * (reservation - used) / reservation:.1f}%",
+        f"contiguous reservation of {context:,} tokens (max_model_len): {_token_bytes(context, per_token)}",
+        f"block table at {context:,} tokens: ceil({context:,} / {bs}) = {entries:,} entries x 4 bytes = "
+        f"{human(entries * 4)}, guarding {human(reservation)}",
+        f"a {chat_tokens}-token chat: {_token_bytes(chat_tokens, per_token)}; contiguous waste "
+        f"({human(reservation)} - {human(used)}) / {human(reservation)} = {_waste_percent(reservation, used)}",
         f"  paged: {chat_blocks} blocks ({human(chat_blocks * per_block)}, a {chat_blocks}-entry block table), "
-        f"waste {chat_blocks * bs - chat_tokens} tokens = {100 * (chat_blocks * bs - chat_tokens) / (chat_blocks * bs):.1f}%",
+        f"waste {chat_blocks * bs - chat_tokens} tokens = {_waste_percent(chat_blocks * bs, chat_tokens)}",
         f"block size trade-off for a {chat_tokens}-token sequence (expected waste (B - 1) / 2 tokens):",
         "  | block size | expected waste (tokens) | of the sequence | block table entries |",
     ]
