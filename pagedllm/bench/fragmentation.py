@@ -65,6 +65,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pagedllm.bench.json_records import read_json_records
 from pagedllm.bench.record import append_result
 from pagedllm.core.contiguous import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -298,14 +299,10 @@ def sharegpt_like_trace(num_requests: int, max_model_len: int, seed: int = 0) ->
 
 def load_trace(path: str) -> list[TraceRequest]:
     """A JSON list of ``{"prompt_len": P, "output_len": O}`` (P >= 1, O >= 0), arriving at step 0."""
-    with open(path, encoding="utf-8") as f:
-        items = json.load(f)
-    if not isinstance(items, list) or not items:
-        raise ValueError(f"{path}: expected a non-empty JSON list of {{prompt_len, output_len}}")
-    try:
-        trace = [TraceRequest(int(item["prompt_len"]), int(item["output_len"])) for item in items]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: every item needs integer prompt_len and output_len ({exc})") from exc
+    trace = read_json_records(
+        path, "prompt_len, output_len",
+        lambda item: TraceRequest(int(item["prompt_len"]), int(item["output_len"])),
+    )
     bad = [i for i, r in enumerate(trace) if r.prompt_len < 1 or r.output_len < 0]
     if bad:
         raise ValueError(f"{path}: item {bad[0]} needs prompt_len >= 1 and output_len >= 0")

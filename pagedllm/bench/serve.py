@@ -313,7 +313,7 @@ def make_client(api_key: str | None) -> httpx.AsyncClient:
     )
 
 
-async def run_serve_benchmark_async(
+def run_serve_benchmark(
     base_url: str,
     requests: list[BenchRequest],
     request_rate: float,
@@ -327,13 +327,25 @@ async def run_serve_benchmark_async(
     With ``max_concurrency`` at most that many requests are in flight; a request that waits for a
     free slot is timed from when it is sent, not from its arrival. The duration runs from the
     first send to the last completion. Failed requests are counted, not raised; ValueError for
-    bad arguments or a server whose model list cannot be read."""
+    bad arguments or a server whose model list cannot be read. Runs its own event loop, so call
+    it from synchronous code."""
     if not requests:
         raise ValueError("no requests to send")
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
     offsets = arrival_offsets(len(requests), request_rate, seed)
-    base_url = base_url.rstrip("/")
+    model, metrics, duration = asyncio.run(
+        _send_on_schedule(base_url.rstrip("/"), list(zip(requests, offsets)), model, api_key, max_concurrency)
+    )
+    return summarize(model, request_rate, metrics, duration)
+
+
+async def _send_on_schedule(
+    base_url: str, schedule: list[tuple[BenchRequest, float]], model: str | None, api_key: str | None,
+    max_concurrency: int | None,
+) -> tuple[str, list[RequestMetrics], float]:
+    """Send each request at its offset in seconds; the model used, each request's metrics
+    and the seconds from the first send to the last completion."""
     url = f"{base_url}/v1/completions"
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     async with make_client(api_key) as client:
@@ -341,31 +353,14 @@ async def run_serve_benchmark_async(
             model = await fetch_model_id(client, base_url)
         start = time.perf_counter()
         tasks = []
-        for request, offset in zip(requests, offsets):
+        for request, offset in schedule:
             # Sleeping to an absolute send time keeps the schedule from drifting by the loop's own delays.
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(send_in_slot(slots, client, url, model, request)))
         metrics = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    return summarize(model, request_rate, list(metrics), duration)
-
-
-def run_serve_benchmark(
-    base_url: str,
-    requests: list[BenchRequest],
-    request_rate: float,
-    model: str | None = None,
-    api_key: str | None = None,
-    seed: int = 0,
-    max_concurrency: int | None = None,
-) -> ServeResult:
-    """Blocking ``run_serve_benchmark_async`` (runs its own event loop, so call it from
-    synchronous code; async callers await ``run_serve_benchmark_async``)."""
-    return asyncio.run(
-        run_serve_benchmark_async(base_url, requests, request_rate, model, api_key, seed, max_concurrency)
-    )
+        return model, list(metrics), time.perf_counter() - start
 
 
 def _ms(seconds: float) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import platform
 import random
@@ -11,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.bench.json_records import read_json_records
 from pagedllm.logger import init_logger
 from pagedllm.sampling_params import SamplingParams
 
@@ -76,14 +76,10 @@ def mixed_requests(num: int, vocab_size: int, seed: int = 0,
 
 def load_requests(path: str) -> list[BenchRequest]:
     """A JSON list of ``{"prompt_token_ids": [...], "max_tokens": N}``."""
-    with open(path, encoding="utf-8") as f:
-        items = json.load(f)
-    if not isinstance(items, list) or not items:
-        raise ValueError(f"{path}: expected a non-empty JSON list of {{prompt_token_ids, max_tokens}}")
-    try:
-        return [BenchRequest(list(item["prompt_token_ids"]), int(item["max_tokens"])) for item in items]
-    except (KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: every item needs prompt_token_ids and max_tokens ({exc})") from exc
+    return read_json_records(
+        path, "prompt_token_ids, max_tokens",
+        lambda item: BenchRequest(list(item["prompt_token_ids"]), int(item["max_tokens"])),
+    )
 
 
 def finished(result: BenchResult) -> BenchResult:
