@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pagedllm.bench.soak import format_table, metric_value, run_soak
 
 
+@pytest.mark.slow
 def test_short_soak_has_no_errors_and_drains_to_zero_blocks(tiny_model_dir):
     # A small pool so that requests also get preempted while clients abort.
     result = run_soak(duration_s=8.0, concurrency=6, abort_fraction=0.5, seed=3,

@@ -67,7 +67,7 @@ def test_tensor_parallel_size_that_leaves_a_rank_empty_is_refused(tiny_llama):
         LLM(tiny_llama, tensor_parallel_size=0)
 
 
-@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+@pytest.mark.parametrize("preemption_mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
 def test_two_ranks_give_the_tokens_of_one(tiny_llama, preemption_mode):
     """A 12-block pool forces preemption; prompts share a 32-token prefix (prefix
     cache hits) and n=2 forks copy blocks on write: every path's block moves
@@ -96,6 +96,7 @@ def test_two_ranks_give_the_tokens_of_one(tiny_llama, preemption_mode):
         assert_no_workers_left(tp)
 
 
+@pytest.mark.slow
 def test_smollm2_on_two_ranks_matches_one():
     """SmolLM2's 3 KV heads split 2 + 1; 8 prompts of 8-300 tokens, 32 greedy tokens each."""
     params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)

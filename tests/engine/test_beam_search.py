@@ -62,6 +62,7 @@ def test_tiny_model_beam_search_matches_hf(tiny_model_dir, params):
     check_against_hf(LLM(folder, num_kv_blocks=128, debug_invariants=True), load_hf_model(folder), params)
 
 
+@pytest.mark.slow
 def test_smollm2_beam_search_matches_hf():
     params = BeamSearchParams(beam_width=4, max_tokens=16)
     check_against_hf(LLM(num_kv_blocks=256, debug_invariants=True), load_hf_model(None), params)

@@ -126,7 +126,7 @@ def make_machine(make_llm):
     return EngineMachine
 
 
-@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+@pytest.mark.parametrize("preemption_mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
 def test_engine_survives_random_workloads(tiny_model_dir, preemption_mode):
     folder = tiny_model_dir("llama")
 

@@ -80,7 +80,7 @@ def check_parity(llm: LLM, hf_model) -> None:
             assert max_diff < 1e-3, f"prompt of {len(prompt)} tokens: max |logprob diff| {max_diff}"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.slow), "qwen3"])
 def test_tiny_random_models_match_hf(arch, tiny_model_dir):
     folder = tiny_model_dir(arch)
     llm = LLM(folder, num_kv_blocks=256, debug_invariants=True)
@@ -117,6 +117,7 @@ def test_smollm2_gguf_matches_hf():
 BF16_MEAN_RATIO, BF16_MAX_NATS = 1.5, 0.35
 
 
+@pytest.mark.slow
 def test_smollm2_bfloat16_close_to_hf():
     llm = LLM(dtype="bfloat16", num_kv_blocks=512)
     prompts = prompts_for(llm.get_tokenizer())

@@ -125,6 +125,7 @@ def _greedy_choices(llm: LLM, contexts: list[list[int]], first: list[int]) -> li
     return choices
 
 
+@pytest.mark.slow
 def test_smollm2_int8_kv_keeps_greedy_output(capsys):
     """16 chat prompts, the first 64 greedy tokens of the fp32-KV answer: at
     every position, given the same tokens before it, int8 KV must pick the

@@ -39,7 +39,7 @@ def tokens_of(finished) -> list[list[int]]:
     return [finished[str(i)].outputs[0].token_ids for i in range(len(finished))]
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
 def test_a_40_block_pool_serves_32_requests_exactly(tiny_llama, mode):
     prompts, params = workload()
     reference = tokens_of(drive(LLM(tiny_llama, num_kv_blocks=1024, enable_prefix_caching=False), prompts, params))

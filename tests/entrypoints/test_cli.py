@@ -50,6 +50,7 @@ def test_bad_engine_flag_is_an_error_message(tiny_model_dir, capsys):
     assert "block_size must be a power of two" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_throughput_against_hf_records_a_table(tiny_model_dir, tmp_path, capsys):
     dataset = tmp_path / "requests.json"
     dataset.write_text(json.dumps([{"prompt_token_ids": [300 + i] * (5 + i), "max_tokens": 3 + i} for i in range(4)]))
@@ -105,6 +106,7 @@ def test_bench_prefix_compares_caching_on_and_off(tiny_model_dir, capsys):
     assert rows["off"][2] == "0.0%"
 
 
+@pytest.mark.slow
 def test_bench_preemption_compares_recompute_and_swap(tiny_model_dir, capsys):
     main([
         "bench", "preemption", "--model", tiny_model_dir("llama"), "--prompt-len", "40",
@@ -188,6 +190,7 @@ def test_peak_snapshot_sees_every_request_at_once(tiny_model_dir):
     assert llm.stats()["num_blocks_in_use"] == 0
 
 
+@pytest.mark.slow
 def test_bench_throughput_mixed_workload_reports_the_step_split(tiny_model_dir, capsys):
     main([
         "bench", "throughput", "--model", tiny_model_dir("llama"), "--dataset", "mixed", "--num-prompts", "6",

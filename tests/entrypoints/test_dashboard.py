@@ -40,6 +40,7 @@ def keep_busy(base: str, stop: threading.Event) -> None:
                         break
 
 
+@pytest.mark.slow
 def test_dashboard_shows_blocks_in_use(tiny_llama, tmp_path):
     from playwright.sync_api import sync_playwright
 
