@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.attention.selector import attention_backend_for
-from pagedllm.config import CacheConfig, EngineConfig, torch_dtype
+from pagedllm.config import EngineConfig, torch_dtype
 from pagedllm.core.contiguous import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
@@ -30,18 +29,12 @@ from pagedllm.distributed.executor import DistributedExecutor, PoolShape
 from pagedllm.distributed.group import SINGLE
 from pagedllm.distributed.sharding import check_tensor_parallel_size
 from pagedllm.model.llama import build_model
-from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import cdiv
-from pagedllm.worker.memory import (
-    available_memory_bytes,
-    cuda_peak_activation_bytes,
-    run_dummy_step,
-    utilization_kv_budget,
-)
-from pagedllm.worker.model_runner import ModelRunner, kv_bytes_per_token
+from pagedllm.worker.memory import plan_kv_pool
+from pagedllm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
 
@@ -87,18 +80,10 @@ class LLMEngine:
         del checkpoint
 
         kv_cache_dtype = config.cache.kv_cache_dtype
-        # Per rank (rank 0 holds the most KV heads when they do not split evenly):
-        # the budget is per rank, and every rank has the same number of blocks.
-        local_kv_heads = self.model.num_kv_heads
-        self.bytes_per_token = kv_bytes_per_token(self.model_config, dtype, kv_cache_dtype, local_kv_heads)
-        self.total_bytes_per_token = kv_bytes_per_token(self.model_config, dtype, kv_cache_dtype)
-        # What the same memory would hold unquantized: the start-up line reports the gain.
-        self.unquantized_bytes_per_token = kv_bytes_per_token(self.model_config, dtype, "auto", local_kv_heads)
-        block_size = config.cache.block_size
-        num_blocks = self._num_blocks(block_size)
-        num_swap_blocks = 0
-        if config.preemption_mode == "swap" and config.cache.kv_layout == "paged":
-            num_swap_blocks = int(config.swap_space * 2**30) // (self.bytes_per_token * block_size)
+        self.pool_plan = plan_kv_pool(config, self.model, self.scheduler_config, self.device)
+        self.bytes_per_token = self.pool_plan.bytes_per_token
+        block_size, num_blocks = self.pool_plan.block_size, self.pool_plan.num_blocks
+        num_swap_blocks = self.pool_plan.num_swap_blocks
         if config.cache.kv_layout == "contiguous":
             reservation = config.cache.contiguous_reservation
             tokens = {"max_model_len": self.max_model_len, "request": None}.get(reservation, reservation)
@@ -137,50 +122,6 @@ class LLMEngine:
 
     # ------------------------------------------------------------- set-up
 
-    def _num_blocks(self, block_size: int) -> int:
-        cache = self.config.cache
-        if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
-        if cache.kv_cache_memory is not None:
-            budget = cache.kv_cache_memory
-        elif cache.kv_cache_fraction is not None:
-            budget = int(available_memory_bytes(self.device) * cache.kv_cache_fraction)
-        elif self.device.type == "cuda":
-            budget = self._gpu_utilization_budget(block_size)
-        elif cache.gpu_memory_utilization is not None:
-            raise ValueError(
-                f"gpu_memory_utilization applies to CUDA devices and this engine runs on {self.device}; "
-                "size the pool with kv_cache_memory or kv_cache_fraction instead"
-            )
-        else:
-            budget = cache.DEFAULT_KV_CACHE_MEMORY
-        num_blocks = budget // (self.bytes_per_token * block_size)
-        if num_blocks < 1:
-            raise ValueError(
-                f"the KV budget of {budget} bytes holds no block of {block_size} tokens "
-                f"({self.bytes_per_token * block_size} bytes); raise kv_cache_memory or kv_cache_fraction"
-            )
-        return num_blocks
-
-    def _gpu_utilization_budget(self, block_size: int) -> int:
-        """vLLM's rule: weights + the largest step's activations + the pool stay
-        within ``gpu_memory_utilization`` of the GPU's total memory."""
-        utilization = self.config.cache.gpu_memory_utilization or CacheConfig.DEFAULT_GPU_MEMORY_UTILIZATION
-        config = self.model_config
-        kv_shape = (num_kv_heads_of(config), head_dim_of(config))
-        sched = self.scheduler_config
-        kv_cache_dtype = self.config.cache.kv_cache_dtype
-        attention = attention_backend_for(self.device, block_size, kv_cache_dtype)
-        weights_bytes = torch.cuda.memory_allocated(self.device)
-        peak = cuda_peak_activation_bytes(
-            lambda: run_dummy_step(self.model, attention, sched.max_num_batched_tokens, sched.max_num_seqs,
-                                   block_size, kv_shape, torch_dtype(self.config.dtype), kv_cache_dtype,
-                                   self.device),
-            self.device,
-        )
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return utilization_kv_budget(total, utilization, weights_bytes, peak)
-
     def _eos_token_ids(self) -> list[int]:
         ids: set[int] = set()
         for source in (self.tokenizer.eos_token_id, getattr(self.model_config, "eos_token_id", None)):
@@ -195,23 +136,8 @@ class LLMEngine:
         self.step_timings = {"bookkeeping": 0.0, "input preparation": 0.0, "forward": 0.0, "sampling": 0.0}
 
     def capacity_line(self) -> str:
-        kv = self.kv_cache_manager
-        tokens = kv.num_blocks * kv.block_size
-        kv_cache_dtype = self.config.cache.kv_cache_dtype
-        storage = self.config.dtype if kv_cache_dtype == "auto" else f"{kv_cache_dtype} KV with per-token scales"
-        line = (
-            f"KV cache: {kv.num_blocks} blocks x {kv.block_size} tokens = {tokens} tokens "
-            f"({self.bytes_per_token} bytes/token, {tokens * self.bytes_per_token / 2**20:.1f} MiB, "
-            f"{storage}) on {self.device.type}"
-        )
-        if kv_cache_dtype != "auto":
-            gain = self.unquantized_bytes_per_token / self.bytes_per_token
-            line += f"; {gain:.2f}x the tokens of a {self.config.dtype} pool of the same size"
-        if self.tp_size > 1:
-            line += (f"; that is rank 0, with {self.model.num_kv_heads} of {self.model_config.num_key_value_heads} "
-                     f"KV heads; all {self.tp_size} ranks together: {self.total_bytes_per_token} bytes/token, "
-                     f"{tokens * self.total_bytes_per_token / 2**20:.1f} MiB")
-        return line
+        """The start-up description of the KV pool (the CLI and the server print it)."""
+        return self.pool_plan.capacity_line()
 
     def kv_pool_snapshot(self) -> dict:
         """The block pool as data: every block (state, ref count, owners, hashed)
