@@ -26,10 +26,8 @@ from pagedllm.engine.beam_search import BeamGroup, BeamSearchManager, BeamSearch
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.logger import init_logger
 from pagedllm.distributed.executor import DistributedExecutor, PoolShape
-from pagedllm.distributed.group import SINGLE
-from pagedllm.distributed.sharding import check_tensor_parallel_size
-from pagedllm.model.llama import build_model
-from pagedllm.model.loader import load_checkpoint
+from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.model.shard import load_model_shard
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import cdiv
@@ -54,48 +52,24 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch_dtype(config.dtype)
-        checkpoint = load_checkpoint(config.model, dtype=dtype)
-        self.model_config = checkpoint.config
-        self.tokenizer = checkpoint.tokenizer
-        self.model_path = checkpoint.path
-        self.scheduler_config = config.scheduler_config(checkpoint.config.max_position_embeddings)
-        self.max_model_len = self.scheduler_config.max_model_len
-
-        # Tensor parallelism: this process is rank 0 (scheduler, bookkeeping,
-        # sampling and shard 0); the other ranks are started here.
+        # This process is rank 0 of tensor parallelism (scheduler, bookkeeping,
+        # sampling and shard 0). It loads its shard and plans the pool before it
+        # starts the other ranks, so a size the model or the memory refuses
+        # raises here with no worker process to stop.
         self.tp_size = config.tensor_parallel_size
-        self.executor: DistributedExecutor | None = None
-        tp = SINGLE
-        if self.tp_size > 1:
-            check_tensor_parallel_size(checkpoint.config, self.tp_size)
-            if self.device.type == "cuda" and config.cache.num_kv_blocks is None and config.cache.kv_cache_memory is None:
-                raise ValueError("with tensor_parallel_size > 1 on GPUs, size the pool with kv_cache_memory "
-                                 "(bytes per rank) or num_kv_blocks")
-            self.executor = DistributedExecutor(config, self.tp_size, self.device.type)
-            # Stop the workers when the engine goes away, even without shutdown().
-            self._finalizer = weakref.finalize(self, self.executor.shutdown)
-            tp = self.executor.group
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
-        self.model = build_model(checkpoint, self.max_model_len, self.device, dtype, tp)
-        del checkpoint
-
-        kv_cache_dtype = config.cache.kv_cache_dtype
+        shard = load_model_shard(config, self.device, TensorParallelGroup(rank=0, world_size=self.tp_size))
+        self.model, self.model_config, self.tokenizer = shard.model, shard.model_config, shard.tokenizer
+        self.model_path = shard.path
+        self.scheduler_config = shard.scheduler_config
+        self.max_model_len = self.scheduler_config.max_model_len
         self.pool_plan = plan_kv_pool(config, self.model, self.scheduler_config, self.device)
         self.bytes_per_token = self.pool_plan.bytes_per_token
+        self.executor = self._start_tensor_parallel()
+
+        kv_cache_dtype = config.cache.kv_cache_dtype
         block_size, num_blocks = self.pool_plan.block_size, self.pool_plan.num_blocks
         num_swap_blocks = self.pool_plan.num_swap_blocks
-        if config.cache.kv_layout == "contiguous":
-            reservation = config.cache.contiguous_reservation
-            tokens = {"max_model_len": self.max_model_len, "request": None}.get(reservation, reservation)
-            self.kv_cache_manager = ContiguousKVCacheManager(num_blocks, block_size, tokens)
-        else:
-            self.kv_cache_manager = KVCacheManager(
-                num_blocks,
-                block_size,
-                config.cache.enable_block_sharing,
-                config.cache.enable_prefix_caching,
-                num_swap_blocks,
-            )
+        self._create_kv_cache_manager(num_blocks, block_size, num_swap_blocks)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.eos_token_ids = self._eos_token_ids()
         if self.executor is not None:
@@ -121,6 +95,35 @@ class LLMEngine:
         gc.freeze()
 
     # ------------------------------------------------------------- set-up
+
+    def _start_tensor_parallel(self) -> DistributedExecutor | None:
+        """Start ranks 1..N-1 (or wait for them, with ``distributed_init_method``);
+        None with one rank. The workers stop when the engine goes away, even
+        without ``shutdown()``."""
+        if self.tp_size == 1:
+            return None
+        executor = DistributedExecutor(self.config, self.tp_size, self.device.type)
+        self._finalizer = weakref.finalize(self, executor.shutdown)
+        # The ranks share the machine's cores rather than each taking all of them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
+        return executor
+
+    def _create_kv_cache_manager(self, num_blocks: int, block_size: int, num_swap_blocks: int) -> None:
+        """Set ``self.kv_cache_manager``: the block bookkeeping over the planned
+        pool, paged or the contiguous baseline."""
+        config = self.config
+        if config.cache.kv_layout == "contiguous":
+            reservation = config.cache.contiguous_reservation
+            tokens = {"max_model_len": self.max_model_len, "request": None}.get(reservation, reservation)
+            self.kv_cache_manager = ContiguousKVCacheManager(num_blocks, block_size, tokens)
+        else:
+            self.kv_cache_manager = KVCacheManager(
+                num_blocks,
+                block_size,
+                config.cache.enable_block_sharing,
+                config.cache.enable_prefix_caching,
+                num_swap_blocks,
+            )
 
     def _eos_token_ids(self) -> list[int]:
         ids: set[int] = set()
