@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedllm.attention.selector import attention_backend_for
-from pagedllm.config import CacheConfig, EngineConfig, torch_dtype
+from pagedllm.config import EngineConfig, torch_dtype
 from pagedllm.core.contiguous import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_interface import KVCacheManagerProtocol
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
@@ -28,20 +28,12 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.logger import init_logger
 from pagedllm.distributed.executor import DistributedExecutor, PoolShape
-from pagedllm.distributed.group import SINGLE
-from pagedllm.distributed.sharding import check_tensor_parallel_size
-from pagedllm.model.llama import build_model
-from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
-from pagedllm.model.loader import load_checkpoint
+from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.model.shard import load_model_shard
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.memory import (
-    available_memory_bytes,
-    cuda_peak_activation_bytes,
-    run_dummy_step,
-    utilization_kv_budget,
-)
-from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput, kv_bytes_per_token
+from pagedllm.worker.memory import plan_kv_pool
+from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = init_logger(__name__)
 
@@ -59,56 +51,24 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch_dtype(config.dtype)
-        checkpoint = load_checkpoint(config.model, dtype=dtype)
-        self.model_config = checkpoint.config
-        self.tokenizer = checkpoint.tokenizer
-        self.model_path = checkpoint.path
-        self.scheduler_config = config.scheduler_config(checkpoint.config.max_position_embeddings)
-        self.max_model_len = self.scheduler_config.max_model_len
-
-        # Tensor parallelism: this process is rank 0 (scheduler, bookkeeping,
-        # sampling and shard 0); the other ranks are started here.
+        # This process is rank 0 of tensor parallelism (scheduler, bookkeeping,
+        # sampling and shard 0). It loads its shard and plans the pool before it
+        # starts the other ranks, so a size the model or the memory refuses
+        # raises here with no worker process to stop.
         self.tp_size = config.tensor_parallel_size
-        self.executor: DistributedExecutor | None = None
-        tp = SINGLE
-        if self.tp_size > 1:
-            check_tensor_parallel_size(checkpoint.config, self.tp_size)
-            if self.device.type == "cuda" and config.cache.num_kv_blocks is None and config.cache.kv_cache_memory is None:
-                raise ValueError("with tensor_parallel_size > 1 on GPUs, size the pool with kv_cache_memory "
-                                 "(bytes per rank) or num_kv_blocks")
-            self.executor = DistributedExecutor(config, self.tp_size, self.device.type)
-            # Stop the workers when the engine goes away, even without shutdown().
-            self._finalizer = weakref.finalize(self, self.executor.shutdown)
-            tp = self.executor.group
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
-        self.model = build_model(checkpoint, self.max_model_len, self.device, dtype, tp)
-        del checkpoint
+        shard = load_model_shard(config, self.device, TensorParallelGroup(rank=0, world_size=self.tp_size))
+        self.model, self.model_config, self.tokenizer = shard.model, shard.model_config, shard.tokenizer
+        self.model_path = shard.path
+        self.scheduler_config = shard.scheduler_config
+        self.max_model_len = self.scheduler_config.max_model_len
+        self.pool_plan = plan_kv_pool(config, self.model, self.scheduler_config, self.device)
+        self.bytes_per_token = self.pool_plan.bytes_per_token
+        self.executor = self._start_tensor_parallel()
 
         kv_cache_dtype = config.cache.kv_cache_dtype
-        # Per rank (rank 0 holds the most KV heads when they do not split evenly):
-        # the budget is per rank, and every rank has the same number of blocks.
-        local_kv_heads = self.model.num_kv_heads
-        self.bytes_per_token = kv_bytes_per_token(self.model_config, dtype, kv_cache_dtype, local_kv_heads)
-        self.total_bytes_per_token = kv_bytes_per_token(self.model_config, dtype, kv_cache_dtype)
-        # What the same memory would hold unquantized: the start-up line reports the gain.
-        self.unquantized_bytes_per_token = kv_bytes_per_token(self.model_config, dtype, "auto", local_kv_heads)
-        block_size = config.cache.block_size
-        num_blocks = self._num_blocks(block_size)
-        num_swap_blocks = 0
-        if config.preemption_mode == "swap" and config.cache.kv_layout == "paged":
-            num_swap_blocks = int(config.swap_space * 2**30) // (self.bytes_per_token * block_size)
-        if config.cache.kv_layout == "contiguous":
-            reservation = config.cache.contiguous_reservation
-            tokens = {"max_model_len": self.max_model_len, "request": None}.get(reservation, reservation)
-            self.kv_cache_manager = ContiguousKVCacheManager(num_blocks, block_size, tokens)
-        else:
-            self.kv_cache_manager = KVCacheManager(
-                num_blocks,
-                block_size,
-                config.cache.enable_block_sharing,
-                config.cache.enable_prefix_caching,
-                num_swap_blocks,
-            )
+        block_size, num_blocks = self.pool_plan.block_size, self.pool_plan.num_blocks
+        num_swap_blocks = self.pool_plan.num_swap_blocks
+        self.kv_cache_manager = self._create_kv_cache_manager(num_blocks, block_size, num_swap_blocks)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.eos_token_ids = self._eos_token_ids()
         if self.executor is not None:
@@ -139,49 +99,27 @@ class LLMEngine:
 
     # ------------------------------------------------------------- set-up
 
-    def _num_blocks(self, block_size: int) -> int:
-        cache = self.config.cache
-        if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
-        if cache.kv_cache_memory is not None:
-            budget = cache.kv_cache_memory
-        elif cache.kv_cache_fraction is not None:
-            budget = int(available_memory_bytes(self.device) * cache.kv_cache_fraction)
-        elif self.device.type == "cuda":
-            budget = self._gpu_utilization_budget(block_size)
-        elif cache.gpu_memory_utilization is not None:
-            raise ValueError(
-                f"gpu_memory_utilization applies to CUDA devices and this engine runs on {self.device}; "
-                "size the pool with kv_cache_memory or kv_cache_fraction instead"
-            )
-        else:
-            budget = cache.DEFAULT_KV_CACHE_MEMORY
-        num_blocks = budget // (self.bytes_per_token * block_size)
-        if num_blocks < 1:
-            raise ValueError(
-                f"the KV budget of {budget} bytes holds no block of {block_size} tokens "
-                f"({self.bytes_per_token * block_size} bytes); raise kv_cache_memory or kv_cache_fraction"
-            )
-        return num_blocks
+    def _start_tensor_parallel(self) -> DistributedExecutor | None:
+        """Start ranks 1..N-1 (or wait for them, with ``distributed_init_method``);
+        None with one rank. The workers stop when the engine goes away, even
+        without ``shutdown()``."""
+        if self.tp_size == 1:
+            return None
+        executor = DistributedExecutor(self.config, self.tp_size, self.device.type)
+        self._finalizer = weakref.finalize(self, executor.shutdown)
+        # The ranks share the machine's cores rather than each taking all of them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
+        return executor
 
-    def _gpu_utilization_budget(self, block_size: int) -> int:
-        """vLLM's rule: weights + the largest step's activations + the pool stay
-        within ``gpu_memory_utilization`` of the GPU's total memory."""
-        utilization = self.config.cache.gpu_memory_utilization or CacheConfig.DEFAULT_GPU_MEMORY_UTILIZATION
-        config = self.model_config
-        kv_shape = (num_kv_heads_of(config), head_dim_of(config))
-        sched = self.scheduler_config
-        kv_cache_dtype = self.config.cache.kv_cache_dtype
-        attention = attention_backend_for(self.device, block_size, kv_cache_dtype)
-        weights_bytes = torch.cuda.memory_allocated(self.device)
-        peak = cuda_peak_activation_bytes(
-            lambda: run_dummy_step(self.model, attention, sched.max_num_batched_tokens, sched.max_num_seqs,
-                                   block_size, kv_shape, torch_dtype(self.config.dtype), kv_cache_dtype,
-                                   self.device),
-            self.device,
-        )
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return utilization_kv_budget(total, utilization, weights_bytes, peak)
+    def _create_kv_cache_manager(self, num_blocks: int, block_size: int, num_swap_blocks: int) -> KVCacheManagerProtocol:
+        """The block bookkeeping over the planned pool: paged, or the contiguous baseline."""
+        config = self.config
+        if config.cache.kv_layout == "contiguous":
+            reservation = config.cache.contiguous_reservation
+            tokens = {"max_model_len": self.max_model_len, "request": None}.get(reservation, reservation)
+            return ContiguousKVCacheManager(num_blocks, block_size, tokens)
+        return KVCacheManager(num_blocks, block_size, config.cache.enable_block_sharing,
+                              config.cache.enable_prefix_caching, num_swap_blocks)
 
     def _eos_token_ids(self) -> list[int]:
         ids: set[int] = set()
@@ -197,23 +135,8 @@ class LLMEngine:
         self.step_timings = {"bookkeeping": 0.0, "input preparation": 0.0, "forward": 0.0, "sampling": 0.0}
 
     def capacity_line(self) -> str:
-        kv = self.kv_cache_manager
-        tokens = kv.num_blocks * kv.block_size
-        kv_cache_dtype = self.config.cache.kv_cache_dtype
-        storage = self.config.dtype if kv_cache_dtype == "auto" else f"{kv_cache_dtype} KV with per-token scales"
-        line = (
-            f"KV cache: {kv.num_blocks} blocks x {kv.block_size} tokens = {tokens} tokens "
-            f"({self.bytes_per_token} bytes/token, {tokens * self.bytes_per_token / 2**20:.1f} MiB, "
-            f"{storage}) on {self.device.type}"
-        )
-        if kv_cache_dtype != "auto":
-            gain = self.unquantized_bytes_per_token / self.bytes_per_token
-            line += f"; {gain:.2f}x the tokens of a {self.config.dtype} pool of the same size"
-        if self.tp_size > 1:
-            line += (f"; that is rank 0, with {self.model.num_kv_heads} of {self.model_config.num_key_value_heads} "
-                     f"KV heads; all {self.tp_size} ranks together: {self.total_bytes_per_token} bytes/token, "
-                     f"{tokens * self.total_bytes_per_token / 2**20:.1f} MiB")
-        return line
+        """The start-up description of the KV pool (the CLI and the server print it)."""
+        return self.pool_plan.capacity_line()
 
     def kv_pool_snapshot(self) -> dict:
         """The block pool as data: every block (state, ref count, owners, hashed)

@@ -13,23 +13,15 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
-from pagedllm.attention.kv_cache import allocate_layer, kv_bytes_per_token_per_kv_head
+from pagedllm.attention.kv_cache import allocate_layer
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.utils import cdiv
 from pagedllm.core.scheduler_output import NewSequenceData, ScheduledSequence, SchedulerOutput
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
+from pagedllm.model.shapes import head_dim_of
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from pagedllm.worker.swap import HostSwapPool
-
-
-def kv_bytes_per_token(config, dtype: torch.dtype, kv_cache_dtype: str = "auto", num_kv_heads: int | None = None) -> int:
-    """K and V, every layer, every KV head (scales included): the pool's cost of
-    one token; with ``num_kv_heads``, of one rank holding that many KV heads."""
-    num_kv_heads = num_kv_heads or num_kv_heads_of(config)
-    per_head = kv_bytes_per_token_per_kv_head(head_dim_of(config), dtype, kv_cache_dtype)
-    return config.num_hidden_layers * num_kv_heads * per_head
 
 
 @dataclass
