@@ -10,17 +10,18 @@ when the free slots in total would suffice: external fragmentation, counted.
 A reservation is just a block table of consecutive block ids, so the model
 runs unchanged on it and outputs are identical to the paged layout.
 
-It offers the part of ``KVCacheManager``'s interface the scheduler and engine
-use; it has no prefix cache, no sharing (forks are refused) and no swap space
-(swap preemption falls back to recompute).
+It implements ``KVCacheManagerProtocol`` like the paged manager; it has no
+prefix cache, no sharing (forks are refused) and no swap space (swap
+preemption falls back to recompute, so ``swap_in`` is never reached).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Collection, Mapping
 
 from pagedllm.core.request import Request
-from pagedllm.core.swap_space import SwapSpace
+from pagedllm.core.kv_interface import BlockCopy, KVCacheStats
 from pagedllm.utils import cdiv, check_block_size
 
 
@@ -31,13 +32,6 @@ class ContiguousKVCacheManager:
     manager's; a request never grows past its reservation (``ValueError``), so
     the engine must refuse requests longer than ``reservation_tokens``.
     """
-
-    enable_prefix_caching = False
-    enable_block_sharing = False
-    prefix_cache_queries = 0
-    prefix_cache_hits = 0
-    num_swap_out_blocks = 0
-    num_swap_in_blocks = 0
 
     def __init__(self, num_blocks: int, block_size: int, reservation_tokens: int | None) -> None:
         check_block_size(block_size)
@@ -54,13 +48,9 @@ class ContiguousKVCacheManager:
         # Holes as sorted, non-adjacent (start block, length) runs.
         self.holes: list[tuple[int, int]] = [(0, num_blocks)]
         self.req_to_blocks: dict[str, range] = {}
-        self.swapped_tables: dict = {}
-        self.swap_space = SwapSpace(0)
-        self.num_registered_blocks: dict[str, int] = {}
         self.peak_blocks_in_use = 0
         # Admissions refused although enough slots were free in total.
         self.num_external_fragmentation_waits = 0
-        self.externally_delayed: set[str] = set()
 
     def pool_snapshot(self) -> list[dict]:
         """The same per-block view as ``KVCacheManager.pool_snapshot``: a block is
@@ -79,10 +69,6 @@ class ContiguousKVCacheManager:
     @property
     def num_blocks_in_use(self) -> int:
         return self.num_blocks - self.num_free_blocks
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return 0
 
     @property
     def largest_hole(self) -> int:
@@ -123,7 +109,7 @@ class ContiguousKVCacheManager:
 
     def allocate_slots(
         self, request_id: str, num_computed_tokens: int, num_new_tokens: int, computed_blocks: list | None = None
-    ) -> list[tuple[int, int]] | None:
+    ) -> list[BlockCopy] | None:
         """Reserve the request's run on first use (first fit), then only check
         that the tokens stay inside it. Returns [] (never copies) or None."""
         needed = self.num_blocks_for(num_computed_tokens + num_new_tokens)
@@ -146,7 +132,6 @@ class ContiguousKVCacheManager:
                 return []
         if self.num_free_blocks >= size:
             self.num_external_fragmentation_waits += 1
-            self.externally_delayed.add(request_id)
         return None
 
     def free(self, request_id: str) -> None:
@@ -166,17 +151,28 @@ class ContiguousKVCacheManager:
             self.holes.pop(index)
         self.holes.insert(index, (start, length))
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return list(self.req_to_blocks.get(request_id, ()))
+    def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        return list(self.req_to_blocks.get(request_id, range(0))[start:])
 
-    def fork(self, parent_id: str, child_id: str) -> None:
+    def fork(self, parent_id: str, child_id: str) -> list[BlockCopy] | None:
         raise ValueError("the contiguous KV layout cannot fork sequences (n > 1, beam search); use kv_layout='paged'")
 
-    def swap_out(self, request_id: str) -> None:
+    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
         return None  # no swap space: the scheduler falls back to recompute
 
-    def check_invariants(self, num_tokens_of: dict[str, int] | None = None) -> None:
-        """Reservations and holes tile the pool exactly, without overlap."""
+    def swap_in_cost(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> int:
+        raise ValueError(f"request {request_id!r} is not swapped out: the contiguous layout never swaps")
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
+        raise ValueError(f"request {request_id!r} is not swapped out: the contiguous layout never swaps")
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(self.num_blocks, self.block_size, self.num_free_blocks, self.peak_blocks_in_use,
+                            external_fragmentation_waits=self.num_external_fragmentation_waits)
+
+    def check_invariants(self, running: Mapping[str, int], swapped: Collection[str]) -> None:
+        """Reservations and holes tile the pool exactly, without overlap; only
+        running requests hold reservations, each large enough for its tokens."""
         runs = sorted([(r.start, len(r)) for r in self.req_to_blocks.values()] + self.holes)
         at = 0
         for start, length in runs:
@@ -188,7 +184,8 @@ class ContiguousKVCacheManager:
         for (s1, l1), (s2, _) in zip(self.holes, self.holes[1:]):
             if s1 + l1 >= s2:
                 raise RuntimeError("adjacent holes were not merged")
-        for request_id, tokens in (num_tokens_of or {}).items():
-            reservation = self.req_to_blocks.get(request_id)
-            if reservation is not None and self.num_blocks_for(tokens) > len(reservation):
+        for request_id, reservation in self.req_to_blocks.items():
+            if request_id not in running:
+                raise RuntimeError(f"request {request_id!r} holds a reservation but is not running")
+            if self.num_blocks_for(running[request_id]) > len(reservation):
                 raise RuntimeError(f"request {request_id!r} holds more tokens than its reservation")

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from pagedllm.core.block_hash import extend_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.kv_interface import BlockCopy, KVCacheStats
 from pagedllm.core.request import Request
 from pagedllm.core.swap_space import SwapSpace
+from collections.abc import Collection, Mapping
+
 from pagedllm.utils import cdiv, check_block_size
 
 # A swapped-out table entry: a resident (shared) block, or the id of a host block.
@@ -17,7 +20,8 @@ SwappedEntry = KVCacheBlock | int
 
 
 class KVCacheManager:
-    """Allocates blocks on demand and frees them when a request ends.
+    """Allocates blocks on demand and frees them when a request ends
+    (implements ``KVCacheManagerProtocol``).
 
     Safety rules:
     - ``allocate_slots`` is all-or-nothing: it counts the blocks a step needs
@@ -74,9 +78,6 @@ class KVCacheManager:
     def num_cached_blocks(self) -> int:
         return self.block_pool.num_cached_blocks
 
-    # Paged allocation never refuses a request that enough free blocks would fit.
-    num_external_fragmentation_waits = 0
-
     @property
     def num_blocks_in_use(self) -> int:
         return self.num_blocks - self.num_free_blocks
@@ -123,7 +124,7 @@ class KVCacheManager:
         num_computed_tokens: int,
         num_new_tokens: int,
         computed_blocks: list[KVCacheBlock] | None = None,
-    ) -> list[tuple[int, int]] | None:
+    ) -> list[BlockCopy] | None:
         """Make room to write tokens ``[num_computed_tokens, num_computed_tokens + num_new_tokens)``.
 
         ``computed_blocks`` (from ``get_computed_blocks``, for a request with no
@@ -132,9 +133,10 @@ class KVCacheManager:
         Grows the table with fresh blocks and, if the first token lands in a
         block shared with another table (a partly filled tail after a fork),
         replaces that entry by a private copy: copy-on-write. Returns the
-        ``(src, dst)`` block copies the model runner must perform before the
-        forward pass (at most one, whatever the sequence length), or None if
-        the pool is short; on None nothing was changed.
+        block copies the model runner must perform before the forward pass (at
+        most one, whatever the sequence length, and only ever of the entry at
+        ``num_computed_tokens // block_size``), or None if the pool is short;
+        on None nothing was changed.
         """
         computed_blocks = computed_blocks or []
         blocks = self.req_to_blocks.get(request_id, [])
@@ -158,7 +160,7 @@ class KVCacheManager:
             (private,) = self.block_pool.get_new_blocks(1)
             self.block_pool.free_blocks([shared])  # drops our reference only
             blocks[write_index] = private
-            copies.append((shared.block_id, private.block_id))
+            copies.append(BlockCopy(shared.block_id, private.block_id, write_index))
         blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
         return copies
@@ -247,14 +249,14 @@ class KVCacheManager:
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
         return copies
 
-    def fork(self, parent_id: str, child_id: str) -> list[tuple[int, int]] | None:
+    def fork(self, parent_id: str, child_id: str) -> list[BlockCopy] | None:
         """Give ``child_id`` the parent's block table.
 
         With block sharing (the normal case) the child points at the parent's
         blocks and each block's count goes up: no data moves, and a later write
         into a shared tail is copied on write. Without it (the benchmarks'
         baseline) the child gets private copies of every block, returned as
-        ``(src, dst)`` copies, or None if the pool is short.
+        block copies, or None if the pool is short.
         """
         if child_id in self.req_to_blocks:
             raise ValueError(f"request {child_id!r} already has a block table")
@@ -269,7 +271,10 @@ class KVCacheManager:
         child_blocks = self.block_pool.get_new_blocks(len(parent_blocks))
         self.req_to_blocks[child_id] = child_blocks
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
-        return [(src.block_id, dst.block_id) for src, dst in zip(parent_blocks, child_blocks)]
+        return [
+            BlockCopy(src.block_id, dst.block_id, index)
+            for index, (src, dst) in enumerate(zip(parent_blocks, child_blocks))
+        ]
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (tail first). Freeing an unknown request is a no-op,
@@ -310,19 +315,34 @@ class KVCacheManager:
             for block in self.block_pool.blocks
         ]
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+    def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """Block ids of the request's table from entry ``start`` on (the scheduler
+        sends a running request's new entries only, so this stays O(new))."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        return [blocks[index].block_id for index in range(start, len(blocks))]
 
-    def check_invariants(self, num_tokens_of: dict[str, int] | None = None) -> None:
-        """Raise ``RuntimeError`` on the first broken invariant.
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            num_free_blocks=self.num_free_blocks,
+            peak_blocks_in_use=self.peak_blocks_in_use,
+            num_cached_blocks=self.num_cached_blocks,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_swap_blocks=self.swap_space.num_blocks,
+            swap_out_blocks=self.num_swap_out_blocks,
+            swap_in_blocks=self.num_swap_in_blocks,
+        )  # external_fragmentation_waits stays 0: paging never refuses what free blocks would fit
 
-        ``num_tokens_of`` maps live request ids to the number of tokens whose
-        slots they hold; when given, each table's length is checked against it.
-        """
+    def check_invariants(self, running: Mapping[str, int], swapped: Collection[str]) -> None:
+        """Raise ``RuntimeError`` on the first broken invariant (see the protocol)."""
         self.block_pool.check_invariants()
         references: dict[int, int] = {}
         host_blocks: list[int] = []
         for request_id, table in self.swapped_tables.items():
+            if request_id not in swapped:
+                raise RuntimeError(f"request {request_id!r} has swapped blocks but is not swapped out")
             if request_id in self.req_to_blocks:
                 raise RuntimeError(f"request {request_id!r} is both swapped out and resident")
             for entry in table:
@@ -337,18 +357,17 @@ class KVCacheManager:
         for request_id, blocks in self.req_to_blocks.items():
             for block in blocks:
                 references[block.block_id] = references.get(block.block_id, 0) + 1
-            if num_tokens_of is not None:
-                if request_id not in num_tokens_of:
-                    raise RuntimeError(f"request {request_id!r} holds blocks but is not live")
-                num_tokens = num_tokens_of[request_id]
-                limit = self.num_blocks_for(num_tokens)
-                if len(blocks) > limit:
-                    raise RuntimeError(
-                        f"request {request_id!r} holds {len(blocks)} blocks for {num_tokens} tokens (at most {limit})"
-                    )
-                for index, block in enumerate(blocks[num_tokens // self.block_size :], num_tokens // self.block_size):
-                    if block.block_hash is not None:
-                        raise RuntimeError(f"block {block.block_id} is hashed but is request {request_id!r}'s unfilled block {index}")
+            if request_id not in running:
+                raise RuntimeError(f"request {request_id!r} holds blocks but is not running")
+            num_tokens = running[request_id]
+            limit = self.num_blocks_for(num_tokens)
+            if len(blocks) > limit:
+                raise RuntimeError(
+                    f"request {request_id!r} holds {len(blocks)} blocks for {num_tokens} tokens (at most {limit})"
+                )
+            for index, block in enumerate(blocks[num_tokens // self.block_size :], num_tokens // self.block_size):
+                if block.block_hash is not None:
+                    raise RuntimeError(f"block {block.block_id} is hashed but is request {request_id!r}'s unfilled block {index}")
         for block in self.block_pool.blocks:
             expected = references.get(block.block_id, 0)
             if block.ref_cnt != expected:

@@ -9,63 +9,22 @@ are the same thing seen from here.
 
 from __future__ import annotations
 
-import heapq
 import itertools
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Mapping
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Request, RequestStatus, child_request_id, child_seed
+from pagedllm.core.kv_interface import BlockCopy, KVCacheManagerProtocol
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.runner_views import RunnerViews
+from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.core.waiting_queue import WaitingQueue
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: compute tokens
-    ``all_token_ids[num_computed_tokens : num_computed_tokens + num_scheduled_tokens]``
-    with K/V slots given by ``block_ids``."""
-
-    request: Request
-    num_scheduled_tokens: int
-    block_ids: list[int]
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so its last
-        logits pick the next token (a partial prefill chunk samples nothing)."""
-        req = self.request
-        return req.num_computed_tokens + self.num_scheduled_tokens == req.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    """What the model runner executes this step.
-
-    Safety rule: the runner treats the ``Request`` objects as read-only; only
-    the scheduler mutates them, in ``update_from_output``. The runner performs
-    the block moves in this order before the forward pass: ``swap_out``
-    (device -> host), ``block_copies`` (device -> device), ``swap_in``
-    (host -> device), because a block freed by a swap-out may be reused as a
-    copy or swap-in destination in the same step.
-    """
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_request_ids: list[str] = field(default_factory=list)
-    # (src, dst) physical blocks to copy, in order (copy-on-write, and forks
-    # when block sharing is off).
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_scheduled_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+# Statuses of sequences that wait off the device, in the waiting queue.
+QUEUED_STATUSES = frozenset({RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.SWAPPED})
 
 
 class Scheduler:
@@ -86,56 +45,73 @@ class Scheduler:
       priority than the worst running one preempts it when seats
       (``max_num_seqs``) or blocks are what keeps it waiting; equal priorities
       never preempt each other, so nothing ping-pongs.
-    - A prefill chunk is cut by the step's budget (chunked prefill) and by
-      ``long_prefill_token_threshold``; without chunked prefill a waiting
-      request is admitted only when its whole prompt fits.
+    - A prefill chunk is cut by the step's budget and ``long_prefill_token_threshold``;
+      without chunked prefill a request is admitted only when its whole prompt fits.
+    - Every status change goes through ``_transition``.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManagerProtocol) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        # Every live sequence (user requests and the samples / beams forked from them).
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
-        # Heap of (rank..., request). Finished waiting requests are left in
-        # place and skipped when they reach the top (lazy deletion).
-        self._waiting: list[tuple[int, int, int, int, Request]] = []
+        self.waiting = WaitingQueue(self._rank)
         self._arrival_order: dict[str, int] = {}
         self._arrival_counter = itertools.count()
-        self.num_waiting = 0
-        self.num_running = 0
-        # Places in max_num_seqs held by running requests: one each, plus the
+        self._status_counts: Counter[RequestStatus] = Counter()
+        # Places in max_num_seqs held by running sequences: one each, plus the
         # samples a request will fork into at its first sampled position
         # (num_pending_samples), so admissions in the meantime leave room.
         self.num_seats_in_use = 0
-        # Breaks rank ties in the waiting heap (beams share group and index).
-        self._push_counter = itertools.count()
-        self.num_swapped = 0
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         # Copies owed by forks made after the last forward pass.
         self._pending_copies: list[tuple[int, int]] = []
+        self.runner_views = RunnerViews(kv_cache_manager)
 
-    # ----------------------------------------------------------------- queue
+    @property
+    def num_waiting(self) -> int:
+        return sum(self._status_counts[status] for status in QUEUED_STATUSES)
+
+    @property
+    def num_running(self) -> int:
+        return self._status_counts[RequestStatus.RUNNING]
+
+    @property
+    def num_swapped(self) -> int:
+        return self._status_counts[RequestStatus.SWAPPED]
+
+    # ----------------------------------------------------------- lifecycle
+
+    def _transition(self, request: Request, status: RequestStatus, *, is_new: bool = False) -> None:
+        """The one place a sequence changes status. Keeps the per-status counts,
+        the seats, the waiting queue's membership and the runner's view in step
+        with it (a sequence leaving the device is released from the runner)."""
+        if not is_new:
+            previous = request.status
+            self._status_counts[previous] -= 1
+            if previous is RequestStatus.RUNNING:
+                self.num_seats_in_use -= request.num_pending_samples
+            if previous in QUEUED_STATUSES:
+                self.waiting.discard(request)
+        request.status = status
+        if status is not RequestStatus.RUNNING:
+            self.runner_views.release(request.request_id)
+        if status.is_finished:
+            return
+        self._status_counts[status] += 1
+        if status is RequestStatus.RUNNING:
+            self.num_seats_in_use += request.num_pending_samples
+        if status in QUEUED_STATUSES:
+            self.waiting.push(request)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self._arrival_order[request.request_id] = next(self._arrival_counter)
-        self._push_waiting(request)
-
-    def _push_waiting(self, request: Request) -> None:
-        heapq.heappush(self._waiting, (*self._rank(request), next(self._push_counter), request))
-        self.num_waiting += 1
-
-    def _peek_waiting(self) -> Request | None:
-        while self._waiting and self._waiting[0][-1].is_finished:
-            heapq.heappop(self._waiting)
-        return self._waiting[0][-1] if self._waiting else None
-
-    def _pop_waiting(self) -> None:
-        heapq.heappop(self._waiting)
-        self.num_waiting -= 1
+        self._transition(request, RequestStatus.WAITING, is_new=True)
 
     def _rank(self, request: Request) -> tuple[int, int, int]:
         priority = request.priority if self.config.scheduling_policy == "priority" else 0
@@ -164,6 +140,8 @@ class Scheduler:
         budget -= output.total_num_scheduled_tokens
         if not decodes_preempted:
             self._schedule_waiting(output, budget)
+        # Last, so the runner also forgets the sequences preempted just now.
+        output.released_sequence_ids = self.runner_views.take_released()
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> bool:
@@ -196,43 +174,53 @@ class Scheduler:
         return preempted
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        kv = self.kv_cache_manager
         while budget > 0:
-            request = self._peek_waiting()
+            request = self.waiting.peek()
             # A request that will fork into n samples needs n places.
             if request is None or self.num_seats_in_use + request.num_pending_samples > self.config.max_num_seqs:
                 return
             if request.status is RequestStatus.SWAPPED:
-                num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
-                if kv.swap_in_cost(request.request_id, request.num_computed_tokens, num_new) > kv.num_free_blocks:
-                    if self._recompute_swapped_if_stuck(output):
-                        continue
-                    return
-                output.swap_in.extend(kv.swap_in(request.request_id))
-                self.num_swapped -= 1
-                copies = kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
+                admitted = self._admit_swapped(request, output, budget)
             else:
-                computed_blocks, num_cached = kv.get_computed_blocks(request)
-                remaining = request.num_tokens - num_cached
-                if remaining > budget and not self.config.enable_chunked_prefill:
-                    return
-                num_new = self._chunk(remaining, budget)
-                copies = kv.allocate_slots(request.request_id, num_cached, num_new, computed_blocks)
-                if copies is None:
-                    if self._recompute_swapped_if_stuck(output):
-                        continue
-                    return
-                kv.record_lookup(request.num_tokens, num_cached)
-                request.num_computed_tokens = num_cached
-                if request.num_preemptions == 0:
-                    request.num_cached_tokens = num_cached
-            self._pop_waiting()
-            request.status = RequestStatus.RUNNING
+                admitted = self._admit_waiting(request, budget)
+            if admitted is None:
+                if self._recompute_swapped_if_stuck(output):
+                    continue
+                return
+            num_new, copies = admitted
+            self._transition(request, RequestStatus.RUNNING)
             self.running.append(request)
-            self.num_running += 1
-            self.num_seats_in_use += request.num_pending_samples
             self._add_scheduled(output, request, num_new, copies)
             budget -= num_new
+
+    def _admit_swapped(
+        self, request: Request, output: SchedulerOutput, budget: int
+    ) -> tuple[int, list[BlockCopy]] | None:
+        """Bring a swapped request's blocks back and allocate its next tokens, or None if they do not fit."""
+        kv = self.kv_cache_manager
+        num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+        if kv.swap_in_cost(request.request_id, request.num_computed_tokens, num_new) > kv.num_free_blocks:
+            return None
+        output.swap_in.extend(kv.swap_in(request.request_id))
+        return num_new, kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
+
+    def _admit_waiting(self, request: Request, budget: int) -> tuple[int, list[BlockCopy]] | None:
+        """Start (or restart, after a recompute preemption) a request from its
+        cached prefix, or None if its first chunk does not fit."""
+        kv = self.kv_cache_manager
+        computed_blocks, num_cached = kv.get_computed_blocks(request)
+        remaining = request.num_tokens - num_cached
+        if remaining > budget and not self.config.enable_chunked_prefill:
+            return None
+        num_new = self._chunk(remaining, budget)
+        copies = kv.allocate_slots(request.request_id, num_cached, num_new, computed_blocks)
+        if copies is None:
+            return None
+        kv.record_lookup(request.num_tokens, num_cached)
+        request.num_computed_tokens = num_cached
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_cached
+        return num_new, copies
 
     def _recompute_swapped_if_stuck(self, output: SchedulerOutput) -> bool:
         """When nothing runs (so no block will be freed) and the waiting head
@@ -243,30 +231,26 @@ class Scheduler:
         releasing those references and its host blocks; returns whether any was."""
         if self.running or output.scheduled or not self.num_swapped:
             return False
-        for *_, request in self._waiting:
+        for request in self.waiting:
             if request.status is RequestStatus.SWAPPED:
-                self.kv_cache_manager.free(request.request_id)
-                self.num_recomputed_tokens += request.num_computed_tokens
-                request.num_computed_tokens = 0
-                request.status = RequestStatus.PREEMPTED
-                self.num_swapped -= 1
+                self._drop_kv(request)
+                self._transition(request, RequestStatus.PREEMPTED)
         logger.info("no request could run: swapped requests fall back to recompute to release their blocks")
         return True
 
     def _add_scheduled(
-        self, output: SchedulerOutput, request: Request, num_new: int, copies: list[tuple[int, int]]
+        self, output: SchedulerOutput, request: Request, num_new: int, copies: list[BlockCopy]
     ) -> None:
-        kv = self.kv_cache_manager
-        kv.cache_full_blocks(request, request.num_computed_tokens + num_new)
-        output.block_copies.extend(copies)
-        output.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id)))
+        self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens + num_new)
+        output.block_copies.extend((copy.src, copy.dst) for copy in copies)
+        self.runner_views.add_scheduled(output, request, num_new, copies)
 
     def _preempt_for_priority(self, output: SchedulerOutput) -> None:
         """Let a strictly more urgent waiting request displace the worst running one
         when seats or blocks are what keep it out."""
         kv = self.kv_cache_manager
         while self.running:
-            head = self._peek_waiting()
+            head = self.waiting.peek()
             worst = self.running[-1]
             if head is None or head.priority >= worst.priority:
                 return
@@ -282,12 +266,10 @@ class Scheduler:
         """Take a running request off the device: swap its private blocks out, or
         (recompute, and swap's fallback) drop its K/V and keep every token id."""
         kv = self.kv_cache_manager
-        self.num_running -= 1
-        self.num_seats_in_use -= request.num_pending_samples
         self.num_preemptions += 1
         request.num_preemptions += 1
         output.preempted_request_ids.append(request.request_id)
-        usage = f"KV usage {kv.num_blocks_in_use}/{kv.num_blocks} blocks"
+        usage = f"KV usage {kv.num_blocks - kv.num_free_blocks}/{kv.num_blocks} blocks"
         swapped = None
         # Beams are recomputed, never swapped: a beam parked for its siblings
         # must produce its next-token distribution again after a preemption
@@ -296,16 +278,12 @@ class Scheduler:
             swapped = kv.swap_out(request.request_id)
         if swapped is not None:
             output.swap_out.extend(swapped)
-            request.status = RequestStatus.SWAPPED
-            self.num_swapped += 1
+            self._transition(request, RequestStatus.SWAPPED)
             detail = f"swap: {len(swapped)} blocks to host"
         else:
-            self.num_recomputed_tokens += request.num_computed_tokens
             detail = f"recompute: {request.num_computed_tokens} tokens to recompute"
-            kv.free(request.request_id)
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.PREEMPTED
-        self._push_waiting(request)
+            self._drop_kv(request)
+            self._transition(request, RequestStatus.PREEMPTED)
         message = f"preempted request {request.request_id!r} ({detail}); {usage}"
         if self.num_preemptions == 1:
             logger.warning(
@@ -315,36 +293,41 @@ class Scheduler:
         else:
             logger.info(message)
 
+    def _drop_kv(self, request: Request) -> None:
+        """Free the request's blocks; its tokens are recomputed when it runs again."""
+        self.num_recomputed_tokens += request.num_computed_tokens
+        self.kv_cache_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+
     # ---------------------------------------------------------------- update
 
-    def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
-    ) -> list[Request]:
-        """Advance the scheduled requests by the tokens just computed and append
-        the sampled ones. A request with ``num_pending_samples`` > 1 first forks
-        into its samples (the sample of fork ``i`` is keyed by its child id).
-        Returns the requests that got a new token, and the externally driven
-        (beam search) ones that reached a sampling position; those that hit a
-        stop condition are already finished and their blocks freed."""
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> list[Request]:
+        """Advance the scheduled sequences by the tokens just computed and append
+        the sampled ones, keyed by the sample rows ``schedule`` chose: a row
+        beyond the first forks the sequence (with that row's id and seed)
+        before anything is appended, so every sample starts from the same
+        tokens. Returns the sequences that got a new token, and the externally
+        driven (beam search) ones that reached a sampling position; those that
+        hit a stop condition are already finished and their blocks freed."""
         advanced = []
         for scheduled in output.scheduled:
-            request = scheduled.request
-            if request.is_finished:
-                continue
+            request = self.requests.get(scheduled.sequence_id)
+            if request is None:
+                continue  # finished since it was scheduled
             request.num_computed_tokens += scheduled.num_scheduled_tokens
-            if request.request_id not in sampled_token_ids:
+            rows = scheduled.sample_rows
+            if not rows:
                 continue
             if request.tokens_chosen_externally:
                 advanced.append(request)
                 continue
-            # Fork before appending: every sample starts from the prompt alone.
             samples = [request] + [
-                self.fork_request(request, child_request_id(request.group_id, i), i, child_seed(request.seed, i))
-                for i in range(1, request.num_pending_samples)
+                self.fork_request(request, row.sequence_id, index, row.seed)
+                for index, row in enumerate(rows[1:], start=1)
             ]
             self.settle_samples(request)
-            for sample in samples:
-                self.append_token(sample, sampled_token_ids[sample.request_id])
+            for sample, row in zip(samples, rows):
+                self.append_token(sample, sampled_token_ids[row.sequence_id])
                 advanced.append(sample)
         return advanced
 
@@ -362,13 +345,12 @@ class Scheduler:
         copies = self.kv_cache_manager.fork(parent.request_id, child_id)
         if copies is None:
             raise RuntimeError("the pool ran out of blocks while copying a fork (block sharing is off)")
-        self._pending_copies.extend(copies)
+        self._pending_copies.extend((copy.src, copy.dst) for copy in copies)
         child = parent.fork(child_id, sample_index, seed)
         self.requests[child_id] = child
         self._arrival_order[child_id] = self._arrival_order[parent.request_id]
         self.running.append(child)
-        self.num_running += 1
-        self.num_seats_in_use += 1
+        self._transition(child, RequestStatus.RUNNING, is_new=True)
         return child
 
     def settle_samples(self, request: Request) -> None:
@@ -386,40 +368,33 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.SWAPPED):
-            self.num_waiting -= 1
-            self.num_swapped -= request.status is RequestStatus.SWAPPED
-        else:
-            self.num_running -= 1
-            self.num_seats_in_use -= request.num_pending_samples
-        # The request stays in the heap / running list until the next
-        # schedule() sweeps it out: O(1) here instead of a list remove.
-        request.status = status
+        # A running request stays in the running list until the next schedule()
+        # sweeps it out: O(1) here instead of a list remove.
+        self._transition(request, status)
         self._arrival_order.pop(request_id, None)
         self.kv_cache_manager.free(request_id)
         return request
 
     def check_invariants(self) -> None:
-        """Raise ``RuntimeError`` if the scheduler's view and the block tables disagree."""
-        for request_id in self.kv_cache_manager.req_to_blocks:
-            request = self.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                raise RuntimeError(f"request {request_id!r} holds blocks but is not running")
-        for request_id in self.kv_cache_manager.swapped_tables:
-            request = self.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.SWAPPED:
-                raise RuntimeError(f"request {request_id!r} has swapped blocks but is not swapped out")
+        """Raise ``RuntimeError`` if the scheduler's counts, queues, runner views
+        and the KV manager's tables disagree."""
+        running_ids = {rid for rid, r in self.requests.items() if r.status is RequestStatus.RUNNING}
         self.kv_cache_manager.check_invariants(
-            {request_id: request.num_tokens for request_id, request in self.requests.items()}
+            running={rid: self.requests[rid].num_tokens for rid in running_ids},
+            swapped=[rid for rid, r in self.requests.items() if r.status is RequestStatus.SWAPPED],
         )
+        if Counter(r.status for r in self.requests.values()) != +self._status_counts:
+            raise RuntimeError(f"status counts {dict(self._status_counts)} disagree with the live requests")
+        if len(self.waiting) != self.num_waiting:
+            raise RuntimeError(f"{len(self.waiting)} requests wait but {self.num_waiting} are counted")
         running = [r for r in self.running if not r.is_finished]
-        if any(r.status is not RequestStatus.RUNNING for r in running):
-            raise RuntimeError("a request in the running list is not RUNNING")
-        if len(running) > self.config.max_num_seqs:
-            raise RuntimeError(f"{len(running)} running requests exceed max_num_seqs")
+        if {r.request_id for r in running} != running_ids or len(running) != len(running_ids):
+            raise RuntimeError("the running list and the RUNNING requests disagree")
         seats = sum(r.num_pending_samples for r in running)
         if seats != self.num_seats_in_use or seats > self.config.max_num_seqs:
             raise RuntimeError(
                 f"running requests hold {seats} places (counted {self.num_seats_in_use}), max_num_seqs "
                 f"{self.config.max_num_seqs}"
             )
+        if not self.runner_views.held_ids() <= running_ids:
+            raise RuntimeError("the runner still holds sequences that are not running")

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -66,7 +65,6 @@ class DistributedExecutor:
             backend_for(device_type), init_method=init_method, rank=0, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        self.group = TensorParallelGroup(rank=0, world_size=world_size)
         self.closed = False
         # Workers learn the configuration from here (one started by torchrun knows nothing else).
         dist.broadcast_object_list([engine_config], src=0)

@@ -16,8 +16,11 @@ import os
 import torch
 import torch.distributed as dist
 
+from pagedllm.config import EngineConfig, torch_dtype
 from pagedllm.distributed.executor import PoolShape, backend_for
 from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.model.shard import load_model_shard
+from pagedllm.worker.model_runner import ModelRunner
 
 
 def _receive(obj_type=None):
@@ -29,11 +32,6 @@ def _receive(obj_type=None):
 
 
 def worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, device_type: str) -> None:
-    from pagedllm.config import EngineConfig, torch_dtype
-    from pagedllm.model.llama import build_model
-    from pagedllm.model.loader import load_checkpoint
-    from pagedllm.worker.model_runner import ModelRunner
-
     # The ranks share the machine's cores rather than each taking all of them.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     device = torch.device("cpu")
@@ -44,15 +42,11 @@ def worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, 
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
         config: EngineConfig = _receive(EngineConfig)
-        tp = TensorParallelGroup(rank=rank, world_size=world_size)
-        dtype = torch_dtype(config.dtype)
-        checkpoint = load_checkpoint(config.model, dtype=dtype)
-        max_model_len = config.scheduler_config(checkpoint.config.max_position_embeddings).max_model_len
-        model = build_model(checkpoint, max_model_len, device, dtype, tp)
-        del checkpoint
+        shard = load_model_shard(config, device, TensorParallelGroup(rank=rank, world_size=world_size))
         shape: PoolShape = _receive(PoolShape)
-        runner = ModelRunner(model, shape.num_blocks, config.cache.block_size, device, dtype, eos_token_ids=[],
-                             num_swap_blocks=shape.num_swap_blocks, kv_cache_dtype=config.cache.kv_cache_dtype)
+        runner = ModelRunner(shard.model, shape.num_blocks, config.cache.block_size, device, torch_dtype(config.dtype),
+                             eos_token_ids=[], num_swap_blocks=shape.num_swap_blocks,
+                             kv_cache_dtype=config.cache.kv_cache_dtype)
         while (step := _receive()) is not None:
             runner.run_step(step)
     finally:

@@ -140,6 +140,6 @@ class AsyncLLMEngine:
     def _fail_orphans(self, exc: Exception) -> None:
         """Requests the failed step aborted will never produce output: end their streams."""
         for request_id, queue in list(self._queues.items()):
-            if request_id not in self.engine.output_processor.states:
+            if not self.engine.has_request(request_id):
                 queue.put_nowait(RuntimeError(f"request {request_id} failed: {exc}"))
                 del self._queues[request_id]

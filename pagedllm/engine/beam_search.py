@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pagedllm.core.request import Request, RequestStatus
@@ -87,6 +88,13 @@ class BeamGroup:
     finished: list[_Hypothesis] = field(default_factory=list)
     improvement_possible: bool = True
     done: bool = False
+    # Beams that reached their next position, waiting for the rest of the group
+    # (a sibling preempted this step catches up in a later one).
+    parked: dict[str, tuple[Request, PositionLogprobs]] = field(default_factory=dict)
+
+    def live_sequence_ids(self) -> list[str]:
+        """Ids of the beams still in the scheduler."""
+        return list(self.running)
 
     @property
     def num_candidates(self) -> int:
@@ -146,34 +154,37 @@ class BeamGroup:
 
 
 class BeamSearchManager:
-    """Drives the beam groups of the engine: applies each step's ranking to the
-    scheduler as forks, appends and frees, and reports finished groups."""
+    """Drives beam groups: applies each step's ranking to the scheduler as forks,
+    appends and frees, and reports finished groups. The groups themselves live
+    in the engine's registry of user requests and are passed in."""
 
     def __init__(self, scheduler, tokenizer) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
-        self.groups: dict[str, BeamGroup] = {}
         self._ids = itertools.count(1)
-        # Beams that reached their next position, waiting for the rest of their
-        # group (a sibling preempted this step catches up in a later one).
-        self._parked: dict[str, dict[str, tuple[Request, PositionLogprobs]]] = {}
 
-    def add(self, group: BeamGroup, first: Request) -> None:
+    @staticmethod
+    def start(group: BeamGroup, first: Request) -> None:
+        """Make ``first`` the group's one beam until its first step forks it."""
         first.tokens_chosen_externally = True
         # The admission reserves beam_width places in max_num_seqs.
         first.num_pending_samples = group.params.beam_width
         group.running[first.request_id] = 0.0
-        self.groups[group.request_id] = group
 
-    def on_step(self, advanced: list[Request], logprobs: dict[str, PositionLogprobs]) -> list[RequestOutput]:
+    def on_step(
+        self, advanced: list[Request], logprobs: Mapping[str, PositionLogprobs], groups: Mapping[str, object]
+    ) -> list[RequestOutput]:
+        """Rank the groups whose every beam reached its next position (``advanced``
+        are the beams that did this step; ``groups`` maps user request ids to
+        their state, beam groups among them)."""
         ready: dict[str, dict[str, Request]] = {}
         for request in advanced:
-            if request.tokens_chosen_externally and request.group_id in self.groups:
+            if isinstance(groups.get(request.group_id), BeamGroup):
                 ready.setdefault(request.group_id, {})[request.request_id] = request
         outputs = []
         for group_id, requests in ready.items():
-            group = self.groups[group_id]
-            parked = self._parked.setdefault(group_id, {})
+            group = groups[group_id]
+            parked = group.parked
             parked.update({rid: (r, logprobs[rid]) for rid, r in requests.items()})
             # A parked beam preempted since is recomputed and parks again later;
             # until then it is no fork parent (its blocks are gone).
@@ -181,7 +192,7 @@ class BeamSearchManager:
                 del parked[rid]
             if set(parked) != set(group.running):
                 continue  # every running beam needs its next-token distribution first
-            del self._parked[group_id]
+            group.parked = {}
             beams = {rid: r for rid, (r, _) in parked.items()}
             plan = group.rank(beams, {rid: lp for rid, (_, lp) in parked.items()})
             self._apply(group, beams, plan)
@@ -217,7 +228,6 @@ class BeamSearchManager:
         for rid in group.running:
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
         group.running = {}
-        del self.groups[group.request_id]
         group.metrics.finished_time = time.time()
         completions = [
             CompletionOutput(
@@ -239,12 +249,3 @@ class BeamSearchManager:
             finished=True,
             metrics=group.metrics,
         )
-
-    def abort(self, request_id: str) -> bool:
-        group = self.groups.pop(request_id, None)
-        self._parked.pop(request_id, None)
-        if group is None:
-            return False
-        for rid in group.running:
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
-        return True

@@ -7,45 +7,35 @@ reasons.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
-import random
 import weakref
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from pagedllm.attention.selector import attention_backend_for
-from pagedllm.config import CacheConfig, EngineConfig, torch_dtype
+from pagedllm.config import EngineConfig, torch_dtype
 from pagedllm.core.contiguous import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.kv_interface import KVCacheManagerProtocol
+from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine.beam_search import BeamGroup, BeamSearchManager, BeamSearchParams
-from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.logger import init_logger
 from pagedllm.distributed.executor import DistributedExecutor, PoolShape
-from pagedllm.distributed.group import SINGLE
-from pagedllm.distributed.sharding import check_tensor_parallel_size
-from pagedllm.model.llama import build_model
-from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
-from pagedllm.model.loader import load_checkpoint
+from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.model.shard import load_model_shard
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.utils import cdiv
-from pagedllm.worker.memory import (
-    available_memory_bytes,
-    cuda_peak_activation_bytes,
-    run_dummy_step,
-    utilization_kv_budget,
-)
-from pagedllm.worker.model_runner import ModelRunner, kv_bytes_per_token
+from pagedllm.worker.memory import plan_kv_pool
+from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = init_logger(__name__)
-
-PromptType = str | list[int] | dict[str, Any]
 
 
 class LLMEngine:
@@ -61,56 +51,24 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch_dtype(config.dtype)
-        checkpoint = load_checkpoint(config.model, dtype=dtype)
-        self.model_config = checkpoint.config
-        self.tokenizer = checkpoint.tokenizer
-        self.model_path = checkpoint.path
-        self.scheduler_config = config.scheduler_config(checkpoint.config.max_position_embeddings)
-        self.max_model_len = self.scheduler_config.max_model_len
-
-        # Tensor parallelism: this process is rank 0 (scheduler, bookkeeping,
-        # sampling and shard 0); the other ranks are started here.
+        # This process is rank 0 of tensor parallelism (scheduler, bookkeeping,
+        # sampling and shard 0). It loads its shard and plans the pool before it
+        # starts the other ranks, so a size the model or the memory refuses
+        # raises here with no worker process to stop.
         self.tp_size = config.tensor_parallel_size
-        self.executor: DistributedExecutor | None = None
-        tp = SINGLE
-        if self.tp_size > 1:
-            check_tensor_parallel_size(checkpoint.config, self.tp_size)
-            if self.device.type == "cuda" and config.cache.num_kv_blocks is None and config.cache.kv_cache_memory is None:
-                raise ValueError("with tensor_parallel_size > 1 on GPUs, size the pool with kv_cache_memory "
-                                 "(bytes per rank) or num_kv_blocks")
-            self.executor = DistributedExecutor(config, self.tp_size, self.device.type)
-            # Stop the workers when the engine goes away, even without shutdown().
-            self._finalizer = weakref.finalize(self, self.executor.shutdown)
-            tp = self.executor.group
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
-        self.model = build_model(checkpoint, self.max_model_len, self.device, dtype, tp)
-        del checkpoint
+        shard = load_model_shard(config, self.device, TensorParallelGroup(rank=0, world_size=self.tp_size))
+        self.model, self.model_config, self.tokenizer = shard.model, shard.model_config, shard.tokenizer
+        self.model_path = shard.path
+        self.scheduler_config = shard.scheduler_config
+        self.max_model_len = self.scheduler_config.max_model_len
+        self.pool_plan = plan_kv_pool(config, self.model, self.scheduler_config, self.device)
+        self.bytes_per_token = self.pool_plan.bytes_per_token
+        self.executor = self._start_tensor_parallel()
 
         kv_cache_dtype = config.cache.kv_cache_dtype
-        # Per rank (rank 0 holds the most KV heads when they do not split evenly):
-        # the budget is per rank, and every rank has the same number of blocks.
-        local_kv_heads = self.model.num_kv_heads
-        self.bytes_per_token = kv_bytes_per_token(self.model_config, dtype, kv_cache_dtype, local_kv_heads)
-        self.total_bytes_per_token = kv_bytes_per_token(self.model_config, dtype, kv_cache_dtype)
-        # What the same memory would hold unquantized: the start-up line reports the gain.
-        self.unquantized_bytes_per_token = kv_bytes_per_token(self.model_config, dtype, "auto", local_kv_heads)
-        block_size = config.cache.block_size
-        num_blocks = self._num_blocks(block_size)
-        num_swap_blocks = 0
-        if config.preemption_mode == "swap" and config.cache.kv_layout == "paged":
-            num_swap_blocks = int(config.swap_space * 2**30) // (self.bytes_per_token * block_size)
-        if config.cache.kv_layout == "contiguous":
-            reservation = config.cache.contiguous_reservation
-            tokens = {"max_model_len": self.max_model_len, "request": None}.get(reservation, reservation)
-            self.kv_cache_manager = ContiguousKVCacheManager(num_blocks, block_size, tokens)
-        else:
-            self.kv_cache_manager = KVCacheManager(
-                num_blocks,
-                block_size,
-                config.cache.enable_block_sharing,
-                config.cache.enable_prefix_caching,
-                num_swap_blocks,
-            )
+        block_size, num_blocks = self.pool_plan.block_size, self.pool_plan.num_blocks
+        num_swap_blocks = self.pool_plan.num_swap_blocks
+        self.kv_cache_manager = self._create_kv_cache_manager(num_blocks, block_size, num_swap_blocks)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.eos_token_ids = self._eos_token_ids()
         if self.executor is not None:
@@ -120,9 +78,13 @@ class LLMEngine:
             kv_cache_dtype, broadcast_step=self.executor.broadcast_step if self.executor is not None else None,
         )
         self.vocab_size = self.model_config.vocab_size
-        self._rng = random.Random(config.seed)
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                              self.scheduler_config, config.cache, num_blocks, config.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
+        # The one registry of user requests: sampled ones by their output state,
+        # beam searches by their ranking state (both carry the request's metrics).
+        self.requests: dict[str, RequestState | BeamGroup] = {}
         self._request_counter = 0
         self.num_steps = 0
         self.num_scheduled_sequences = 0
@@ -137,49 +99,27 @@ class LLMEngine:
 
     # ------------------------------------------------------------- set-up
 
-    def _num_blocks(self, block_size: int) -> int:
-        cache = self.config.cache
-        if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
-        if cache.kv_cache_memory is not None:
-            budget = cache.kv_cache_memory
-        elif cache.kv_cache_fraction is not None:
-            budget = int(available_memory_bytes(self.device) * cache.kv_cache_fraction)
-        elif self.device.type == "cuda":
-            budget = self._gpu_utilization_budget(block_size)
-        elif cache.gpu_memory_utilization is not None:
-            raise ValueError(
-                f"gpu_memory_utilization applies to CUDA devices and this engine runs on {self.device}; "
-                "size the pool with kv_cache_memory or kv_cache_fraction instead"
-            )
-        else:
-            budget = cache.DEFAULT_KV_CACHE_MEMORY
-        num_blocks = budget // (self.bytes_per_token * block_size)
-        if num_blocks < 1:
-            raise ValueError(
-                f"the KV budget of {budget} bytes holds no block of {block_size} tokens "
-                f"({self.bytes_per_token * block_size} bytes); raise kv_cache_memory or kv_cache_fraction"
-            )
-        return num_blocks
+    def _start_tensor_parallel(self) -> DistributedExecutor | None:
+        """Start ranks 1..N-1 (or wait for them, with ``distributed_init_method``);
+        None with one rank. The workers stop when the engine goes away, even
+        without ``shutdown()``."""
+        if self.tp_size == 1:
+            return None
+        executor = DistributedExecutor(self.config, self.tp_size, self.device.type)
+        self._finalizer = weakref.finalize(self, executor.shutdown)
+        # The ranks share the machine's cores rather than each taking all of them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
+        return executor
 
-    def _gpu_utilization_budget(self, block_size: int) -> int:
-        """vLLM's rule: weights + the largest step's activations + the pool stay
-        within ``gpu_memory_utilization`` of the GPU's total memory."""
-        utilization = self.config.cache.gpu_memory_utilization or CacheConfig.DEFAULT_GPU_MEMORY_UTILIZATION
-        config = self.model_config
-        kv_shape = (num_kv_heads_of(config), head_dim_of(config))
-        sched = self.scheduler_config
-        kv_cache_dtype = self.config.cache.kv_cache_dtype
-        attention = attention_backend_for(self.device, block_size, kv_cache_dtype)
-        weights_bytes = torch.cuda.memory_allocated(self.device)
-        peak = cuda_peak_activation_bytes(
-            lambda: run_dummy_step(self.model, attention, sched.max_num_batched_tokens, sched.max_num_seqs,
-                                   block_size, kv_shape, torch_dtype(self.config.dtype), kv_cache_dtype,
-                                   self.device),
-            self.device,
-        )
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return utilization_kv_budget(total, utilization, weights_bytes, peak)
+    def _create_kv_cache_manager(self, num_blocks: int, block_size: int, num_swap_blocks: int) -> KVCacheManagerProtocol:
+        """The block bookkeeping over the planned pool: paged, or the contiguous baseline."""
+        config = self.config
+        if config.cache.kv_layout == "contiguous":
+            reservation = config.cache.contiguous_reservation
+            tokens = {"max_model_len": self.max_model_len, "request": None}.get(reservation, reservation)
+            return ContiguousKVCacheManager(num_blocks, block_size, tokens)
+        return KVCacheManager(num_blocks, block_size, config.cache.enable_block_sharing,
+                              config.cache.enable_prefix_caching, num_swap_blocks)
 
     def _eos_token_ids(self) -> list[int]:
         ids: set[int] = set()
@@ -195,43 +135,27 @@ class LLMEngine:
         self.step_timings = {"bookkeeping": 0.0, "input preparation": 0.0, "forward": 0.0, "sampling": 0.0}
 
     def capacity_line(self) -> str:
-        kv = self.kv_cache_manager
-        tokens = kv.num_blocks * kv.block_size
-        kv_cache_dtype = self.config.cache.kv_cache_dtype
-        storage = self.config.dtype if kv_cache_dtype == "auto" else f"{kv_cache_dtype} KV with per-token scales"
-        line = (
-            f"KV cache: {kv.num_blocks} blocks x {kv.block_size} tokens = {tokens} tokens "
-            f"({self.bytes_per_token} bytes/token, {tokens * self.bytes_per_token / 2**20:.1f} MiB, "
-            f"{storage}) on {self.device.type}"
-        )
-        if kv_cache_dtype != "auto":
-            gain = self.unquantized_bytes_per_token / self.bytes_per_token
-            line += f"; {gain:.2f}x the tokens of a {self.config.dtype} pool of the same size"
-        if self.tp_size > 1:
-            line += (f"; that is rank 0, with {self.model.num_kv_heads} of {self.model_config.num_key_value_heads} "
-                     f"KV heads; all {self.tp_size} ranks together: {self.total_bytes_per_token} bytes/token, "
-                     f"{tokens * self.total_bytes_per_token / 2**20:.1f} MiB")
-        return line
+        """The start-up description of the KV pool (the CLI and the server print it)."""
+        return self.pool_plan.capacity_line()
 
     def kv_pool_snapshot(self) -> dict:
         """The block pool as data: every block (state, ref count, owners, hashed)
         and the counters a live view shows next to it."""
-        stats = self.stats()
-        queries = stats["prefix_cache_queries"]
+        kv = self.kv_cache_manager.stats()
         return {
-            "num_blocks": stats["num_blocks"],
-            "block_size": stats["block_size"],
+            "num_blocks": kv.num_blocks,
+            "block_size": kv.block_size,
             "kv_layout": self.config.cache.kv_layout,
             "blocks": self.kv_cache_manager.pool_snapshot(),
             "counters": {
-                "blocks_in_use": stats["num_blocks_in_use"],
-                "cached_blocks": stats["num_cached_blocks"],
-                "free_blocks": stats["num_free_blocks"],
-                "usage": stats["num_blocks_in_use"] / stats["num_blocks"],
-                "prefix_cache_hit_rate": stats["prefix_cache_hits"] / queries if queries else 0.0,
-                "num_preemptions": stats["num_preemptions"],
-                "num_running": stats["num_running"],
-                "num_waiting": stats["num_waiting"],
+                "blocks_in_use": kv.num_blocks_in_use,
+                "cached_blocks": kv.num_cached_blocks,
+                "free_blocks": kv.num_free_blocks,
+                "usage": kv.usage,
+                "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "num_running": self.scheduler.num_running,
+                "num_waiting": self.scheduler.num_waiting,
             },
         }
 
@@ -260,11 +184,12 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        request, prompt_text = self._new_request(
+        self._check_new_id(request_id)
+        request, prompt_text = self.input_processor.new_request(
             request_id, prompt, params, params.num_sequences, arrival_time, priority, cache_salt
         )
         self.scheduler.add_request(request)
-        self.output_processor.add(request, prompt_text)
+        self.requests[request_id] = self.output_processor.new_state(request, prompt_text)
 
     def add_beam_request(
         self,
@@ -278,6 +203,7 @@ class LLMEngine:
         outputs are the ``beam_width`` best hypotheses, best first."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        self._check_new_id(request_id)
         group = BeamGroup(
             request_id, None, [], params, self.eos_token_ids, RequestMetrics(arrival_time=time.time())
         )
@@ -285,131 +211,42 @@ class LLMEngine:
         sampling = SamplingParams(
             temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, logprobs=group.num_candidates
         )
-        request, group.prompt = self._new_request(
+        request, group.prompt = self.input_processor.new_request(
             request_id, prompt, sampling, params.beam_width, None, priority, cache_salt
         )
         group.prompt_token_ids = request.prompt_token_ids
         group.metrics.arrival_time = request.arrival_time
-        self.beam_search.add(group, request)
+        self.beam_search.start(group, request)
         self.scheduler.add_request(request)
+        self.requests[request_id] = group
 
-    def _new_request(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: SamplingParams,
-        num_sequences: int,
-        arrival_time: float | None,
-        priority: int,
-        cache_salt: str | None,
-    ) -> tuple[Request, str | None]:
-        """Build a validated Request. ``cache_salt`` (argument, or a dict prompt's
-        ``"cache_salt"`` key) isolates the request's prefix-cache blocks: only
-        requests with the same salt share them."""
-        if request_id in self.output_processor.states or request_id in self.scheduler.requests:
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if priority != 0 and self.scheduler_config.scheduling_policy != "priority":
-            raise ValueError("priority is only honoured with scheduling_policy='priority'; set it or drop priority")
-        prompt_text, token_ids = self._tokenize(prompt)
-        max_tokens = self._validate(token_ids, params)
-        if cache_salt is None and isinstance(prompt, dict):
-            cache_salt = prompt.get("cache_salt")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
-        if num_sequences > 1 and self.config.cache.kv_layout == "contiguous":
-            raise ValueError("n > 1, best_of and beam search need kv_layout='paged' (contiguous cannot share blocks)")
-        if num_sequences > self.scheduler_config.max_num_seqs:
-            raise ValueError(
-                f"{num_sequences} parallel sequences (n / best_of / beam_width) exceed max_num_seqs "
-                f"({self.scheduler_config.max_num_seqs}); lower them or raise max_num_seqs"
-            )
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        request = Request(
-            request_id,
-            token_ids,
-            params,
-            eos_token_ids=self.eos_token_ids,
-            max_tokens=max_tokens,
-            arrival_time=arrival_time,
-            priority=priority,
-            seed=seed,
-            num_samples=num_sequences,
-            cache_salt=cache_salt,
-        )
-        return request, prompt_text
 
     def next_request_id(self) -> str:
         self._request_counter += 1
         return str(self._request_counter - 1)
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty; pass at least one character or token id")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._token_list(prompt["prompt_token_ids"])
-            if isinstance(prompt.get("prompt"), str):
-                return self._tokenize(prompt["prompt"])
-            raise ValueError("a dict prompt needs 'prompt_token_ids' (token ids) or 'prompt' (text)")
-        if isinstance(prompt, Sequence):
-            return None, self._token_list(prompt)
-        raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
-
-    def _token_list(self, token_ids: Sequence[Any]) -> list[int]:
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in token_ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        return list(token_ids)
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> int:
-        """Check the prompt against the model and the pool; return the effective max_tokens."""
-        if not token_ids:
-            raise ValueError("the prompt is empty (0 tokens); pass at least one token")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        prompt_len = len(token_ids)
-        if prompt_len >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {prompt_len} tokens but max_model_len is {self.max_model_len} "
-                f"(prompt + at least one generated token must fit); shorten the prompt or raise max_model_len"
-            )
-        room = self.max_model_len - prompt_len
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        kv = self.kv_cache_manager
-        reservation = self.config.cache.contiguous_reservation
-        if (
-            self.config.cache.kv_layout == "contiguous"
-            and isinstance(reservation, int)
-            and prompt_len + max_tokens > reservation
-        ):
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceed the contiguous reservation of "
-                f"{reservation} tokens; lower max_tokens or raise contiguous_reservation"
-            )
-        needed = cdiv(prompt_len + max_tokens, kv.block_size)
-        if needed > kv.num_blocks:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {needed} KV blocks but the "
-                f"whole pool has {kv.num_blocks}; lower max_tokens or enlarge the pool (kv_cache_memory / num_kv_blocks)"
-            )
-        return max_tokens
-
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         """Stop requests now and free their blocks. Unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            if self.beam_search.abort(rid):
-                continue
-            for sequence_id in self.output_processor.abort(rid):
-                self.scheduler.finish_request(sequence_id, RequestStatus.FINISHED_ABORTED)
+            state = self.requests.pop(rid, None)
+            if state is not None:
+                for sequence_id in state.live_sequence_ids():
+                    self.scheduler.finish_request(sequence_id, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether a user request with this id is live (queued, running or being reported)."""
+        return request_id in self.requests
+
     def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.requests)
+        """Live user requests (a request forked into n samples counts once)."""
+        return len(self.requests)
 
     # ---------------------------------------------------------------- step
 
@@ -423,76 +260,89 @@ class LLMEngine:
             if not scheduler_output.preempted_request_ids and self.scheduler.has_unfinished_requests():
                 raise RuntimeError("the scheduler could not schedule any unfinished request (this is a bug)")
             return []
-        now = time.time()
-        for scheduled in scheduler_output.scheduled:
-            metrics = self._metrics(scheduled.request.group_id)
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-        self.num_steps += 1
-        self.num_scheduled_sequences += len(scheduler_output.scheduled)
-        self.peak_running_per_step = max(self.peak_running_per_step, len(scheduler_output.scheduled))
-        self.num_batched_tokens += scheduler_output.total_num_scheduled_tokens
+        user_ids = self._user_ids_of(scheduler_output)
+        self._count_step(scheduler_output, user_ids)
         scheduled_at = time.perf_counter()
         try:
             runner_output = self.runner.execute(scheduler_output)
         except Exception:
             # The pass may have left K/V half-written: its requests cannot go on,
             # and blocks registered for it in the prefix cache cannot be trusted.
-            self.abort_request(sorted({s.request.group_id for s in scheduler_output.scheduled}))
+            self.abort_request(sorted(user_ids))
             self.kv_cache_manager.reset_prefix_cache()
             raise
-        for rid, (first, entries) in runner_output.prompt_logprobs.items():
-            self.output_processor.store_prompt_logprobs(rid, first, entries)
-        advanced = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
-        sampled = [r for r in advanced if not r.tokens_chosen_externally]
-        outputs = self.output_processor.process(sampled, runner_output.sampled_logprobs, runner_output.logprobs)
-        outputs += self.beam_search.on_step(advanced, runner_output.logprobs)
+        outputs = self._process_runner_output(scheduler_output, runner_output)
         if self.config.debug_invariants:
             self.check_invariants()
         timings = self.step_timings
         timings["bookkeeping"] += (scheduled_at - started) + (time.perf_counter() - scheduled_at - runner_output.elapsed_s)
-        timings["input preparation"] += runner_output.timings["input preparation"]
-        timings["forward"] += runner_output.timings["forward"]
-        timings["sampling"] += runner_output.timings["sampling"]
+        for phase in ("input preparation", "forward", "sampling"):
+            timings[phase] += runner_output.timings[phase]
         return outputs
 
-    def _metrics(self, group_id: str) -> RequestMetrics:
-        state = self.output_processor.states.get(group_id)
-        return state.metrics if state is not None else self.beam_search.groups[group_id].metrics
+    def _user_ids_of(self, scheduler_output: SchedulerOutput) -> set[str]:
+        sequences = self.scheduler.requests
+        return {sequences[s.sequence_id].group_id for s in scheduler_output.scheduled}
+
+    def _count_step(self, scheduler_output: SchedulerOutput, user_ids: set[str]) -> None:
+        now = time.time()
+        for user_id in user_ids:
+            metrics = self.requests[user_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        num_scheduled = len(scheduler_output.scheduled)
+        self.num_steps += 1
+        self.num_scheduled_sequences += num_scheduled
+        self.peak_running_per_step = max(self.peak_running_per_step, num_scheduled)
+        self.num_batched_tokens += scheduler_output.total_num_scheduled_tokens
+
+    def _process_runner_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Apply the sampled tokens: scheduler first (appends, forks, token-level
+        stops), then text (stop strings, which the engine finishes here), then
+        beam ranking. Finished user requests leave the registry."""
+        for request_id, (first, entries) in runner_output.prompt_logprobs.items():
+            self.output_processor.store_prompt_logprobs(self.requests[request_id], first, entries)
+        advanced = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        sampled = [r for r in advanced if not r.tokens_chosen_externally]
+        beams = [r for r in advanced if r.tokens_chosen_externally]
+        processed = self.output_processor.process(
+            sampled, runner_output.sampled_logprobs, runner_output.logprobs, self.requests
+        )
+        for sequence_id in processed.stopped_sequence_ids:
+            self.scheduler.finish_request(sequence_id, RequestStatus.FINISHED_STOPPED)
+        outputs = processed.outputs + self.beam_search.on_step(beams, runner_output.logprobs, self.requests)
+        for output in outputs:
+            if output.finished:
+                del self.requests[output.request_id]
+        return outputs
 
     # --------------------------------------------------------------- stats
 
-    def stats(self) -> dict[str, int | float]:
-        kv = self.kv_cache_manager
+    def stats(self) -> dict[str, int | float | str]:
+        """The public counters of ``LLM.stats()``: the KV manager's
+        ``KVCacheStats``, the scheduler's counts and the engine's step totals."""
+        kv = self.kv_cache_manager.stats()
+        scheduler = self.scheduler
         return {
-            "num_blocks": kv.num_blocks,
-            "block_size": kv.block_size,
-            "num_free_blocks": kv.num_free_blocks,
+            **dataclasses.asdict(kv),
             "num_blocks_in_use": kv.num_blocks_in_use,
-            "peak_blocks_in_use": kv.peak_blocks_in_use,
             "token_capacity": kv.num_blocks * kv.block_size,
             "bytes_per_token": self.bytes_per_token,
             "kv_cache_dtype": self.config.cache.kv_cache_dtype,
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_recomputed_tokens": self.scheduler.num_recomputed_tokens,
-            "num_swapped": self.scheduler.num_swapped,
-            "swap_out_blocks": kv.num_swap_out_blocks,
-            "swap_in_blocks": kv.num_swap_in_blocks,
-            "num_swap_blocks": kv.swap_space.num_blocks,
-            # In tokens. A shared prefix shorter than one block (block_size tokens)
-            # never hits: only full blocks are cached.
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            "num_cached_blocks": kv.num_cached_blocks,
-            "external_fragmentation_waits": kv.num_external_fragmentation_waits,
+            "num_running": scheduler.num_running,
+            "num_waiting": scheduler.num_waiting,
+            "num_preemptions": scheduler.num_preemptions,
+            "num_recomputed_tokens": scheduler.num_recomputed_tokens,
+            "num_swapped": scheduler.num_swapped,
             "num_steps": self.num_steps,
             # Sequences in the forward pass, averaged over steps: the achieved batch size.
             "mean_running_per_step": self.num_scheduled_sequences / max(1, self.num_steps),
             "peak_running_per_step": self.peak_running_per_step,
             "num_batched_tokens": self.num_batched_tokens,
             "tensor_parallel_size": self.tp_size,
+            # A shared prefix shorter than one block never hits: only full blocks are cached.
             "min_cacheable_prefix_tokens": kv.block_size,
         }
 

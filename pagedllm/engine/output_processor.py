@@ -6,7 +6,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pagedllm.core.request import Request, RequestStatus, child_request_id
+from collections.abc import Mapping
+
+from pagedllm.core.request import Request, child_request_id
 from pagedllm.engine.detokenizer import DetokenizerState, detokenize_incrementally
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -52,8 +54,8 @@ class RequestState:
     def num_sequences(self) -> int:
         return self.params.num_sequences
 
-    @property
-    def sequence_ids(self) -> list[str]:
+    def live_sequence_ids(self) -> list[str]:
+        """Ids of every sequence the request may still have in the scheduler."""
         return [child_request_id(self.request_id, i) for i in range(self.num_sequences)]
 
     @property
@@ -63,19 +65,27 @@ class RequestState:
         )
 
 
+@dataclass
+class ProcessedStep:
+    """What one step's tokens became: the outputs to report, and the sequences
+    that matched a stop string, which the engine must finish (the scheduler
+    only knows token-level stop conditions)."""
+
+    outputs: list[RequestOutput]
+    stopped_sequence_ids: list[str]
+
+
 class OutputProcessor:
-    """Keeps the per-request output state and builds RequestOutputs.
+    """Folds sampled tokens into per-request ``RequestState``s (text, stop
+    strings, logprobs) and builds RequestOutputs. It holds no registry and
+    finishes nothing: the engine owns the states and acts on what
+    ``process`` returns."""
 
-    ``finish_sequence`` is the engine's hook to end a sequence that matched a
-    stop string (the scheduler only knows token-level stop conditions).
-    """
-
-    def __init__(self, tokenizer, finish_sequence) -> None:
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.finish_sequence = finish_sequence
-        self.states: dict[str, RequestState] = {}
 
-    def add(self, request: Request, prompt: str | None) -> None:
+    @staticmethod
+    def new_state(request: Request, prompt: str | None) -> RequestState:
         params = request.sampling_params
         state = RequestState(
             request_id=request.request_id,
@@ -86,30 +96,32 @@ class OutputProcessor:
         )
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * request.num_prompt_tokens
-        self.states[request.request_id] = state
+        return state
 
     def decode_logprobs(self, entry: PositionLogprobs) -> PositionLogprobs:
         for token_id, logprob in entry.items():
             logprob.decoded_token = self.tokenizer.decode([token_id])
         return entry
 
-    def store_prompt_logprobs(self, request_id: str, first: int, entries: list[PositionLogprobs]) -> None:
-        state = self.states.get(request_id)
-        if state is not None and state.prompt_logprobs is not None:
+    def store_prompt_logprobs(self, state: RequestState, first: int, entries: list[PositionLogprobs]) -> None:
+        if state.prompt_logprobs is not None:
             state.prompt_logprobs[first : first + len(entries)] = [self.decode_logprobs(e) for e in entries]
 
     def process(
         self,
         advanced: list[Request],
-        sampled_logprobs: dict[str, float],
-        logprobs: dict[str, PositionLogprobs],
-    ) -> list[RequestOutput]:
-        """Fold this step's tokens into the states; one output per user request
-        that advanced (best_of > n requests report only when finished)."""
+        sampled_logprobs: Mapping[str, float],
+        logprobs: Mapping[str, PositionLogprobs],
+        states: Mapping[str, RequestState],
+    ) -> ProcessedStep:
+        """Fold this step's tokens into the states (``states`` maps user request
+        ids to them); one output per user request that advanced (best_of > n
+        requests report only when finished)."""
         now = time.time()
         touched: dict[str, RequestState] = {}
+        stopped: list[str] = []
         for request in advanced:
-            state = self.states[request.group_id]
+            state = states[request.group_id]
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             seq = state.sequences.get(request.sample_index)
@@ -121,25 +133,27 @@ class OutputProcessor:
             seq.cumulative_logprob += sampled_logprobs[rid]
             if seq.logprobs is not None:
                 seq.logprobs.append(self.decode_logprobs(logprobs[rid]))
-            self._update_text(seq)
+            if self._update_text(seq):
+                stopped.append(rid)
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
             if state.finished:
                 state.metrics.finished_time = now
-                del self.states[state.request_id]
             elif state.params.num_sequences > state.params.n:
                 continue
             outputs.append(self._request_output(state))
-        return outputs
+        return ProcessedStep(outputs, stopped)
 
-    def _update_text(self, seq: SequenceState) -> None:
+    def _update_text(self, seq: SequenceState) -> bool:
+        """Detokenize the new token; returns True when the text now matches a
+        stop string (the sequence is then finished with reason "stop")."""
         request = seq.request
         params = request.sampling_params
         new_text = detokenize_incrementally(self.tokenizer, request.output_token_ids, seq.detokenizer,
                                             params.skip_special_tokens)
         if seq.stop_reason is not None:
-            return  # already cut at a stop string; later tokens add nothing
+            return False  # already cut at a stop string; later tokens add nothing
         seq.text = seq.detokenizer.text
         if not request.is_finished and new_text:
             for stop in params.stop_strings:
@@ -149,12 +163,13 @@ class OutputProcessor:
                 if index != -1:
                     seq.text = seq.text[: index + len(stop) if params.include_stop_str_in_output else index]
                     seq.stop_reason = stop
-                    self.finish_sequence(request.request_id, RequestStatus.FINISHED_STOPPED)
-                    break
+                    seq.finish_reason = "stop"
+                    return True
         if request.is_finished:
             seq.finish_reason = request.status.finish_reason
             if seq.stop_reason is None:
                 seq.stop_reason = request.stop_reason
+        return False
 
     def _request_output(self, state: RequestState) -> RequestOutput:
         sequences = [state.sequences[i] for i in sorted(state.sequences)]
@@ -173,8 +188,3 @@ class OutputProcessor:
             metrics=state.metrics,
             num_cached_tokens=sequences[0].request.num_cached_tokens,
         )
-
-    def abort(self, request_id: str) -> list[str]:
-        """Forget a user request; returns the ids of all its sequences."""
-        state = self.states.pop(request_id, None)
-        return state.sequence_ids if state is not None else [request_id]

@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.kernels.cpu import cpu_kernels_for
+from pagedllm.model.shapes import head_dim_of
 
 
 # Up to this many rows an fp32 matmul is a decode step's, bound by streaming the
@@ -126,17 +127,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def _rope_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type == "dynamic":
         raise ValueError("rope_type 'dynamic' (length-dependent NTK scaling) is not supported")
     if rope_type == "default":
-        return LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+        return _default_rope_inv_freq(config)
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
     return ROPE_INIT_FUNCTIONS[rope_type](config)
+
+
+def _default_rope_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
+    """The unscaled RoPE frequencies, computed exactly as transformers'
+    ``LlamaRotaryEmbedding.compute_default_rope_parameters`` does. Written out
+    here because importing ``modeling_llama`` pulls in torch._dynamo and, with
+    it, Triton (whose nanobind leak report then ends every CPU run)."""
+    base = config.rope_parameters["rope_theta"]
+    dim = head_dim_of(config)
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 
 class GatedMLP(nn.Module):

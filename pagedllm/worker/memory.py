@@ -1,19 +1,175 @@
-"""How much memory the KV pool may take when it is sized from the device.
+"""Planning the KV pool: how many blocks, how many swap blocks, what a token costs.
 
-Two rules: ``kv_cache_fraction`` takes a fraction of what is free after the
-weights are loaded (CPU or GPU), and on CUDA ``gpu_memory_utilization`` is
-vLLM's rule: the engine as a whole (weights, the peak activations of the
-largest step, and the pool) stays within that fraction of the GPU's total
-memory. The peak is measured by running one dummy step of the largest size
-the scheduler may build before the pool exists.
+``plan_kv_pool`` applies the sizing rules of ``CacheConfig`` in their order.
+Two of them read the device: ``kv_cache_fraction`` takes a fraction of what is
+free after the weights are loaded (CPU or GPU), and on CUDA
+``gpu_memory_utilization`` is vLLM's rule: the engine as a whole (weights, the
+peak activations of the largest step, and the pool) stays within that fraction
+of the GPU's total memory. The peak is measured by running one dummy step of
+the largest size the scheduler may build before the pool exists.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
-from pagedllm.attention.kv_cache import allocate_layer
+from pagedllm.attention.kv_cache import allocate_layer, kv_bytes_per_token_per_kv_head
+from pagedllm.attention.selector import attention_backend_for
+from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig, torch_dtype
+from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """The KV pool rank 0 decided at start-up; every rank allocates ``num_blocks``
+    blocks (and ``num_swap_blocks`` host blocks) of its own KV heads."""
+
+    num_blocks: int
+    block_size: int
+    num_swap_blocks: int  # host blocks for preemption_mode="swap" (0 otherwise)
+    bytes_per_token: int  # one token in this rank's pool, quantization scales included
+    total_bytes_per_token: int  # one token over all ranks together
+    unquantized_bytes_per_token: int  # one token in this rank's pool were K/V kept in the model dtype
+    num_kv_heads: int  # this rank's
+    total_num_kv_heads: int
+    tensor_parallel_size: int
+    dtype: str  # the model's dtype option, e.g. "float32"
+    kv_cache_dtype: str
+    device_type: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def capacity_line(self) -> str:
+        """The start-up log line: blocks, tokens, bytes per token, storage, and with
+        quantization or tensor parallelism what they change."""
+        tokens = self.num_tokens
+        storage = self.dtype if self.kv_cache_dtype == "auto" else f"{self.kv_cache_dtype} KV with per-token scales"
+        line = (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {tokens} tokens "
+            f"({self.bytes_per_token} bytes/token, {tokens * self.bytes_per_token / 2**20:.1f} MiB, "
+            f"{storage}) on {self.device_type}"
+        )
+        if self.kv_cache_dtype != "auto":
+            gain = self.unquantized_bytes_per_token / self.bytes_per_token
+            line += f"; {gain:.2f}x the tokens of a {self.dtype} pool of the same size"
+        if self.tensor_parallel_size > 1:
+            line += (f"; that is rank 0, with {self.num_kv_heads} of {self.total_num_kv_heads} KV heads; "
+                     f"all {self.tensor_parallel_size} ranks together: {self.total_bytes_per_token} bytes/token, "
+                     f"{tokens * self.total_bytes_per_token / 2**20:.1f} MiB")
+        return line
+
+
+def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                       num_kv_heads: int | None = None) -> int:
+    """K and V, every layer, every KV head (scales included): the pool's cost of
+    one token; with ``num_kv_heads``, of one rank holding that many KV heads."""
+    num_kv_heads = num_kv_heads or num_kv_heads_of(config)
+    per_head = kv_bytes_per_token_per_kv_head(head_dim_of(config), dtype, kv_cache_dtype)
+    return config.num_hidden_layers * num_kv_heads * per_head
+
+
+def plan_kv_pool(config: EngineConfig, model: LlamaForCausalLM, scheduler_config: SchedulerConfig,
+                 device: torch.device) -> PoolPlan:
+    """Size rank 0's pool from ``config.cache`` for ``model`` (rank 0's shard) on ``device``.
+
+    The first rule that is set decides: ``num_kv_blocks``, then
+    ``kv_cache_memory``, then ``kv_cache_fraction`` of the memory available
+    now, then on CUDA ``gpu_memory_utilization`` (0.9 by default), else on CPU
+    ``DEFAULT_KV_CACHE_MEMORY``. Swap blocks exist only with
+    ``preemption_mode="swap"`` and the paged layout, ``swap_space`` GiB of them.
+
+    Safety rules: call it after the weights are on the device and before any
+    pool is allocated, since the memory rules measure what is left. On CUDA
+    without an explicit size it runs one forward pass of the model, which is
+    why tensor parallelism on GPUs needs ``kv_cache_memory`` (bytes per rank)
+    or ``num_kv_blocks``: the other ranks are not there to join its
+    all-reduces. Every configuration the pool cannot honour raises
+    ``ValueError`` saying what to change.
+    """
+    cache = config.cache
+    dtype = torch_dtype(config.dtype)
+    if config.tensor_parallel_size > 1 and device.type == "cuda" and cache.num_kv_blocks is None \
+            and cache.kv_cache_memory is None:
+        raise ValueError("with tensor_parallel_size > 1 on GPUs, size the pool with kv_cache_memory "
+                         "(bytes per rank) or num_kv_blocks")
+    # Per rank (rank 0 holds the most KV heads when they do not split evenly):
+    # the budget is per rank, and every rank has the same number of blocks.
+    bytes_per_token = kv_bytes_per_token(model.config, dtype, cache.kv_cache_dtype, model.num_kv_heads)
+    bytes_per_block = bytes_per_token * cache.block_size
+    if cache.num_kv_blocks is not None:
+        num_blocks = cache.num_kv_blocks
+    else:
+        budget = _kv_budget_bytes(config, model, scheduler_config, device)
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV budget of {budget} bytes holds no block of {cache.block_size} tokens "
+                f"({bytes_per_block} bytes); raise kv_cache_memory or kv_cache_fraction"
+            )
+    num_swap_blocks = 0
+    if config.preemption_mode == "swap" and cache.kv_layout == "paged":
+        num_swap_blocks = int(config.swap_space * 2**30) // bytes_per_block
+    return PoolPlan(
+        num_blocks=num_blocks,
+        block_size=cache.block_size,
+        num_swap_blocks=num_swap_blocks,
+        bytes_per_token=bytes_per_token,
+        total_bytes_per_token=kv_bytes_per_token(model.config, dtype, cache.kv_cache_dtype),
+        # What the same memory would hold unquantized: the start-up line reports the gain.
+        unquantized_bytes_per_token=kv_bytes_per_token(model.config, dtype, "auto", model.num_kv_heads),
+        num_kv_heads=model.num_kv_heads,
+        total_num_kv_heads=num_kv_heads_of(model.config),
+        tensor_parallel_size=config.tensor_parallel_size,
+        dtype=config.dtype,
+        kv_cache_dtype=cache.kv_cache_dtype,
+        device_type=device.type,
+    )
+
+
+def _kv_budget_bytes(config: EngineConfig, model: LlamaForCausalLM, scheduler_config: SchedulerConfig,
+                     device: torch.device) -> int:
+    """Bytes for the pool by the first memory rule that applies (``num_kv_blocks`` is not one)."""
+    cache = config.cache
+    if cache.kv_cache_memory is not None:
+        return cache.kv_cache_memory
+    if cache.kv_cache_fraction is not None:
+        return int(available_memory_bytes(device) * cache.kv_cache_fraction)
+    if device.type == "cuda":
+        return _gpu_utilization_budget(model, scheduler_config, cache, torch_dtype(config.dtype), device)
+    if cache.gpu_memory_utilization is not None:
+        raise ValueError(
+            f"gpu_memory_utilization applies to CUDA devices and this engine runs on {device}; "
+            "size the pool with kv_cache_memory or kv_cache_fraction instead"
+        )
+    return cache.DEFAULT_KV_CACHE_MEMORY
+
+
+def _gpu_utilization_budget(model: LlamaForCausalLM, scheduler_config: SchedulerConfig, cache: CacheConfig,
+                           dtype: torch.dtype, device: torch.device) -> int:
+    """vLLM's rule: weights + the largest step's activations + the pool stay
+    within ``gpu_memory_utilization`` of the GPU's total memory. Runs one dummy
+    step of ``model`` (one rank: it does not join other ranks' all-reduces)."""
+    utilization = cache.gpu_memory_utilization or CacheConfig.DEFAULT_GPU_MEMORY_UTILIZATION
+    kv_shape = (model.num_kv_heads, head_dim_of(model.config))
+    attention = attention_backend_for(device, cache.block_size, cache.kv_cache_dtype)
+    weights_bytes = torch.cuda.memory_allocated(device)
+    peak = cuda_peak_activation_bytes(
+        lambda: run_dummy_step(model, attention, scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs,
+                               cache.block_size, kv_shape, dtype, cache.kv_cache_dtype, device),
+        device,
+    )
+    total = torch.cuda.get_device_properties(device).total_memory
+    return utilization_kv_budget(total, utilization, weights_bytes, peak)
 
 
 def available_memory_bytes(device: torch.device) -> int:

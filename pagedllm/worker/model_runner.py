@@ -13,24 +13,15 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
-from pagedllm.attention.kv_cache import allocate_layer, kv_bytes_per_token_per_kv_head
+from pagedllm.attention.kv_cache import allocate_layer
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.utils import cdiv
-from pagedllm.core.request import Request, child_request_id, child_seed
-from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagedllm.core.scheduler_output import NewSequenceData, ScheduledSequence, SchedulerOutput
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
+from pagedllm.model.shapes import head_dim_of
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from pagedllm.worker.swap import HostSwapPool
-
-
-def kv_bytes_per_token(config, dtype: torch.dtype, kv_cache_dtype: str = "auto", num_kv_heads: int | None = None) -> int:
-    """K and V, every layer, every KV head (scales included): the pool's cost of
-    one token; with ``num_kv_heads``, of one rank holding that many KV heads."""
-    num_kv_heads = num_kv_heads or num_kv_heads_of(config)
-    per_head = kv_bytes_per_token_per_kv_head(head_dim_of(config), dtype, kv_cache_dtype)
-    return config.num_hidden_layers * num_kv_heads * per_head
 
 
 @dataclass
@@ -45,6 +36,34 @@ class ModelRunnerOutput:
     elapsed_s: float = 0.0
 
 
+class CachedSequence:
+    """The runner's copy of one sequence: built from ``NewSequenceData`` and
+    advanced by each step's diffs, so no step reads the scheduler's objects."""
+
+    __slots__ = ("prompt_token_ids", "output_token_ids", "block_ids", "sampling_params")
+
+    def __init__(self, data: NewSequenceData) -> None:
+        self.prompt_token_ids = data.prompt_token_ids  # never changes
+        self.output_token_ids = list(data.output_token_ids)
+        self.block_ids = list(data.block_ids)
+        self.sampling_params = data.sampling_params
+
+    def apply(self, scheduled: ScheduledSequence) -> None:
+        self.output_token_ids.extend(scheduled.new_token_ids)
+        for index, block_id in scheduled.replaced_blocks:
+            self.block_ids[index] = block_id
+        self.block_ids.extend(scheduled.new_block_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output, without joining the two."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+
 @dataclass
 class _Batch:
     """The flattened inputs of one forward pass."""
@@ -52,8 +71,8 @@ class _Batch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
-    order: list[ScheduledRequest]  # decodes first, then prefill spans
-    last_rows: list[int]  # row of each scheduled request's last token, in `order`
+    order: list[ScheduledSequence]  # decodes first, then prefill spans
+    last_rows: list[int]  # row of each scheduled sequence's last token, in `order`
 
 
 @dataclass
@@ -101,11 +120,23 @@ class ModelRunner:
         self.swap_pool = HostSwapPool(num_swap_blocks, self.kv_caches)
         self.attention = attention_backend_for(device, block_size, kv_cache_dtype)
         self.sampler = Sampler(eos_token_ids)
+        self.sequences: dict[str, CachedSequence] = {}
+
+    def _update_sequences(self, scheduler_output: SchedulerOutput) -> None:
+        """Forget released sequences, learn new ones, then apply the step's diffs
+        (in that order: a sequence preempted and resumed in one step is relearnt)."""
+        for sequence_id in scheduler_output.released_sequence_ids:
+            self.sequences.pop(sequence_id, None)
+        for data in scheduler_output.new_sequences:
+            self.sequences[data.sequence_id] = CachedSequence(data)
+        for scheduled in scheduler_output.scheduled:
+            self.sequences[scheduled.sequence_id].apply(scheduled)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         started = time.perf_counter()
         output = ModelRunnerOutput()
+        self._update_sequences(scheduler_output)
         batch = None if scheduler_output.is_empty else self._prepare(scheduler_output)
         step = StepInputs(scheduler_output.swap_out, scheduler_output.block_copies, scheduler_output.swap_in)
         if batch is not None:
@@ -163,12 +194,12 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
         for scheduled in order:
-            request = scheduled.request
-            start = request.num_computed_tokens
+            sequence = self.sequences[scheduled.sequence_id]
+            start = scheduled.num_computed_tokens
             end = start + scheduled.num_scheduled_tokens
-            block_ids = scheduled.block_ids
+            block_ids = sequence.block_ids
             row = len(input_ids)
-            input_ids.extend(request.all_token_ids[start:end])
+            input_ids.extend(sequence.token_ids(start, end))
             positions.extend(range(start, end))
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
             last_rows.append(len(input_ids) - 1)
@@ -202,51 +233,48 @@ class ModelRunner:
         )
 
     def _sample(self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
-        """Sample the next token of every request whose tokens are all computed.
-        A request about to fork into n samples gets n rows over the same logits,
-        one per future sequence, keyed by that sequence's id and seeded by its
-        own seed."""
+        """Sample the rows the scheduler chose, each from its sequence's last
+        logits, keyed by the row's sequence id (a sequence about to fork has one
+        row per future sample over the same logits)."""
         rows: list[int] = []
-        sequences: list[tuple[str, int, Request]] = []  # (sequence id, seed, request)
+        sample_rows = []
+        sequences: list[CachedSequence] = []
         for scheduled, last_row in zip(batch.order, batch.last_rows):
-            if not scheduled.samples:
-                continue
-            request = scheduled.request
-            for i in range(request.num_pending_samples if not request.tokens_chosen_externally else 1):
+            sequence = self.sequences[scheduled.sequence_id]
+            for sample_row in scheduled.sample_rows:
                 rows.append(last_row)
-                sequences.append((child_request_id(request.group_id, i) if i else request.request_id,
-                                  child_seed(request.seed, i), request))
+                sample_rows.append(sample_row)
+                sequences.append(sequence)
         if not rows:
             return
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
-        requests = [request for _, _, request in sequences]
         metadata = SamplingMetadata(
-            params=[r.sampling_params for r in requests],
-            seeds=[seed for _, seed, _ in sequences],
-            output_positions=[r.num_output_tokens for r in requests],
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
+            params=[s.sampling_params for s in sequences],
+            seeds=[row.seed for row in sample_rows],
+            output_positions=[row.output_position for row in sample_rows],
+            prompt_token_ids=[s.prompt_token_ids for s in sequences],
+            output_token_ids=[s.output_token_ids for s in sequences],
         )
         result = self.sampler(logits, metadata)
-        for i, (sequence_id, _, _) in enumerate(sequences):
-            output.sampled_token_ids[sequence_id] = result.sampled_token_ids[i]
-            output.sampled_logprobs[sequence_id] = result.sampled_logprobs[i]
+        for i, row in enumerate(sample_rows):
+            output.sampled_token_ids[row.sequence_id] = result.sampled_token_ids[i]
+            output.sampled_logprobs[row.sequence_id] = result.sampled_logprobs[i]
             if result.logprobs[i] is not None:
-                output.logprobs[sequence_id] = result.logprobs[i]
+                output.logprobs[row.sequence_id] = result.logprobs[i]
 
     def _prompt_logprobs(self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
         """Logits at prompt position p score prompt token p + 1 (the first prompt
         token has no logprob). Only spans that cover prompt positions need them."""
         for scheduled, last_row in zip(batch.order, batch.last_rows):
-            request = scheduled.request
-            k = request.sampling_params.prompt_logprobs
+            sequence = self.sequences[scheduled.sequence_id]
+            k = sequence.sampling_params.prompt_logprobs
             if k is None:
                 continue
-            start = request.num_computed_tokens
-            stop = min(start + scheduled.num_scheduled_tokens, request.num_prompt_tokens - 1)
+            start = scheduled.num_computed_tokens
+            stop = min(start + scheduled.num_scheduled_tokens, len(sequence.prompt_token_ids) - 1)
             if stop <= start:
                 continue
             first_row = last_row - scheduled.num_scheduled_tokens + 1
             logits = self.model.compute_logits(hidden[first_row : first_row + stop - start])
-            targets = request.prompt_token_ids[start + 1 : stop + 1]
-            output.prompt_logprobs[request.request_id] = (start + 1, compute_prompt_logprobs(logits, targets, k))
+            targets = sequence.prompt_token_ids[start + 1 : stop + 1]
+            output.prompt_logprobs[scheduled.sequence_id] = (start + 1, compute_prompt_logprobs(logits, targets, k))

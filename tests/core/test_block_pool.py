@@ -58,7 +58,7 @@ def test_manager_returns_none_and_changes_nothing_on_shortfall():
     assert kv.allocate_slots("a", 8, 8) is None
     assert kv.get_block_ids("a") == before
     assert kv.num_free_blocks == 1
-    kv.check_invariants({"a": 8})
+    kv.check_invariants({"a": 8}, swapped=())
 
 
 def test_free_is_tail_first_and_uncached_blocks_are_reused_first():
@@ -117,9 +117,9 @@ def test_random_operations_keep_every_invariant(block_size, num_blocks, operatio
         else:
             kv.free(rid)
             tokens.pop(rid, None)
-        kv.check_invariants(tokens)
+        kv.check_invariants(tokens, swapped=())
         assert kv.num_free_blocks + sum(len(kv.get_block_ids(r)) for r in tokens) == num_blocks
     for rid in list(tokens):
         kv.free(rid)
     assert kv.num_free_blocks == num_blocks
-    kv.check_invariants({})
+    kv.check_invariants({}, swapped=())

@@ -40,8 +40,9 @@ class BlockSharingMachine(RuleBasedStateMachine):
             return False
         # A write into a shared block is one copy, never more.
         assert len(copies) <= 1
-        for src, dst in copies:
+        for src, dst, table_index in copies:
             self.pool[dst] = list(self.pool[src])
+            assert table_index == len(tokens) // BLOCK_SIZE  # only the entry being written is replaced
         table = self.kv.get_block_ids(seq)
         for position in range(len(tokens), len(tokens) + num_new):
             label = next(self.labels)
@@ -97,7 +98,7 @@ class BlockSharingMachine(RuleBasedStateMachine):
 
     @invariant()
     def counts_match_tables_and_no_block_is_both_free_and_used(self):
-        self.kv.check_invariants({seq: len(tokens) for seq, tokens in self.expected.items()})
+        self.kv.check_invariants({seq: len(tokens) for seq, tokens in self.expected.items()}, swapped=())
         used = {b for seq in self.expected for b in self.kv.get_block_ids(seq)}
         assert len(used) + self.kv.num_free_blocks == NUM_BLOCKS
 
@@ -105,7 +106,7 @@ class BlockSharingMachine(RuleBasedStateMachine):
         for seq in list(self.expected):
             self.kv.free(seq)
         assert self.kv.num_free_blocks == NUM_BLOCKS
-        self.kv.check_invariants({})
+        self.kv.check_invariants({}, swapped=())
 
 
 TestBlockSharing = BlockSharingMachine.TestCase
@@ -119,7 +120,7 @@ def test_copy_on_write_copies_exactly_one_block_on_divergence():
     shared_tail = kv.get_block_ids("parent")[1]
     assert kv.block_pool.blocks[shared_tail].ref_cnt == 2
     copies = kv.allocate_slots("child", 6, 1)
-    assert len(copies) == 1 and copies[0][0] == shared_tail
+    assert len(copies) == 1 and copies[0].src == shared_tail and copies[0].table_index == 1
     assert kv.get_block_ids("child")[0] == kv.get_block_ids("parent")[0]  # the full block stays shared
     assert kv.get_block_ids("child")[1] == copies[0][1] != shared_tail
     assert kv.block_pool.blocks[shared_tail].ref_cnt == 1
@@ -130,6 +131,7 @@ def test_fork_without_sharing_copies_every_block():
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_block_sharing=False)
     kv.allocate_slots("parent", 0, 6)
     copies = kv.fork("parent", "child")
-    assert [src for src, _ in copies] == kv.get_block_ids("parent")
-    assert [dst for _, dst in copies] == kv.get_block_ids("child")
+    assert [copy.src for copy in copies] == kv.get_block_ids("parent")
+    assert [copy.dst for copy in copies] == kv.get_block_ids("child")
+    assert [copy.table_index for copy in copies] == list(range(len(copies)))
     assert kv.num_free_blocks == 4

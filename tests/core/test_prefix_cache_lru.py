@@ -74,7 +74,7 @@ def test_random_workloads_never_evict_referenced_blocks_and_keep_lru_order(ops, 
             for block in reversed(table):
                 if block.ref_cnt == 0:
                     freed_at[block.block_id] = next(clock)
-        kv.check_invariants({rid: r.num_tokens for rid, r in live.items()})
+        kv.check_invariants({rid: r.num_tokens for rid, r in live.items()}, swapped=())
         cached_free = [b.block_id for b in kv.block_pool.free_block_queue if b.block_hash is not None]
         times = [freed_at[b] for b in cached_free]
         assert times == sorted(times)  # LRU order: least recently freed at the front

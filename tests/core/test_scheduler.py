@@ -27,7 +27,7 @@ def make_request(rid, prompt_len, max_tokens=8, priority=0, prompt=None, cache_s
 def run_step(scheduler, token=5):
     """Schedule, then pretend the model sampled `token` for every sampling row."""
     out = scheduler.schedule()
-    sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
+    sampled = {row.sequence_id: token for s in out.scheduled for row in s.sample_rows}
     scheduler.update_from_output(out, sampled)
     scheduler.check_invariants()
     return out
@@ -37,10 +37,10 @@ def test_prefill_and_decode_share_a_step_and_requests_leave_when_done():
     scheduler, kv = make_scheduler()
     scheduler.add_request(make_request("a", 10, max_tokens=2))
     out = run_step(scheduler)
-    assert [(s.request.request_id, s.num_scheduled_tokens) for s in out.scheduled] == [("a", 10)]
+    assert [(s.sequence_id, s.num_scheduled_tokens) for s in out.scheduled] == [("a", 10)]
     scheduler.add_request(make_request("b", 6, max_tokens=3))
     out = run_step(scheduler)  # a decodes its 2nd token, b prefills
-    assert [(s.request.request_id, s.num_scheduled_tokens) for s in out.scheduled] == [("a", 1), ("b", 6)]
+    assert [(s.sequence_id, s.num_scheduled_tokens) for s in out.scheduled] == [("a", 1), ("b", 6)]
     assert "a" not in scheduler.requests  # max_tokens=2 reached
     while scheduler.has_unfinished_requests():
         run_step(scheduler)
@@ -52,7 +52,7 @@ def test_token_budget_and_max_num_seqs_bound_a_step():
     for rid in "abc":
         scheduler.add_request(make_request(rid, 6))
     out = scheduler.schedule()
-    assert [s.request.request_id for s in out.scheduled] == ["a", "b"]  # 12 tokens, 2 seqs
+    assert [s.sequence_id for s in out.scheduled] == ["a", "b"]  # 12 tokens, 2 seqs
     assert out.total_num_scheduled_tokens == 12
     assert scheduler.num_waiting == 1
 
@@ -90,11 +90,11 @@ def test_priority_policy_orders_admission_and_fcfs_ignores_priority():
     scheduler, _ = make_scheduler(max_num_seqs=1, scheduling_policy="priority")
     scheduler.add_request(make_request("low", 4, priority=5))
     scheduler.add_request(make_request("high", 4, priority=-1))
-    assert [s.request.request_id for s in scheduler.schedule().scheduled] == ["high"]
+    assert [s.sequence_id for s in scheduler.schedule().scheduled] == ["high"]
     fcfs, _ = make_scheduler(max_num_seqs=1)
     fcfs.add_request(make_request("low", 4, priority=5))
     fcfs.add_request(make_request("high", 4, priority=-1))
-    assert [s.request.request_id for s in fcfs.schedule().scheduled] == ["low"]
+    assert [s.sequence_id for s in fcfs.schedule().scheduled] == ["low"]
 
 
 def test_a_strictly_more_urgent_arrival_takes_the_seat_and_equals_never_ping_pong():
@@ -103,11 +103,11 @@ def test_a_strictly_more_urgent_arrival_takes_the_seat_and_equals_never_ping_pon
     run_step(scheduler)
     scheduler.add_request(make_request("same", 4, priority=5, max_tokens=2))
     out = run_step(scheduler)
-    assert [s.request.request_id for s in out.scheduled] == ["low"] and not out.preempted_request_ids
+    assert [s.sequence_id for s in out.scheduled] == ["low"] and not out.preempted_request_ids
     scheduler.add_request(make_request("urgent", 4, priority=0, max_tokens=2))
     out = run_step(scheduler)
     assert out.preempted_request_ids == ["low"]
-    assert [s.request.request_id for s in out.scheduled] == ["urgent"]
+    assert [s.sequence_id for s in out.scheduled] == ["urgent"]
     for _ in range(100):
         if not scheduler.has_unfinished_requests():
             break
@@ -121,7 +121,7 @@ def test_long_prefill_threshold_caps_each_chunk():
     scheduler.add_request(make_request("long", 70, max_tokens=1))
     scheduler.add_request(make_request("short", 10, max_tokens=1))
     out = run_step(scheduler)
-    assert [(s.request.request_id, s.num_scheduled_tokens) for s in out.scheduled] == [("long", 30), ("short", 10)]
+    assert [(s.sequence_id, s.num_scheduled_tokens) for s in out.scheduled] == [("long", 30), ("short", 10)]
 
 
 def test_swap_mode_moves_private_blocks_to_host_and_back():

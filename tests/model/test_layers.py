@@ -96,3 +96,19 @@ def test_silu_and_mul_kernel_rejects_bad_input_with_a_message():
         kernels.silu_and_mul(torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         kernels.silu_and_mul(torch.randn(2, 8).double())
+
+
+@pytest.mark.parametrize("config_kwargs", [
+    dict(hidden_size=576, num_attention_heads=9),  # SmolLM2-135M's shape
+    dict(hidden_size=256, num_attention_heads=4, head_dim=128, rope_theta=1e6),  # explicit head_dim (Qwen3)
+])
+def test_default_rope_frequencies_equal_transformers_bit_for_bit(config_kwargs):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from pagedllm.model.layers import _rope_inv_freq
+
+    config = LlamaConfig(**config_kwargs)
+    expected, expected_scaling = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    inv_freq, scaling = _rope_inv_freq(config)
+    assert torch.equal(inv_freq, expected) and scaling == expected_scaling

@@ -1,4 +1,5 @@
-"""Pool sizing from the device: vLLM's gpu_memory_utilization arithmetic and the profiling step."""
+"""Pool planning: the sizing rules in their order, swap blocks, bytes per token,
+vLLM's gpu_memory_utilization arithmetic and the profiling step."""
 
 from __future__ import annotations
 
@@ -8,10 +9,94 @@ import torch
 from pagedllm import LLM
 from pagedllm.attention.kv_cache import allocate_layer
 from pagedllm.attention.selector import attention_backend_for
+from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.shapes import head_dim_of
-from pagedllm.worker.memory import run_dummy_step, utilization_kv_budget
+from pagedllm.worker import memory
+from pagedllm.worker.memory import plan_kv_pool, run_dummy_step, utilization_kv_budget
+from tests.conftest import TINY_COMMON
 
 GIB = 2**30
+CPU = torch.device("cpu")
+# The tiny Llama: 2 layers x 2 KV heads x head_dim 16, K and V: 512 bytes per token in fp32.
+TINY_FP32_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4
+
+
+def tiny_model(world_size: int = 1) -> LlamaForCausalLM:
+    """Rank 0's shard of a random tiny Llama: planning reads its shape, not its weights."""
+    from transformers import LlamaConfig
+
+    return LlamaForCausalLM(LlamaConfig(**TINY_COMMON, vocab_size=256), tp=TensorParallelGroup(0, world_size))
+
+
+def plan(device: torch.device = CPU, world_size: int = 1, preemption_mode: str = "recompute",
+         swap_space: float = 4.0, **cache_options) -> memory.PoolPlan:
+    config = EngineConfig(cache=CacheConfig(**cache_options), preemption_mode=preemption_mode, swap_space=swap_space,
+                          tensor_parallel_size=world_size)
+    return plan_kv_pool(config, tiny_model(world_size), SchedulerConfig(max_model_len=64), device)
+
+
+@pytest.mark.parametrize(
+    ("options", "expected_blocks"),
+    [
+        # num_kv_blocks wins over every memory rule.
+        (dict(num_kv_blocks=5, kv_cache_memory=GIB, kv_cache_fraction=0.5), 5),
+        # Then kv_cache_memory, over kv_cache_fraction.
+        (dict(kv_cache_memory=100 * 512 * 16, kv_cache_fraction=0.5), 100),
+        # Then the fraction of available memory (8 MiB, faked below).
+        (dict(kv_cache_fraction=0.25), 2 * 2**20 // (512 * 16)),
+        # Then, on CPU, the default budget.
+        (dict(), CacheConfig.DEFAULT_KV_CACHE_MEMORY // (512 * 16)),
+    ],
+)
+def test_pool_size_follows_the_first_rule_that_is_set(options, expected_blocks, monkeypatch):
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 8 * 2**20)
+    planned = plan(**options)
+    assert (planned.num_blocks, planned.block_size, planned.num_tokens) == (expected_blocks, 16, expected_blocks * 16)
+
+
+def test_a_budget_that_holds_no_block_names_what_to_raise():
+    with pytest.raises(ValueError, match=r"the KV budget of 8000 bytes holds no block of 16 tokens \(8192 bytes\); "
+                                         "raise kv_cache_memory or kv_cache_fraction"):
+        plan(kv_cache_memory=8000)
+
+
+def test_tensor_parallel_on_gpus_needs_an_explicit_pool_size():
+    """Sizing from GPU memory runs a forward the other ranks would not join."""
+    with pytest.raises(ValueError, match="with tensor_parallel_size > 1 on GPUs, size the pool with kv_cache_memory"):
+        plan(torch.device("cuda"), world_size=2, kv_cache_fraction=0.5)
+    assert plan(world_size=2, kv_cache_fraction=0.5).num_blocks > 0  # on CPU the fraction is measured
+
+
+@pytest.mark.parametrize(
+    ("preemption_mode", "kv_layout", "expected_swap_blocks"),
+    [("swap", "paged", GIB // (512 * 16)), ("recompute", "paged", 0), ("swap", "contiguous", 0)],
+)
+def test_swap_blocks_only_for_swap_preemption_of_a_paged_pool(preemption_mode, kv_layout, expected_swap_blocks):
+    planned = plan(preemption_mode=preemption_mode, swap_space=1.0, kv_layout=kv_layout, num_kv_blocks=8)
+    assert planned.num_swap_blocks == expected_swap_blocks
+
+
+def test_bytes_per_token_int8_against_the_model_dtype():
+    auto = plan(num_kv_blocks=8)
+    int8 = plan(num_kv_blocks=8, kv_cache_dtype="int8")
+    assert (auto.bytes_per_token, auto.unquantized_bytes_per_token) == (TINY_FP32_BYTES_PER_TOKEN,) * 2
+    # 1-byte values plus one fp32 scale per (token, KV head), for K and for V.
+    assert int8.bytes_per_token == int8.total_bytes_per_token == 2 * 2 * 2 * (16 + 4)
+    assert int8.unquantized_bytes_per_token == TINY_FP32_BYTES_PER_TOKEN
+    assert "int8 KV with per-token scales) on cpu; 3.20x the tokens of a float32 pool" in int8.capacity_line()
+
+
+def test_a_rank_plans_with_its_own_kv_heads():
+    """Two ranks split the 2 KV heads: the budget buys blocks of rank 0's half."""
+    planned = plan(world_size=2, kv_cache_memory=100 * 256 * 16)
+    assert (planned.num_blocks, planned.bytes_per_token, planned.total_bytes_per_token) == (
+        100, TINY_FP32_BYTES_PER_TOKEN // 2, TINY_FP32_BYTES_PER_TOKEN)
+    assert planned.capacity_line() == (
+        "KV cache: 100 blocks x 16 tokens = 1600 tokens (256 bytes/token, 0.4 MiB, float32) on cpu; "
+        "that is rank 0, with 1 of 2 KV heads; all 2 ranks together: 512 bytes/token, 0.8 MiB"
+    )
 
 
 def test_utilization_budget_is_what_weights_and_activations_leave():
@@ -34,8 +119,6 @@ def test_gpu_memory_utilization_is_refused_on_cpu(tiny_llama):
 def test_dummy_step_writes_every_token_into_its_throwaway_pool(tiny_llama, monkeypatch):
     """The profiling step is a real forward of the largest step: it must store
     K/V for all of its tokens (so the attention path it measures is the real one)."""
-    from pagedllm.worker import memory
-
     llm = LLM(tiny_llama, num_kv_blocks=8, device="cpu")
     model = llm.llm_engine.model
     config = llm.llm_engine.model_config

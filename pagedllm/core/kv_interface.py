@@ -1,0 +1,133 @@
+"""The boundary between the scheduler and a KV cache manager.
+
+``KVCacheManagerProtocol`` lists exactly what the scheduler (and the engine's
+stats) call. Two managers implement it: the paged ``KVCacheManager`` (blocks on
+demand, sharing, prefix cache, swap) and the ``ContiguousKVCacheManager``
+baseline (one first-fit reservation per request). Each checks its own
+invariants; neither carries attributes that exist only for the other's callers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    from pagedllm.core.request import Request
+
+
+class BlockCopy(NamedTuple):
+    """Copy physical block ``src`` into ``dst`` before the next forward pass;
+    ``dst`` becomes entry ``table_index`` of the requesting sequence's table
+    (copy-on-write of a shared tail, or a fork when sharing is off)."""
+
+    src: int
+    dst: int
+    table_index: int
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """A manager's counters at one moment (all in blocks unless named otherwise)."""
+
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+    peak_blocks_in_use: int
+    # What a manager without a prefix cache, swap space or holes leaves at 0.
+    num_cached_blocks: int = 0
+    # Prefix-cache lookups of admitted requests, in tokens.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_swap_blocks: int = 0
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+    # Admissions refused although enough blocks were free in total (contiguous only).
+    external_fragmentation_waits: int = 0
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_blocks_in_use / self.num_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class KVCacheManagerProtocol(Protocol):
+    """What the scheduler needs from a KV cache manager.
+
+    Safety rules every implementation keeps:
+    - ``allocate_slots``, ``swap_in`` and ``fork`` are all-or-nothing: on
+      shortfall they return None and change nothing, so the scheduler can
+      preempt and retry.
+    - ``free`` is idempotent (unknown ids are a no-op), so every finish, abort
+      and preemption path may call it unconditionally.
+    - Block copies returned by any call must be executed by the runner before
+      the next forward pass, in the order returned.
+    """
+
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Any], int]:
+        """Cached blocks of the request's prefix and the tokens they cover."""
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's prefix-cache lookup."""
+
+    def allocate_slots(
+        self, request_id: str, num_computed_tokens: int, num_new_tokens: int, computed_blocks: list[Any] | None = None
+    ) -> list[BlockCopy] | None:
+        """Room to write the next ``num_new_tokens`` tokens, or None if the pool is short."""
+
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the full blocks of the first ``num_tokens`` tokens for prefix reuse."""
+
+    def fork(self, parent_id: str, child_id: str) -> list[BlockCopy] | None:
+        """Give ``child_id`` the parent's table (shared, or copied when sharing is off)."""
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Move the request's private blocks to host memory: (device, host) copies, or None."""
+
+    def swap_in_cost(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """Free blocks ``swap_in`` plus the next allocation will take."""
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back: (host, device) copies, or None."""
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks (tail first) and host blocks."""
+
+    def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """Physical block ids of the request's table from entry ``start`` on."""
+
+    def reset_prefix_cache(self) -> int:
+        """Forget cached blocks no request uses; returns how many."""
+
+    def reset_peak_blocks_in_use(self) -> None:
+        """Start a new peak measurement from the blocks in use now."""
+
+    def stats(self) -> KVCacheStats: ...
+
+    def pool_snapshot(self) -> list[dict]:
+        """Per physical block: state, ref count, owners, hashed (the live pool view)."""
+
+    def check_invariants(self, running: Mapping[str, int], swapped: Collection[str]) -> None:
+        """Raise ``RuntimeError`` on the first broken invariant. ``running`` maps
+        each running sequence to its token count (only those may hold device
+        tables, no longer than their tokens need); ``swapped`` lists the
+        sequences that may hold swapped-out tables."""

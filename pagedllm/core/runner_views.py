@@ -1,0 +1,82 @@
+"""What the model runner holds of each sequence, so a step sends only what changed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.core.kv_interface import BlockCopy, KVCacheManagerProtocol
+from pagedllm.core.request import Request, child_request_id, child_seed
+from pagedllm.core.scheduler_output import NewSequenceData, SampleRow, ScheduledSequence, SchedulerOutput
+
+
+@dataclass
+class _View:
+    """The runner's copy of a sequence covers these many tokens and table entries."""
+
+    num_tokens: int
+    num_blocks: int
+
+
+class RunnerViews:
+    """Turns scheduled sequences into runner data (``NewSequenceData`` the first
+    time, diffs after that) and tracks which sequences the runner must forget.
+
+    Safety rule: the scheduler calls ``release`` whenever a sequence leaves the
+    RUNNING status (finish, abort, preemption); its next scheduling then sends
+    it whole again, because a recompute or swap-in rebuilds its block table.
+    """
+
+    def __init__(self, kv_cache_manager: KVCacheManagerProtocol) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self._views: dict[str, _View] = {}
+        self._released: list[str] = []
+
+    def held_ids(self) -> set[str]:
+        return set(self._views)
+
+    def release(self, sequence_id: str) -> None:
+        if self._views.pop(sequence_id, None) is not None:
+            self._released.append(sequence_id)
+
+    def take_released(self) -> list[str]:
+        """The sequences released since the last call (the runner forgets them first)."""
+        released, self._released = self._released, []
+        return released
+
+    def add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int, copies: list[BlockCopy]) -> None:
+        """Append the request's share of the step to ``output``: the whole
+        sequence if the runner does not hold it, else what changed since."""
+        kv = self.kv_cache_manager
+        sequence_id = request.request_id
+        scheduled = ScheduledSequence(sequence_id, request.num_computed_tokens, num_new,
+                                      sample_rows=sample_rows(request, num_new))
+        view = self._views.get(sequence_id)
+        if view is None:
+            block_ids = kv.get_block_ids(sequence_id)
+            output.new_sequences.append(NewSequenceData(
+                sequence_id, request.prompt_token_ids, list(request.output_token_ids), block_ids,
+                request.sampling_params,
+            ))
+            self._views[sequence_id] = _View(request.num_tokens, len(block_ids))
+        else:
+            scheduled.new_token_ids = request.all_token_ids[view.num_tokens :]
+            scheduled.new_block_ids = kv.get_block_ids(sequence_id, view.num_blocks)
+            # Copy-on-write replaces an entry the runner already holds.
+            scheduled.replaced_blocks = [(c.table_index, c.dst) for c in copies if c.table_index < view.num_blocks]
+            view.num_tokens = request.num_tokens
+            view.num_blocks += len(scheduled.new_block_ids)
+        output.scheduled.append(scheduled)
+
+
+def sample_rows(request: Request, num_new: int) -> list[SampleRow]:
+    """The rows to sample when ``num_new`` tokens reach the request's last known
+    token: one per sample it forks into at this position (ids and seeds are
+    decided here, once), one for a sequence whose tokens beam search picks."""
+    if request.num_computed_tokens + num_new < request.num_tokens:
+        return []
+    count = 1 if request.tokens_chosen_externally else request.num_pending_samples
+    position = request.num_output_tokens
+    return [
+        SampleRow(child_request_id(request.group_id, i) if i else request.request_id, child_seed(request.seed, i), position)
+        for i in range(count)
+    ]

@@ -1,0 +1,103 @@
+"""What the scheduler hands the model runner each step: plain data, no live objects.
+
+The runner keeps its own copy of every sequence it has seen (token ids, block
+table, sampling settings), built from ``NewSequenceData`` the first time a
+sequence is scheduled (or scheduled again after a preemption) and advanced by
+the diffs in ``ScheduledSequence`` after that. It never reads a ``Request``, so
+a persistent input batch, CUDA graphs or a worker in another process consume
+the same objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One token to sample from a sequence's last logits.
+
+    A sequence about to fork into ``n`` samples gets ``n`` rows over the same
+    logits: row ``i`` is sampled for ``sequence_id`` (the sequence itself for
+    ``i = 0``, else the id its fork will have) with that sample's own ``seed``.
+    ``output_position`` is the index in the output of the token being drawn,
+    which with the seed fixes the row's randomness.
+    """
+
+    sequence_id: str
+    seed: int
+    output_position: int
+
+
+@dataclass
+class NewSequenceData:
+    """Everything the runner must know about a sequence it has not seen, or
+    must forget and relearn (resumed after a preemption, a fresh fork).
+
+    Safety rule: ``prompt_token_ids`` is shared with the scheduler and never
+    changes; ``output_token_ids`` and ``block_ids`` are the runner's own copies.
+    """
+
+    sequence_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of a step: compute its tokens
+    ``[num_computed_tokens, num_computed_tokens + num_scheduled_tokens)``.
+
+    Diffs against what the runner holds (empty for a sequence in
+    ``new_sequences`` this step): ``new_token_ids`` were appended since it last
+    ran, ``new_block_ids`` extend its block table, and ``replaced_blocks`` are
+    ``(table index, block id)`` entries a copy-on-write replaced.
+    """
+
+    sequence_id: str
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    new_token_ids: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)
+    replaced_blocks: list[tuple[int, int]] = field(default_factory=list)
+    # Empty for a prefill chunk that stops short of the last known token.
+    sample_rows: list[SampleRow] = field(default_factory=list)
+
+    @property
+    def samples(self) -> bool:
+        return bool(self.sample_rows)
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner executes this step.
+
+    The runner first forgets ``released_sequence_ids`` (finished, aborted or
+    preempted since it last heard), then learns ``new_sequences``, then applies
+    the diffs of ``scheduled``. It performs the block moves in this order
+    before the forward pass: ``swap_out`` (device -> host), ``block_copies``
+    (device -> device), ``swap_in`` (host -> device), because a block freed by
+    a swap-out may be reused as a copy or swap-in destination in the same step.
+    """
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    new_sequences: list[NewSequenceData] = field(default_factory=list)
+    released_sequence_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # (src, dst) physical blocks to copy, in order (copy-on-write, and forks
+    # when block sharing is off).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

@@ -1,0 +1,48 @@
+"""One rank's model: the load sequence the engine (rank 0) and every
+tensor-parallel worker share, so that all ranks cut their shards from the same
+checkpoint with the same ``max_model_len``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from pagedllm.config import EngineConfig, SchedulerConfig, torch_dtype
+from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.distributed.sharding import check_tensor_parallel_size
+from pagedllm.model.llama import LlamaForCausalLM, build_model
+from pagedllm.model.loader import load_checkpoint
+
+
+@dataclass(frozen=True)
+class ModelShard:
+    """What loading leaves behind once the checkpoint's weights are released."""
+
+    model: LlamaForCausalLM  # this rank's shard, on its device, in eval mode
+    model_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    path: str  # the checkpoint that was loaded, resolved
+    scheduler_config: SchedulerConfig  # the engine's options resolved against the model (max_model_len, ...)
+
+
+def load_model_shard(config: EngineConfig, device: torch.device, tp: TensorParallelGroup) -> ModelShard:
+    """Load ``config.model`` and build rank ``tp.rank``'s shard of it on ``device``.
+
+    Safety rules: every rank must pass the same ``config`` (workers receive the
+    driver's), or their shards would not add up to one model. A
+    ``tensor_parallel_size`` that leaves some rank without a KV head or MLP
+    column, and a ``max_model_len`` beyond the model's window, raise
+    ``ValueError`` before any weight is placed on the device; the engine calls
+    this before it starts the other ranks so that such a mistake leaves no
+    process behind. The whole checkpoint sits in host memory until the shard
+    is built.
+    """
+    dtype = torch_dtype(config.dtype)
+    checkpoint = load_checkpoint(config.model, dtype=dtype)
+    scheduler_config = config.scheduler_config(checkpoint.config.max_position_embeddings)
+    check_tensor_parallel_size(checkpoint.config, tp.world_size)
+    model = build_model(checkpoint, scheduler_config.max_model_len, device, dtype, tp)
+    return ModelShard(model, checkpoint.config, checkpoint.tokenizer, checkpoint.path, scheduler_config)

@@ -1,0 +1,82 @@
+"""Engine construction seen from tensor parallelism: a worker loads its shard
+exactly as the engine loads rank 0's, and the distributed package stands below
+the engine (it never imports it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import pagedllm
+from pagedllm.config import CacheConfig, EngineConfig
+from pagedllm.distributed import worker
+from pagedllm.distributed.executor import PoolShape
+from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.distributed.sharding import shard_layout
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.worker.model_runner import ModelRunner
+
+
+def run_worker_in_process(config: EngineConfig, rank: int, world_size: int, monkeypatch) -> list:
+    """``worker_main`` with torch.distributed replaced by the driver's three
+    broadcasts (configuration, pool shape, stop); returns the models it built."""
+    broadcasts = [config, PoolShape(num_blocks=8, num_swap_blocks=0), None]
+
+    def receive_from_driver(box: list, src: int) -> None:
+        box[0] = broadcasts.pop(0)
+
+    monkeypatch.setattr(worker.dist, "init_process_group", lambda *args, **kwargs: None)
+    monkeypatch.setattr(worker.dist, "destroy_process_group", lambda: None)
+    monkeypatch.setattr(worker.dist, "broadcast_object_list", receive_from_driver)
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)  # keep this process's threads
+    models = []
+
+    def recording_runner(model, *args, **kwargs) -> ModelRunner:
+        models.append(model)
+        return ModelRunner(model, *args, **kwargs)
+
+    monkeypatch.setattr(worker, "ModelRunner", recording_runner)
+    worker.worker_main(rank, world_size, "tcp://127.0.0.1:1", 10.0, "cpu")
+    assert broadcasts == []
+    return models
+
+
+def test_a_worker_builds_its_rank_of_the_model_the_engine_loads(tiny_llama, monkeypatch):
+    """Same checkpoint, same max_model_len (the engine's 64, not the model's
+    4096-token window): rank 1's shard is rank 1's cut of the engine's weights."""
+    engine = LLMEngine(EngineConfig(model=tiny_llama, max_model_len=64, cache=CacheConfig(num_kv_blocks=8)))
+    (rank1,) = run_worker_in_process(engine.config, rank=1, world_size=2, monkeypatch=monkeypatch)
+    whole = engine.model
+    assert rank1.tp == TensorParallelGroup(rank=1, world_size=2)
+    whole_attention, rank1_attention = whole.model.layers[0].self_attn, rank1.model.layers[0].self_attn
+    assert engine.max_model_len == 64
+    assert rank1_attention.rotary.cos_cache.shape[0] == whole_attention.rotary.cos_cache.shape[0] == 64
+    assert torch.equal(rank1.model.embed_tokens.weight, whole.model.embed_tokens.weight)
+    layout = shard_layout(engine.model_config, rank1.tp)
+    q, k, v = whole_attention.qkv_proj.weight.split(
+        [whole_attention.q_size, whole_attention.kv_size, whole_attention.kv_size])
+    expected_qkv = torch.cat([q[layout.q_rows], k[layout.kv_rows], v[layout.kv_rows]])
+    assert torch.equal(rank1_attention.qkv_proj.weight, expected_qkv)
+    assert torch.equal(rank1_attention.o_proj.weight, whole_attention.o_proj.weight[:, layout.q_rows])
+
+
+def test_the_distributed_package_never_imports_the_engine():
+    """Import every ``pagedllm.distributed`` module in a fresh interpreter, with
+    the package's ``__init__`` (which imports the engine for the public API)
+    left out: no ``pagedllm.engine`` module may come along."""
+    script = textwrap.dedent(f"""
+        import importlib, pkgutil, sys, types
+        package = types.ModuleType("pagedllm")
+        package.__path__ = [{pagedllm.__path__[0]!r}]
+        sys.modules["pagedllm"] = package
+        import pagedllm.distributed
+        for module in pkgutil.iter_modules(pagedllm.distributed.__path__):
+            importlib.import_module("pagedllm.distributed." + module.name)
+        print(sorted(name for name in sys.modules if name.startswith("pagedllm.engine")))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
