@@ -13,8 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import pagedllm
 
 ENGINE_RUN = """
@@ -28,12 +26,6 @@ print("triton imported:", "triton" in sys.modules)
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pagedllm/model/layers.py imports transformers' modeling_llama for the default rope, "
-    "which imports torch._dynamo, which imports Triton; remove this marker once layers.py "
-    "computes the default inverse frequencies itself",
-)
 def test_a_cpu_engine_never_imports_triton(tiny_llama: str) -> None:
     # The child must import this same pagedllm checkout, not whatever an editable install points at.
     checkout = str(Path(pagedllm.__file__).resolve().parents[1])
