@@ -14,20 +14,25 @@ from typing import TYPE_CHECKING
 
 from pagedllm.config import torch_dtype
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_flags_from_args, make_llm
+from pagedllm.entrypoints.llm import LLM
 
 if TYPE_CHECKING:
     import torch
 
     from pagedllm.bench.throughput import BenchRequest, BenchResult
-    from pagedllm.entrypoints.llm import LLM
 
 _BASELINES = ("none", "hf", "contiguous", "kv-auto", "tp1")
 
 
-def record(args: argparse.Namespace, preamble: str, table: str) -> None:
+def report(args: argparse.Namespace, table: str, setup: str, device: torch.device | None = None) -> None:
+    """Print a bench's table; with --record also append it to that file, after
+    the machine it ran on and ``setup`` (what was measured, how)."""
     from pagedllm.bench.record import append_result
+    from pagedllm.bench.throughput import machine_description
 
-    append_result(args.record, args.argv, preamble, table)
+    print(table)
+    if args.record:
+        append_result(args.record, args.argv, f"Machine: {machine_description(device)}. {setup}", table)
 
 
 @dataclass
@@ -134,39 +139,28 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
         sections.append(measured.traffic)
     table = "\n\n".join(section for section in sections if section)  # no ratios without an HF baseline
     stats = measured.stats
-    print(table)
+    report(args, table, f"{measured.capacity}, {args.kv_layout} layout. Peak blocks in use "
+                        f"{stats['peak_blocks_in_use']}, preemptions {stats['num_preemptions']}, mean running "
+                        f"sequences per step {stats['mean_running_per_step']:.1f}. Step time: {measured.step_split}.",
+           measured.device)
     print(
         f"peak KV blocks in use: {stats['peak_blocks_in_use']} of {stats['num_blocks']}; preemptions: "
         f"{stats['num_preemptions']}; mean running sequences per step: {stats['mean_running_per_step']:.1f}"
     )
     print(f"pagedllm step time: {measured.step_split}")
-    if args.record:
-        record(
-            args,
-            f"Machine: {bench.machine_description(measured.device)}. {measured.capacity}, {args.kv_layout} layout. "
-            f"Peak blocks in use {stats['peak_blocks_in_use']}, preemptions {stats['num_preemptions']}, "
-            f"mean running sequences per step {stats['mean_running_per_step']:.1f}. "
-            f"Step time: {measured.step_split}.",
-            table,
-        )
 
 
 def cmd_bench_sharing(args: argparse.Namespace) -> None:
     from pagedllm.bench import sharing
-    from pagedllm.bench.throughput import machine_description
 
     rows = sharing.measure(lambda enable: make_llm(args, enable_block_sharing=enable),
                            args.prompt_len, args.output_len, args.n, args.beam_width)
-    table = sharing.format_table(rows, args.block_size)
-    print(table)
-    if args.record:
-        record(args, f"Machine: {machine_description()}. Prompt {args.prompt_len} tokens, "
-                     f"{args.output_len} generated per sequence, block size {args.block_size}.", table)
+    report(args, sharing.format_table(rows, args.block_size),
+           f"Prompt {args.prompt_len} tokens, {args.output_len} generated per sequence, block size {args.block_size}.")
 
 
 def cmd_bench_prefix(args: argparse.Namespace) -> None:
     from pagedllm.bench import prefix
-    from pagedllm.bench.throughput import machine_description
 
     results = []
     for enabled in (True, False):
@@ -175,21 +169,14 @@ def cmd_bench_prefix(args: argparse.Namespace) -> None:
             args.num_prompts, args.system_len, (args.question_min, args.question_max), llm.llm_engine.vocab_size
         )
         results.append(prefix.run(llm, "on" if enabled else "off", prompts, args.output_len))
-    table = prefix.format_table(results)
-    print(table)
-    if args.record:
-        record(
-            args,
-            f"Machine: {machine_description()}. {args.num_prompts} requests: a shared {args.system_len}-token "
-            f"system prompt + a unique {args.question_min}-{args.question_max}-token question, "
-            f"{args.output_len} output tokens, all submitted at once.",
-            table,
-        )
+    report(args, prefix.format_table(results),
+           f"{args.num_prompts} requests: a shared {args.system_len}-token system prompt + a unique "
+           f"{args.question_min}-{args.question_max}-token question, {args.output_len} output tokens, "
+           f"all submitted at once.")
 
 
 def cmd_bench_preemption(args: argparse.Namespace) -> None:
     from pagedllm.bench import preemption
-    from pagedllm.bench.throughput import machine_description
 
     def make(mode: str, num_blocks: int) -> LLM:
         return make_llm(args, preemption_mode=mode, num_kv_blocks=num_blocks, enable_prefix_caching=False)
@@ -199,46 +186,31 @@ def cmd_bench_preemption(args: argparse.Namespace) -> None:
         for prompt_len in args.prompt_len
         for mode in ("recompute", "swap")
     ]
-    table = preemption.format_table(results)
-    print(table)
-    if args.record:
-        record(
-            args,
-            f"Machine: {machine_description()}. {args.num_prompts} requests of random tokens, "
-            f"{args.output_len} output tokens each, submitted at once; prefix caching off; the pool holds "
-            f"two prompts but not two whole requests.",
-            table,
-        )
+    report(args, preemption.format_table(results),
+           f"{args.num_prompts} requests of random tokens, {args.output_len} output tokens each, submitted at "
+           f"once; prefix caching off; the pool holds two prompts but not two whole requests.")
 
 
 def cmd_bench_attention(args: argparse.Namespace) -> None:
     from pagedllm.bench import kernels
-    from pagedllm.bench.throughput import machine_description
 
-    table = kernels.format_attention(kernels.attention_rows(args.batch, args.context))
-    print(table)
-    if args.record:
-        record(args, f"Machine: {machine_description()}. SmolLM2 attention shapes (9 query heads, 3 KV heads, "
-                     f"head dim 64), fp32, block size 16, best of 5 calls.", table)
+    report(args, kernels.format_attention(kernels.attention_rows(args.batch, args.context)),
+           "SmolLM2 attention shapes (9 query heads, 3 KV heads, head dim 64), fp32, block size 16, best of 5 calls.")
 
 
 def cmd_bench_linear(args: argparse.Namespace) -> None:
     from pagedllm.bench import kernels
-    from pagedllm.bench.throughput import machine_description
     from pagedllm.model.loader import load_checkpoint
 
     config = load_checkpoint(args.model).config
-    table = kernels.format_linear(kernels.linear_rows(config, args.batch))
-    print(table)
-    if args.record:
-        record(args, f"Machine: {machine_description()}. Every fp32 projection of one decode step of "
-                     f"{args.model or 'SmolLM2-135M-Instruct (embedded)'} (own weights per layer, LM head included), "
-                     f"best of 8 interleaved passes.", table)
+    report(args, kernels.format_linear(kernels.linear_rows(config, args.batch)),
+           f"Every fp32 projection of one decode step of {args.model or 'SmolLM2-135M-Instruct (embedded)'} "
+           f"(own weights per layer, LM head included), best of 8 interleaved passes.")
 
 
 def cmd_bench_roofline(args: argparse.Namespace) -> None:
     from pagedllm.bench import kernels
-    from pagedllm.bench.throughput import machine_description, random_requests
+    from pagedllm.bench.throughput import random_requests
 
     llm = make_llm(args, enable_prefix_caching=False)  # every sequence prefills its own prompt
     engine = llm.llm_engine
@@ -254,26 +226,20 @@ def cmd_bench_roofline(args: argparse.Namespace) -> None:
         f"{100 * result.best_decode_tokens_per_s / result.bound_tokens_per_s:.0f}%, "
         f"{100 * result.median_decode_tokens_per_s / result.bound_tokens_per_s:.0f}% |"
     )
-    print(table)
-    if args.record:
-        record(args, f"Machine: {machine_description()}. Batch of {args.batch_size} sequences, "
-                     f"{args.prompt_len}-token prompts; {args.decode_tokens} matmul passes and "
-                     f"{args.decode_tokens} decode steps, interleaved.", table)
+    report(args, table, f"Batch of {args.batch_size} sequences, {args.prompt_len}-token prompts; "
+                        f"{args.decode_tokens} matmul passes and {args.decode_tokens} decode steps, interleaved.")
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> None:
     from pagedllm.bench import soak
-    from pagedllm.bench.throughput import machine_description
 
     server_args = engine_flags_from_args(args)  # the server gets every engine flag given here
     result = soak.run_soak(args.duration, args.concurrency, args.abort_fraction, args.seed, server_args)
-    table = soak.format_table(result)
-    print(table)
+    report(args, soak.format_table(result), f"Server: `pagedllm serve {' '.join(server_args)}`; "
+                                            f"{args.concurrency} clients, {args.abort_fraction:.0%} of streams "
+                                            f"cut off mid-way.")
     for sample in result.error_samples:
         print(f"error: {sample}")
-    if args.record:
-        record(args, f"Machine: {machine_description()}. Server: `pagedllm serve {' '.join(server_args)}`; "
-                     f"{args.concurrency} clients, {args.abort_fraction:.0%} of streams cut off mid-way.", table)
     if result.errors or result.blocks_in_use_after_drain != 0:
         raise SystemExit("soak failed: errors or KV blocks still in use after the drain")
 

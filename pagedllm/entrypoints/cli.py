@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import get_args
 
-from pagedllm.config import DType
+from pagedllm.config import CacheConfig, DType, EngineConfig
 from pagedllm.entrypoints.bench_commands import add_bench_parser
 from pagedllm.entrypoints.engine_args import add_engine_args, make_llm
 from pagedllm.sampling_params import SamplingParams
@@ -148,8 +148,8 @@ def _add_explain_parser(commands: argparse._SubParsersAction) -> None:
     ex.add_argument("--layers", type=int, default=None)
     ex.add_argument("--kv-heads", type=int, default=None)
     ex.add_argument("--head-dim", type=int, default=None)
-    ex.add_argument("--dtype", default="float32", choices=get_args(DType))
-    ex.add_argument("--block-size", type=int, default=16)
+    ex.add_argument("--dtype", default=EngineConfig.dtype, choices=get_args(DType))
+    ex.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     ex.add_argument("--context", type=int, default=None, help="max_model_len for the contiguous reservation "
                                                               "(default: the model's, or 4096)")
     ex.add_argument("--chat-tokens", type=int, default=300, help="a request's actual length, for the waste figures")
@@ -169,7 +169,8 @@ def _add_worker_parser(commands: argparse._SubParsersAction) -> None:
     wk.add_argument("--rank", type=int, default=None, help="1..N-1 (default: $RANK)")
     wk.add_argument("--world-size", type=int, default=None, help="N (default: $WORLD_SIZE)")
     wk.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    wk.add_argument("--timeout", type=float, default=60.0, help="seconds any collective may wait")
+    wk.add_argument("--timeout", type=float, default=EngineConfig.distributed_timeout_s,
+                    help="seconds any collective may wait")
     wk.set_defaults(func=cmd_worker)
 
 

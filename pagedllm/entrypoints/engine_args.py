@@ -12,12 +12,10 @@ import argparse
 import types
 from collections.abc import Callable
 from dataclasses import MISSING, Field, fields
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from pagedllm.config import CacheConfig, EngineConfig, engine_option_fields
-
-if TYPE_CHECKING:
-    from pagedllm.entrypoints.llm import LLM
+from pagedllm.entrypoints.llm import LLM
 
 
 def flag_of(option: str) -> str:
@@ -46,8 +44,6 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def make_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
     """The engine the flags describe; ``overrides`` replace options (a bench's baseline)."""
-    from pagedllm.entrypoints.llm import LLM
-
     return LLM(**{**engine_options_from_args(args), **overrides})
 
 
