@@ -1,30 +1,47 @@
 """Engine configuration, validated when built.
 
-Every check raises ``ValueError`` naming the option and what to change.
+Every check raises ``ValueError`` naming the option and what to change. Each
+option is one field here with its help text in ``metadata["help"]``: ``LLM(...)``
+takes the fields as keywords (``EngineConfig.from_options``) and the command
+line generates one flag per field (``pagedllm/entrypoints/engine_args.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import Field, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pagedllm.utils import check_block_size
 
 if TYPE_CHECKING:
     import torch
 
-_DTYPES = ("float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+# The allowed values of the string options, read by the checks below and by the
+# command line (as the flags' choices).
+DType = Literal["float32", "bfloat16", "float16"]
+KVCacheDType = Literal["auto", "int8", "fp8_e4m3"]
+KVLayout = Literal["paged", "contiguous"]
+ContiguousReservation = Literal["max_model_len", "request"]
+PreemptionMode = Literal["recompute", "swap"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+_DTYPES = get_args(DType)
+KV_CACHE_DTYPES = get_args(KVCacheDType)
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a ``dtype`` option value (torch is imported only here,
     so the bookkeeping that reads this module stays torch-free)."""
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
+    _check_choice("dtype", name, DType)
     import torch
 
     return getattr(torch, name)
+
+
+def _check_choice(option: str, value: object, choices: object) -> None:
+    allowed = get_args(choices)
+    if value not in allowed:
+        raise ValueError(f"{option} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 @dataclass
@@ -44,34 +61,47 @@ class CacheConfig:
     DEFAULT_KV_CACHE_MEMORY = 2 * 2**30
     DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    kv_cache_fraction: float | None = None
-    gpu_memory_utilization: float | None = None
-    num_kv_blocks: int | None = None
-    # False gives every forked sequence private copies of its parent's blocks:
-    # the no-sharing baseline that `pagedllm bench sharing` compares against.
-    enable_block_sharing: bool = True
-    # Automatic prefix caching: full blocks are found again by their chained hash.
-    enable_prefix_caching: bool = True
-    # "paged" (blocks on demand) or "contiguous" (the baseline: one first-fit
-    # reservation per request of `contiguous_reservation` tokens: "max_model_len",
-    # "request" (its prompt + max_tokens) or a number of tokens).
-    kv_layout: str = "paged"
-    contiguous_reservation: int | str = "max_model_len"
-    # "auto" stores K/V in the model dtype; "int8" / "fp8_e4m3" quantize each
-    # (token, KV head) vector with its own fp32 scale (attention/kv_cache.py).
-    kv_cache_dtype: str = "auto"
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})
+    kv_cache_memory: int | None = field(default=None, metadata={"help": "KV pool size in bytes"})
+    kv_cache_fraction: float | None = field(
+        default=None, metadata={"help": "KV pool as a fraction of the memory free after the weights are loaded"}
+    )
+    gpu_memory_utilization: float | None = field(
+        default=None,
+        metadata={"help": "CUDA only: fraction of GPU memory for weights + activations + KV pool (None: 0.9)"},
+    )
+    num_kv_blocks: int | None = field(
+        default=None, metadata={"help": "exact number of KV blocks (overrides the other sizing options)"}
+    )
+    enable_block_sharing: bool = field(
+        default=True,
+        metadata={"help": "forked sequences (n > 1, beam search) share their parent's blocks; off, each "
+                          "gets private copies: the baseline `pagedllm bench sharing` compares against"},
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "automatic prefix caching: full blocks are found again by their chained hash"}
+    )
+    kv_layout: KVLayout = field(
+        default="paged",
+        metadata={"help": "paged (blocks on demand) or contiguous (the baseline: one first-fit reservation "
+                          "per request of contiguous_reservation tokens)"},
+    )
+    contiguous_reservation: int | ContiguousReservation = field(
+        default="max_model_len",
+        metadata={"help": "tokens a contiguous-layout request reserves: max_model_len, request "
+                          "(its prompt + max_tokens) or a number of tokens"},
+    )
+    kv_cache_dtype: KVCacheDType = field(
+        default="auto",
+        metadata={"help": "KV storage: auto (the model dtype), or int8 / fp8_e4m3 with an fp32 scale "
+                          "per (token, KV head) vector"},
+    )
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
-            )
-        if self.kv_layout not in ("paged", "contiguous"):
-            raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KVCacheDType)
+        _check_choice("kv_layout", self.kv_layout, KVLayout)
         reservation = self.contiguous_reservation
-        if reservation not in ("max_model_len", "request") and (
+        if reservation not in get_args(ContiguousReservation) and (
             isinstance(reservation, bool) or not isinstance(reservation, int) or reservation < 1
         ):
             raise ValueError(
@@ -102,17 +132,15 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"  # or "swap" (falls back to recompute when the swap space is full)
-    scheduling_policy: str = "fcfs"  # or "priority": lower `priority` value is served first
+    preemption_mode: PreemptionMode = "recompute"  # swap falls back to recompute when the swap space is full
+    scheduling_policy: SchedulingPolicy = "fcfs"  # or "priority": lower `priority` value is served first
     # Most prompt tokens one request may prefill in one step (None: no cap), so a
     # huge prompt cannot stall everyone else's decoding.
     long_prefill_token_threshold: int | None = None
 
     def __post_init__(self) -> None:
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        _check_choice("preemption_mode", self.preemption_mode, PreemptionMode)
+        _check_choice("scheduling_policy", self.scheduling_policy, SchedulingPolicy)
         threshold = self.long_prefill_token_threshold
         if threshold is not None:
             if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
@@ -138,30 +166,61 @@ class SchedulerConfig:
 class EngineConfig:
     """Everything ``LLMEngine`` needs. ``model=None`` is the embedded SmolLM2-135M-Instruct."""
 
-    model: str | None = None
-    dtype: str = "float32"
-    device: str | None = None  # None: "cuda" when available, else "cpu"
-    seed: int = 0
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len) without chunking
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"
-    swap_space: float = 4.0  # GiB of host memory for swapped-out blocks (used with preemption_mode="swap")
-    scheduling_policy: str = "fcfs"
-    long_prefill_token_threshold: int | None = None
+    model: str | None = field(
+        default=None,
+        metadata={"help": "GGUF file or Hugging Face checkpoint folder (None: the embedded SmolLM2-135M-Instruct)"},
+    )
+    dtype: DType = field(default="float32", metadata={"help": "dtype of the weights and activations"})
+    device: str | None = field(
+        default=None, metadata={"help": "cpu, cuda or cuda:N (None: cuda when available, else cpu)"}
+    )
+    seed: int = field(default=0, metadata={"help": "seeds the per-request seeds of requests that set none"})
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "context window, prompt + output (None: the model's max_position_embeddings)"}
+    )
+    max_num_seqs: int = field(default=256, metadata={"help": "most sequences in one step"})
+    max_num_batched_tokens: int | None = field(
+        default=None,
+        metadata={"help": "most tokens in one step (None: 2048, or max(2048, max_model_len) without chunked prefill)"},
+    )
+    enable_chunked_prefill: bool = field(
+        default=True, metadata={"help": "split a prompt over steps when it does not fit the step's token budget"}
+    )
+    preemption_mode: PreemptionMode = field(
+        default="recompute",
+        metadata={"help": "what a preempted request loses: recompute (its blocks, re-prefilled later) "
+                          "or swap (copied to host memory and back)"},
+    )
+    swap_space: float = field(
+        default=4.0, metadata={"help": "GiB of host memory for swapped-out blocks (with preemption_mode swap)"}
+    )
+    scheduling_policy: SchedulingPolicy = field(
+        default="fcfs", metadata={"help": "fcfs, or priority: the lower a request's priority value, the sooner"}
+    )
+    long_prefill_token_threshold: int | None = field(
+        default=None,
+        metadata={"help": "most prompt tokens one request prefills per step, so a huge prompt cannot stall "
+                          "the others' decoding (None: no cap; needs chunked prefill)"},
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
-    debug_invariants: bool = False
-    # Tensor parallelism: ranks over torch.distributed (gloo on CPU, NCCL on GPU).
-    # Without an init method the engine spawns the other ranks on this machine;
-    # with one (e.g. "tcp://host:port") it waits for `pagedllm worker` processes.
-    tensor_parallel_size: int = 1
-    distributed_init_method: str | None = None
-    distributed_timeout_s: float = 60.0  # any collective that waits longer raises
+    debug_invariants: bool = field(
+        default=False, metadata={"help": "check every block-manager invariant after every step (slow)"}
+    )
+    # Tensor parallelism runs over torch.distributed (gloo on CPU, NCCL on GPU).
+    tensor_parallel_size: int = field(
+        default=1, metadata={"help": "ranks to split attention heads and MLP over"}
+    )
+    distributed_init_method: str | None = field(
+        default=None,
+        metadata={"help": "e.g. tcp://HOST:PORT: wait for `pagedllm worker` ranks started elsewhere "
+                          "(None: spawn the other ranks on this machine)"},
+    )
+    distributed_timeout_s: float = field(
+        default=60.0, metadata={"help": "seconds a collective may wait before it raises"}
+    )
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        _check_choice("dtype", self.dtype, DType)
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or None (auto), got {self.device!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
@@ -173,6 +232,21 @@ class EngineConfig:
             raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got {self.distributed_timeout_s!r}")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space!r}")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """Build from flat options, as ``LLM(...)`` and the command line take
+        them: ``CacheConfig``'s fields beside this class's (no ``cache``)."""
+        known = engine_option_fields()
+        unknown = [name for name in options if name not in known]
+        if unknown:
+            raise ValueError(
+                f"unknown engine option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                f"the options are: {', '.join(known)}"
+            )
+        cache_names = {option.name for option in fields(CacheConfig)}
+        cache = CacheConfig(**{name: value for name, value in options.items() if name in cache_names})
+        return cls(cache=cache, **{name: value for name, value in options.items() if name not in cache_names})
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         """Resolve the defaults that depend on the loaded model."""
@@ -193,3 +267,13 @@ class EngineConfig:
             scheduling_policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
+
+
+def engine_option_fields() -> dict[str, Field]:
+    """Every engine option by name, in order: ``EngineConfig``'s fields with
+    ``CacheConfig``'s in place of ``cache`` (the flat names ``LLM(...)`` takes)."""
+    options: dict[str, Field] = {}
+    for option in fields(EngineConfig):
+        nested = fields(CacheConfig) if option.name == "cache" else (option,)
+        options.update((inner.name, inner) for inner in nested)
+    return options

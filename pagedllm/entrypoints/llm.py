@@ -7,7 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedllm.config import CacheConfig, EngineConfig
+from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
@@ -20,74 +20,18 @@ class LLM:
     """Generate text for a list of prompts with a paged-KV continuous-batching engine.
 
     ``model=None`` loads the embedded SmolLM2-135M-Instruct; otherwise pass a
-    GGUF file or a Hugging Face checkpoint folder. The pool is sized by
-    ``num_kv_blocks`` (exact), ``kv_cache_memory`` (bytes) or
+    GGUF file or a Hugging Face checkpoint folder. The keyword options are the
+    fields of ``EngineConfig`` and of its ``CacheConfig`` (``pagedllm/config.py``
+    documents each); an unknown one is a ``ValueError`` listing them all. The
+    pool is sized by ``num_kv_blocks`` (exact), ``kv_cache_memory`` (bytes) or
     ``kv_cache_fraction`` (of available memory after weights), in that order;
     otherwise on CUDA by ``gpu_memory_utilization`` (vLLM's meaning, 0.9 by
     default) and on CPU 2 GiB; with ``tensor_parallel_size`` > 1 the budget is
     per rank (each rank holds 1/N of the KV heads of every block).
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        kv_cache_fraction: float | None = None,
-        gpu_memory_utilization: float | None = None,
-        num_kv_blocks: int | None = None,
-        enable_block_sharing: bool = True,
-        enable_prefix_caching: bool = True,
-        kv_layout: str = "paged",
-        contiguous_reservation: int | str = "max_model_len",
-        kv_cache_dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enable_chunked_prefill: bool = True,
-        long_prefill_token_threshold: int | None = None,
-        preemption_mode: str = "recompute",
-        swap_space: float = 4.0,
-        scheduling_policy: str = "fcfs",
-        dtype: str = "float32",
-        device: str | None = None,
-        seed: int = 0,
-        debug_invariants: bool = False,
-        tensor_parallel_size: int = 1,
-        distributed_init_method: str | None = None,
-        distributed_timeout_s: float = 60.0,
-    ) -> None:
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            seed=seed,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            preemption_mode=preemption_mode,
-            swap_space=swap_space,
-            scheduling_policy=scheduling_policy,
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory=kv_cache_memory,
-                kv_cache_fraction=kv_cache_fraction,
-                gpu_memory_utilization=gpu_memory_utilization,
-                num_kv_blocks=num_kv_blocks,
-                enable_block_sharing=enable_block_sharing,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_layout=kv_layout,
-                contiguous_reservation=contiguous_reservation,
-                kv_cache_dtype=kv_cache_dtype,
-            ),
-            debug_invariants=debug_invariants,
-            tensor_parallel_size=tensor_parallel_size,
-            distributed_init_method=distributed_init_method,
-            distributed_timeout_s=distributed_timeout_s,
-        )
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        config = EngineConfig.from_options(model=model, **options)
         self.llm_engine = LLMEngine(config)
 
     def shutdown(self) -> None:

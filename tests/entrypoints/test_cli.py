@@ -1,31 +1,121 @@
-"""The command line: generate, run and bench throughput, on a tiny model."""
+"""The command line: its engine flags, generate, run, serve and the benches, on a tiny model."""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+from dataclasses import fields
 
 import pytest
 
-from pagedllm.entrypoints import cli
-from pagedllm.entrypoints.cli import main
+from pagedllm import LLM
+from pagedllm.config import CacheConfig, EngineConfig, engine_option_fields
+from pagedllm.entrypoints import bench_commands, cli, engine_args
+from pagedllm.entrypoints.cli import build_parser, main
 from tests.conftest import assert_pool_free
+
+# Every command that builds an engine, with the arguments it needs besides the flags.
+ENGINE_COMMANDS = [
+    ["run"], ["generate", "Hello"], ["serve"],
+    *(["bench", name] for name in ("throughput", "sharing", "prefix", "preemption", "roofline", "soak")),
+]
 
 
 @pytest.fixture(autouse=True)
 def pool_is_free_after_each_command(monkeypatch):
     """Capture every LLM a command builds and check its pool once the command is done."""
     made = []
-    real_make_llm = cli.make_llm
+    real_make_llm = engine_args.make_llm
 
-    def recording_make_llm(args):
-        made.append(real_make_llm(args))
+    def recording_make_llm(args, **overrides):
+        made.append(real_make_llm(args, **overrides))
         return made[-1]
 
-    monkeypatch.setattr(cli, "make_llm", recording_make_llm)
+    for module in (cli, bench_commands):
+        monkeypatch.setattr(module, "make_llm", recording_make_llm)
     yield
     for llm in made:
         assert_pool_free(llm)
+
+
+def engine_config_of(argv: list[str]) -> EngineConfig:
+    args = build_parser().parse_args(argv)
+    return EngineConfig.from_options(**engine_args.engine_options_from_args(args))
+
+
+def test_every_engine_option_has_a_flag_with_its_default_on_every_engine_command():
+    options = engine_option_fields()
+    # One flat name per field: a CacheConfig field may not shadow an EngineConfig one.
+    assert len(options) == len(fields(EngineConfig)) - 1 + len(fields(CacheConfig))
+    for name, option in options.items():
+        assert option.metadata.get("help"), f"{name} has no help text"
+    for command in ENGINE_COMMANDS:
+        parsed = vars(build_parser().parse_args(command))
+        assert {name: parsed.get(name, "missing") for name in options} == {
+            name: option.default for name, option in options.items()}, command
+
+
+def test_engine_flags_reach_the_config():
+    config = engine_config_of([
+        "serve", "--no-enable-chunked-prefill", "--kv-layout", "contiguous", "--contiguous-reservation", "request",
+        "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5", "--max-model-len", "512",
+        "--debug-invariants", "--distributed-timeout-s", "5",
+    ])
+    assert config.enable_chunked_prefill is False and config.max_model_len == 512 and config.debug_invariants
+    assert config.distributed_timeout_s == 5.0
+    cache = config.cache
+    assert (cache.kv_layout, cache.contiguous_reservation, cache.enable_prefix_caching) == ("contiguous", "request", False)
+    assert cache.gpu_memory_utilization == 0.5 and cache.num_kv_blocks is None
+    config = engine_config_of(["run", "--long-prefill-token-threshold", "64", "--contiguous-reservation", "300"])
+    assert config.long_prefill_token_threshold == 64 and config.enable_chunked_prefill is True
+    assert config.cache.contiguous_reservation == 300
+
+
+def test_a_bad_flag_value_names_the_choices(capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["run", "--contiguous-reservation", "lots"])
+    assert exc.value.code == 2
+    assert "--contiguous-reservation: expected one of: max_model_len, request, int; got 'lots'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--kv-layout", "striped"])
+    assert "--kv-layout: expected one of: paged, contiguous; got 'striped'" in capsys.readouterr().err
+
+
+def test_engine_flags_pass_on_to_a_child_server():
+    args = build_parser().parse_args([
+        "bench", "soak", "--num-kv-blocks", "96", "--no-enable-prefix-caching", "--contiguous-reservation", "request",
+        "--long-prefill-token-threshold", "32", "--debug-invariants",
+    ])
+    flags = engine_args.engine_flags_from_args(args)
+    # Only what differs from the defaults, in the options' order.
+    assert flags == ["--long-prefill-token-threshold", "32", "--num-kv-blocks", "96", "--no-enable-prefix-caching",
+                     "--contiguous-reservation", "request", "--debug-invariants"]
+    assert engine_config_of(["serve", *flags]) == engine_config_of(["bench", "soak", *flags])
+
+
+def test_llm_rejects_an_unknown_option():
+    with pytest.raises(ValueError, match=r"unknown engine option 'foo'; the options are: model, .*block_size"):
+        LLM(foo=1)
+
+
+def test_engine_refusals_of_a_flag_combination_are_error_messages(tiny_model_dir, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "Hello", "--model", tiny_model_dir("llama"), "--num-kv-blocks", "16",
+              "--no-enable-chunked-prefill", "--long-prefill-token-threshold", "64"])
+    assert exc.value.code == 2
+    assert "long_prefill_token_threshold needs enable_chunked_prefill=True" in capsys.readouterr().err
+
+
+def test_serve_shows_the_capacity_line_once(tiny_model_dir, monkeypatch, capsys, caplog):
+    served = {}
+    monkeypatch.setattr("uvicorn.run", lambda app, **options: served.update(options, app=app))
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        main(["serve", "--model", tiny_model_dir("llama"), "--num-kv-blocks", "16", "--port", "8123"])
+    assert served["port"] == 8123
+    assert "KV cache:" not in capsys.readouterr().out
+    capacity_logs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
+    assert len(capacity_logs) == 1 and capacity_logs[0].startswith("KV cache: 16 blocks x 16 tokens")
 
 
 def test_generate_prints_the_completion(tiny_model_dir, capsys):

@@ -13,7 +13,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,7 +79,17 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="pagedllm", lifespan=lifespan)
     _install_error_handlers(app)
+    tenant_of = _tenant_dependency(state)
+    _add_pool_routes(app, state, tenant_of)
+    _add_token_routes(app, state, tenant_of)
+    _add_generation_routes(app, state, tenant_of)
+    return app
 
+
+TenantDependency = Callable[[Request], str | None]  # the bearer-token check; returns the tenant
+
+
+def _tenant_dependency(state: ServerState) -> TenantDependency:
     def tenant_of(request: Request) -> str | None:
         """Bearer-token check; returns the key's tenant (None when untenanted)."""
         if not state.api_keys:
@@ -90,10 +100,17 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
         return state.api_keys[key]
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != state.served_model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {state.served_model_name!r}",
-                           code="model_not_found", param="model")
+    return tenant_of
+
+
+def _check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.served_model_name:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {state.served_model_name!r}",
+                       code="model_not_found", param="model")
+
+
+def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
+    """Health, metrics, the model list and the block pool (its page, its JSON, its reset)."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -109,26 +126,6 @@ def build_app(state: ServerState) -> FastAPI:
             "id": state.served_model_name, "object": "model", "created": 0, "owned_by": "pagedllm",
             "max_model_len": state.engine.max_model_len,
         }]}
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, tenant: str | None = Depends(tenant_of)) -> dict:
-        check_model(body.model)
-        tokenizer = state.engine.get_tokenizer()
-        if body.messages is not None:
-            ids = _chat_prompt(state.engine, body.messages, True)["prompt_token_ids"]
-        elif body.prompt is not None:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        else:
-            raise APIError(400, "pass either prompt or messages", param="prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, tenant: str | None = Depends(tenant_of)) -> dict:
-        check_model(body.model)
-        vocab = state.engine.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": state.engine.get_tokenizer().decode(body.tokens)}
 
     @app.get("/dashboard")
     async def dashboard(request: Request) -> Response:
@@ -148,9 +145,33 @@ def build_app(state: ServerState) -> FastAPI:
     async def reset_prefix_cache(tenant: str | None = Depends(tenant_of)) -> dict:
         return {"dropped_blocks": state.engine.reset_prefix_cache()}
 
+
+def _add_token_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, tenant: str | None = Depends(tenant_of)) -> dict:
+        _check_model(state, body.model)
+        tokenizer = state.engine.get_tokenizer()
+        if body.messages is not None:
+            ids = _chat_prompt(state.engine, body.messages, True)["prompt_token_ids"]
+        elif body.prompt is not None:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise APIError(400, "pass either prompt or messages", param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, tenant: str | None = Depends(tenant_of)) -> dict:
+        _check_model(state, body.model)
+        vocab = state.engine.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": state.engine.get_tokenizer().decode(body.tokens)}
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, tenant: str | None = Depends(tenant_of)):
-        check_model(body.model)
+        _check_model(state, body.model)
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
         prompts = _completion_prompts(body.prompt)
@@ -162,7 +183,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, tenant: str | None = Depends(tenant_of)):
-        check_model(body.model)
+        _check_model(state, body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         try:
@@ -172,8 +193,6 @@ def build_app(state: ServerState) -> FastAPI:
         except ValueError as exc:
             raise bad_request(exc) from exc
         return await _serve(state, "chatcmpl", [prompt], params, body, tenant, chat=True)
-
-    return app
 
 
 def _install_error_handlers(app: FastAPI) -> None:
