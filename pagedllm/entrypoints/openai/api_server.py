@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -33,7 +31,8 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from pagedllm.metrics import EngineMetrics
-from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagedllm.entrypoints.openai.responses import ResponseBuilder
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -252,7 +251,7 @@ async def _serve(state: ServerState, kind: str, prompts: list[PromptType], param
         for stream in streams:
             stream.abort()
         raise bad_request(exc) from exc
-    response = _ResponseBuilder(state, kind, params, chat, body.model or state.served_model_name)
+    response = ResponseBuilder(state.engine.get_tokenizer(), kind, params, chat, body.model or state.served_model_name)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(response, streams, include_usage), media_type="text/event-stream")
@@ -271,7 +270,7 @@ async def _last(stream: RequestStream) -> RequestOutput:
     return final
 
 
-async def _stream(response: _ResponseBuilder, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
+async def _stream(response: ResponseBuilder, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
     """SSE events of every prompt's outputs as they come; aborts everything left
     if the client goes away (the generator is cancelled or closed)."""
     merged: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
@@ -304,109 +303,3 @@ async def _stream(response: _ResponseBuilder, streams: list[RequestStream], incl
             task.cancel()
         for stream in streams:
             stream.abort()
-
-
-class _ResponseBuilder:
-    """OpenAI response and chunk bodies for one API request (several prompts x n choices)."""
-
-    def __init__(self, state: ServerState, kind: str, params: SamplingParams, chat: bool, model: str) -> None:
-        self.tokenizer = state.engine.get_tokenizer()
-        self.id = f"{kind}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.params = params
-        self.chat = chat
-        self.model = model
-        self.object = "chat.completion" if chat else "text_completion"
-        # Per choice: characters and tokens already streamed.
-        self.sent_text: dict[int, int] = {}
-        self.sent_tokens: dict[int, int] = {}
-        self.roles_sent: set[int] = set()
-        self.hold_back = max((len(s) for s in params.stop_strings), default=1) - 1
-
-    def _choice_index(self, prompt_index: int, completion: CompletionOutput) -> int:
-        return prompt_index * self.params.n + completion.index
-
-    def full(self, finals: list[RequestOutput]) -> dict:
-        choices = []
-        for prompt_index, output in enumerate(finals):
-            for completion in output.outputs:
-                choice = {"index": self._choice_index(prompt_index, completion), "finish_reason": completion.finish_reason,
-                          "logprobs": self._logprobs(completion.logprobs, 0) if completion.logprobs is not None else None}
-                if self.chat:
-                    choice["message"] = {"role": "assistant", "content": completion.text}
-                else:
-                    choice["text"] = completion.text
-                choices.append(choice)
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": self.usage(finals)}
-
-    def usage(self, finals: list[RequestOutput]) -> dict:
-        prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
-        completion_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}
-
-    def usage_chunk(self, finals: list[RequestOutput]) -> dict:
-        return {"id": self.id, "object": self.object + ".chunk" if self.chat else self.object,
-                "created": self.created, "model": self.model, "choices": [], "usage": self.usage(finals)}
-
-    def chunks(self, prompt_index: int, output: RequestOutput, include_usage: bool) -> list[dict]:
-        """One chunk per choice with new text (or that just finished)."""
-        chunks = []
-        for completion in output.outputs:
-            index = self._choice_index(prompt_index, completion)
-            done = completion.finish_reason is not None
-            text = completion.text
-            # Hold back what could still become a stop string or a partial UTF-8 character.
-            visible = len(text) if done else max(0, len(text) - self.hold_back)
-            while not done and visible and text[visible - 1] == "\ufffd":
-                visible -= 1
-            start = self.sent_text.get(index, 0)
-            if visible <= start and not done:
-                continue
-            delta = text[start:max(start, visible)]
-            self.sent_text[index] = max(start, visible)
-            first_token = self.sent_tokens.get(index, 0)
-            self.sent_tokens[index] = len(completion.token_ids)
-            logprobs = None
-            if completion.logprobs is not None:
-                logprobs = self._logprobs(completion.logprobs[first_token:], start)
-            choice = {"index": index, "logprobs": logprobs, "finish_reason": completion.finish_reason}
-            if self.chat:
-                choice["delta"] = {"content": delta}
-                if index not in self.roles_sent:
-                    choice["delta"]["role"] = "assistant"
-                    self.roles_sent.add(index)
-            else:
-                choice["text"] = delta
-            chunk = {"id": self.id, "object": self.object + ".chunk" if self.chat else self.object,
-                     "created": self.created, "model": self.model, "choices": [choice]}
-            if include_usage:
-                chunk["usage"] = None
-            chunks.append(chunk)
-        return chunks
-
-    def _logprobs(self, positions: list[PositionLogprobs], text_start: int) -> dict:
-        """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: the legacy
-        {tokens, token_logprobs, top_logprobs, text_offset} lists, offsets counted from
-        ``text_start`` (where these tokens' text begins in the choice's text)."""
-        k = self.params.logprobs or 0
-        entries = []
-        for entry in positions:
-            chosen = next(iter(entry.items()))  # the sampler puts the sampled token first
-            top = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)[:k]
-            entries.append((chosen, top))
-        if self.chat:
-            def item(token_id, lp):
-                text = lp.decoded_token if lp.decoded_token is not None else self.tokenizer.decode([token_id])
-                return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
-            return {"content": [{**item(*chosen), "top_logprobs": [item(*t) for t in top]} for chosen, top in entries]}
-        tokens = [lp.decoded_token or "" for (_, lp), _ in entries]
-        offsets, at = [], text_start
-        for token in tokens:
-            offsets.append(at)
-            at += len(token)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for (_, lp), _ in entries],
-                "top_logprobs": [{lp.decoded_token or "": lp.logprob for _, lp in top} for _, top in entries],
-                "text_offset": offsets}
