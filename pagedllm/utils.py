@@ -15,19 +15,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def is_valid_block_size(block_size: object) -> bool:
-    """A block size is a power of two in ``[1, MAX_BLOCK_SIZE]`` (the kernels index slots with shifts)."""
-    return (
-        isinstance(block_size, int)
-        and not isinstance(block_size, bool)
-        and 1 <= block_size <= MAX_BLOCK_SIZE
-        and block_size & (block_size - 1) == 0
-    )
-
-
 def check_block_size(block_size: object) -> None:
-    """Raise ``ValueError`` unless ``block_size`` is valid (see ``is_valid_block_size``)."""
-    if not is_valid_block_size(block_size):
+    """Raise ``ValueError`` unless ``block_size`` is a power of two in
+    ``[1, MAX_BLOCK_SIZE]`` (the kernels index slots with shifts)."""
+    if (
+        not isinstance(block_size, int)
+        or isinstance(block_size, bool)
+        or not 1 <= block_size <= MAX_BLOCK_SIZE
+        or block_size & (block_size - 1)
+    ):
         raise ValueError(f"block_size must be a power of two between 1 and {MAX_BLOCK_SIZE}, got {block_size!r}")
 
 

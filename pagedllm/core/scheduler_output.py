@@ -67,10 +67,6 @@ class ScheduledSequence:
     # Empty for a prefill chunk that stops short of the last known token.
     sample_rows: list[SampleRow] = field(default_factory=list)
 
-    @property
-    def samples(self) -> bool:
-        return bool(self.sample_rows)
-
 
 @dataclass
 class SchedulerOutput:

@@ -43,9 +43,10 @@ class CachedSequence:
     __slots__ = ("prompt_token_ids", "output_token_ids", "block_ids", "sampling_params")
 
     def __init__(self, data: NewSequenceData) -> None:
+        # The lists are the runner's own (NewSequenceData's safety rule): no copy.
         self.prompt_token_ids = data.prompt_token_ids  # never changes
-        self.output_token_ids = list(data.output_token_ids)
-        self.block_ids = list(data.block_ids)
+        self.output_token_ids = data.output_token_ids
+        self.block_ids = data.block_ids
         self.sampling_params = data.sampling_params
 
     def apply(self, scheduled: ScheduledSequence) -> None:
