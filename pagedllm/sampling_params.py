@@ -8,10 +8,47 @@ naming the field and the accepted range, before the request reaches the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Below this temperature sampling is treated as greedy: dividing logits by a
 # number this small overflows fp32 and makes the softmax meaningless anyway.
 _GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's ``StructuredOutputsParams``):
+    exactly one of the fields is set.
+
+    - ``json``: a JSON schema (dict or its JSON text); the output is JSON valid against it.
+    - ``json_object``: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
+    - ``regex``: the output matches this regular expression, whole.
+    - ``choice``: the output is exactly one of these strings.
+    - ``grammar``: an EBNF / GBNF grammar whose ``root`` rule the output matches.
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in ("json", "json_object", "regex", "choice", "grammar")
+                 if getattr(self, name) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "StructuredOutputsParams needs exactly one of json, json_object, regex, choice, grammar; "
+                f"got {kinds or 'none'}"
+            )
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"StructuredOutputsParams.choice must be a non-empty list of strings, got {self.choice!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(name for name in ("json", "json_object", "regex", "choice", "grammar")
+                    if getattr(self, name) not in (None, False))
 
 
 @dataclass
@@ -51,6 +88,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Constrains the output (JSON schema, regex, choice, grammar); applied as a token mask.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by __post_init__: ``stop`` normalised to a list.
     _stop_strings: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -123,6 +162,8 @@ class SamplingParams:
             not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
         ):
             fail("prompt_logprobs", "must be an integer >= 0 or None", self.prompt_logprobs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail("structured_outputs", "must be a StructuredOutputsParams", self.structured_outputs)
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(not isinstance(s, str) or s == "" for s in stops):
             fail("stop", "must be a non-empty string or a list of non-empty strings", self.stop)

@@ -8,61 +8,24 @@ shape ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import re
-from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
-from pagedllm.engine.llm_engine import LLMEngine, PromptType
-from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
-from pagedllm.metrics import EngineMetrics
-from pagedllm.entrypoints.openai.responses import ResponseBuilder
-from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai.errors import APIError, install_error_handlers
+from pagedllm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from pagedllm.entrypoints.openai.serving_chat import add_chat_route, chat_prompt
+from pagedllm.entrypoints.openai.serving_completion import add_completion_route
+from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
 
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def bad_request(exc: ValueError) -> APIError:
-    """A ValueError from validation becomes a 400 naming the field when it can."""
-    match = re.match(r"SamplingParams\.(\w+)", str(exc))
-    return APIError(400, str(exc), param=match.group(1) if match else None)
+__all__ = ["ServerState", "build_app"]
 
 
 _DASHBOARD = Path(__file__).parent / "static" / "dashboard.html"
-
-@dataclass
-class ServerState:
-    engine: LLMEngine
-    served_model_name: str
-    # API key -> tenant name (None: a key without a tenant). Empty: no auth.
-    api_keys: dict[str, str | None] = field(default_factory=dict)
-    async_engine: AsyncLLMEngine | None = None
-    metrics: EngineMetrics = field(default_factory=EngineMetrics)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -77,15 +40,13 @@ def build_app(state: ServerState) -> FastAPI:
         await state.async_engine.stop()
 
     app = FastAPI(title="pagedllm", lifespan=lifespan)
-    _install_error_handlers(app)
+    install_error_handlers(app)
     tenant_of = _tenant_dependency(state)
     _add_pool_routes(app, state, tenant_of)
     _add_token_routes(app, state, tenant_of)
-    _add_generation_routes(app, state, tenant_of)
+    add_completion_route(app, state, tenant_of)
+    add_chat_route(app, state, tenant_of)
     return app
-
-
-TenantDependency = Callable[[Request], str | None]  # the bearer-token check; returns the tenant
 
 
 def _tenant_dependency(state: ServerState) -> TenantDependency:
@@ -100,12 +61,6 @@ def _tenant_dependency(state: ServerState) -> TenantDependency:
         return state.api_keys[key]
 
     return tenant_of
-
-
-def _check_model(state: ServerState, name: str | None) -> None:
-    if name is not None and name != state.served_model_name:
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {state.served_model_name!r}",
-                       code="model_not_found", param="model")
 
 
 def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
@@ -148,10 +103,10 @@ def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependen
 def _add_token_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, tenant: str | None = Depends(tenant_of)) -> dict:
-        _check_model(state, body.model)
+        check_model(state, body.model)
         tokenizer = state.engine.get_tokenizer()
         if body.messages is not None:
-            ids = _chat_prompt(state.engine, body.messages, True)["prompt_token_ids"]
+            ids = chat_prompt(state.engine, body.messages, True)["prompt_token_ids"]
         elif body.prompt is not None:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
@@ -160,146 +115,10 @@ def _add_token_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepende
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, tenant: str | None = Depends(tenant_of)) -> dict:
-        _check_model(state, body.model)
+        check_model(state, body.model)
         vocab = state.engine.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": state.engine.get_tokenizer().decode(body.tokens)}
 
 
-def _add_generation_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, tenant: str | None = Depends(tenant_of)):
-        _check_model(state, body.model)
-        if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
-        prompts = _completion_prompts(body.prompt)
-        try:
-            params = body.sampling_params(body.max_tokens, body.logprobs)
-        except ValueError as exc:
-            raise bad_request(exc) from exc
-        return await _serve(state, "cmpl", prompts, params, body, tenant, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, tenant: str | None = Depends(tenant_of)):
-        _check_model(state, body.model)
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        try:
-            prompt = _chat_prompt(state.engine, body.messages, body.add_generation_prompt)
-            logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs)
-        except ValueError as exc:
-            raise bad_request(exc) from exc
-        return await _serve(state, "chatcmpl", [prompt], params, body, tenant, chat=True)
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            return JSONResponse(error_body(f"invalid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
-                                           "invalid_request_error"), status_code=400)
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-                            for e in errors[:5])
-        return JSONResponse(error_body(message or "invalid request", "invalid_request_error",
-                                       ".".join(location) or None), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code)
-
-
-def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [{"prompt_token_ids": list(prompt)}]
-    return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
-
-
-def _chat_prompt(engine: LLMEngine, messages, add_generation_prompt: bool) -> dict:
-    tokenizer = engine.get_tokenizer()
-    if not tokenizer.chat_template:
-        raise APIError(400, "this model has no chat template", param="messages")
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-
-
-async def _serve(state: ServerState, kind: str, prompts: list[PromptType], params: SamplingParams,
-                 body, tenant: str | None, chat: bool):
-    # A tenant's salt is applied server-side and overrides the client's, so no
-    # client can pick another tenant's prefix-cache blocks.
-    salt = f"tenant:{tenant}" if tenant is not None else body.cache_salt
-    engine = state.async_engine
-    streams: list[RequestStream] = []
-    try:
-        for prompt in prompts:
-            rid = engine.next_request_id(kind)
-            streams.append(await engine.add_request(rid, prompt, params, priority=body.priority, cache_salt=salt))
-    except ValueError as exc:
-        for stream in streams:
-            stream.abort()
-        raise bad_request(exc) from exc
-    response = ResponseBuilder(state.engine.get_tokenizer(), kind, params, chat, body.model or state.served_model_name)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(response, streams, include_usage), media_type="text/event-stream")
-    try:
-        finals = await asyncio.gather(*(_last(stream) for stream in streams))
-    finally:
-        for stream in streams:
-            stream.abort()
-    return response.full(finals)
-
-
-async def _last(stream: RequestStream) -> RequestOutput:
-    final = None
-    async for output in stream:
-        final = output
-    return final
-
-
-async def _stream(response: ResponseBuilder, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
-    """SSE events of every prompt's outputs as they come; aborts everything left
-    if the client goes away (the generator is cancelled or closed)."""
-    merged: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
-
-    async def pump(index: int, stream: RequestStream) -> None:
-        async for output in stream:
-            await merged.put((index, output))
-        await merged.put((index, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    finals: dict[int, RequestOutput] = {}
-    try:
-        remaining = len(streams)
-        while remaining:
-            index, output = await merged.get()
-            if output is None:
-                remaining -= 1
-                continue
-            for chunk in response.chunks(index, output, include_usage):
-                yield f"data: {json.dumps(chunk)}\n\n"
-            if output.finished:
-                finals[index] = output
-        for task in tasks:
-            task.result()  # re-raise an engine failure
-        if include_usage:
-            yield f"data: {json.dumps(response.usage_chunk([finals[i] for i in sorted(finals)]))}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        for task in tasks:
-            task.cancel()
-        for stream in streams:
-            stream.abort()

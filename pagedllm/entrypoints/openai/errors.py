@@ -1,0 +1,51 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``, and
+the handlers that turn every failure of a request into one."""
+
+from __future__ import annotations
+
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def bad_request(exc: ValueError) -> APIError:
+    """A ValueError from validation becomes a 400 naming the field when it can."""
+    match = re.match(r"SamplingParams\.(\w+)", str(exc))
+    return APIError(400, str(exc), param=match.group(1) if match else None)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return JSONResponse(error_body(f"invalid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
+                                           "invalid_request_error"), status_code=400)
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+                            for e in errors[:5])
+        return JSONResponse(error_body(message or "invalid request", "invalid_request_error",
+                                       ".".join(location) or None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code)

@@ -1,0 +1,87 @@
+"""Running the prompts of one API request on the engine, and answering with a
+whole response or a stream of SSE chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from pagedllm.engine.async_engine import RequestStream
+from pagedllm.engine.llm_engine import PromptType
+from pagedllm.entrypoints.openai.errors import bad_request
+from pagedllm.entrypoints.openai.responses import ResponseBuilder
+from pagedllm.entrypoints.openai.state import ServerState
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+async def serve(state: ServerState, kind: str, prompts: list[PromptType], params: SamplingParams,
+                 body, tenant: str | None, chat: bool):
+    # A tenant's salt is applied server-side and overrides the client's, so no
+    # client can pick another tenant's prefix-cache blocks.
+    salt = f"tenant:{tenant}" if tenant is not None else body.cache_salt
+    engine = state.async_engine
+    streams: list[RequestStream] = []
+    try:
+        for prompt in prompts:
+            rid = engine.next_request_id(kind)
+            streams.append(await engine.add_request(rid, prompt, params, priority=body.priority, cache_salt=salt))
+    except ValueError as exc:
+        for stream in streams:
+            stream.abort()
+        raise bad_request(exc) from exc
+    response = ResponseBuilder(state.engine.get_tokenizer(), kind, params, chat, body.model or state.served_model_name)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(response, streams, include_usage), media_type="text/event-stream")
+    try:
+        finals = await asyncio.gather(*(_last(stream) for stream in streams))
+    finally:
+        for stream in streams:
+            stream.abort()
+    return response.full(finals)
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    final = None
+    async for output in stream:
+        final = output
+    return final
+
+
+async def _stream(response: ResponseBuilder, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
+    """SSE events of every prompt's outputs as they come; aborts everything left
+    if the client goes away (the generator is cancelled or closed)."""
+    merged: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        async for output in stream:
+            await merged.put((index, output))
+        await merged.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    finals: dict[int, RequestOutput] = {}
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, output = await merged.get()
+            if output is None:
+                remaining -= 1
+                continue
+            for chunk in response.chunks(index, output, include_usage):
+                yield f"data: {json.dumps(chunk)}\n\n"
+            if output.finished:
+                finals[index] = output
+        for task in tasks:
+            task.result()  # re-raise an engine failure
+        if include_usage:
+            yield f"data: {json.dumps(response.usage_chunk([finals[i] for i in sorted(finals)]))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.abort()
