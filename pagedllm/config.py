@@ -202,6 +202,10 @@ class EngineConfig:
         metadata={"help": "most prompt tokens one request prefills per step, so a huge prompt cannot stall "
                           "the others' decoding (None: no cap; needs chunked prefill)"},
     )
+    max_logprobs: int = field(
+        default=20,
+        metadata={"help": "most logprobs / prompt_logprobs (top_logprobs in chat) a request may ask for, as vLLM"},
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     debug_invariants: bool = field(
         default=False, metadata={"help": "check every block-manager invariant after every step (slow)"}
@@ -230,6 +234,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         if not isinstance(self.distributed_timeout_s, (int, float)) or self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got {self.distributed_timeout_s!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space!r}")
 

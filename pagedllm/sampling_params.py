@@ -7,8 +7,10 @@ naming the field and the accepted range, before the request reaches the engine.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 # Below this temperature sampling is treated as greedy: dividing logits by a
 # number this small overflows fp32 and makes the softmax meaningless anyway.
@@ -66,6 +68,17 @@ class SamplingParams:
     - ``logprobs=k`` returns, for every generated token, the log-probability of
       the sampled token plus the ``k`` most likely tokens; ``prompt_logprobs=k``
       does the same for every prompt token after the first.
+    - ``logit_bias`` ({token id: bias}, OpenAI's rule) adds each bias to that
+      token's logit before sampling; biases are clamped to [-100, 100].
+    - ``allowed_token_ids``: only these tokens may be sampled.
+    - ``bad_words``: vLLM's rule; each word is tokenized with and without a
+      leading space, and a word's last token is banned whenever the tokens
+      before it end the output so far (a one-token word is always banned).
+      The engine does the tokenizing (``bad_words_token_ids``).
+    - ``truncate_prompt_tokens=k`` keeps only the last ``k`` prompt tokens; -1
+      keeps as many as the context allows (``max_model_len - 1``).
+    - Reported logprobs stay those of the raw model distribution: none of the
+      rules above changes them.
     """
 
     n: int = 1
@@ -90,6 +103,13 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # Constrains the output (JSON schema, regex, choice, grammar); applied as a token mask.
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    # Filled by the engine's input processor from bad_words (it holds the
+    # tokenizer): the token sequences the sampler bans, one list per variant.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
     # Filled in by __post_init__: ``stop`` normalised to a list.
     _stop_strings: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -104,6 +124,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            # OpenAI's range; a bias beyond it would only saturate the softmax.
+            self.logit_bias = {int(t): min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
 
     @property
     def stop_strings(self) -> list[str]:
@@ -119,7 +142,7 @@ class SamplingParams:
         return self.temperature < _GREEDY_TEMPERATURE
 
     def _validate(self) -> None:
-        def fail(field_name: str, rule: str, value: object) -> None:
+        def fail(field_name: str, rule: str, value: object) -> NoReturn:
             raise ValueError(f"SamplingParams.{field_name} {rule}, got {value!r}")
 
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
@@ -164,6 +187,7 @@ class SamplingParams:
             fail("prompt_logprobs", "must be an integer >= 0 or None", self.prompt_logprobs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             fail("structured_outputs", "must be a StructuredOutputsParams", self.structured_outputs)
+        self._validate_token_rules(fail)
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(not isinstance(s, str) or s == "" for s in stops):
             fail("stop", "must be a non-empty string or a list of non-empty strings", self.stop)
@@ -171,3 +195,32 @@ class SamplingParams:
             not isinstance(t, int) or t < 0 for t in self.stop_token_ids
         ):
             fail("stop_token_ids", "must be a list of non-negative token ids", self.stop_token_ids)
+
+    def _validate_token_rules(self, fail: Callable[[str, str, object], NoReturn]) -> None:
+        """logit_bias, allowed_token_ids, bad_words, truncate_prompt_tokens; the
+        vocabulary bounds are checked by the engine, which knows the vocabulary."""
+
+        def is_token_id(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+        def is_number(value: object) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        bias = self.logit_bias
+        if bias is not None and (
+            not isinstance(bias, dict) or not all(is_token_id(t) and is_number(b) for t, b in bias.items())
+        ):
+            fail("logit_bias", "must map token ids (integers >= 0) to finite numbers", bias)
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, list) or not allowed or not all(map(is_token_id, allowed))):
+            fail("allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)", allowed)
+        words = self.bad_words
+        if words is not None and (
+            not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words)
+        ):
+            fail("bad_words", "must be a list of non-blank strings", words)
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and (
+            isinstance(truncate, bool) or not isinstance(truncate, int) or (truncate < 1 and truncate != -1)
+        ):
+            fail("truncate_prompt_tokens", "must be an integer >= 1, or -1 (as many as the context allows)", truncate)

@@ -1,8 +1,11 @@
-"""From what a caller passes to a validated ``Request``: tokenize, check the
-prompt against the model and the pool, resolve the seed and the salt."""
+"""From what a caller passes to a validated ``Request``: tokenize (and truncate)
+the prompt, check it against the model and the pool, check the token ids the
+sampling rules name against the vocabulary, tokenize ``bad_words``, resolve the
+seed and the salt."""
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -29,8 +32,10 @@ class InputProcessor:
         cache_config: CacheConfig,
         num_blocks: int,
         seed: int,
+        max_logprobs: int = 20,
     ) -> None:
         self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.scheduler_config = scheduler_config
@@ -56,8 +61,9 @@ class InputProcessor:
         requests with the same salt share them."""
         if priority != 0 and self.scheduler_config.scheduling_policy != "priority":
             raise ValueError("priority is only honoured with scheduling_policy='priority'; set it or drop priority")
-        prompt_text, token_ids = self._tokenize(prompt)
+        prompt_text, token_ids = self._truncate(*self._tokenize(prompt), params.truncate_prompt_tokens)
         max_tokens = self._validate(token_ids, params)
+        params = self._with_token_rules(params)
         if cache_salt is None and isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -98,6 +104,59 @@ class InputProcessor:
         if isinstance(prompt, Sequence):
             return None, self._token_list(prompt)
         raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def check_logprobs(self, params: SamplingParams) -> None:
+        """``ValueError`` when a request asks for more logprobs than ``max_logprobs`` (vLLM's limit)."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(
+                    f"SamplingParams.{name} must be <= max_logprobs ({self.max_logprobs}), got {value}; "
+                    "ask for fewer or start the engine with a larger max_logprobs"
+                )
+
+    def _truncate(self, prompt_text: str | None, token_ids: list[int], keep: int | None) -> tuple[str | None, list[int]]:
+        """``truncate_prompt_tokens``: keep the last ``keep`` tokens (-1: the most the
+        context allows with one token generated). A cut prompt's text is its
+        tokens decoded, so the text and the ids always agree."""
+        if keep is None:
+            return prompt_text, token_ids
+        if keep == -1:
+            keep = self.max_model_len - 1
+        if len(token_ids) <= keep:
+            return prompt_text, token_ids
+        token_ids = token_ids[-keep:]
+        return self.tokenizer.decode(token_ids), token_ids
+
+    def _with_token_rules(self, params: SamplingParams) -> SamplingParams:
+        """Check the ids of logit_bias and allowed_token_ids against the vocabulary;
+        return ``params``, or with bad_words a copy carrying their token ids (the
+        caller's object is not changed: it may serve other prompts)."""
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams.{name} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        if not params.bad_words:
+            return params
+        params = copy.copy(params)
+        params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        return params
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's rule: each word as tokenized at the start of a text, and with a
+        leading space when that makes a different first token but as many tokens
+        (the same word in the middle of a text)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(plain)
+            if spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        bad = [t for ids in sequences for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.bad_words tokenize to id {bad[0]}, outside the model's vocabulary")
+        return sequences
 
     def _token_list(self, token_ids: Sequence[Any]) -> list[int]:
         if any(isinstance(t, bool) or not isinstance(t, int) for t in token_ids):

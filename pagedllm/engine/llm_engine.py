@@ -79,7 +79,8 @@ class LLMEngine:
         )
         self.vocab_size = self.model_config.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                              self.scheduler_config, config.cache, num_blocks, config.seed)
+                                              self.scheduler_config, config.cache, num_blocks, config.seed,
+                                              max_logprobs=config.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
         # The one registry of user requests: sampled ones by their output state,
@@ -185,6 +186,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         self._check_new_id(request_id)
+        self.input_processor.check_logprobs(params)  # beam search's internal candidates are exempt
         request, prompt_text = self.input_processor.new_request(
             request_id, prompt, params, params.num_sequences, arrival_time, priority, cache_salt
         )

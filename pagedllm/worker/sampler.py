@@ -2,7 +2,10 @@
 
 Per row, in this order:
 
-1. Penalties, on the raw logits:
+0. Token rules, on the raw logits (vLLM's order, ``sampling/token_rules.py``):
+   ``allowed_token_ids`` masks every other token, ``bad_words`` mask a word's
+   last token after the rest of it, ``logit_bias`` is added.
+1. Penalties:
    - ``repetition_penalty`` (HF/vLLM rule) over every token that occurs in the
      prompt or the output: a positive logit is divided by the penalty, a
      negative one multiplied by it.

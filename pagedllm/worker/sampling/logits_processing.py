@@ -1,4 +1,5 @@
-"""Steps 1-2 of sampling (see ``pagedllm.worker.sampler``): penalties, then the
+"""Steps 1-2 of sampling (see ``pagedllm.worker.sampler``): the token rules
+(allowed_token_ids, bad_words, logit_bias: ``token_rules``), penalties, then the
 min_tokens mask, on the raw logits."""
 
 from __future__ import annotations
@@ -11,23 +12,28 @@ import torch
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.sampling.metadata import SamplingMetadata
 from pagedllm.worker.sampling.rows import row_values
+from pagedllm.worker.sampling.token_rules import apply_token_rules, uses_token_rules
 
 
 def process_logits(
     logits: torch.Tensor, metadata: SamplingMetadata, eos_token_ids: list[int]
 ) -> torch.Tensor:
-    """Penalties then the min_tokens mask, on a copy made only if some row needs either."""
+    """Token rules, penalties, then the min_tokens mask, on a copy made only if
+    some row needs one of them."""
     params = metadata.params
+    rule_rows = [i for i, p in enumerate(params) if uses_token_rules(p)]
     penalty_rows = [
         i
         for i, p in enumerate(params)
         if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
     ]
     mask_rows, mask_cols = _min_tokens_mask(metadata, eos_token_ids, logits.shape[1])
-    if not penalty_rows and not mask_rows:
+    if not penalty_rows and not mask_rows and not rule_rows:
         return logits
     processed = logits.to(torch.float32, copy=True)  # penalties and masks always work in fp32
     device = logits.device
+    if rule_rows:
+        apply_token_rules(processed, rule_rows, params, metadata.output_token_ids)
     if penalty_rows:
         index = torch.tensor(penalty_rows, device=device)
         processed[index] = _penalize(
