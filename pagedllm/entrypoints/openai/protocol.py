@@ -2,17 +2,61 @@
 
 Field names follow OpenAI plus vLLM's extras (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``cache_salt``,
-``priority``, ...). Unknown fields are ignored, as vLLM does; a known field of
-the wrong type is a 400.
+``priority``, ...). A known field of the wrong type is a 400. Nothing is dropped
+silently: a field of OpenAI's or vLLM's API that pagedllm does not implement is a
+400 naming it (``UNIMPLEMENTED_FIELDS``) unless it has its harmless default, and a
+truly unknown field is ignored and logged once per name, as vLLM does.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import functools
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from pagedllm.logger import init_logger
 from pagedllm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+# Request fields of OpenAI's and vLLM's APIs that pagedllm does not implement,
+# with the values that ask for nothing (None is always one): setting another
+# value is a 400 naming the field. A route that implements one declares it as a
+# field of its request model, which takes precedence over this list.
+UNIMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    # OpenAI chat
+    "audio": (), "function_call": ("none",), "functions": ([],), "metadata": ({},), "modalities": (["text"],),
+    "moderation": (), "prediction": (), "prompt_cache_key": (), "prompt_cache_options": (),
+    "prompt_cache_retention": (), "reasoning_effort": (), "safety_identifier": (), "service_tier": ("auto",),
+    "store": (False,), "verbosity": (), "web_search_options": (),
+    # OpenAI completions fields the chat endpoint does not have (vLLM accepts echo there)
+    "echo": (False,), "suffix": (),
+    # vLLM's extras
+    "use_beam_search": (False,), "length_penalty": (1.0,), "prompt_embeds": (), "mm_processor_kwargs": ({},),
+    "media_io_kwargs": ({},), "logits_processors": ([],), "kv_transfer_params": (), "vllm_xargs": ({},),
+    "guided_whitespace_pattern": (), "structural_tag": (), "documents": ([],), "include_reasoning": (True,),
+    "add_special_tokens": (False,), "spaces_between_special_tokens": (True,), "request_id": (),
+    "return_token_ids": (False,), "return_tokens_as_token_ids": (False,), "prompt_logprobs": (),
+    "thinking_token_budget": (),
+}
+
+
+@functools.cache
+def _log_ignored_field(model_name: str, field_name: str) -> None:
+    """Warn once per (request kind, field name): a client sending a field every
+    time must not flood the log."""
+    logger.warning("%s: ignoring the unknown field %r", model_name, field_name)
+
+
+def _unimplemented_field_error(model_name: str, field_name: str, value: Any) -> ValidationError:
+    """A validation error located at the field, so the 400 names it in ``param``."""
+    error = PydanticCustomError(
+        "unimplemented_field", "{field} is not implemented by pagedllm; leave it out or at its default",
+        {"field": field_name},
+    )
+    return ValidationError.from_exception_data(model_name, [InitErrorDetails(type=error, loc=(field_name,), input=value)])
 
 
 class StreamOptions(BaseModel):
@@ -21,6 +65,25 @@ class StreamOptions(BaseModel):
 
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    # A request model overrides this to give a field another harmless value.
+    unimplemented_fields: ClassVar[dict[str, tuple[Any, ...]]] = UNIMPLEMENTED_FIELDS
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented_fields(cls, data: Any) -> Any:
+        """400 for an unimplemented known field set to something; log unknown ones once."""
+        if not isinstance(data, dict):
+            return data
+        for name, value in data.items():
+            if name in cls.model_fields:
+                continue
+            if name in cls.unimplemented_fields:
+                if value is not None and value not in cls.unimplemented_fields[name]:
+                    # Raised as a ValidationError (pydantic passes it through) so the error carries the field's location.
+                    raise _unimplemented_field_error(cls.__name__, name, value)
+            else:
+                _log_ignored_field(cls.__name__, name)
+        return data
 
     model: str | None = None
     n: int = 1
@@ -45,8 +108,15 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     priority: int = 0
+    # OpenAI's logit_bias (JSON keys are strings: pydantic makes them token ids) and vLLM's token rules
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """Raises ``ValueError`` (naming the field) for out-of-range values."""
         return SamplingParams(
             n=self.n,
@@ -67,14 +137,27 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
 class CompletionRequest(_SamplingFields):
+    unimplemented_fields: ClassVar[dict[str, tuple[Any, ...]]] = {**UNIMPLEMENTED_FIELDS, "add_special_tokens": (True,)}
+
     prompt: str | list[str] | list[int] | list[list[int]]
+    # 0 only with echo: the prompt comes back and nothing is generated.
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    # Fill-in-the-middle: the text after the completion (needs a model with FIM tokens).
+    suffix: str | None = None
+    # vLLM's extras: prompt logprobs per choice, and tokens shown as "token_id:<id>" in logprobs.
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
 
 
 class ChatMessage(BaseModel):

@@ -7,6 +7,7 @@ import time
 import uuid
 from typing import Any
 
+from pagedllm.entrypoints.openai.completion_choices import CompletionChoices, CompletionOptions
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -14,8 +15,11 @@ from pagedllm.sampling_params import SamplingParams
 class ResponseBuilder:
     """OpenAI response and chunk bodies for one API request (several prompts x n choices)."""
 
-    def __init__(self, tokenizer: Any, kind: str, params: SamplingParams, chat: bool, model: str) -> None:
+    def __init__(self, tokenizer: Any, kind: str, params: SamplingParams, chat: bool, model: str,
+                 completion: CompletionOptions | None = None) -> None:
         self.tokenizer = tokenizer
+        # The completions side of the bodies (echo, legacy logprobs); unused by chat.
+        self.completion = CompletionChoices(tokenizer, completion or CompletionOptions(), params.logprobs)
         self.id = f"{kind}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.params = params
@@ -35,19 +39,20 @@ class ResponseBuilder:
         choices = []
         for prompt_index, output in enumerate(finals):
             for completion in output.outputs:
+                if not self.chat:
+                    choices.append(self.completion.full_choice(self._choice_index(prompt_index, completion),
+                                                               output, completion))
+                    continue
                 choice = {"index": self._choice_index(prompt_index, completion), "finish_reason": completion.finish_reason,
-                          "logprobs": self._logprobs(completion.logprobs, 0) if completion.logprobs is not None else None}
-                if self.chat:
-                    choice["message"] = {"role": "assistant", "content": completion.text}
-                else:
-                    choice["text"] = completion.text
+                          "logprobs": self._logprobs(completion.logprobs) if completion.logprobs is not None else None}
+                choice["message"] = {"role": "assistant", "content": completion.text}
                 choices.append(choice)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage(finals)}
 
     def usage(self, finals: list[RequestOutput]) -> dict:
         prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
-        completion_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
+        completion_tokens = sum(len(self.completion.generated(c).token_ids) for o in finals for c in o.outputs)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}
@@ -61,6 +66,12 @@ class ResponseBuilder:
         chunks = []
         for completion in output.outputs:
             index = self._choice_index(prompt_index, completion)
+            if not self.chat:
+                completion = self.completion.generated(completion)
+                if self.completion.has_first_chunk and index not in self.sent_text:
+                    # The echoed prompt and the prompt logprobs go first, whole, in a chunk of their own.
+                    self.sent_text[index] = 0
+                    chunks.append(self._chunk(self.completion.echo_choice(index, output), include_usage))
             done = completion.finish_reason is not None
             text = completion.text
             # Hold back what could still become a stop string or a partial UTF-8 character.
@@ -75,8 +86,12 @@ class ResponseBuilder:
             first_token = self.sent_tokens.get(index, 0)
             self.sent_tokens[index] = len(completion.token_ids)
             logprobs = None
-            if completion.logprobs is not None:
-                logprobs = self._logprobs(completion.logprobs[first_token:], start)
+            if completion.logprobs is not None and not self.chat:
+                new_ids = completion.token_ids[first_token:]
+                logprobs = self.completion.logprobs(
+                    (new_ids, completion.logprobs[first_token:], start + self.completion.echo_length(output)))
+            elif completion.logprobs is not None:
+                logprobs = self._logprobs(completion.logprobs[first_token:])
             choice = {"index": index, "logprobs": logprobs, "finish_reason": completion.finish_reason}
             if self.chat:
                 choice["delta"] = {"content": delta}
@@ -85,33 +100,25 @@ class ResponseBuilder:
                     self.roles_sent.add(index)
             else:
                 choice["text"] = delta
-            chunk = {"id": self.id, "object": self.object + ".chunk" if self.chat else self.object,
-                     "created": self.created, "model": self.model, "choices": [choice]}
-            if include_usage:
-                chunk["usage"] = None
-            chunks.append(chunk)
+            chunks.append(self._chunk(choice, include_usage))
         return chunks
 
-    def _logprobs(self, positions: list[PositionLogprobs], text_start: int) -> dict:
-        """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: the legacy
-        {tokens, token_logprobs, top_logprobs, text_offset} lists, offsets counted from
-        ``text_start`` (where these tokens' text begins in the choice's text)."""
+    def _chunk(self, choice: dict, include_usage: bool) -> dict:
+        chunk = {"id": self.id, "object": self.object + ".chunk" if self.chat else self.object,
+                 "created": self.created, "model": self.model, "choices": [choice]}
+        if include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _logprobs(self, positions: list[PositionLogprobs]) -> dict:
+        """Chat: {"content": [{token, logprob, bytes, top_logprobs}]} (completions: ``CompletionChoices.logprobs``)."""
         k = self.params.logprobs or 0
         entries = []
         for entry in positions:
             chosen = next(iter(entry.items()))  # the sampler puts the sampled token first
             top = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)[:k]
             entries.append((chosen, top))
-        if self.chat:
-            def item(token_id, lp):
-                text = lp.decoded_token if lp.decoded_token is not None else self.tokenizer.decode([token_id])
-                return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
-            return {"content": [{**item(*chosen), "top_logprobs": [item(*t) for t in top]} for chosen, top in entries]}
-        tokens = [lp.decoded_token or "" for (_, lp), _ in entries]
-        offsets, at = [], text_start
-        for token in tokens:
-            offsets.append(at)
-            at += len(token)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for (_, lp), _ in entries],
-                "top_logprobs": [{lp.decoded_token or "": lp.logprob for _, lp in top} for _, top in entries],
-                "text_offset": offsets}
+        def item(token_id, lp):
+            text = lp.decoded_token if lp.decoded_token is not None else self.tokenizer.decode([token_id])
+            return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+        return {"content": [{**item(*chosen), "top_logprobs": [item(*t) for t in top]} for chosen, top in entries]}

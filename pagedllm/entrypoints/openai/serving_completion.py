@@ -2,27 +2,47 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import Depends, FastAPI
 
 from pagedllm.engine.llm_engine import PromptType
+from pagedllm.entrypoints.openai.completion_choices import CompletionOptions
 from pagedllm.entrypoints.openai.errors import APIError, bad_request
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving import serve
 from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
+
+# Fill-in-the-middle tokens (prefix, suffix, middle), in the spellings models use:
+# StarCoder / SantaCoder, then Qwen2.5-Coder and its kin.
+FIM_TOKENS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
 
 
 def add_completion_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, tenant: str | None = Depends(tenant_of)):
         check_model(state, body.model)
-        if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        echo_only = body.max_tokens == 0
+        if echo_only and not body.echo:
+            raise APIError(400, "max_tokens 0 is only allowed with echo=true (it returns the prompt alone); "
+                                "ask for at least 1 token", param="max_tokens")
         prompts = completion_prompts(body.prompt)
+        if body.suffix is not None:
+            if body.echo:
+                raise APIError(400, "suffix cannot be used with echo", param="suffix")
+            prompts = [fill_in_the_middle(state.engine.get_tokenizer(), p, body.suffix) for p in prompts]
+        # With echo, the prompt's tokens get the same logprobs as the generated ones (vLLM).
+        prompt_logprobs = body.prompt_logprobs
+        if prompt_logprobs is None and body.echo:
+            prompt_logprobs = body.logprobs
         try:
-            params = body.sampling_params(body.max_tokens, body.logprobs)
+            # max_tokens 0: the engine runs the prefill and samples one token, which the response drops.
+            params = body.sampling_params(1 if echo_only else body.max_tokens, body.logprobs, prompt_logprobs)
         except ValueError as exc:
             raise bad_request(exc) from exc
-        return await serve(state, "cmpl", prompts, params, body, tenant, chat=False)
+        options = CompletionOptions(echo=body.echo, echo_only=echo_only, prompt_logprobs=body.prompt_logprobs is not None,
+                                    tokens_as_ids=body.return_tokens_as_token_ids)
+        return await serve(state, "cmpl", prompts, params, body, tenant, chat=False, completion=options)
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
@@ -33,3 +53,22 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
     if all(isinstance(p, int) for p in prompt):
         return [{"prompt_token_ids": list(prompt)}]
     return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
+
+
+def fill_in_the_middle(tokenizer: Any, prompt: PromptType, suffix: str) -> dict:
+    """``<fim_prefix>{prompt}<fim_suffix>{suffix}<fim_middle>`` as token ids (the
+    model then writes the middle); a 400 naming ``suffix`` when the tokenizer has
+    no fill-in-the-middle tokens."""
+    vocab = tokenizer.get_vocab()
+    names = next((triple for triple in FIM_TOKENS if all(name in vocab for name in triple)), None)
+    if names is None:
+        raise APIError(400, "suffix needs a model with fill-in-the-middle tokens "
+                            f"({' / '.join(' '.join(t) for t in FIM_TOKENS)}); this one has none", param="suffix")
+    prefix_id, suffix_id, middle_id = (vocab[name] for name in names)
+    if isinstance(prompt, str):
+        prompt_ids, text = tokenizer.encode(prompt, add_special_tokens=False), prompt
+    else:
+        prompt_ids, text = prompt["prompt_token_ids"], None
+    token_ids = [prefix_id, *prompt_ids, suffix_id, *tokenizer.encode(suffix, add_special_tokens=False), middle_id]
+    return {"prompt": None if text is None else f"{names[0]}{text}{names[1]}{suffix}{names[2]}",
+            "prompt_token_ids": token_ids}
