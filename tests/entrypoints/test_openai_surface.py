@@ -56,6 +56,13 @@ def error_of(client: TestClient, path: str, **body) -> dict:
     return response.json()["error"]
 
 
+def stream_choices(client: TestClient, **body) -> list[dict]:
+    with client.stream("POST", "/v1/completions", json={"temperature": 0, "stream": True, **body}) as stream:
+        events = [line[len("data: "):] for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(event)["choices"][0] for event in events[:-1]]
+
+
 def check_offsets(text: str, logprobs: dict) -> None:
     for token, offset in zip(logprobs["tokens"], logprobs["text_offset"]):
         assert text[offset : offset + len(token)] == token
@@ -95,16 +102,22 @@ def test_max_tokens_0_needs_echo_and_returns_the_prompt_alone(client) -> None:
 
 def test_streamed_echo_sends_the_prompt_first_and_matches_the_whole_response(client) -> None:
     whole = complete(client, prompt=PROMPT, max_tokens=5, echo=True, logprobs=1)["choices"][0]
-    with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "echo": True,
-                                                         "logprobs": 1, "temperature": 0, "stream": True}) as stream:
-        events = [line[len("data: "):] for line in stream.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    choices = [json.loads(event)["choices"][0] for event in events[:-1]]
+    choices = stream_choices(client, prompt=PROMPT, max_tokens=5, echo=True, logprobs=1)
     assert choices[0]["text"] == PROMPT
     assert "".join(c["text"] for c in choices) == whole["text"]
     streamed = {key: [v for c in choices for v in c["logprobs"][key]] for key in whole["logprobs"]}
     assert streamed == whole["logprobs"]
     check_offsets(whole["text"], streamed)
+
+
+def test_streamed_echo_only_and_prompt_logprobs_come_in_the_first_chunk(client) -> None:
+    echo_only = stream_choices(client, prompt=PROMPT, max_tokens=0, echo=True)
+    assert [c["text"] for c in echo_only] == [PROMPT, ""]
+    assert [c["finish_reason"] for c in echo_only] == [None, "length"]
+    whole = complete(client, prompt=PROMPT, max_tokens=3, prompt_logprobs=1)["choices"][0]
+    streamed = stream_choices(client, prompt=PROMPT, max_tokens=3, prompt_logprobs=1)
+    assert streamed[0]["text"] == "" and streamed[0]["prompt_logprobs"] == whole["prompt_logprobs"]
+    assert "".join(c["text"] for c in streamed) == whole["text"]
 
 
 def test_prompt_logprobs_come_per_choice_in_vllms_shape(client, llm) -> None:
