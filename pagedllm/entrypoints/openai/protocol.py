@@ -39,7 +39,6 @@ UNIMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "guided_whitespace_pattern": (), "structural_tag": (), "documents": ([],), "include_reasoning": (True,),
     "add_special_tokens": (False,), "spaces_between_special_tokens": (True,), "request_id": (),
     "return_token_ids": (False,), "return_tokens_as_token_ids": (False,), "prompt_logprobs": (),
-    "thinking_token_budget": (),
 }
 
 
