@@ -33,7 +33,7 @@ async def serve(state: ServerState, kind: str, prompts: list[PromptType], params
         for stream in streams:
             stream.abort()
         raise bad_request(exc) from exc
-    response = ResponseBuilder(state.engine.get_tokenizer(), kind, params, chat, body.model or state.served_model_name)
+    response = ResponseBuilder(state.engine.get_tokenizer(), kind, params, chat, state.served_model_name)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(response, streams, include_usage), media_type="text/event-stream")

@@ -19,7 +19,7 @@ def add_completion_route(app: FastAPI, state: ServerState, tenant_of: TenantDepe
             raise APIError(400, "echo is not supported", param="echo")
         prompts = completion_prompts(body.prompt)
         try:
-            params = body.sampling_params(body.max_tokens, body.logprobs)
+            params = body.sampling_params(body.max_tokens, body.logprobs, state.engine.default_sampling_params)
         except ValueError as exc:
             raise bad_request(exc) from exc
         return await serve(state, "cmpl", prompts, params, body, tenant, chat=False)
