@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 import pagedllm
-from pagedllm.bench.server_process import free_port
+from pagedllm.bench.server_process import free_port, running_server
 from pagedllm.bench.soak import metric_value
 from pagedllm.entrypoints import cli, engine_args
 from pagedllm.entrypoints.cli import main
@@ -199,3 +199,30 @@ def test_metric_names_are_vllms_under_either_namespace(serve, namespace):
     assert metric_value(text, f"{namespace}:request_success_total", finished_reason="length") == 1
     assert metric_value(text, f"{namespace}:generation_tokens_total", model_name="tiny") == 3
     assert metric_value(text, f"{namespace}:kv_cache_used_blocks") == 0
+
+
+@pytest.mark.slow
+def test_live_server_counts_tokens_while_a_stream_runs(tiny_llama):
+    """A real `pagedllm serve MODEL` process: /metrics advances during a long stream, not only at its end."""
+    args = [tiny_llama, "--num-kv-blocks", "64", "--metrics-namespace", "vllm", "--served-model-name", "tiny"]
+    with running_server(args, start_timeout_s=180) as (base, _pid):
+        def metric(name: str) -> float:
+            return metric_value(httpx.get(f"{base}/metrics").text, name)
+
+        tokens = 1000  # long enough to be still running when /metrics is read, even on a fast machine
+        body = {"prompt": "Hello", "max_tokens": tokens, "min_tokens": tokens, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as stream:
+            lines = stream.iter_lines()
+            for _ in range(8):
+                next(line for line in lines if line.startswith("data: "))
+            text = httpx.get(f"{base}/metrics").text  # one snapshot: both values from the same moment
+            assert 8 <= metric_value(text, "vllm:generation_tokens_total") < tokens
+            assert metric_value(text, "vllm:num_requests_running") == 1
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+        deadline = time.time() + 30
+        while metric("vllm:num_requests_running") or metric("vllm:kv_cache_used_blocks"):
+            assert time.time() < deadline, "the request still holds blocks"
+            time.sleep(0.1)
+        assert metric("vllm:generation_tokens_total") == tokens
+        assert metric("vllm:inter_token_latency_seconds_count") == tokens - 1
+        assert metric("vllm:time_to_first_token_seconds_count") == 1
