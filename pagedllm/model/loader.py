@@ -142,6 +142,9 @@ GENERATION_CONFIG_FIELDS = {
     "repetition_penalty": "repetition_penalty",
     "max_new_tokens": "max_tokens",
 }
+# transformers' GenerationConfig defaults: vLLM applies only the values that differ from them
+# (a file's top_k 50 is transformers' default, not the model creator's advice).
+_TRANSFORMERS_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 
 
 def checkpoint_dtype(model: str | None) -> str | None:
@@ -158,13 +161,15 @@ def checkpoint_dtype(model: str | None) -> str | None:
 
 def generation_defaults(path: str) -> dict[str, Any]:
     """The sampling defaults in the checkpoint's generation_config.json, by
-    SamplingParams field name (only those the file sets; empty without one,
-    and for a GGUF file)."""
+    SamplingParams field name: those the file sets to something other than
+    transformers' defaults, as vLLM's ``--generation-config auto`` (empty
+    without a file, and for a GGUF file)."""
     config_file = Path(path) / "generation_config.json"
     if not config_file.is_file():
         return {}
     config = json.loads(config_file.read_text())
-    return {field: config[key] for key, field in GENERATION_CONFIG_FIELDS.items() if config.get(key) is not None}
+    return {field: config[key] for key, field in GENERATION_CONFIG_FIELDS.items()
+            if config.get(key) is not None and config[key] != _TRANSFORMERS_GENERATION_DEFAULTS.get(key)}
 
 
 def _check_architecture(architecture: Any) -> None:

@@ -23,7 +23,7 @@ def greedy_three_tokens(tiny_llama, tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("tiny-genconfig")
     shutil.copytree(tiny_llama, folder, dirs_exist_ok=True)
     config = json.loads((folder / "generation_config.json").read_text())
-    config.update(temperature=0.0, max_new_tokens=3, top_k=5)
+    config.update(temperature=0.0, max_new_tokens=3, top_k=5, top_p=1.0)  # top_p 1.0: transformers' default
     (folder / "generation_config.json").write_text(json.dumps(config))
     return str(folder)
 
@@ -51,6 +51,7 @@ def test_generation_config_sets_the_defaults_of_generate(greedy_three_tokens, ca
         llm = LLM(greedy_three_tokens, num_kv_blocks=32)
     assert [r.getMessage() for r in caplog.records if "generation_config.json" in r.getMessage()]
     defaults = llm.get_default_sampling_params()
+    assert llm.llm_engine.default_sampling_params == {"temperature": 0.0, "top_k": 5, "max_tokens": 3}
     assert (defaults.temperature, defaults.max_tokens, defaults.top_k) == (0.0, 3, 5)
     implicit = llm.generate(["Once", "Hello there"], use_tqdm=False)
     explicit = llm.generate(["Once", "Hello there"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
