@@ -46,11 +46,13 @@ class StatsReporter:
         self._scheduler_stats = scheduler_stats
         self.prometheus = PrometheusStatLogger(context)
         self.loggers: list[StatLogger] = []
+        self.prometheus.record(scheduler_stats(), self.begin())  # the gauges show the empty pool from the start
 
     def configure(self, model_name: str, namespace: str) -> None:
         """Start fresh metrics under another served name and namespace (the server does this once, before serving)."""
         self.context = replace(self.context, model_name=model_name)
         self.prometheus = PrometheusStatLogger(self.context, namespace)
+        self.prometheus.record(self._scheduler_stats(), self.begin())
 
     @staticmethod
     def begin() -> IterationStats:

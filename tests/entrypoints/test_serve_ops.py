@@ -188,6 +188,9 @@ def test_tls_flags_serve_https(serve, tmp_path):
 def test_metric_names_are_vllms_under_either_namespace(serve, namespace):
     app, _, _ = serve("--metrics-namespace", namespace, "--served-model-name", "tiny")
     with TestClient(app) as client:
+        idle = client.get("/metrics").text  # the pool's gauges are set before any request
+        assert metric_value(idle, f"{namespace}:kv_cache_total_blocks") == 64
+        assert metric_value(idle, f"{namespace}:kv_cache_free_blocks") == 64
         assert complete(client).status_code == 200
         text = client.get("/metrics").text
     names = {family.name for family in text_string_to_metric_families(text)}
