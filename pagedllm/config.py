@@ -8,7 +8,7 @@ line generates one flag per field (``pagedllm/entrypoints/engine_args.py``).
 
 from __future__ import annotations
 
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pagedllm.utils import check_block_size
@@ -19,6 +19,11 @@ if TYPE_CHECKING:
 # The allowed values of the string options, read by the checks below and by the
 # command line (as the flags' choices).
 DType = Literal["float32", "bfloat16", "float16"]
+# The dtype option: a DType, or auto (the checkpoint's own dtype, as vLLM's --dtype auto).
+ModelDType = Literal["auto", "float32", "bfloat16", "float16"]
+# Where requests' default sampling settings come from: auto (the checkpoint's
+# generation_config.json, as vLLM) or vllm (vLLM's neutral defaults; the file is ignored).
+GenerationConfigSource = Literal["auto", "vllm"]
 KVCacheDType = Literal["auto", "int8", "fp8_e4m3"]
 KVLayout = Literal["paged", "contiguous"]
 ContiguousReservation = Literal["max_model_len", "request"]
@@ -170,7 +175,11 @@ class EngineConfig:
         default=None,
         metadata={"help": "GGUF file or Hugging Face checkpoint folder (None: the embedded SmolLM2-135M-Instruct)"},
     )
-    dtype: DType = field(default="float32", metadata={"help": "dtype of the weights and activations"})
+    dtype: ModelDType = field(
+        default="float32",
+        metadata={"help": "dtype of the weights and activations; auto: the checkpoint's (config.json "
+                          "torch_dtype / dtype; a GGUF file has none and gets float32)"},
+    )
     device: str | None = field(
         default=None, metadata={"help": "cpu, cuda or cuda:N (None: cuda when available, else cpu)"}
     )
@@ -223,8 +232,16 @@ class EngineConfig:
         default=60.0, metadata={"help": "seconds a collective may wait before it raises"}
     )
 
+    generation_config: GenerationConfigSource = field(
+        default="auto",
+        metadata={"help": "auto: the checkpoint's generation_config.json sets the default temperature, top_p, "
+                          "top_k, min_p, repetition_penalty and max_tokens (max_new_tokens) of requests that leave "
+                          "them unset; vllm: ignore the file"},
+    )
+
     def __post_init__(self) -> None:
-        _check_choice("dtype", self.dtype, DType)
+        _check_choice("dtype", self.dtype, ModelDType)
+        _check_choice("generation_config", self.generation_config, GenerationConfigSource)
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or None (auto), got {self.device!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
@@ -253,6 +270,18 @@ class EngineConfig:
         cache_names = {option.name for option in fields(CacheConfig)}
         cache = CacheConfig(**{name: value for name, value in options.items() if name in cache_names})
         return cls(cache=cache, **{name: value for name, value in options.items() if name not in cache_names})
+
+    def with_checkpoint_dtype(self, checkpoint_dtype: str | None) -> EngineConfig:
+        """This config with ``dtype="auto"`` resolved to the checkpoint's dtype
+        (float32 when it names none); other values are kept. Raises
+        ``ValueError`` for a checkpoint dtype the engine does not run."""
+        if self.dtype != "auto":
+            return self
+        resolved = checkpoint_dtype or "float32"
+        if resolved not in _DTYPES:
+            raise ValueError(f"dtype auto: the checkpoint's dtype {resolved!r} is not supported; "
+                             f"pass --dtype with one of {', '.join(_DTYPES)}")
+        return replace(self, dtype=resolved)
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         """Resolve the defaults that depend on the loaded model."""

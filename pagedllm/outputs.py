@@ -26,7 +26,10 @@ class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # When the latest token came: each gap to the next one is an inter-token latency.
+    last_token_time: float | None = None
     finished_time: float | None = None
+    num_generation_tokens: int = 0  # tokens sampled for it so far, over all its sequences
     num_preemptions: int = 0  # times this request (all its sequences) was preempted
 
 

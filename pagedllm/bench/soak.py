@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.bench.server_process import running_server
 
@@ -53,12 +54,15 @@ def rss_mib(pid: int) -> float:
     raise ValueError(f"no VmRSS for process {pid}")
 
 
-def metric_value(metrics_text: str, name: str) -> float:
-    """The value of an unlabelled Prometheus sample ``name`` in ``/metrics`` output."""
-    for line in metrics_text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise ValueError(f"/metrics has no {name}")
+def metric_value(metrics_text: str, name: str, **labels: str) -> float:
+    """The value of sample ``name`` in ``/metrics`` output (a counter's name
+    ends in ``_total``), parsed by prometheus_client: summed over the series
+    whose labels include ``labels`` (one series per served model here)."""
+    values = [sample.value for family in text_string_to_metric_families(metrics_text) for sample in family.samples
+              if sample.name == name and labels.items() <= sample.labels.items()]
+    if not values:
+        raise ValueError(f"/metrics has no {name} with labels {labels}")
+    return sum(values)
 
 
 def random_body(rng: random.Random, model: str) -> tuple[str, dict]:

@@ -5,6 +5,11 @@ in a worker thread (so a forward pass never blocks the event loop) and routes
 each step's outputs to the per-request queues. The engine is only touched
 between steps, under ``_lock``, so adding and aborting never race a forward
 pass.
+
+A step that raises kills the loop (vLLM's ``EngineDeadError``): the half-done
+step may have left the pool inconsistent, so every live request is aborted
+and failed, later requests are refused, and the server's /health answers 503
+so an orchestrator restarts it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped after a failed step; restart the server."""
 
 
 class RequestStream:
@@ -56,15 +65,20 @@ class RequestStream:
 class AsyncLLMEngine:
     """Safety rule: call ``start()`` from the running event loop before ``add_request``."""
 
-    def __init__(self, engine: LLMEngine, on_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._on_step = on_step
+        self.dead_error: BaseException | None = None  # why the loop died, once it has
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._pending_aborts: set[str] = set()
         self._lock = asyncio.Lock()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._ids = 0
+
+    @property
+    def is_running(self) -> bool:
+        """The loop is started and has not died (what /health reports)."""
+        return self._loop_task is not None and not self._loop_task.done() and self.dead_error is None
 
     def start(self) -> None:
         if self._loop_task is None:
@@ -93,6 +107,8 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         """Queue a request now (raises ``ValueError`` at once for a bad one) and
         return the stream of its outputs."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine loop died ({self.dead_error!r}); restart the server")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         async with self._lock:
             self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
@@ -117,29 +133,24 @@ class AsyncLLMEngine:
                     self.engine.abort_request(sorted(self._pending_aborts))
                     self._pending_aborts.clear()
                 if not self.engine.has_unfinished_requests():
-                    # The aborts freed blocks and no step follows: report the idle state now,
-                    # or the gauges would keep the aborted requests' numbers until the next request.
-                    if self._on_step is not None:
-                        self._on_step([])
-                    continue
+                    continue  # the aborts freed blocks (and updated the metrics); nothing to step
                 try:
                     outputs = await asyncio.to_thread(self.engine.step)
-                except Exception as exc:  # the engine aborted that step's requests; tell their callers
-                    logger.exception("engine step failed")
-                    self._fail_orphans(exc)
-                    continue
+                except Exception as exc:
+                    logger.exception("engine step failed: the engine loop stops")
+                    self._die(exc)
+                    return
             for output in outputs:
                 queue = self._queues.get(output.request_id)
                 if queue is not None:
                     queue.put_nowait(output)
                     if output.finished:
                         del self._queues[output.request_id]
-            if self._on_step is not None:
-                self._on_step(outputs)
 
-    def _fail_orphans(self, exc: Exception) -> None:
-        """Requests the failed step aborted will never produce output: end their streams."""
-        for request_id, queue in list(self._queues.items()):
-            if not self.engine.has_request(request_id):
-                queue.put_nowait(RuntimeError(f"request {request_id} failed: {exc}"))
-                del self._queues[request_id]
+    def _die(self, exc: Exception) -> None:
+        """Abort every live request (freeing its blocks) and fail every stream."""
+        self.dead_error = exc
+        self.engine.abort_request(list(self.engine.requests))
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(EngineDeadError(f"request {request_id} failed: the engine step raised {exc!r}"))
+        self._queues.clear()

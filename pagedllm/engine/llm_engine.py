@@ -29,6 +29,8 @@ from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.logger import init_logger
 from pagedllm.distributed.executor import DistributedExecutor, PoolShape
 from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.engine.stats_reporter import StatsReporter, metrics_context
+from pagedllm.model.loader import checkpoint_dtype, generation_defaults
 from pagedllm.model.shard import load_model_shard
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -48,6 +50,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        config = config.with_checkpoint_dtype(checkpoint_dtype(config.model))  # dtype auto -> the checkpoint's
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch_dtype(config.dtype)
@@ -92,6 +95,8 @@ class LLMEngine:
         self.peak_running_per_step = 0  # most sequences in one forward pass
         self.num_batched_tokens = 0  # tokens through the forward, summed over steps
         self.reset_step_timings()
+        self.default_sampling_params = self._generation_defaults()
+        self.stats_reporter = StatsReporter(metrics_context(config, self.pool_plan, self.scheduler_config), self.stats)
         logger.info(self.capacity_line())
         # The model, tokenizer and pools are long-lived: move them out of the
         # garbage collector's view so its passes during generation stay short.
@@ -130,6 +135,21 @@ class LLMEngine:
             elif isinstance(source, (list, tuple)):
                 ids.update(int(t) for t in source)
         return sorted(ids)
+
+    def _generation_defaults(self) -> dict:
+        """vLLM's ``--generation-config auto``: the checkpoint's sampling
+        defaults for requests that leave a field unset (logged once)."""
+        if self.config.generation_config != "auto":
+            return {}
+        defaults = generation_defaults(self.model_path)
+        if defaults:
+            logger.info("Default sampling parameters from the model's generation_config.json: %s "
+                        "(--generation-config vllm ignores them)", defaults)
+        return defaults
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without SamplingParams runs with (vLLM's ``get_default_sampling_params``)."""
+        return SamplingParams(**self.default_sampling_params)
 
     def reset_step_timings(self) -> None:
         """Seconds spent per phase of step(), for the benchmarks' split."""
@@ -182,7 +202,7 @@ class LLMEngine:
         """Validate and queue a request. Raises ``ValueError`` (and changes
         nothing) on an empty or too-long prompt, out-of-vocabulary token ids, a
         request that could never fit in the pool, or a reused request id."""
-        params = params or SamplingParams()
+        params = params or self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         self._check_new_id(request_id)
@@ -233,11 +253,15 @@ class LLMEngine:
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         """Stop requests now and free their blocks. Unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        iteration = self.stats_reporter.begin()
         for rid in ids:
             state = self.requests.pop(rid, None)
             if state is not None:
                 for sequence_id in state.live_sequence_ids():
                     self.scheduler.finish_request(sequence_id, RequestStatus.FINISHED_ABORTED)
+                self.stats_reporter.observe_abort(iteration, state)
+        if iteration.finished:
+            self.stats_reporter.record(iteration)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -261,6 +285,7 @@ class LLMEngine:
             self.runner.execute(scheduler_output)  # block moves owed by preemptions or forks
             if not scheduler_output.preempted_request_ids and self.scheduler.has_unfinished_requests():
                 raise RuntimeError("the scheduler could not schedule any unfinished request (this is a bug)")
+            self.stats_reporter.record(self.stats_reporter.begin())
             return []
         user_ids = self._user_ids_of(scheduler_output)
         self._count_step(scheduler_output, user_ids)
@@ -307,6 +332,8 @@ class LLMEngine:
         for request_id, (first, entries) in runner_output.prompt_logprobs.items():
             self.output_processor.store_prompt_logprobs(self.requests[request_id], first, entries)
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        iteration = self.stats_reporter.begin()
+        self.stats_reporter.observe_advanced(iteration, advanced, self.requests)
         sampled = [r for r in advanced if not r.tokens_chosen_externally]
         beams = [r for r in advanced if r.tokens_chosen_externally]
         processed = self.output_processor.process(
@@ -317,7 +344,8 @@ class LLMEngine:
         outputs = processed.outputs + self.beam_search.on_step(beams, runner_output.logprobs, self.requests)
         for output in outputs:
             if output.finished:
-                del self.requests[output.request_id]
+                self.stats_reporter.observe_output(iteration, output, self.requests.pop(output.request_id))
+        self.stats_reporter.record(iteration)
         return outputs
 
     # --------------------------------------------------------------- stats

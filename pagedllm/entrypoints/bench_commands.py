@@ -87,7 +87,7 @@ def _measure_pagedllm(args: argparse.Namespace, llm: LLM, requests: list[BenchRe
         print(f"pool at its fullest: {write_pool_plot(peak_pool_snapshot(llm, requests), args.plot)}")
     traffic = None
     if args.tensor_parallel_size > 1:
-        traffic = bench.tensor_parallel_traffic(engine.model_config, torch_dtype(args.dtype).itemsize,
+        traffic = bench.tensor_parallel_traffic(engine.model_config, torch_dtype(engine.config.dtype).itemsize,
                                                 args.tensor_parallel_size, stats["num_batched_tokens"],
                                                 stats["num_steps"])
     return _MeasuredRun(result, stats, capacity, bench.format_step_split(engine.step_timings), engine.device, traffic)
@@ -216,7 +216,8 @@ def cmd_bench_roofline(args: argparse.Namespace) -> None:
     engine = llm.llm_engine
     prompts = [r.prompt_token_ids
                for r in random_requests(args.batch_size, args.prompt_len, 1, engine.vocab_size, args.seed)]
-    result = kernels.roofline_vs_decode(engine, args.batch_size, prompts, args.decode_tokens, torch_dtype(args.dtype))
+    result = kernels.roofline_vs_decode(engine, args.batch_size, prompts, args.decode_tokens,
+                                        torch_dtype(engine.config.dtype))
     table = (
         "| dtype | rows | matmul GFLOP/s (model shapes) | roofline decode tok/s | decode tok/s, best step "
         "| decode tok/s, median step | of roofline (best, median) |\n"

@@ -13,7 +13,10 @@ from typing import get_args
 from pagedllm.config import CacheConfig, DType, EngineConfig
 from pagedllm.entrypoints.bench_commands import add_bench_parser
 from pagedllm.entrypoints.engine_args import add_engine_args, make_llm
+from pagedllm.logger import init_logger
 from pagedllm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -49,26 +52,45 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    import json
-
     import uvicorn
 
     from pagedllm.entrypoints.openai.api_server import ServerState, build_app
+    from pagedllm.metrics import LoggingStatLogger
 
-    api_keys: dict[str, str | None] = {}
-    if args.api_key:
-        api_keys[args.api_key] = None
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice ({args.model_tag!r} and --model {args.model!r}); give it once")
+        args.model = args.model_tag
+    api_keys = _api_keys(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_keys:
+        logger.warning("serving on %s without --api-key: anyone who can reach this port can use the model",
+                       args.host)
+    engine = make_llm(args).llm_engine  # it logs the capacity line as it starts
+    names = args.served_model_name or ["SmolLM2-135M-Instruct" if args.model is None else args.model]
+    engine.stats_reporter.configure(names[0], args.metrics_namespace)
+    if not args.disable_log_stats:
+        engine.stats_reporter.loggers.append(LoggingStatLogger(args.log_stats_interval))
+    state = ServerState(engine=engine, served_model_name=names[0], api_keys=api_keys, model_aliases=names[1:])
+    uvicorn.run(build_app(state, args.allowed_origins), host=args.host, port=args.port,
+                log_level=args.uvicorn_log_level, timeout_keep_alive=args.timeout_keep_alive,
+                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                ssl_cert_reqs=args.ssl_cert_reqs)
+
+
+def _api_keys(args: argparse.Namespace) -> dict[str, str | None]:
+    """API key -> tenant: --api-key (or $PAGEDLLM_API_KEY) keys have none, --api-keys-file's have theirs."""
+    import json
+    import os
+
+    keys = args.api_key or ([os.environ["PAGEDLLM_API_KEY"]] if os.environ.get("PAGEDLLM_API_KEY") else [])
+    api_keys: dict[str, str | None] = dict.fromkeys(keys)
     if args.api_keys_file:
         with open(args.api_keys_file, encoding="utf-8") as f:
             tenants = json.load(f)
         if not isinstance(tenants, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tenants.items()):
             raise ValueError(f"{args.api_keys_file}: expected a JSON object mapping API keys to tenant names")
         api_keys.update(tenants)
-    engine = make_llm(args).llm_engine  # it logs the capacity line as it starts
-    name = args.served_model_name or ("SmolLM2-135M-Instruct" if args.model is None else args.model)
-    app = build_app(ServerState(engine=engine, served_model_name=name, api_keys=api_keys))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_keep_alive=args.timeout_keep_alive)
+    return api_keys
 
 
 def cmd_explain(args: argparse.Namespace) -> None:
@@ -130,15 +152,35 @@ def _add_generation_parsers(commands: argparse._SubParsersAction) -> None:
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model to serve, as `vllm serve MODEL` (same as --model)")
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="0.0.0.0", help="address to bind (default: every interface, as vLLM; "
+                                                         "127.0.0.1 keeps the server local)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require this bearer token on /v1 endpoints")
+    serve.add_argument("--api-key", action="append", default=None,
+                       help="require this bearer token on /v1 endpoints (repeatable; default: $PAGEDLLM_API_KEY)")
     serve.add_argument("--api-keys-file", default=None,
                        help="JSON object {api_key: tenant}: each tenant gets a server-side cache_salt")
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--uvicorn-log-level", default="warning")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="names a request's model may use; the first is reported in responses "
+                            "(default: the model path)")
+    serve.add_argument("--allowed-origins", nargs="+", default=None,
+                       help="browser origins CORS allows, or '*' (default: no CORS headers)")
+    serve.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="info logs one access line per request (default: %(default)s)")
     serve.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle connection is kept")
+    serve.add_argument("--ssl-keyfile", default=None, help="TLS private key file (serve https)")
+    serve.add_argument("--ssl-certfile", default=None, help="TLS certificate file")
+    serve.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify client certificates with")
+    serve.add_argument("--ssl-cert-reqs", type=int, default=0,
+                       help="client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)")
+    serve.add_argument("--metrics-namespace", default="pagedllm", choices=["pagedllm", "vllm"],
+                       help="prefix of the /metrics names; vllm gives vLLM's exact names for its dashboards")
+    serve.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
+    serve.add_argument("--log-stats-interval", type=float, default=10.0,
+                       help="seconds between throughput log lines while requests are in flight")
     serve.set_defaults(func=cmd_serve)
 
 

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.metrics.reader import Metric, get_metrics_snapshot
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -45,6 +46,18 @@ class LLM:
     def stats(self) -> dict[str, int | float]:
         return self.llm_engine.stats()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses without SamplingParams: vLLM's defaults,
+        overridden by the checkpoint's generation_config.json (unless
+        ``generation_config="vllm"``)."""
+        return self.llm_engine.get_default_sampling_params()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics now, as vLLM's ``LLM.get_metrics()``: one
+        Counter / Gauge / Histogram object (name, labels, value) per series,
+        named as on the server's /metrics (``pagedllm:`` prefix)."""
+        return get_metrics_snapshot(self.llm_engine.stats_reporter.prometheus.registry)
+
     def kv_pool_snapshot(self) -> dict:
         """Every KV block's state ("used", "cached", "free"), ref count, owning
         request ids and whether it is hashed, plus usage, hit-rate and
@@ -77,7 +90,7 @@ class LLM:
                     f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts; pass one or one per prompt"
                 )
         else:
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")

@@ -133,6 +133,45 @@ def load_checkpoint(model: str | None = None, dtype: torch.dtype = torch.float32
     raise ValueError(f"cannot load {str(path)!r}: it is neither a .gguf file nor a folder; {_WHAT_TO_PASS}")
 
 
+# generation_config.json keys -> the SamplingParams fields they default (vLLM's --generation-config auto).
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+# transformers' GenerationConfig defaults: vLLM applies only the values that differ from them
+# (a file's top_k 50 is transformers' default, not the model creator's advice).
+_TRANSFORMERS_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
+
+
+def checkpoint_dtype(model: str | None) -> str | None:
+    """The dtype a Hugging Face folder's config.json names (``torch_dtype``, or
+    ``dtype`` as transformers 5 writes it); None for a GGUF file or a config
+    that names none. Reads only config.json."""
+    path = Path(default_model_path() if model is None else model).expanduser()
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    return config.get("dtype") or config.get("torch_dtype")
+
+
+def generation_defaults(path: str) -> dict[str, Any]:
+    """The sampling defaults in the checkpoint's generation_config.json, by
+    SamplingParams field name: those the file sets to something other than
+    transformers' defaults, as vLLM's ``--generation-config auto`` (empty
+    without a file, and for a GGUF file)."""
+    config_file = Path(path) / "generation_config.json"
+    if not config_file.is_file():
+        return {}
+    config = json.loads(config_file.read_text())
+    return {field: config[key] for key, field in GENERATION_CONFIG_FIELDS.items()
+            if config.get(key) is not None and config[key] != _TRANSFORMERS_GENERATION_DEFAULTS.get(key)}
+
+
 def _check_architecture(architecture: Any) -> None:
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(

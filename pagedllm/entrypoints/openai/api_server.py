@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server: FastAPI + uvicorn over one AsyncLLMEngine.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE
-streaming), GET /v1/models, GET /health, POST /tokenize, POST /detokenize,
+streaming), GET /v1/models, GET /health (503 until the engine loop runs and
+after it died), GET /version, POST /tokenize, POST /detokenize,
 POST /reset_prefix_cache, GET /metrics (Prometheus). Errors use OpenAI's JSON
 shape ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -12,15 +13,17 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import HTMLResponse, Response
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.entrypoints.openai.errors import APIError, install_error_handlers
+import pagedllm
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.entrypoints.openai.errors import APIError, error_body, install_error_handlers
 from pagedllm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from pagedllm.entrypoints.openai.serving_chat import add_chat_route, chat_prompt
 from pagedllm.entrypoints.openai.serving_completion import add_completion_route
-from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
+from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model, tenant_of_key
 
 __all__ = ["ServerState", "build_app"]
 
@@ -28,19 +31,28 @@ __all__ = ["ServerState", "build_app"]
 _DASHBOARD = Path(__file__).parent / "static" / "dashboard.html"
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> FastAPI:
+    """The app over ``state.engine``. ``allowed_origins``: the browser origins
+    CORS lets call the API (``["*"]``: any); None sends no CORS headers, so
+    browsers keep other sites' pages from reading responses."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.async_engine = AsyncLLMEngine(
-            state.engine, on_step=lambda outputs: state.metrics.update(state.engine.stats(), outputs)
-        )
+        state.async_engine = AsyncLLMEngine(state.engine)
         state.async_engine.start()
-        state.metrics.update(state.engine.stats(), [])
         yield
         await state.async_engine.stop()
 
-    app = FastAPI(title="pagedllm", lifespan=lifespan)
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
     install_error_handlers(app)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), "server_error", code="engine_dead"), status_code=503)
+
     tenant_of = _tenant_dependency(state)
     _add_pool_routes(app, state, tenant_of)
     _add_token_routes(app, state, tenant_of)
@@ -55,37 +67,45 @@ def _tenant_dependency(state: ServerState) -> TenantDependency:
         if not state.api_keys:
             return None
         header = request.headers.get("authorization", "")
-        key = header[7:] if header.lower().startswith("bearer ") else None
-        if key is None or key not in state.api_keys:
+        matched, tenant = tenant_of_key(state.api_keys, header[7:] if header.lower().startswith("bearer ") else None)
+        if not matched:
             raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
-        return state.api_keys[key]
+        return tenant
 
     return tenant_of
 
 
 def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
-    """Health, metrics, the model list and the block pool (its page, its JSON, its reset)."""
+    """Health, version, metrics, the model list and the block pool (its page, its JSON, its reset)."""
 
     @app.get("/health")
     async def health() -> Response:
+        if not state.is_ready:
+            raise APIError(503, "the engine is not running (still starting, or its loop died: see the server log)",
+                           "server_error", code="engine_not_ready")
         return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagedllm.__version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        registry = state.engine.stats_reporter.prometheus.registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(tenant: str | None = Depends(tenant_of)) -> dict:
         return {"object": "list", "data": [{
-            "id": state.served_model_name, "object": "model", "created": 0, "owned_by": "pagedllm",
+            "id": name, "object": "model", "created": 0, "owned_by": "pagedllm",
             "max_model_len": state.engine.max_model_len,
-        }]}
+        } for name in state.model_names]}
 
     @app.get("/dashboard")
     async def dashboard(request: Request) -> Response:
         """The live block-pool page. Under --api-key the key comes as ``?key=``
         (a browser cannot set the header on a page load); the page sends it on."""
-        if state.api_keys and request.query_params.get("key") not in state.api_keys:
+        if state.api_keys and not tenant_of_key(state.api_keys, request.query_params.get("key"))[0]:
             raise APIError(401, "invalid or missing API key: open /dashboard?key=YOUR_KEY", "authentication_error",
                            code="invalid_api_key")
         return HTMLResponse(_DASHBOARD.read_text(encoding="utf-8"))

@@ -113,18 +113,23 @@ class _SamplingFields(BaseModel):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
 
-    def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
-    ) -> SamplingParams:
-        """Raises ``ValueError`` (naming the field) for out-of-range values."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Raises ``ValueError`` (naming the field) for out-of-range values.
+        ``defaults`` (the engine's, from generation_config.json) fill the
+        fields the request left unset, max_tokens included."""
+        defaults = defaults or {}
+        if not self.model_fields_set & {"max_tokens", "max_completion_tokens"}:
+            max_tokens = defaults.get("max_tokens", max_tokens)
         return SamplingParams(
             n=self.n,
             best_of=self.best_of,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            temperature=defaults.get("temperature", 1.0) if self.temperature is None else self.temperature,
+            top_p=defaults.get("top_p", 1.0) if self.top_p is None else self.top_p,
+            top_k=defaults.get("top_k", 0) if self.top_k is None else self.top_k,
+            min_p=defaults.get("min_p", 0.0) if self.min_p is None else self.min_p,
+            repetition_penalty=(defaults.get("repetition_penalty", 1.0) if self.repetition_penalty is None
+                                else self.repetition_penalty),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             stop=self.stop,

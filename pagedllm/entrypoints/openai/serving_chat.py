@@ -20,7 +20,8 @@ def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency
         try:
             prompt = chat_prompt(state.engine, body.messages, body.add_generation_prompt)
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs)
+            params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs,
+                                          defaults=state.engine.default_sampling_params)
         except ValueError as exc:
             raise bad_request(exc) from exc
         return await serve(state, "chatcmpl", [prompt], params, body, tenant, chat=True)

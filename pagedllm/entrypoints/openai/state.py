@@ -1,7 +1,8 @@
-"""What every route of the server shares: the engine, the served name, the keys."""
+"""What every route of the server shares: the engine, the served names, the keys."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -10,23 +11,44 @@ from fastapi import Request
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.metrics import EngineMetrics
 
 
 @dataclass
 class ServerState:
     engine: LLMEngine
-    served_model_name: str
+    served_model_name: str  # reported in responses
     # API key -> tenant name (None: a key without a tenant). Empty: no auth.
     api_keys: dict[str, str | None] = field(default_factory=dict)
     async_engine: AsyncLLMEngine | None = None
-    metrics: EngineMetrics = field(default_factory=EngineMetrics)
+    # Further names a request's "model" may use (--served-model-name A B C: B and C).
+    model_aliases: list[str] = field(default_factory=list)
+
+    @property
+    def model_names(self) -> list[str]:
+        return [self.served_model_name, *self.model_aliases]
+
+    @property
+    def is_ready(self) -> bool:
+        """The engine loop runs: false before start-up completes and after a failed step killed it."""
+        return self.async_engine is not None and self.async_engine.is_running
 
 
 TenantDependency = Callable[[Request], str | None]  # the bearer-token check; returns the tenant
 
 
 def check_model(state: ServerState, name: str | None) -> None:
-    if name is not None and name != state.served_model_name:
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {state.served_model_name!r}",
-                       code="model_not_found", param="model")
+    if name is not None and name not in state.model_names:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                            f"{', '.join(map(repr, state.model_names))}", code="model_not_found", param="model")
+
+
+def tenant_of_key(api_keys: dict[str, str | None], presented: str | None) -> tuple[bool, str | None]:
+    """(whether ``presented`` is one of the keys, its tenant). Compares against
+    every key with ``secrets.compare_digest`` and never stops early, so the
+    time taken does not tell how much of a key an attacker guessed right."""
+    matched, tenant = False, None
+    candidate = (presented or "").encode("utf-8")
+    for key, key_tenant in api_keys.items():
+        if secrets.compare_digest(key.encode("utf-8"), candidate):
+            matched, tenant = True, key_tenant
+    return matched and presented is not None, tenant
