@@ -64,12 +64,12 @@ def test_generation_config_sets_the_defaults_of_generate(greedy_three_tokens, ca
 
 def test_request_fields_left_unset_take_the_defaults():
     defaults = {"temperature": 0.0, "top_p": 0.5, "max_tokens": 3, "repetition_penalty": 1.2}
-    unset = CompletionRequest(prompt="x").sampling_params(16, None, defaults)
+    unset = CompletionRequest(prompt="x").sampling_params(16, None, defaults=defaults)
     assert (unset.temperature, unset.top_p, unset.max_tokens, unset.repetition_penalty) == (0.0, 0.5, 3, 1.2)
-    given = CompletionRequest(prompt="x", temperature=0.7, max_tokens=16).sampling_params(16, None, defaults)
+    given = CompletionRequest(prompt="x", temperature=0.7, max_tokens=16).sampling_params(16, None, defaults=defaults)
     assert (given.temperature, given.top_p, given.max_tokens) == (0.7, 0.5, 16)
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_completion_tokens=9)
-    assert chat.sampling_params(9, None, defaults).max_tokens == 9
+    assert chat.sampling_params(9, None, defaults=defaults).max_tokens == 9
     plain = CompletionRequest(prompt="x").sampling_params(16, None)
     assert (plain.temperature, plain.max_tokens) == (1.0, 16)  # vLLM's own defaults without a file
 

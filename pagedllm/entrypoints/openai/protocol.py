@@ -113,7 +113,7 @@ class _SamplingFields(BaseModel):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None, *,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
         """Raises ``ValueError`` (naming the field) for out-of-range values.
         ``defaults`` (the engine's, from generation_config.json) fill the

@@ -38,7 +38,7 @@ def add_completion_route(app: FastAPI, state: ServerState, tenant_of: TenantDepe
         try:
             # max_tokens 0: the engine runs the prefill and samples one token, which the response drops.
             params = body.sampling_params(1 if echo_only else body.max_tokens, body.logprobs, prompt_logprobs,
-                                          state.engine.default_sampling_params)
+                                          defaults=state.engine.default_sampling_params)
         except ValueError as exc:
             raise bad_request(exc) from exc
         options = CompletionOptions(echo=body.echo, echo_only=echo_only, prompt_logprobs=body.prompt_logprobs is not None,

@@ -16,7 +16,7 @@ from pagedllm.entrypoints.openai.errors import APIError
 @dataclass
 class ServerState:
     engine: LLMEngine
-    served_model_name: str  # reported in responses
+    served_model_name: str  # the first name: reported when a request names no model
     # API key -> tenant name (None: a key without a tenant). Empty: no auth.
     api_keys: dict[str, str | None] = field(default_factory=dict)
     async_engine: AsyncLLMEngine | None = None
