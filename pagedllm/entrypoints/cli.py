@@ -53,6 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     import uvicorn
 
+    from pagedllm.entrypoints.chat_utils import ChatSettings, load_chat_template
     from pagedllm.entrypoints.openai.api_server import ServerState, build_app
 
     api_keys: dict[str, str | None] = {}
@@ -64,9 +65,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         if not isinstance(tenants, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tenants.items()):
             raise ValueError(f"{args.api_keys_file}: expected a JSON object mapping API keys to tenant names")
         api_keys.update(tenants)
+    chat = ChatSettings(load_chat_template(args.chat_template), args.trust_request_chat_template)  # fails fast
     engine = make_llm(args).llm_engine  # it logs the capacity line as it starts
     name = args.served_model_name or ("SmolLM2-135M-Instruct" if args.model is None else args.model)
-    app = build_app(ServerState(engine=engine, served_model_name=name, api_keys=api_keys))
+    app = build_app(ServerState(engine=engine, served_model_name=name, api_keys=api_keys, chat=chat))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                 timeout_keep_alive=args.timeout_keep_alive)
 
@@ -139,6 +141,11 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--uvicorn-log-level", default="warning")
     serve.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle connection is kept")
+    serve.add_argument("--chat-template", default=None,
+                       help="the chat template to use instead of the model's: a file, inline Jinja, or 'hermes' "
+                            "(the shipped Hermes/Qwen tool-calling template)")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let requests send their own chat_template (Jinja run in a sandbox; off by default)")
     serve.set_defaults(func=cmd_serve)
 
 

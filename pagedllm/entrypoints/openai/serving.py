@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
@@ -14,12 +14,13 @@ from pagedllm.engine.llm_engine import PromptType
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.responses import ResponseBuilder
 from pagedllm.entrypoints.openai.state import ServerState
+from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallRecord
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
 async def serve(state: ServerState, kind: str, prompts: list[PromptType], params: SamplingParams,
-                 body, tenant: str | None, chat: bool):
+                 body, tenant: str | None, chat: bool, new_tool_parser: Callable[[], ToolCallRecord] | None = None):
     # A tenant's salt is applied server-side and overrides the client's, so no
     # client can pick another tenant's prefix-cache blocks.
     salt = f"tenant:{tenant}" if tenant is not None else body.cache_salt
@@ -33,7 +34,8 @@ async def serve(state: ServerState, kind: str, prompts: list[PromptType], params
         for stream in streams:
             stream.abort()
         raise bad_request(exc) from exc
-    response = ResponseBuilder(state.engine.get_tokenizer(), kind, params, chat, body.model or state.served_model_name)
+    response = ResponseBuilder(state.engine.get_tokenizer(), kind, params, chat, body.model or state.served_model_name,
+                               new_tool_parser)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(response, streams, include_usage), media_type="text/event-stream")

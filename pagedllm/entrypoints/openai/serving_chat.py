@@ -1,14 +1,19 @@
-"""POST /v1/chat/completions, and the chat template that turns messages into a prompt."""
+"""POST /v1/chat/completions: messages rendered by the chat template (shared with
+``LLM.chat``, see ``chat_utils``), tools and ``tool_choice``, and the answer."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 from fastapi import Depends, FastAPI
 
-from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.openai.errors import APIError, bad_request
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.chat_utils import ChatRenderOptions, render_chat
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from pagedllm.entrypoints.openai.serving import serve
 from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
+from pagedllm.entrypoints.openai.tool_parsers import plan_tool_choice
 
 
 def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
@@ -17,19 +22,48 @@ def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency
         check_model(state, body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
         try:
-            prompt = chat_prompt(state.engine, body.messages, body.add_generation_prompt)
+            prompt = chat_prompt(state, body.messages, _render_options(state, body, tools))
+            tool_choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+            plan = plan_tool_choice(tools, tool_choice, body.parallel_tool_calls)
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs)
+            if plan.structured_outputs is not None:
+                if params.structured_outputs is not None:
+                    raise ValueError("tool_choice: a required or named tool choice constrains the output itself; "
+                                     "it cannot be combined with response_format or structured outputs")
+                params = dataclasses.replace(params, structured_outputs=plan.structured_outputs)
         except ValueError as exc:
-            raise bad_request(exc) from exc
-        return await serve(state, "chatcmpl", [prompt], params, body, tenant, chat=True)
+            raise chat_error(exc) from exc
+        return await serve(state, "chatcmpl", [prompt], params, body, tenant, chat=True,
+                           new_tool_parser=plan.new_parser)
 
 
-def chat_prompt(engine: LLMEngine, messages, add_generation_prompt: bool) -> dict:
-    tokenizer = engine.get_tokenizer()
-    if not tokenizer.chat_template:
-        raise APIError(400, "this model has no chat template", param="messages")
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+def _render_options(state: ServerState, body: ChatCompletionRequest, tools: list[dict] | None) -> ChatRenderOptions:
+    if body.chat_template is not None and not state.chat.trust_request_chat_template:
+        raise APIError(400, "chat_template: this server does not run templates sent in requests; start it with "
+                            "--trust-request-chat-template, or use its own (--chat-template)", param="chat_template")
+    return ChatRenderOptions(
+        tools=tools, add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        chat_template=body.chat_template or state.chat.chat_template, chat_template_kwargs=body.chat_template_kwargs,
+    )
+
+
+def chat_prompt(state: ServerState, messages: list[ChatMessage], options: ChatRenderOptions | None = None) -> dict:
+    """The prompt for ``messages`` with the server's chat template (also used by /tokenize).
+    Raises ``APIError`` 400 naming the field to change."""
+    conversation = [message.model_dump(exclude_none=True) for message in messages]
+    try:
+        return render_chat(state.engine.get_tokenizer(), conversation,
+                           options or ChatRenderOptions(chat_template=state.chat.chat_template))
+    except ValueError as exc:
+        raise chat_error(exc) from exc
+
+
+def chat_error(exc: ValueError) -> APIError:
+    """A 400 whose ``param`` is the request field the message starts with, if any."""
+    match = re.match(r"(?:SamplingParams\.)?(\w+)", str(exc))
+    field = match.group(1) if match else None
+    return APIError(400, str(exc), param=field if field in ChatCompletionRequest.model_fields else None)

@@ -9,6 +9,7 @@ from fastapi import Request
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.chat_utils import ChatSettings
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.metrics import EngineMetrics
 
@@ -21,6 +22,7 @@ class ServerState:
     api_keys: dict[str, str | None] = field(default_factory=dict)
     async_engine: AsyncLLMEngine | None = None
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
+    chat: ChatSettings = field(default_factory=ChatSettings)  # --chat-template, --trust-request-chat-template
 
 
 TenantDependency = Callable[[Request], str | None]  # the bearer-token check; returns the tenant
