@@ -5,9 +5,10 @@ from __future__ import annotations
 from fastapi import Depends, FastAPI
 
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.openai.errors import APIError, bad_request
+from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving import serve
+from pagedllm.entrypoints.openai.structured_outputs import check_structured_outputs, request_error
 from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
 
 
@@ -21,8 +22,9 @@ def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency
             prompt = chat_prompt(state.engine, body.messages, body.add_generation_prompt)
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs)
+            check_structured_outputs(state.engine, body, params)
         except ValueError as exc:
-            raise bad_request(exc) from exc
+            raise request_error(exc) from exc
         return await serve(state, "chatcmpl", [prompt], params, body, tenant, chat=True)
 
 
