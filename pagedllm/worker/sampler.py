@@ -2,6 +2,8 @@
 
 Per row, in this order:
 
+0. The grammar mask of guided rows (structured output): tokens the row's
+   grammar does not allow next get ``-inf``; other rows are not touched.
 1. Penalties, on the raw logits:
    - ``repetition_penalty`` (HF/vLLM rule) over every token that occurs in the
      prompt or the output: a positive logit is divided by the penalty, a
@@ -26,7 +28,8 @@ Per row, in this order:
 
 Reported logprobs (the sampled token's and the top-k ones) are ``log_softmax``
 of the RAW logits, before penalties and temperature: vLLM v1's default
-("raw_logprobs"). A ``Logprob.rank`` is 1 + the number of tokens with a
+("raw_logprobs"). For a guided row they are taken after its grammar mask, as
+vLLM does (it masks the logits before its sampler). A ``Logprob.rank`` is 1 + the number of tokens with a
 strictly greater logprob, so tied tokens share a rank.
 
 Reproducibility: the randomness of a row depends only on its
@@ -37,7 +40,7 @@ drawing from ``probs``). The same seed therefore gives the same text whatever
 else is in the batch, in whatever row order, and after a preemption recomputes
 the sequence.
 
-The steps live in ``pagedllm.worker.sampling``: ``logits_processing`` (1-2),
+The steps live in ``pagedllm.worker.sampling``: ``grammar`` (0), ``logits_processing`` (1-2),
 ``draw`` (3-4) and ``logprobs``; this module puts them in order.
 """
 
@@ -47,6 +50,7 @@ import torch
 
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.worker.sampling.draw import argmax_logsumexp, sample
+from pagedllm.worker.sampling.grammar import RowBitmask, apply_grammar
 from pagedllm.worker.sampling.logits_processing import process_logits
 from pagedllm.worker.sampling.logprobs import compute_prompt_logprobs, position_logprobs
 from pagedllm.worker.sampling.metadata import SamplerOutput, SamplingMetadata, check_batch
@@ -62,17 +66,23 @@ class Sampler:
     def __init__(self, eos_token_ids: list[int]) -> None:
         self.eos_token_ids = list(eos_token_ids)
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, grammar: RowBitmask | None = None
+    ) -> SamplerOutput:
         """Sample every row of ``logits`` ([num_rows, vocab]): float32, or the
         model's bf16/fp16, read as fp32. Low-precision logits go to fp32 first
         unless every row only needs the argmax and the sampled logprob, which
         are read from them directly (the upcast is exact, so the tokens are the
         same; the logprobs agree to fp32 rounding).
 
+        ``grammar`` holds the masks of the guided rows, if any.
+
         The caller's tensor is never modified in place.
         """
         check_batch(logits, metadata)
-        if logits.dtype != torch.float32 and not all(p.is_greedy and p.logprobs is None for p in metadata.params):
+        if grammar is not None:
+            logits = apply_grammar(logits, grammar)  # an fp32 copy
+        elif logits.dtype != torch.float32 and not all(p.is_greedy and p.logprobs is None for p in metadata.params):
             logits = logits.float()
         processed = process_logits(logits, metadata, self.eos_token_ids)
         greedy_ids, log_normalizer = argmax_logsumexp(processed)

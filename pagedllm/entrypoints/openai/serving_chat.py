@@ -10,10 +10,13 @@ from fastapi import Depends, FastAPI
 
 from pagedllm.entrypoints.chat_utils import ChatRenderOptions, render_chat
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, RequestFieldError
 from pagedllm.entrypoints.openai.serving import serve
+from pagedllm.entrypoints.openai.structured_outputs import check_structured_outputs, request_error
 from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
-from pagedllm.entrypoints.openai.tool_parsers import plan_tool_choice
+from pagedllm.entrypoints.openai.tool_parsers import ToolPlan, plan_tool_choice
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import StructuredOutputError
 
 
 def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
@@ -25,19 +28,33 @@ def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
         try:
             prompt = chat_prompt(state, body.messages, _render_options(state, body, tools))
-            tool_choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
-            plan = plan_tool_choice(tools, tool_choice, body.parallel_tool_calls)
+            choice = body.tool_choice
+            plan = plan_tool_choice(tools, choice.model_dump() if isinstance(choice, NamedToolChoice) else choice,
+                                    body.parallel_tool_calls)
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs)
-            if plan.structured_outputs is not None:
-                if params.structured_outputs is not None:
-                    raise ValueError("tool_choice: a required or named tool choice constrains the output itself; "
-                                     "it cannot be combined with response_format or structured outputs")
-                params = dataclasses.replace(params, structured_outputs=plan.structured_outputs)
+            check_structured_outputs(state.engine, body, params)
+            params = _with_tool_grammar(state, params, plan)
         except ValueError as exc:
             raise chat_error(exc) from exc
         return await serve(state, "chatcmpl", [prompt], params, body, tenant, chat=True,
                            new_tool_parser=plan.new_parser)
+
+
+def _with_tool_grammar(state: ServerState, params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+    """``params`` constrained as a required or named tool choice needs, compiled
+    now so a tool's bad ``parameters`` schema is a 400 naming ``tools``."""
+    if plan.structured_outputs is None:
+        return params
+    if params.structured_outputs is not None:
+        raise ValueError("tool_choice: a required or named tool choice constrains the output itself; "
+                         "it cannot be combined with response_format or structured outputs")
+    params = dataclasses.replace(params, structured_outputs=plan.structured_outputs)
+    try:
+        state.engine.structured_output.compile(params)
+    except StructuredOutputError as exc:
+        raise ValueError(f"tools: a function's parameters schema is invalid: {exc.reason}") from exc
+    return params
 
 
 def _render_options(state: ServerState, body: ChatCompletionRequest, tools: list[dict] | None) -> ChatRenderOptions:
@@ -64,6 +81,8 @@ def chat_prompt(state: ServerState, messages: list[ChatMessage], options: ChatRe
 
 def chat_error(exc: ValueError) -> APIError:
     """A 400 whose ``param`` is the request field the message starts with, if any."""
+    if isinstance(exc, RequestFieldError):
+        return request_error(exc)
     match = re.match(r"(?:SamplingParams\.)?(\w+)", str(exc))
     field = match.group(1) if match else None
     return APIError(400, str(exc), param=field if field in ChatCompletionRequest.model_fields else None)

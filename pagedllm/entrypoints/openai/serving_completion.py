@@ -5,9 +5,10 @@ from __future__ import annotations
 from fastapi import Depends, FastAPI
 
 from pagedllm.engine.llm_engine import PromptType
-from pagedllm.entrypoints.openai.errors import APIError, bad_request
+from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving import serve
+from pagedllm.entrypoints.openai.structured_outputs import check_structured_outputs, request_error
 from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
 
 
@@ -20,8 +21,9 @@ def add_completion_route(app: FastAPI, state: ServerState, tenant_of: TenantDepe
         prompts = completion_prompts(body.prompt)
         try:
             params = body.sampling_params(body.max_tokens, body.logprobs)
+            check_structured_outputs(state.engine, body, params)
         except ValueError as exc:
-            raise bad_request(exc) from exc
+            raise request_error(exc) from exc
         return await serve(state, "cmpl", prompts, params, body, tenant, chat=False)
 
 
