@@ -120,3 +120,18 @@ def test_llm_chat_continue_final_message_and_template_kwargs(llm, tmp_path):
                         chat_template_kwargs={"think": True})[0]
     assert thinking.prompt.endswith("<assistant><think>") and thinking.outputs[0].token_ids
     assert_pool_free(llm)
+
+
+def test_serve_flags_set_the_servers_chat_template(tiny_llama, monkeypatch, capsys, tmp_path):
+    from pagedllm.entrypoints.cli import main
+
+    states = []
+    monkeypatch.setattr("pagedllm.entrypoints.openai.api_server.build_app", lambda state: states.append(state))
+    monkeypatch.setattr("uvicorn.run", lambda app, **options: None)
+    main(["serve", "--model", tiny_llama, "--num-kv-blocks", "16", "--chat-template", "hermes",
+          "--trust-request-chat-template"])
+    assert states[0].chat.chat_template == load_chat_template("hermes")
+    assert states[0].chat.trust_request_chat_template
+    with pytest.raises(SystemExit) as exit_:  # refused before the model loads
+        main(["serve", "--model", tiny_llama, "--chat-template", str(tmp_path / "missing.jinja")])
+    assert exit_.value.code == 2 and "missing.jinja" in capsys.readouterr().err
