@@ -11,8 +11,9 @@ from pagedllm.entrypoints.chat_utils import ChatRenderOptions, load_chat_templat
 from tests.conftest import assert_pool_free
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 CALL = {"id": "call_abc", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 CONVERSATION = [
     {"role": "user", "content": "Weather in Paris?"},

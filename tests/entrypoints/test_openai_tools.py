@@ -28,8 +28,9 @@ WEATHER = {"type": "function", "function": {
                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
                    "required": ["city", "unit"], "additionalProperties": False}}}
 TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
-                                       "required": ["zone"], "additionalProperties": False}}}
+    "name": "get_time",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+                   "required": ["zone"], "additionalProperties": False}}}
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER, TIME)}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 HISTORY = ASK + [
@@ -47,7 +48,8 @@ def served(tiny_llama):
     state = ServerState(engine=llm.llm_engine, served_model_name=MODEL,
                         chat=ChatSettings(chat_template=load_chat_template("hermes")))
     with TestClient(build_app(state)) as http:
-        yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0), state, llm
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        yield client, state, llm
 
 
 def test_tool_history_is_rendered_with_the_servers_template(served):

@@ -133,7 +133,8 @@ def test_plan_tool_choice():
     assert named.structured_outputs.json == WEATHER["function"]["parameters"]
     required = plan_tool_choice([WEATHER, TIME], "required", parallel_tool_calls=False).structured_outputs.json
     assert required["minItems"] == 1 and required["maxItems"] == 1
-    assert [item["properties"]["name"]["enum"] for item in required["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
+    names = [item["properties"]["name"]["enum"] for item in required["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
     assert required["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
     with pytest.raises(ValueError, match="'get_date', which is not in tools"):
         plan_tool_choice([WEATHER], {"type": "function", "function": {"name": "get_date"}})

@@ -57,7 +57,8 @@ class RequiredToolParser(ToolCallRecord):
                 self._state, text = "after", head[1:]
             elif self._state == "between" and char == "{":
                 self._state = "element"
-                self._element, self._element_end, self._element_text = CallObjectStream("parameters"), JsonValueEnd(), ""
+                self._element, self._element_end = CallObjectStream("parameters"), JsonValueEnd()
+                self._element_text = ""
             else:  # not the expected array structure: keep it as content
                 self._content(text)
                 self._state = "after"
