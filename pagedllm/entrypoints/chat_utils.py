@@ -16,6 +16,7 @@ environment). Safety rules:
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,9 +30,6 @@ _TEMPLATES_DIR = Path(__file__).parent / "openai" / "templates"
 # Short names for the templates shipped in the package (``--chat-template hermes``).
 SHIPPED_TEMPLATES = {"hermes": _TEMPLATES_DIR / "tool_chat_template_hermes.jinja"}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-# Variables apply_chat_template sets itself; chat_template_kwargs may not override them.
-_RESERVED_TEMPLATE_VARIABLES = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
-                                "chat_template", "tokenize"}
 
 
 @dataclass(frozen=True)
@@ -159,9 +157,12 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatRen
         raise ValueError("tools: the chat template in use never renders tools, so the model would not see them; "
                          "serve a tool-aware template (e.g. --chat-template hermes) or leave tools out")
     kwargs = dict(options.chat_template_kwargs or {})
-    reserved = sorted(_RESERVED_TEMPLATE_VARIABLES & kwargs.keys())
+    # apply_chat_template's own arguments (tools, tokenize, ...) are not template variables to override.
+    own_arguments = set(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}
+    reserved = sorted(own_arguments & kwargs.keys())
     if reserved:
-        raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} have their own request fields; set them there")
+        raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} are rendering arguments, not template "
+                         "variables; use the request fields of those names (tools, add_generation_prompt, ...)")
     unused = sorted(kwargs.keys() - variables)
     if unused:
         raise ValueError(f"chat_template_kwargs: the chat template never reads {', '.join(unused)}")
