@@ -155,7 +155,8 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatRen
     variables = template_variables(template)
     if options.tools and "tools" not in variables:
         raise ValueError("tools: the chat template in use never renders tools, so the model would not see them; "
-                         "serve a tool-aware template (e.g. --chat-template hermes) or leave tools out")
+                         "use a tool-aware template (--chat-template hermes on the server, chat_template='hermes' "
+                         "in LLM.chat) or leave tools out")
     kwargs = dict(options.chat_template_kwargs or {})
     # apply_chat_template's own arguments (tools, tokenize, ...) are not template variables to override.
     own_arguments = set(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}

@@ -40,9 +40,10 @@ class HermesToolParser(ToolCallRecord):
         self._held += text
         while True:
             if self._block is None:
-                at = -1 if len(self.calls) == self._max_calls else self._held.find(START)
+                looking = len(self.calls) != self._max_calls  # after max_calls calls, the rest is content
+                at = self._held.find(START) if looking else -1
                 if at < 0:
-                    keep = 0 if len(self.calls) == self._max_calls else _partial_tag_length(self._held, START)
+                    keep = _partial_tag_length(self._held, START) if looking else 0
                     self._content(self._held[:len(self._held) - keep])
                     self._held = self._held[len(self._held) - keep:]
                     return
