@@ -43,30 +43,32 @@ HISTORY = ASK + [
 
 @pytest.fixture(scope="module")
 def served(tiny_llama):
-    """(openai client, server state, the LLM whose engine it serves)."""
+    """(openai client, server state, the LLM whose engine it serves, the plain HTTP client)."""
     llm = LLM(tiny_llama, num_kv_blocks=128, max_model_len=2048)
     state = ServerState(engine=llm.llm_engine, served_model_name=MODEL,
                         chat=ChatSettings(chat_template=load_chat_template("hermes")))
     with TestClient(build_app(state)) as http:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
-        yield client, state, llm
+        yield client, state, llm, http
 
 
 def test_tool_history_is_rendered_with_the_servers_template(served):
-    client, state, llm = served
+    client, state, llm, http = served
     response = client.chat.completions.create(model=MODEL, messages=HISTORY, tools=[WEATHER, TIME], max_tokens=4,
                                               temperature=0)
     expected = render_chat(llm.get_tokenizer(), HISTORY,
                            ChatRenderOptions(tools=[WEATHER, TIME], chat_template=state.chat.chat_template))
     assert "<tool_response>\n22 C and sunny" in expected["prompt"]
     assert response.usage.prompt_tokens == len(expected["prompt_token_ids"])
+    tokenized = http.post("/tokenize", json={"messages": HISTORY, "tools": [WEATHER, TIME]}).json()
+    assert tokenized["tokens"] == expected["prompt_token_ids"]  # /tokenize renders exactly as the chat route
     assert response.choices[0].finish_reason == "length"  # random weights: no call, all content
     assert response.choices[0].message.tool_calls is None and response.choices[0].message.content is not None
     assert_pool_free(llm)
 
 
 def test_continue_final_message_and_chat_template_kwargs(served):
-    client, state, llm = served
+    client, state, llm, _ = served
     partial = ASK + [{"role": "assistant", "content": "It is"}]
     response = client.chat.completions.create(
         model=MODEL, messages=partial, max_tokens=3, temperature=0,
@@ -103,7 +105,7 @@ def test_continue_final_message_and_chat_template_kwargs(served):
      "pattern"),
 ])
 def test_bad_tool_requests_are_400s_naming_the_field(served, body, param, message):
-    client, _, llm = served
+    client, _, llm, _ = served
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model=MODEL, max_tokens=2, **{k: v for k, v in body.items()
                                                                     if k in ("messages", "tools", "tool_choice")},
@@ -115,7 +117,7 @@ def test_bad_tool_requests_are_400s_naming_the_field(served, body, param, messag
 
 
 def test_tools_with_a_template_that_ignores_them_is_a_400(served):
-    client, state, llm = served
+    client, state, llm, _ = served
     state.chat = ChatSettings(None)  # the model's own template (SmolLM2's) never renders tools
     try:
         with pytest.raises(openai.BadRequestError, match="never renders tools.*--chat-template hermes"):
@@ -141,7 +143,7 @@ def reassemble(stream) -> tuple[str, dict[int, dict], str | None]:
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_forced_tool_choice_gives_valid_arguments_even_from_random_weights(served, tool_choice):
-    client, _, llm = served
+    client, _, llm, _ = served
     kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=200,
                   temperature=0)
     message = client.chat.completions.create(**kwargs).choices[0]

@@ -250,6 +250,12 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    # With messages: the chat request's template fields, so the count matches its prompt.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[ChatTool] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):

@@ -10,7 +10,9 @@ from fastapi import Depends, FastAPI
 
 from pagedllm.entrypoints.chat_utils import ChatRenderOptions, render_chat
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, RequestFieldError
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest, NamedToolChoice, RequestFieldError, TokenizeRequest,
+)
 from pagedllm.entrypoints.openai.serving import serve
 from pagedllm.entrypoints.openai.structured_outputs import check_structured_outputs, request_error
 from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
@@ -25,9 +27,9 @@ def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency
         check_model(state, body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
         try:
-            prompt = chat_prompt(state, body.messages, _render_options(state, body, tools))
+            prompt = chat_prompt(state, body)
+            tools = _tools(body)
             choice = body.tool_choice
             plan = plan_tool_choice(tools, choice.model_dump() if isinstance(choice, NamedToolChoice) else choice,
                                     body.parallel_tool_calls)
@@ -57,24 +59,25 @@ def _with_tool_grammar(state: ServerState, params: SamplingParams, plan: ToolPla
     return params
 
 
-def _render_options(state: ServerState, body: ChatCompletionRequest, tools: list[dict] | None) -> ChatRenderOptions:
+def _tools(body: ChatCompletionRequest | TokenizeRequest) -> list[dict] | None:
+    return [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+
+
+def chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeRequest) -> dict:
+    """The prompt of a chat request's messages and template fields, rendered with
+    the server's chat template (/tokenize gives the same tokens). Raises
+    ``APIError`` 400 naming the field to change."""
     if body.chat_template is not None and not state.chat.trust_request_chat_template:
         raise APIError(400, "chat_template: this server does not run templates sent in requests; start it with "
                             "--trust-request-chat-template, or use its own (--chat-template)", param="chat_template")
-    return ChatRenderOptions(
-        tools=tools, add_generation_prompt=body.add_generation_prompt,
+    options = ChatRenderOptions(
+        tools=_tools(body), add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
         chat_template=body.chat_template or state.chat.chat_template, chat_template_kwargs=body.chat_template_kwargs,
     )
-
-
-def chat_prompt(state: ServerState, messages: list[ChatMessage], options: ChatRenderOptions | None = None) -> dict:
-    """The prompt for ``messages`` with the server's chat template (also used by /tokenize).
-    Raises ``APIError`` 400 naming the field to change."""
-    conversation = [message.model_dump(exclude_none=True) for message in messages]
+    conversation = [message.model_dump(exclude_none=True) for message in body.messages]
     try:
-        return render_chat(state.engine.get_tokenizer(), conversation,
-                           options or ChatRenderOptions(chat_template=state.chat.chat_template))
+        return render_chat(state.engine.get_tokenizer(), conversation, options)
     except ValueError as exc:
         raise chat_error(exc) from exc
 
