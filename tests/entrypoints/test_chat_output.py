@@ -57,3 +57,20 @@ def test_without_a_parser_the_message_is_plain_content():
     plain = ResponseBuilder(None, "chatcmpl", SamplingParams(), chat=True, model="m")
     choice = plain.full([final])["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": OUTPUT} and choice["finish_reason"] == "stop"
+
+
+def test_each_choice_of_n_has_its_own_parser():
+    texts = [OUTPUT, "Just text."]
+    response = ResponseBuilder(None, "chatcmpl", SamplingParams(n=2), chat=True, model="m",
+                               new_tool_parser=HermesToolParser)
+    chunks = []
+    for step in range(1, max(len(t) for t in texts) + 1):
+        completions = [CompletionOutput(i, t[:step], [0] * step, None, None, "stop" if step >= len(t) else None)
+                       for i, t in enumerate(texts) if step <= len(t)]
+        chunks += response.chunks(0, RequestOutput("r", None, [1], None, completions, step >= len(OUTPUT)), False)
+    by_choice = {0: [], 1: []}
+    for chunk in chunks:
+        by_choice[chunk["choices"][0]["index"]].append(chunk["choices"][0])
+    assert "".join(c["delta"].get("content", "") for c in by_choice[1]) == "Just text."
+    assert by_choice[1][-1]["finish_reason"] == "stop" and by_choice[0][-1]["finish_reason"] == "tool_calls"
+    assert not any("tool_calls" in c["delta"] for c in by_choice[1])
