@@ -27,6 +27,10 @@ class StructuredOutputsParams:
     - ``regex``: the output matches this regular expression, whole.
     - ``choice``: the output is exactly one of these strings.
     - ``grammar``: an EBNF / GBNF grammar whose ``root`` rule the output matches.
+
+    ``disable_any_whitespace`` (vLLM's option, JSON only): no whitespace at all in
+    the JSON output; by default up to 16 whitespace characters may separate two
+    JSON tokens (enough for pretty-printing, never an endless run of blanks).
     """
 
     json: str | dict[str, Any] | None = None
@@ -34,6 +38,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         kinds = [name for name in ("json", "json_object", "regex", "choice", "grammar")

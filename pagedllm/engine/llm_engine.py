@@ -34,6 +34,7 @@ from pagedllm.model.loader import checkpoint_dtype, generation_defaults
 from pagedllm.model.shard import load_model_shard
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.worker.memory import plan_kv_pool
 from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -85,6 +86,8 @@ class LLMEngine:
                                               self.scheduler_config, config.cache, num_blocks, config.seed,
                                               max_logprobs=config.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Grammar state of guided sequences; the driver alone samples, so it lives here.
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
         # The one registry of user requests: sampled ones by their output state,
         # beam searches by their ranking state (both carry the request's metrics).
@@ -210,7 +213,10 @@ class LLMEngine:
         request, prompt_text = self.input_processor.new_request(
             request_id, prompt, params, params.num_sequences, arrival_time, priority, cache_salt
         )
+        grammar = self.structured_output.compile(params)  # a bad schema never reaches the scheduler
         self.scheduler.add_request(request)
+        if grammar is not None:
+            self.structured_output.add_sequence(request_id, grammar)
         self.requests[request_id] = self.output_processor.new_state(request, prompt_text)
 
     def add_beam_request(
@@ -262,6 +268,7 @@ class LLMEngine:
                 self.stats_reporter.observe_abort(iteration, state)
         if iteration.finished:
             self.stats_reporter.record(iteration)
+        self.structured_output.retain(self.scheduler.requests)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -291,7 +298,9 @@ class LLMEngine:
         self._count_step(scheduler_output, user_ids)
         scheduled_at = time.perf_counter()
         try:
-            runner_output = self.runner.execute(scheduler_output)
+            grammar = self.structured_output.bitmask_for(scheduler_output)
+            runner_output = self.runner.execute(scheduler_output, grammar)
+            self.structured_output.accept(scheduler_output, runner_output.sampled_token_ids)
         except Exception:
             # The pass may have left K/V half-written: its requests cannot go on,
             # and blocks registered for it in the prefix cache cannot be trusted.
@@ -299,6 +308,7 @@ class LLMEngine:
             self.kv_cache_manager.reset_prefix_cache()
             raise
         outputs = self._process_runner_output(scheduler_output, runner_output)
+        self.structured_output.retain(self.scheduler.requests)
         if self.config.debug_invariants:
             self.check_invariants()
         timings = self.step_timings

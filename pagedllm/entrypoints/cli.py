@@ -54,6 +54,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from pagedllm.entrypoints.chat_utils import ChatSettings, load_chat_template
     from pagedllm.entrypoints.openai.api_server import ServerState, build_app
     from pagedllm.metrics import LoggingStatLogger
 
@@ -61,6 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"the model is given twice ({args.model_tag!r} and --model {args.model!r}); give it once")
         args.model = args.model_tag
+    chat = ChatSettings(load_chat_template(args.chat_template), args.trust_request_chat_template)  # fails fast
     api_keys = _api_keys(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_keys:
         logger.warning("serving on %s without --api-key: anyone who can reach this port can use the model",
@@ -70,7 +72,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     engine.stats_reporter.configure(names[0], args.metrics_namespace)
     if not args.disable_log_stats:
         engine.stats_reporter.loggers.append(LoggingStatLogger(args.log_stats_interval))
-    state = ServerState(engine=engine, served_model_name=names[0], api_keys=api_keys, model_aliases=names[1:])
+    state = ServerState(engine=engine, served_model_name=names[0], api_keys=api_keys, model_aliases=names[1:],
+                        chat=chat)
     uvicorn.run(build_app(state, args.allowed_origins), host=args.host, port=args.port,
                 log_level=args.uvicorn_log_level, timeout_keep_alive=args.timeout_keep_alive,
                 ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
@@ -181,6 +184,11 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
     serve.add_argument("--log-stats-interval", type=float, default=10.0,
                        help="seconds between throughput log lines while requests are in flight")
+    serve.add_argument("--chat-template", default=None,
+                       help="the chat template to use instead of the model's: a file, inline Jinja, or 'hermes' "
+                            "(the shipped Hermes/Qwen tool-calling template)")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let requests send their own chat_template (Jinja run in a sandbox; off by default)")
     serve.set_defaults(func=cmd_serve)
 
 

@@ -10,11 +10,12 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.entrypoints.chat_utils import ChatRenderOptions, load_chat_template, render_chat
 from pagedllm.metrics.reader import Metric, get_metrics_snapshot
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
-ChatMessages = list[dict[str, str]]
+ChatMessages = list[dict[str, Any]]
 
 
 class LLM:
@@ -103,20 +104,34 @@ class LLM:
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Render each conversation with the chat template, then generate (vLLM's ``LLM.chat``).
+
+        Messages are OpenAI's (assistant ``tool_calls``, ``role: "tool"`` results
+        with ``tool_call_id``). ``tools`` (OpenAI's ``{"type": "function", ...}``)
+        and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``) go to the
+        template, which must read them; ``continue_final_message`` continues the
+        final assistant message instead of opening a new one (set
+        ``add_generation_prompt=False`` with it). ``chat_template`` overrides the
+        model's: a file path, inline Jinja or ``"hermes"`` (the shipped tool
+        template). The output is not parsed for tool calls: use
+        ``pagedllm.entrypoints.openai.tool_parsers.HermesToolParser`` on the text.
+        Raises ``ValueError`` naming the argument to change.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        if chat_template is None and not tokenizer.chat_template:
-            raise ValueError("this model has no chat template; pass chat_template=...")
+        options = ChatRenderOptions(
+            tools=tools, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            chat_template=load_chat_template(chat_template), chat_template_kwargs=chat_template_kwargs,
+        )
         prompts: list[PromptType] = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
-            )
-            prompt: dict = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+            prompt = render_chat(tokenizer, list(conversation), options)
             if cache_salt is not None:
                 prompt["cache_salt"] = cache_salt
             prompts.append(prompt)

@@ -21,6 +21,7 @@ from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.shapes import head_dim_of
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from pagedllm.worker.sampling.grammar import GrammarBitmask, RowBitmask
 from pagedllm.worker.swap import HostSwapPool
 
 
@@ -134,7 +135,9 @@ class ModelRunner:
             self.sequences[scheduled.sequence_id].apply(scheduled)
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        """Run one step. ``grammar`` masks the guided sample rows (structured
+        output); only this rank samples, so tensor-parallel workers never see it."""
         started = time.perf_counter()
         output = ModelRunnerOutput()
         self._update_sequences(scheduler_output)
@@ -148,7 +151,7 @@ class ModelRunner:
         hidden = self.run_step(step)
         if batch is not None:
             forwarded = time.perf_counter()
-            self._sample(batch, hidden, output)
+            self._sample(batch, hidden, output, grammar)
             self._prompt_logprobs(batch, hidden, output)
             output.timings = {
                 "input preparation": prepared - started,
@@ -233,7 +236,9 @@ class ModelRunner:
             last_rows=last_rows,
         )
 
-    def _sample(self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+    def _sample(
+        self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput, grammar: GrammarBitmask | None
+    ) -> None:
         """Sample the rows the scheduler chose, each from its sequence's last
         logits, keyed by the row's sequence id (a sequence about to fork has one
         row per future sample over the same logits)."""
@@ -256,7 +261,11 @@ class ModelRunner:
             prompt_token_ids=[s.prompt_token_ids for s in sequences],
             output_token_ids=[s.output_token_ids for s in sequences],
         )
-        result = self.sampler(logits, metadata)
+        row_grammar = None
+        if grammar is not None:
+            row_of = {row.sequence_id: i for i, row in enumerate(sample_rows)}
+            row_grammar = RowBitmask([row_of[s] for s in grammar.sequence_ids], grammar.bitmask)
+        result = self.sampler(logits, metadata, row_grammar)
         for i, row in enumerate(sample_rows):
             output.sampled_token_ids[row.sequence_id] = result.sampled_token_ids[i]
             output.sampled_logprobs[row.sequence_id] = result.sampled_logprobs[i]

@@ -2,10 +2,12 @@
 
 Per row, in this order:
 
-0. Token rules, on the raw logits (vLLM's order, ``sampling/token_rules.py``):
+0. The grammar mask of guided rows (structured output): tokens the row's
+   grammar does not allow next get ``-inf``; other rows are not touched.
+1. Token rules, on the raw logits (vLLM's order, ``sampling/token_rules.py``):
    ``allowed_token_ids`` masks every other token, ``bad_words`` mask a word's
    last token after the rest of it, ``logit_bias`` is added.
-1. Penalties:
+2. Penalties:
    - ``repetition_penalty`` (HF/vLLM rule) over every token that occurs in the
      prompt or the output: a positive logit is divided by the penalty, a
      negative one multiplied by it.
@@ -13,11 +15,11 @@ Per row, in this order:
      output (the prompt does not count).
    - ``presence_penalty``: subtract ``penalty`` once if the token occurs in the
      output.
-2. ``min_tokens``: while fewer than ``min_tokens`` tokens have been generated,
+3. ``min_tokens``: while fewer than ``min_tokens`` tokens have been generated,
    the EOS ids and ``stop_token_ids`` get ``-inf`` (``ignore_eos`` does not
    matter here; it only decides whether EOS stops the sequence).
-3. Greedy rows (``params.is_greedy``) take the argmax.
-4. Other rows: divide by ``temperature``, then
+4. Greedy rows (``params.is_greedy``) take the argmax.
+5. Other rows: divide by ``temperature``, then
    - ``top_k`` (0 = off): keep tokens whose logit is >= the k-th largest;
    - ``top_p`` (1 = off), on the distribution renormalised after top_k: keep
      the smallest set of most likely tokens whose probability reaches
@@ -29,8 +31,9 @@ Per row, in this order:
 
 Reported logprobs (the sampled token's and the top-k ones) are ``log_softmax``
 of the RAW logits, before penalties and temperature: vLLM v1's default
-("raw_logprobs"). A ``Logprob.rank`` is 1 + the number of tokens with a
-strictly greater logprob, so tied tokens share a rank.
+("raw_logprobs"). For a guided row they are taken after its grammar mask, as
+vLLM does (it masks the logits before its sampler). A ``Logprob.rank`` is 1 +
+the number of tokens with a strictly greater logprob, so tied tokens share a rank.
 
 Reproducibility: the randomness of a row depends only on its
 ``(seed, output position)``: that pair is mixed into the seed of a private
@@ -40,7 +43,7 @@ drawing from ``probs``). The same seed therefore gives the same text whatever
 else is in the batch, in whatever row order, and after a preemption recomputes
 the sequence.
 
-The steps live in ``pagedllm.worker.sampling``: ``logits_processing`` (1-2),
+The steps live in ``pagedllm.worker.sampling``: ``grammar`` (0), ``logits_processing`` (1-2),
 ``draw`` (3-4) and ``logprobs``; this module puts them in order.
 """
 
@@ -50,6 +53,7 @@ import torch
 
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.worker.sampling.draw import argmax_logsumexp, sample
+from pagedllm.worker.sampling.grammar import RowBitmask, apply_grammar
 from pagedllm.worker.sampling.logits_processing import process_logits
 from pagedllm.worker.sampling.logprobs import compute_prompt_logprobs, position_logprobs
 from pagedllm.worker.sampling.metadata import SamplerOutput, SamplingMetadata, check_batch
@@ -65,17 +69,23 @@ class Sampler:
     def __init__(self, eos_token_ids: list[int]) -> None:
         self.eos_token_ids = list(eos_token_ids)
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, grammar: RowBitmask | None = None
+    ) -> SamplerOutput:
         """Sample every row of ``logits`` ([num_rows, vocab]): float32, or the
         model's bf16/fp16, read as fp32. Low-precision logits go to fp32 first
         unless every row only needs the argmax and the sampled logprob, which
         are read from them directly (the upcast is exact, so the tokens are the
         same; the logprobs agree to fp32 rounding).
 
+        ``grammar`` holds the masks of the guided rows, if any.
+
         The caller's tensor is never modified in place.
         """
         check_batch(logits, metadata)
-        if logits.dtype != torch.float32 and not all(p.is_greedy and p.logprobs is None for p in metadata.params):
+        if grammar is not None:
+            logits = apply_grammar(logits, grammar)  # an fp32 copy
+        elif logits.dtype != torch.float32 and not all(p.is_greedy and p.logprobs is None for p in metadata.params):
             logits = logits.float()
         processed = process_logits(logits, metadata, self.eos_token_ids)
         greedy_ids, log_normalizer = argmax_logsumexp(processed)

@@ -126,7 +126,7 @@ def _add_token_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepende
         check_model(state, body.model)
         tokenizer = state.engine.get_tokenizer()
         if body.messages is not None:
-            ids = chat_prompt(state.engine, body.messages, True)["prompt_token_ids"]
+            ids = chat_prompt(state, body)["prompt_token_ids"]
         elif body.prompt is not None:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:

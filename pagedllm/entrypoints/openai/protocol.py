@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from pagedllm.logger import init_logger
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = init_logger(__name__)
 
@@ -60,6 +60,52 @@ def _unimplemented_field_error(model_name: str, field_name: str, value: Any) -> 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class RequestFieldError(ValueError):
+    """A bad value in the request field ``param`` (the server's 400 names it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``. The schema is always enforced
+    exactly (``strict`` is accepted; false does not loosen anything)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's ``structured_outputs`` object: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+
+# The request fields that constrain the output, in the order they are reported.
+STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                            "guided_choice", "guided_grammar")
+GUIDED_DECODING_BACKENDS = ("xgrammar", "auto")
 
 
 class _SamplingFields(BaseModel):
@@ -112,6 +158,16 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    # Structured output (guided decoding): OpenAI's response_format, vLLM's
+    # structured_outputs object and its older guided_* fields; at most one.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None, *,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -146,7 +202,54 @@ class _SamplingFields(BaseModel):
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=self.structured_outputs_params(),
         )
+
+    def structured_output_field(self) -> str | None:
+        """The request field that constrains the output, or None. Raises
+        ``ValueError`` when several do, or for a backend or option this server lacks."""
+        fields = [name for name in STRUCTURED_OUTPUT_FIELDS if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            fields.remove("response_format")  # plain text: no constraint
+        if len(fields) > 1:
+            raise RequestFieldError(fields[1], f"{' and '.join(fields)} each constrain the output; send only one of them")
+        backend = self.guided_decoding_backend
+        if backend is not None and backend not in GUIDED_DECODING_BACKENDS:
+            raise RequestFieldError("guided_decoding_backend", f"guided_decoding_backend {backend!r} is not available; this server uses xgrammar "
+                             f"(send one of {list(GUIDED_DECODING_BACKENDS)} or omit it)")
+        if self.guided_whitespace_pattern is not None:
+            raise RequestFieldError("guided_whitespace_pattern", "guided_whitespace_pattern is not supported (it is an outlines option); use "
+                             "structured_outputs.disable_any_whitespace for JSON without whitespace")
+        return fields[0] if fields else None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The constraint of this request (``ValueError`` naming the field if it is malformed)."""
+        field = self.structured_output_field()
+        if field is None:
+            return None
+        try:
+            return self._constraint_of(field)
+        except RequestFieldError:
+            raise
+        except ValueError as exc:  # StructuredOutputsParams' own check (one constraint, a non-empty choice)
+            raise RequestFieldError(field, f"{field}: {exc}") from exc
+
+    def _constraint_of(self, field: str) -> StructuredOutputsParams:
+        if field == "response_format":
+            response_format = self.response_format
+            if response_format.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+                raise RequestFieldError("response_format",
+                                        "response_format of type json_schema needs json_schema.schema (a JSON schema)")
+            return StructuredOutputsParams(json=response_format.json_schema.schema_)
+        if field == "structured_outputs":
+            fields = self.structured_outputs
+            return StructuredOutputsParams(json=fields.json_, json_object=fields.json_object, regex=fields.regex,
+                                           choice=fields.choice, grammar=fields.grammar,
+                                           disable_any_whitespace=fields.disable_any_whitespace)
+        kind = field.removeprefix("guided_")
+        return StructuredOutputsParams(**{kind: getattr(self, field)})
 
 
 class CompletionRequest(_SamplingFields):
@@ -164,22 +267,53 @@ class CompletionRequest(_SamplingFields):
     return_tokens_as_token_ids: bool = False
 
 
+# OpenAI's rule for function names.
+_FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string; a dict is taken as is
+
+
+class ToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
+    """A message as the client sends it; ``chat_utils.conversation_for_template``
+    checks its content and turns it into what the chat template reads."""
+
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a role "tool" message answers
 
-    def text(self) -> str:
-        """Plain content, or the text parts of a content list joined."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -189,6 +323,13 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Tools and chat templates (pagedllm/entrypoints/chat_utils.py, openai/tool_parsers/)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -196,6 +337,12 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    # With messages: the chat request's template fields, so the count matches its prompt.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[ChatTool] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):

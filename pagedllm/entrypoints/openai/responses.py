@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from pagedllm.entrypoints.openai.completion_choices import CompletionChoices, CompletionOptions
+from pagedllm.entrypoints.openai.chat_output import ChatOutput
+from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallRecord
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -16,7 +19,8 @@ class ResponseBuilder:
     """OpenAI response and chunk bodies for one API request (several prompts x n choices)."""
 
     def __init__(self, tokenizer: Any, kind: str, params: SamplingParams, chat: bool, model: str,
-                 completion: CompletionOptions | None = None) -> None:
+                 completion: CompletionOptions | None = None,
+                 new_tool_parser: Callable[[], ToolCallRecord] | None = None) -> None:
         self.tokenizer = tokenizer
         # The completions side of the bodies (echo, legacy logprobs); unused by chat.
         self.completion = CompletionChoices(tokenizer, completion or CompletionOptions(), params.logprobs)
@@ -30,6 +34,7 @@ class ResponseBuilder:
         self.sent_text: dict[int, int] = {}
         self.sent_tokens: dict[int, int] = {}
         self.roles_sent: set[int] = set()
+        self.chat_output = ChatOutput(new_tool_parser)
         self.hold_back = max((len(s) for s in params.stop_strings), default=1) - 1
 
     def _choice_index(self, prompt_index: int, completion: CompletionOutput) -> int:
@@ -45,7 +50,7 @@ class ResponseBuilder:
                     continue
                 choice = {"index": self._choice_index(prompt_index, completion), "finish_reason": completion.finish_reason,
                           "logprobs": self._logprobs(completion.logprobs) if completion.logprobs is not None else None}
-                choice["message"] = {"role": "assistant", "content": completion.text}
+                choice["message"], choice["finish_reason"] = self.chat_output.message(completion)
                 choices.append(choice)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage(finals)}
@@ -83,6 +88,10 @@ class ResponseBuilder:
                 continue
             delta = text[start:max(start, visible)]
             self.sent_text[index] = max(start, visible)
+            if self.chat:
+                message_delta, finish_reason = self.chat_output.delta(index, delta, completion.finish_reason)
+                if message_delta is None and index in self.roles_sent:
+                    continue  # the tool parser holds it back; these tokens' logprobs go with the next chunk
             first_token = self.sent_tokens.get(index, 0)
             self.sent_tokens[index] = len(completion.token_ids)
             logprobs = None
@@ -94,7 +103,7 @@ class ResponseBuilder:
                 logprobs = self._logprobs(completion.logprobs[first_token:])
             choice = {"index": index, "logprobs": logprobs, "finish_reason": completion.finish_reason}
             if self.chat:
-                choice["delta"] = {"content": delta}
+                choice["delta"], choice["finish_reason"] = message_delta or {}, finish_reason
                 if index not in self.roles_sent:
                     choice["delta"]["role"] = "assistant"
                     self.roles_sent.add(index)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
@@ -15,12 +15,14 @@ from pagedllm.entrypoints.openai.completion_choices import CompletionOptions
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.responses import ResponseBuilder
 from pagedllm.entrypoints.openai.state import ServerState
+from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallRecord
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
 async def serve(state: ServerState, kind: str, prompts: list[PromptType], params: SamplingParams,
-                 body, tenant: str | None, chat: bool, completion: CompletionOptions | None = None):
+                 body, tenant: str | None, chat: bool, completion: CompletionOptions | None = None,
+                 new_tool_parser: Callable[[], ToolCallRecord] | None = None):
     # A tenant's salt is applied server-side and overrides the client's, so no
     # client can pick another tenant's prefix-cache blocks.
     salt = f"tenant:{tenant}" if tenant is not None else body.cache_salt
@@ -35,7 +37,7 @@ async def serve(state: ServerState, kind: str, prompts: list[PromptType], params
             stream.abort()
         raise bad_request(exc) from exc
     response = ResponseBuilder(state.engine.get_tokenizer(), kind, params, chat, body.model or state.served_model_name,
-                               completion=completion)
+                               completion=completion, new_tool_parser=new_tool_parser)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(response, streams, include_usage), media_type="text/event-stream")

@@ -1,14 +1,24 @@
-"""POST /v1/chat/completions, and the chat template that turns messages into a prompt."""
+"""POST /v1/chat/completions: messages rendered by the chat template (shared with
+``LLM.chat``, see ``chat_utils``), tools and ``tool_choice``, and the answer."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 from fastapi import Depends, FastAPI
 
-from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.openai.errors import APIError, bad_request
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.chat_utils import ChatRenderOptions, render_chat
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest, NamedToolChoice, RequestFieldError, TokenizeRequest,
+)
 from pagedllm.entrypoints.openai.serving import serve
+from pagedllm.entrypoints.openai.structured_outputs import check_structured_outputs, request_error
 from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
+from pagedllm.entrypoints.openai.tool_parsers import ToolPlan, plan_tool_choice
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import StructuredOutputError
 
 
 def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
@@ -18,19 +28,65 @@ def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         try:
-            prompt = chat_prompt(state.engine, body.messages, body.add_generation_prompt)
+            prompt = chat_prompt(state, body)
+            tools = _tools(body)
+            choice = body.tool_choice
+            plan = plan_tool_choice(tools, choice.model_dump() if isinstance(choice, NamedToolChoice) else choice,
+                                    body.parallel_tool_calls)
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs,
                                           defaults=state.engine.default_sampling_params)
+            check_structured_outputs(state.engine, body, params)
+            params = _with_tool_grammar(state, params, plan)
         except ValueError as exc:
-            raise bad_request(exc) from exc
-        return await serve(state, "chatcmpl", [prompt], params, body, tenant, chat=True)
+            raise chat_error(exc) from exc
+        return await serve(state, "chatcmpl", [prompt], params, body, tenant, chat=True,
+                           new_tool_parser=plan.new_parser)
 
 
-def chat_prompt(engine: LLMEngine, messages, add_generation_prompt: bool) -> dict:
-    tokenizer = engine.get_tokenizer()
-    if not tokenizer.chat_template:
-        raise APIError(400, "this model has no chat template", param="messages")
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+def _with_tool_grammar(state: ServerState, params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+    """``params`` constrained as a required or named tool choice needs, compiled
+    now so a tool's bad ``parameters`` schema is a 400 naming ``tools``."""
+    if plan.structured_outputs is None:
+        return params
+    if params.structured_outputs is not None:
+        raise ValueError("tool_choice: a required or named tool choice constrains the output itself; "
+                         "it cannot be combined with response_format or structured outputs")
+    params = dataclasses.replace(params, structured_outputs=plan.structured_outputs)
+    try:
+        state.engine.structured_output.compile(params)
+    except StructuredOutputError as exc:
+        raise ValueError(f"tools: a function's parameters schema is invalid: {exc.reason}") from exc
+    return params
+
+
+def _tools(body: ChatCompletionRequest | TokenizeRequest) -> list[dict] | None:
+    return [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+
+
+def chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeRequest) -> dict:
+    """The prompt of a chat request's messages and template fields, rendered with
+    the server's chat template (/tokenize gives the same tokens). Raises
+    ``APIError`` 400 naming the field to change."""
+    if body.chat_template is not None and not state.chat.trust_request_chat_template:
+        raise APIError(400, "chat_template: this server does not run templates sent in requests; start it with "
+                            "--trust-request-chat-template, or use its own (--chat-template)", param="chat_template")
+    options = ChatRenderOptions(
+        tools=_tools(body), add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        chat_template=body.chat_template or state.chat.chat_template, chat_template_kwargs=body.chat_template_kwargs,
+    )
+    conversation = [message.model_dump(exclude_none=True) for message in body.messages]
+    try:
+        return render_chat(state.engine.get_tokenizer(), conversation, options)
+    except ValueError as exc:
+        raise chat_error(exc) from exc
+
+
+def chat_error(exc: ValueError) -> APIError:
+    """A 400 whose ``param`` is the request field the message starts with, if any."""
+    if isinstance(exc, RequestFieldError):
+        return request_error(exc)
+    match = re.match(r"(?:SamplingParams\.)?(\w+)", str(exc))
+    field = match.group(1) if match else None
+    return APIError(400, str(exc), param=field if field in ChatCompletionRequest.model_fields else None)

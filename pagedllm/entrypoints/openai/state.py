@@ -10,6 +10,7 @@ from fastapi import Request
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.chat_utils import ChatSettings
 from pagedllm.entrypoints.openai.errors import APIError
 
 
@@ -20,6 +21,7 @@ class ServerState:
     # API key -> tenant name (None: a key without a tenant). Empty: no auth.
     api_keys: dict[str, str | None] = field(default_factory=dict)
     async_engine: AsyncLLMEngine | None = None
+    chat: ChatSettings = field(default_factory=ChatSettings)  # --chat-template, --trust-request-chat-template
     # Further names a request's "model" may use (--served-model-name A B C: B and C).
     model_aliases: list[str] = field(default_factory=list)
 

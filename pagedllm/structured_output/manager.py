@@ -1,0 +1,141 @@
+"""The grammar state of every guided sequence: one xgrammar matcher each.
+
+Modelled on vLLM v1's StructuredOutputManager. Per step the engine asks for
+the bitmask of the step's guided sample rows (``bitmask_for``), hands it to
+the runner with the SchedulerOutput, then feeds the sampled tokens back
+(``accept``) before the scheduler appends them.
+
+Why the state stays right:
+- Forks (n > 1): the rows of a sequence about to fork are all masked from its
+  matcher; each future sample then gets a ``fork()`` of it before anyone
+  accepts a token, so every sample starts from the same grammar state.
+- Preemption: recompute and swap both keep a sequence's generated token ids,
+  and the matcher has accepted exactly those, so it stays valid. Each mask
+  checks that the row's output position equals the tokens its matcher
+  accepted, so any drift is a loud error instead of a wrong mask.
+- Release: ``retain`` drops the matchers of sequences that are no longer live
+  (finished, stopped by a string, aborted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Mapping
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+
+from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.logger import init_logger
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.compiler import GrammarCompiler
+from pagedllm.worker.sampling.grammar import GrammarBitmask
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _SequenceGrammar:
+    matcher: xgr.GrammarMatcher
+    num_accepted: int = 0
+    # Set when a sampled token was rejected: the sequence may then only stop.
+    rejected: bool = False
+
+    def fork(self) -> _SequenceGrammar:
+        return _SequenceGrammar(self.matcher.fork(), self.num_accepted, self.rejected)
+
+
+class StructuredOutputManager:
+    """Compiles constraints at ``add_request`` time and keeps the matchers.
+
+    Safety rules: ``compile`` raises ``ValueError`` and changes nothing, so call
+    it before the request enters the scheduler; ``bitmask_for`` and ``accept``
+    must see the same SchedulerOutput, in that order, once per step.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size]
+        self._sequences: dict[str, _SequenceGrammar] = {}
+
+    @property
+    def num_live_matchers(self) -> int:
+        return len(self._sequences)
+
+    def compile(self, params: SamplingParams) -> xgr.CompiledGrammar | None:
+        """The request's compiled grammar (None when unguided). Raises ValueError
+        naming the field for a constraint that cannot be compiled or combined."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return None
+        if params.ignore_eos:
+            raise ValueError("SamplingParams.ignore_eos cannot be combined with structured_outputs: a guided "
+                             "output ends with EOS once its grammar is complete; drop ignore_eos")
+        if params.min_tokens > 0:
+            raise ValueError("SamplingParams.min_tokens cannot be combined with structured_outputs: the grammar "
+                             "decides when the output may end; drop min_tokens")
+        return self.compiler.compile(constraint)
+
+    def add_sequence(self, sequence_id: str, grammar: xgr.CompiledGrammar) -> None:
+        self._sequences[sequence_id] = _SequenceGrammar(xgr.GrammarMatcher(grammar))
+
+    def bitmask_for(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
+        """The allowed next tokens of every guided sample row of this step, or
+        None when no row is guided (the runner then pays nothing)."""
+        rows = [
+            (row, state)
+            for scheduled in scheduler_output.scheduled
+            if scheduled.sample_rows and (state := self._sequences.get(scheduled.sequence_id)) is not None
+            for row in scheduled.sample_rows
+        ]
+        if not rows:
+            return None
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for index, (row, state) in enumerate(rows):
+            if row.output_position != state.num_accepted:
+                raise RuntimeError(
+                    f"grammar state of {row.sequence_id!r} covers {state.num_accepted} tokens but the row samples "
+                    f"output position {row.output_position} (this is a bug)"
+                )
+            if state.rejected:
+                self._allow_only_eos(bitmask[index])
+            else:
+                state.matcher.fill_next_token_bitmask(bitmask, index)
+        return GrammarBitmask([row.sequence_id for row, _ in rows], bitmask)
+
+    def accept(self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> None:
+        """Advance the matchers by the step's sampled tokens. A row beyond a
+        sequence's first is a future fork: it gets a copy of the matcher first."""
+        for scheduled in scheduler_output.scheduled:
+            parent = self._sequences.get(scheduled.sequence_id)
+            if parent is None or not scheduled.sample_rows:
+                continue
+            for row in scheduled.sample_rows[1:]:
+                self._sequences[row.sequence_id] = parent.fork()
+            for row in scheduled.sample_rows:
+                self._accept_token(row.sequence_id, self._sequences[row.sequence_id],
+                                   sampled_token_ids[row.sequence_id])
+
+    def retain(self, live_sequence_ids: Container[str]) -> None:
+        """Drop the matchers of sequences that ended (finish, stop string, abort)."""
+        for sequence_id in [s for s in self._sequences if s not in live_sequence_ids]:
+            del self._sequences[sequence_id]
+
+    def _accept_token(self, sequence_id: str, state: _SequenceGrammar, token_id: int) -> None:
+        state.num_accepted += 1
+        if state.rejected or state.matcher.accept_token(token_id):
+            return
+        # Only a row whose every token was masked (another constraint, e.g. a
+        # token filter, removed all the grammar allowed) can draw a disallowed
+        # token; the output can no longer match, so the sequence is made to stop.
+        state.rejected = True
+        logger.warning("sequence %r sampled token %d, which its grammar does not allow; it will stop",
+                       sequence_id, token_id)
+
+    def _allow_only_eos(self, row: torch.Tensor) -> None:
+        row.zero_()
+        for token_id in self.eos_token_ids:
+            word, bit = divmod(token_id, 32)
+            value = (int(row[word]) & 0xFFFFFFFF) | (1 << bit)
+            row[word] = value - (1 << 32) if value >= 1 << 31 else value  # the int32 with these bits
