@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import get_args
+from typing import TYPE_CHECKING, get_args
 
 from pagedllm.config import CacheConfig, DType, EngineConfig
 from pagedllm.entrypoints.bench_commands import add_bench_parser
-from pagedllm.entrypoints.engine_args import add_engine_args, make_llm
+from pagedllm.entrypoints.engine_args import add_engine_args, engine_options_from_args, make_llm
 from pagedllm.logger import init_logger
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import LLMEngine
 
 logger = init_logger(__name__)
 
@@ -56,7 +59,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from pagedllm.entrypoints.chat_utils import ChatSettings, load_chat_template
     from pagedllm.entrypoints.openai.api_server import ServerState, build_app
-    from pagedllm.metrics import LoggingStatLogger
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -67,17 +69,36 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_keys:
         logger.warning("serving on %s without --api-key: anyone who can reach this port can use the model",
                        args.host)
-    engine = make_llm(args).llm_engine  # it logs the capacity line as it starts
+    EngineConfig.from_options(**engine_options_from_args(args))  # bad flags stop serve before it listens
     names = args.served_model_name or ["SmolLM2-135M-Instruct" if args.model is None else args.model]
-    engine.stats_reporter.configure(names[0], args.metrics_namespace)
-    if not args.disable_log_stats:
-        engine.stats_reporter.loggers.append(LoggingStatLogger(args.log_stats_interval))
-    state = ServerState(engine=engine, served_model_name=names[0], api_keys=api_keys, model_aliases=names[1:],
-                        chat=chat)
+    state = ServerState(served_model_name=names[0], api_keys=api_keys, model_aliases=names[1:], chat=chat,
+                        load_engine=lambda: _load_served_engine(args, names[0]))
     uvicorn.run(build_app(state, args.allowed_origins), host=args.host, port=args.port,
                 log_level=args.uvicorn_log_level, timeout_keep_alive=args.timeout_keep_alive,
                 ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
                 ssl_cert_reqs=args.ssl_cert_reqs)
+    if state.load_error is not None:
+        sys.exit(1)
+
+
+def _load_served_engine(args: argparse.Namespace, model_name: str) -> LLMEngine:
+    """The engine of ``pagedllm serve``, built while the server already answers
+    /health with 503. A failed load stops the server (SIGTERM to itself, which
+    uvicorn handles as a graceful shutdown) after the error is logged."""
+    import os
+    import signal
+
+    from pagedllm.metrics import LoggingStatLogger
+
+    try:
+        engine = make_llm(args).llm_engine  # it logs the capacity line as it starts
+    except Exception:
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise
+    engine.stats_reporter.configure(model_name, args.metrics_namespace)
+    if not args.disable_log_stats:
+        engine.stats_reporter.loggers.append(LoggingStatLogger(args.log_stats_interval))
+    return engine
 
 
 def _api_keys(args: argparse.Namespace) -> dict[str, str | None]:

@@ -127,7 +127,7 @@ def test_serve_flags_set_the_servers_chat_template(tiny_llama, monkeypatch, caps
     from pagedllm.entrypoints.cli import main
 
     states = []
-    monkeypatch.setattr("pagedllm.entrypoints.openai.api_server.build_app", lambda state: states.append(state))
+    monkeypatch.setattr("pagedllm.entrypoints.openai.api_server.build_app", lambda state, *_: states.append(state))
     monkeypatch.setattr("uvicorn.run", lambda app, **options: None)
     main(["serve", "--model", tiny_llama, "--num-kv-blocks", "16", "--chat-template", "hermes",
           "--trust-request-chat-template"])

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from dataclasses import fields
 
 import pytest
+from fastapi.testclient import TestClient
 
 from pagedllm import LLM
 from pagedllm.config import CacheConfig, EngineConfig, engine_option_fields
@@ -112,6 +114,10 @@ def test_serve_shows_the_capacity_line_once(tiny_model_dir, monkeypatch, capsys,
     monkeypatch.setattr("uvicorn.run", lambda app, **options: served.update(options, app=app))
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         main(["serve", "--model", tiny_model_dir("llama"), "--num-kv-blocks", "16", "--port", "8123"])
+        with TestClient(served["app"]) as client:  # the model loads once the server runs
+            deadline = time.monotonic() + 60
+            while client.get("/health").status_code != 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
     assert served["port"] == 8123
     assert "KV cache:" not in capsys.readouterr().out
     capacity_logs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]

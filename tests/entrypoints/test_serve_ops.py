@@ -5,10 +5,12 @@ server in a thread)."""
 
 from __future__ import annotations
 
+import contextlib
 import ssl
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -45,7 +47,7 @@ OUR_METRICS = {"num_requests_swapped", "kv_cache_free_blocks", "kv_cache_used_bl
 
 @pytest.fixture
 def serve(monkeypatch, tiny_llama):
-    """serve(*flags) -> (app, uvicorn options, LLM) of `pagedllm serve TINY_MODEL *flags`
+    """serve(*flags) -> (app, uvicorn options, the LLMs made so far) of `pagedllm serve TINY_MODEL *flags`
     without listening; every engine built is checked for a free pool at the end."""
     made = []
     real_make_llm = engine_args.make_llm
@@ -60,11 +62,23 @@ def serve(monkeypatch, tiny_llama):
         served = {}
         monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(options, app=app))
         main(["serve", tiny_llama, "--num-kv-blocks", "64", *flags])
-        return served.pop("app"), served, made[-1]
+        return served.pop("app"), served, made
 
     yield run
     for llm in made:
         assert_pool_free(llm)
+
+
+@contextlib.contextmanager
+def ready(app) -> Iterator[TestClient]:
+    """A client of ``app`` once its model has loaded (serve loads it after the server starts)."""
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/health").status_code != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError(client.get("/health").json())
+            time.sleep(0.05)
+        yield client
 
 
 def complete(client: TestClient, headers: dict | None = None, **body) -> httpx.Response:
@@ -76,7 +90,7 @@ def test_positional_model_and_vllm_defaults(serve, tiny_llama, capsys):
     app, options, _ = serve()
     assert (options["host"], options["port"], options["log_level"]) == ("0.0.0.0", 8000, "info")
     assert options["ssl_keyfile"] is options["ssl_certfile"] is options["ssl_ca_certs"] is None
-    with TestClient(app) as client:
+    with ready(app) as client:
         assert client.get("/v1/models").json()["data"][0]["id"] == tiny_llama
     with pytest.raises(SystemExit) as exc:
         main(["serve", tiny_llama, "--model", "/elsewhere"])
@@ -85,7 +99,7 @@ def test_positional_model_and_vllm_defaults(serve, tiny_llama, capsys):
 
 def test_served_model_names_cors_and_version(serve):
     app, _, _ = serve("--served-model-name", "tiny", "alias", "--allowed-origins", "https://ok.example")
-    with TestClient(app) as client:
+    with ready(app) as client:
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny", "alias"]
         # As vLLM: a response names the model the request asked for, the first name otherwise.
         answer = complete(client, model="alias")
@@ -104,7 +118,7 @@ def test_served_model_names_cors_and_version(serve):
 
 def test_no_cors_headers_without_allowed_origins(serve):
     app, _, _ = serve()
-    with TestClient(app) as client:
+    with ready(app) as client:
         answer = client.get("/version", headers={"Origin": "https://any.example"})
         assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
 
@@ -112,7 +126,7 @@ def test_no_cors_headers_without_allowed_origins(serve):
 def test_api_key_from_the_environment_and_repeated_flags(serve, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_API_KEY", "sekret-key")
     app, _, _ = serve()
-    with TestClient(app) as client:
+    with ready(app) as client:
         assert complete(client, {"Authorization": "Bearer sekret-key"}).status_code == 200
         for wrong in ("sekret-kez", "sekret", "sekret-key-and-more", ""):
             refused = complete(client, {"Authorization": f"Bearer {wrong}"})
@@ -120,7 +134,7 @@ def test_api_key_from_the_environment_and_repeated_flags(serve, monkeypatch):
         assert complete(client).status_code == 401
         assert client.get("/health").status_code == 200  # probes need no key
     app, _, _ = serve("--api-key", "one", "--api-key", "two")  # the flag wins over the environment
-    with TestClient(app) as client:
+    with ready(app) as client:
         assert [complete(client, {"Authorization": f"Bearer {key}"}).status_code
                 for key in ("one", "two", "sekret-key")] == [200, 200, 401]
 
@@ -135,13 +149,12 @@ def test_key_comparison_checks_every_key():
 
 
 def test_health_is_503_before_start_and_after_the_engine_loop_died(serve, monkeypatch):
-    app, _, llm = serve()
-    starting = TestClient(app)  # not entered: the lifespan (which starts the engine loop) has not run
+    app, _, made = serve()
+    starting = TestClient(app)  # not entered: the lifespan (which loads the model) has not run
     not_ready = starting.get("/health")
     assert not_ready.status_code == 503 and not_ready.json()["error"]["code"] == "engine_not_ready"
-    with TestClient(app) as client:
-        assert client.get("/health").status_code == 200
-        engine = llm.llm_engine
+    with ready(app) as client:
+        engine = made[-1].llm_engine
 
         def failing_step(*_args, **_kwargs):
             raise RuntimeError("injected device failure")
@@ -155,6 +168,43 @@ def test_health_is_503_before_start_and_after_the_engine_loop_died(serve, monkey
         assert again.status_code == 503 and "restart the server" in again.json()["error"]["message"]
         assert time.monotonic() - started < 10
         assert not engine.has_unfinished_requests()
+
+
+def test_health_is_503_while_the_model_loads_and_after_a_failed_load(tiny_llama):
+    from pagedllm import LLM
+    from pagedllm.entrypoints.openai.api_server import ServerState, build_app
+
+    release = threading.Event()
+    made = []
+
+    def slow_load():
+        release.wait(timeout=60)
+        made.append(LLM(tiny_llama, num_kv_blocks=32))
+        return made[-1].llm_engine
+
+    state = ServerState(served_model_name="tiny", load_engine=slow_load)
+    with TestClient(build_app(state)) as client:
+        for path in ("/health", "/v1/models", "/metrics"):
+            loading = client.get(path)
+            assert loading.status_code == 503 and "still loading" in loading.json()["error"]["message"]
+        assert complete(client).status_code == 503
+        assert client.get("/version").status_code == 200
+        release.set()
+        deadline = time.monotonic() + 60
+        while client.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert complete(client).status_code == 200
+    assert_pool_free(made[0])
+
+    def failing_load():
+        raise FileNotFoundError("no such checkpoint")
+
+    with TestClient(build_app(ServerState(served_model_name="tiny", load_engine=failing_load))) as client:
+        deadline = time.monotonic() + 30
+        while "failed" not in client.get("/health").json()["error"]["message"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        failed = client.get("/health")
+        assert failed.status_code == 503 and "no such checkpoint" in failed.json()["error"]["message"]
 
 
 def test_tls_flags_serve_https(serve, tmp_path):
@@ -174,6 +224,9 @@ def test_tls_flags_serve_https(serve, tmp_path):
         while not server.started:
             assert time.time() < deadline and thread.is_alive(), "the https server did not start"
             time.sleep(0.05)
+        while httpx.get(f"https://127.0.0.1:{port}/health", verify=trusted, timeout=5).status_code != 200:
+            assert time.time() < deadline, "the model did not load"  # serve loads it once listening
+            time.sleep(0.05)
         answer = httpx.post(f"https://127.0.0.1:{port}/v1/completions", verify=trusted, timeout=30,
                             json={"prompt": "Hello", "max_tokens": 2})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
@@ -189,7 +242,7 @@ def test_tls_flags_serve_https(serve, tmp_path):
 @pytest.mark.parametrize("namespace", ["pagedllm", "vllm"])
 def test_metric_names_are_vllms_under_either_namespace(serve, namespace):
     app, _, _ = serve("--metrics-namespace", namespace, "--served-model-name", "tiny")
-    with TestClient(app) as client:
+    with ready(app) as client:
         idle = client.get("/metrics").text  # the pool's gauges are set before any request
         assert metric_value(idle, f"{namespace}:kv_cache_total_blocks") == 64
         assert metric_value(idle, f"{namespace}:kv_cache_free_blocks") == 64

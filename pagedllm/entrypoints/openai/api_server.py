@@ -1,14 +1,15 @@
 """OpenAI-compatible HTTP server: FastAPI + uvicorn over one AsyncLLMEngine.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE
-streaming), GET /v1/models, GET /health (503 until the engine loop runs and
-after it died), GET /version, POST /tokenize, POST /detokenize,
+streaming), GET /v1/models, GET /health (503 while the model loads, until the
+engine loop runs and after it died), GET /version, POST /tokenize, POST /detokenize,
 POST /reset_prefix_cache, GET /metrics (Prometheus). Errors use OpenAI's JSON
 shape ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import pagedllm
+from pagedllm.logger import init_logger
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.entrypoints.openai.errors import APIError, error_body, install_error_handlers
 from pagedllm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
@@ -27,8 +29,12 @@ from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, che
 
 __all__ = ["ServerState", "build_app"]
 
+logger = init_logger(__name__)
+
 
 _DASHBOARD = Path(__file__).parent / "static" / "dashboard.html"
+# Routes that work without an engine (probes); the rest answer 503 while the model loads.
+_ANSWERED_WHILE_LOADING = frozenset({"/health", "/version"})
 
 
 def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> FastAPI:
@@ -38,16 +44,29 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.async_engine = AsyncLLMEngine(state.engine)
-        state.async_engine.start()
+        loading = None
+        if state.engine is None:
+            loading = asyncio.create_task(_load_engine(state))
+        else:
+            _start_engine_loop(state)
         yield
-        await state.async_engine.stop()
+        if loading is not None:
+            await loading  # a load still running finishes first: its thread cannot be interrupted
+        if state.async_engine is not None:
+            await state.async_engine.stop()
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
     install_error_handlers(app)
+
+    @app.middleware("http")
+    async def refuse_while_loading(request: Request, call_next):
+        if state.engine is None and request.url.path not in _ANSWERED_WHILE_LOADING:
+            return JSONResponse(error_body(state.not_ready_reason(), "server_error", code="model_loading"),
+                                status_code=503)
+        return await call_next(request)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
@@ -59,6 +78,23 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     add_completion_route(app, state, tenant_of)
     add_chat_route(app, state, tenant_of)
     return app
+
+
+async def _load_engine(state: ServerState) -> None:
+    """Build the engine in a thread (the event loop keeps answering /health),
+    then start its loop. A failed load is kept for /health and logged."""
+    try:
+        state.engine = await asyncio.to_thread(state.load_engine)
+    except Exception as exc:  # the server stays up to say so; the loader decides whether to exit
+        state.load_error = exc
+        logger.exception("loading the model failed")
+        return
+    _start_engine_loop(state)
+
+
+def _start_engine_loop(state: ServerState) -> None:
+    state.async_engine = AsyncLLMEngine(state.engine)
+    state.async_engine.start()
 
 
 def _tenant_dependency(state: ServerState) -> TenantDependency:
@@ -81,8 +117,7 @@ def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependen
     @app.get("/health")
     async def health() -> Response:
         if not state.is_ready:
-            raise APIError(503, "the engine is not running (still starting, or its loop died: see the server log)",
-                           "server_error", code="engine_not_ready")
+            raise APIError(503, state.not_ready_reason(), "server_error", code="engine_not_ready")
         return Response(status_code=200)
 
     @app.get("/version")

@@ -16,7 +16,10 @@ from pagedllm.entrypoints.openai.errors import APIError
 
 @dataclass
 class ServerState:
-    engine: LLMEngine
+    """Safety rule: ``engine`` is None only while ``load_engine`` runs; the app's
+    middleware answers every route but /health and /version with a 503 until
+    then, so a route never sees None."""
+
     served_model_name: str  # the first name: reported when a request names no model
     # API key -> tenant name (None: a key without a tenant). Empty: no auth.
     api_keys: dict[str, str | None] = field(default_factory=dict)
@@ -24,6 +27,16 @@ class ServerState:
     chat: ChatSettings = field(default_factory=ChatSettings)  # --chat-template, --trust-request-chat-template
     # Further names a request's "model" may use (--served-model-name A B C: B and C).
     model_aliases: list[str] = field(default_factory=list)
+    engine: LLMEngine | None = None
+    # Builds the engine when ``engine`` is not given: called in a thread once the
+    # server listens, so /health answers 503 (not "connection refused") while the
+    # model loads.
+    load_engine: Callable[[], LLMEngine] | None = None
+    load_error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        if (self.engine is None) == (self.load_engine is None):
+            raise ValueError("ServerState needs exactly one of engine and load_engine")
 
     @property
     def model_names(self) -> list[str]:
@@ -31,8 +44,16 @@ class ServerState:
 
     @property
     def is_ready(self) -> bool:
-        """The engine loop runs: false before start-up completes and after a failed step killed it."""
+        """The engine loop runs: false while the model loads, before start-up
+        completes and after a failed step killed it."""
         return self.async_engine is not None and self.async_engine.is_running
+
+    def not_ready_reason(self) -> str:
+        if self.load_error is not None:
+            return f"loading the model failed ({self.load_error!r}); see the server log"
+        if self.engine is None:
+            return "the model is still loading"
+        return "the engine is not running (still starting, or its loop died: see the server log)"
 
 
 TenantDependency = Callable[[Request], str | None]  # the bearer-token check; returns the tenant
