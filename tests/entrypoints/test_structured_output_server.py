@@ -112,10 +112,11 @@ def test_completions_follow_every_kind_of_constraint(server, extra, check):
         ({"guided_grammar": "root ::= missing"}, "guided_grammar", "guided_grammar is invalid"),
         ({"guided_choice": []}, "guided_choice", "non-empty list of strings"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
-         "response_format and guided_regex each constrain the output"),
+         "response_format and guided_regex each constrain the output; send only one"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
         ({"guided_regex": "a", "guided_decoding_backend": "outlines"}, "guided_decoding_backend", "xgrammar"),
         ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos", "cannot be combined with structured_outputs"),
+        ({"guided_json": {}, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "disable_any_whitespace"),
     ],
 )
 def test_invalid_constraints_are_400s_naming_the_field(server, body, param, message):
