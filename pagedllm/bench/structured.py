@@ -1,12 +1,12 @@
 """`pagedllm bench structured`: what guided rows cost the rest of a batch.
 
-The same 32 prompts decode twice per round: all rows free, then the same batch
-with ``--num-guided`` rows under a JSON schema. The schema needs far more
-tokens than ``--output-len`` to complete, so guided rows never stop early and
-both batches decode exactly the same number of tokens (free rows use
-``ignore_eos``). Only decode steps are timed: the clock starts once every
-request has its first token. Rounds alternate free and guided so machine noise
-hits both; the best round of each is compared.
+Two engines with the same model decode the same 32 prompts: one with every
+row free, one with ``--num-guided`` rows under a JSON schema. The schema needs
+far more tokens than ``--output-len`` to complete, so guided rows never stop
+early and both batches decode exactly the same tokens (free rows use
+``ignore_eos``). The two engines step in turn, one step each, so load from
+anything else on the machine falls on both alike; only decode steps (those
+that start with every request past its first token) are timed.
 """
 
 from __future__ import annotations
@@ -34,61 +34,81 @@ def unending_schema(output_len: int) -> dict:
 
 
 @dataclass
-class DecodeRun:
+class DecodeTally:
     num_guided: int
-    decode_tokens: int
-    decode_s: float
+    decode_tokens: int = 0
+    decode_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_s
 
 
-def decode_run(llm, prompts: list[list[int]], output_len: int, num_guided: int) -> DecodeRun:
-    """Decode the batch once; the first ``num_guided`` requests are guided."""
-    engine = llm.llm_engine
-    guided = SamplingParams(temperature=0.0, max_tokens=output_len,
-                            structured_outputs=StructuredOutputsParams(json=unending_schema(output_len)))
-    free = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, guided if i < num_guided else free)
-    produced: dict[str, int] = {}
-    started, tokens_at_start = None, 0
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            produced[output.request_id] = len(output.outputs[0].token_ids)
-        if started is None and len(produced) == len(prompts):
-            started, tokens_at_start = time.perf_counter(), sum(produced.values())
-    elapsed = time.perf_counter() - started
-    if any(count != output_len for count in produced.values()):
-        raise RuntimeError(f"every request must decode {output_len} tokens, got {sorted(set(produced.values()))}")
-    return DecodeRun(num_guided, sum(produced.values()) - tokens_at_start, elapsed)
+class _BatchRun:
+    """One engine decoding the batch, stepped from outside so two runs interleave.
+    The first ``tally.num_guided`` requests are guided."""
+
+    def __init__(self, llm, prompts: list[list[int]], output_len: int, tally: DecodeTally) -> None:
+        self.engine = llm.llm_engine
+        self.output_len = output_len
+        self.tally = tally
+        guided = SamplingParams(temperature=0.0, max_tokens=output_len,
+                                structured_outputs=StructuredOutputsParams(json=unending_schema(output_len)))
+        free = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            self.engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, guided if i < tally.num_guided else free)
+        self.num_requests = len(prompts)
+        self.produced: dict[str, int] = {}
+
+    @property
+    def done(self) -> bool:
+        return not self.engine.has_unfinished_requests()
+
+    def step(self) -> None:
+        decoding = len(self.produced) == self.num_requests
+        before = sum(self.produced.values())
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        elapsed = time.perf_counter() - started
+        for output in outputs:
+            self.produced[output.request_id] = len(output.outputs[0].token_ids)
+        if decoding:
+            self.tally.decode_s += elapsed
+            self.tally.decode_tokens += sum(self.produced.values()) - before
+        if self.done and set(self.produced.values()) != {self.output_len}:
+            raise RuntimeError(f"every request must decode {self.output_len} tokens, got {set(self.produced.values())}")
 
 
-def measure(llm, num_prompts: int, input_len: int, output_len: int, num_guided: int, rounds: int,
-            seed: int) -> tuple[DecodeRun, DecodeRun]:
-    """The best (fastest) free and guided runs over ``rounds`` alternating rounds."""
+def measure(free_llm, guided_llm, num_prompts: int, input_len: int, output_len: int, num_guided: int,
+            rounds: int, seed: int) -> tuple[DecodeTally, DecodeTally]:
+    """Decode tallies of the all-free and the partly guided batch over ``rounds`` interleaved runs."""
     if not 0 < num_guided <= num_prompts:
         raise ValueError(f"--num-guided must be in [1, --num-prompts ({num_prompts})], got {num_guided}")
     prompts = [r.prompt_token_ids
-               for r in random_requests(num_prompts, input_len, output_len, llm.llm_engine.vocab_size, seed)]
-    warm_up(llm)
-    decode_run(llm, prompts[:2], 4, 1)  # compiles the schema: not part of any timed run
-    runs: dict[int, list[DecodeRun]] = {0: [], num_guided: []}
+               for r in random_requests(num_prompts, input_len, output_len, free_llm.llm_engine.vocab_size, seed)]
+    for llm in (free_llm, guided_llm):
+        warm_up(llm)
+    _drive([_BatchRun(guided_llm, prompts[:2], 4, DecodeTally(1))])  # compiles the schema, untimed
+    free, guided = DecodeTally(0), DecodeTally(num_guided)
     for _ in range(rounds):
-        for guided in runs:
-            runs[guided].append(decode_run(llm, prompts, output_len, guided))
-    free_best, guided_best = (max(r, key=lambda run: run.tokens_per_s) for r in runs.values())
-    return free_best, guided_best
+        _drive([_BatchRun(free_llm, prompts, output_len, free), _BatchRun(guided_llm, prompts, output_len, guided)])
+    return free, guided
 
 
-def format_table(free: DecodeRun, guided: DecodeRun, num_prompts: int) -> str:
+def _drive(runs: list[_BatchRun]) -> None:
+    while not all(run.done for run in runs):
+        for run in runs:
+            if not run.done:
+                run.step()
+
+
+def format_table(free: DecodeTally, guided: DecodeTally, num_prompts: int) -> str:
     rows = [
         "| batch | guided rows | decode tokens | decode time (s) | decode tok/s | vs all free |",
         "|---|---|---|---|---|---|",
     ]
-    for run in (free, guided):
-        rows.append(f"| {num_prompts} | {run.num_guided} | {run.decode_tokens} | {run.decode_s:.2f} | "
-                    f"{run.tokens_per_s:.1f} | {run.tokens_per_s / free.tokens_per_s:.3f}x |")
+    for tally in (free, guided):
+        rows.append(f"| {num_prompts} | {tally.num_guided} | {tally.decode_tokens} | {tally.decode_s:.2f} | "
+                    f"{tally.tokens_per_s:.1f} | {tally.tokens_per_s / free.tokens_per_s:.3f}x |")
     loss = 100 * (1 - guided.tokens_per_s / free.tokens_per_s)
-    return "\n".join(rows) + f"\n\nThroughput lost to {guided.num_guided} guided rows: {loss:.1f}%."
+    return "\n".join(rows) + f"\n\nDecode throughput lost to {guided.num_guided} guided rows: {loss:.1f}%."

@@ -9,7 +9,7 @@ import xgrammar as xgr
 
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.sampler import Sampler, SamplingMetadata
-from pagedllm.worker.sampling.grammar import RowBitmask, apply_grammar
+from pagedllm.worker.sampling.grammar import RowBitmask, mask_guided_rows
 
 VOCAB = 100
 
@@ -25,15 +25,14 @@ def bitmask_allowing(*allowed: list[int]) -> torch.Tensor:
     return bitmask
 
 
-def test_only_the_guided_rows_are_masked_and_the_input_is_untouched():
+def test_only_the_guided_rows_are_masked_in_place():
     logits = torch.randn(4, VOCAB)
     original = logits.clone()
-    masked = apply_grammar(logits, RowBitmask([1, 3], bitmask_allowing([5, 31, 63], [99])))
-    assert torch.equal(logits, original)
-    assert torch.equal(masked[[0, 2]], original[[0, 2]])
-    assert torch.isfinite(masked[1]).nonzero().flatten().tolist() == [5, 31, 63]
-    assert torch.isfinite(masked[3]).nonzero().flatten().tolist() == [99]
-    assert torch.equal(masked[1, [5, 31, 63]], original[1, [5, 31, 63]])
+    mask_guided_rows(logits, RowBitmask([1, 3], bitmask_allowing([5, 31, 63], [99])))
+    assert torch.equal(logits[[0, 2]], original[[0, 2]])
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [5, 31, 63]
+    assert torch.isfinite(logits[3]).nonzero().flatten().tolist() == [99]
+    assert torch.equal(logits[1, [5, 31, 63]], original[1, [5, 31, 63]])
 
 
 def test_sampler_draws_only_allowed_tokens_for_guided_rows():
@@ -42,8 +41,8 @@ def test_sampler_draws_only_allowed_tokens_for_guided_rows():
     params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=1.0),
               SamplingParams(temperature=0.0)]
     metadata = SamplingMetadata(params, [1, 2, 3], [0, 0, 0], [[1], [1], [1]], [[], [], []])
-    free = Sampler([0])(logits, metadata)
-    guided = Sampler([0])(logits, metadata, RowBitmask([0, 1], bitmask_allowing([7, 8], [40])))
+    free = Sampler([0])(logits.clone(), metadata)
+    guided = Sampler([0])(logits.clone(), metadata, RowBitmask([0, 1], bitmask_allowing([7, 8], [40])))
     assert guided.sampled_token_ids[0] in (7, 8) and guided.sampled_token_ids[1] == 40
     assert guided.sampled_token_ids[2] == free.sampled_token_ids[2]
     # Logprobs of a guided row are over the tokens its grammar allows (vLLM's order).
