@@ -4,9 +4,11 @@ Two engines with the same model decode the same 32 prompts: one with every
 row free, one with ``--num-guided`` rows under a JSON schema. The schema needs
 far more tokens than ``--output-len`` to complete, so guided rows never stop
 early and both batches decode exactly the same tokens (free rows use
-``ignore_eos``). The two engines step in turn, one step each, so load from
-anything else on the machine falls on both alike; only decode steps (those
-that start with every request past its first token) are timed.
+``ignore_eos``). The two engines step in turn, one step each (which goes
+first alternates by round), so load from anything else on the machine falls
+on both alike; only decode steps (those that start with every request past
+its first token) are timed. ``--num-guided 0`` compares two free batches: the
+noise floor of the measurement.
 """
 
 from __future__ import annotations
@@ -82,16 +84,17 @@ class _BatchRun:
 def measure(free_llm, guided_llm, num_prompts: int, input_len: int, output_len: int, num_guided: int,
             rounds: int, seed: int) -> tuple[DecodeTally, DecodeTally]:
     """Decode tallies of the all-free and the partly guided batch over ``rounds`` interleaved runs."""
-    if not 0 < num_guided <= num_prompts:
-        raise ValueError(f"--num-guided must be in [1, --num-prompts ({num_prompts})], got {num_guided}")
+    if not 0 <= num_guided <= num_prompts:
+        raise ValueError(f"--num-guided must be in [0, --num-prompts ({num_prompts})], got {num_guided}")
     prompts = [r.prompt_token_ids
                for r in random_requests(num_prompts, input_len, output_len, free_llm.llm_engine.vocab_size, seed)]
     for llm in (free_llm, guided_llm):
         warm_up(llm)
     _drive([_BatchRun(guided_llm, prompts[:2], 4, DecodeTally(1))])  # compiles the schema, untimed
     free, guided = DecodeTally(0), DecodeTally(num_guided)
-    for _ in range(rounds):
-        _drive([_BatchRun(free_llm, prompts, output_len, free), _BatchRun(guided_llm, prompts, output_len, guided)])
+    for round_index in range(rounds):
+        runs = [_BatchRun(free_llm, prompts, output_len, free), _BatchRun(guided_llm, prompts, output_len, guided)]
+        _drive(runs if round_index % 2 == 0 else runs[::-1])
     return free, guided
 
 

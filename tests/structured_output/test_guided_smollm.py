@@ -14,13 +14,15 @@ from pagedllm.bench.server_process import running_server
 from pagedllm.sampling_params import StructuredOutputsParams
 from tests.conftest import assert_pool_free
 
+# Bounded like a production schema should be: a 135M model can loop inside an
+# unbounded array or number, and max_tokens would then cut the JSON short.
 COUNTRY = {
     "type": "object",
     "properties": {
-        "country": {"type": "string"},
-        "capital": {"type": "string"},
-        "population_millions": {"type": "number"},
-        "languages": {"type": "array", "items": {"type": "string"}},
+        "country": {"type": "string", "maxLength": 40},
+        "capital": {"type": "string", "maxLength": 40},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 2000},
+        "languages": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
         "landlocked": {"type": "boolean"},
     },
     "required": ["country", "capital", "population_millions", "languages", "landlocked"],
@@ -42,7 +44,7 @@ def test_openai_client_response_format_json_schema():
         response = client.chat.completions.create(
             model="SmolLM2-135M-Instruct",
             messages=[{"role": "user", "content": "Describe Italy as JSON."}],
-            max_tokens=200,
+            max_tokens=400,
             temperature=0,
             response_format={"type": "json_schema",
                              "json_schema": {"name": "country", "schema": COUNTRY, "strict": True}},
@@ -58,8 +60,9 @@ def test_guided_greedy_output_on_real_prompts_always_validates():
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                              add_generation_prompt=True) for q in QUESTIONS]
-    schema_params = SamplingParams(temperature=0, max_tokens=200, structured_outputs=StructuredOutputsParams(json=COUNTRY))
-    object_params = SamplingParams(temperature=0, max_tokens=200,
+    schema_params = SamplingParams(temperature=0, max_tokens=400,
+                                   structured_outputs=StructuredOutputsParams(json=COUNTRY))
+    object_params = SamplingParams(temperature=0, max_tokens=400,
                                    structured_outputs=StructuredOutputsParams(json_object=True))
     outputs = llm.generate(prompts + prompts, [schema_params] * len(prompts) + [object_params] * len(prompts),
                            use_tqdm=False)
