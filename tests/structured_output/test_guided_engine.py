@@ -184,3 +184,18 @@ def test_structured_outputs_params_needs_exactly_one_constraint():
         StructuredOutputsParams(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams(disable_any_whitespace=True)
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_guide_like_one(tiny_llama, llm):
+    """Only rank 0 samples, so the mask never crosses to the worker; the tokens are those of one rank."""
+    params = [SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=CONSTRAINTS[name])
+              for name in ("json_compact", "regex", "grammar")]
+    one = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    two_ranks = LLM(tiny_llama, tensor_parallel_size=2, num_kv_blocks=256)
+    try:
+        assert [o.outputs[0].text for o in two_ranks.generate(PROMPTS, params, use_tqdm=False)] == one
+        assert_pool_free(two_ranks)
+    finally:
+        two_ranks.shutdown()
+    assert_pool_free(llm)
