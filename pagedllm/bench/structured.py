@@ -1,13 +1,14 @@
 """`pagedllm bench structured`: what guided rows cost the rest of a batch.
 
-Two engines with the same model decode the same 32 prompts: one with every
-row free, one with ``--num-guided`` rows under a JSON schema. The schema needs
+Two engines with the same model decode the same 32 prompts at once: one
+batch with every row free, one with ``--num-guided`` rows under a JSON schema. The schema needs
 far more tokens than ``--output-len`` to complete, so guided rows never stop
 early and both batches decode exactly the same tokens (free rows use
-``ignore_eos``). The two engines step in turn, one step each (which goes
-first alternates by round), so load from anything else on the machine falls
-on both alike; only decode steps (those that start with every request past
-its first token) are timed. ``--num-guided 0`` compares two free batches: the
+``ignore_eos``). The two engines step in turn, one step each, so load from
+anything else on the machine falls on both alike; over four rounds each
+engine runs each batch, stepping first and second once, so neither engine nor
+order favours a side. Only decode steps (those that start with every request
+past its first token) are timed. ``--num-guided 0`` compares two free batches: the
 noise floor of the measurement.
 """
 
@@ -58,7 +59,8 @@ class _BatchRun:
                                 structured_outputs=StructuredOutputsParams(json=unending_schema(output_len)))
         free = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         for i, prompt in enumerate(prompts):
-            self.engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, guided if i < tally.num_guided else free)
+            params = guided if i < tally.num_guided else free
+            self.engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params)
         self.num_requests = len(prompts)
         self.produced: dict[str, int] = {}
 
@@ -81,20 +83,22 @@ class _BatchRun:
             raise RuntimeError(f"every request must decode {self.output_len} tokens, got {set(self.produced.values())}")
 
 
-def measure(free_llm, guided_llm, num_prompts: int, input_len: int, output_len: int, num_guided: int,
+def measure(llms: tuple, num_prompts: int, input_len: int, output_len: int, num_guided: int,
             rounds: int, seed: int) -> tuple[DecodeTally, DecodeTally]:
-    """Decode tallies of the all-free and the partly guided batch over ``rounds`` interleaved runs."""
+    """Decode tallies of the all-free and the partly guided batch over ``rounds``
+    interleaved runs on the two engines ``llms``."""
     if not 0 <= num_guided <= num_prompts:
         raise ValueError(f"--num-guided must be in [0, --num-prompts ({num_prompts})], got {num_guided}")
     prompts = [r.prompt_token_ids
-               for r in random_requests(num_prompts, input_len, output_len, free_llm.llm_engine.vocab_size, seed)]
-    for llm in (free_llm, guided_llm):
+               for r in random_requests(num_prompts, input_len, output_len, llms[0].llm_engine.vocab_size, seed)]
+    for llm in llms:
         warm_up(llm)
-    _drive([_BatchRun(guided_llm, prompts[:2], 4, DecodeTally(1))])  # compiles the schema, untimed
+        _drive([_BatchRun(llm, prompts[:2], 4, DecodeTally(1))])  # compiles the schema, untimed
     free, guided = DecodeTally(0), DecodeTally(num_guided)
     for round_index in range(rounds):
+        free_llm, guided_llm = llms if round_index % 2 == 0 else llms[::-1]
         runs = [_BatchRun(free_llm, prompts, output_len, free), _BatchRun(guided_llm, prompts, output_len, guided)]
-        _drive(runs if round_index % 2 == 0 else runs[::-1])
+        _drive(runs if round_index // 2 % 2 == 0 else runs[::-1])
     return free, guided
 
 
