@@ -116,7 +116,7 @@ def _preemption_workload():
     return prompts, params, names
 
 
-@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_keeps_the_grammar_state(tiny_llama, mode):
     prompts, params, names = _preemption_workload()
     roomy = LLM(tiny_llama, num_kv_blocks=512, enable_prefix_caching=False)
