@@ -204,7 +204,8 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request. Raises ``ValueError`` (and changes
         nothing) on an empty or too-long prompt, out-of-vocabulary token ids, a
-        request that could never fit in the pool, or a reused request id."""
+        request that could never fit in the pool, a reused request id, or a
+        structured-output constraint that does not compile."""
         params = params or self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")

@@ -231,6 +231,20 @@ def cmd_bench_roofline(args: argparse.Namespace) -> None:
                         f"{args.decode_tokens} matmul passes and {args.decode_tokens} decode steps, interleaved.")
 
 
+def cmd_bench_structured(args: argparse.Namespace) -> None:
+    from pagedllm.bench import structured
+
+    # Two engines stepping in turn; prefix caching off so every round prefills its own prompts.
+    llms = tuple(make_llm(args, enable_prefix_caching=False) for _ in range(2))
+    free, guided = structured.measure(llms, args.num_prompts, args.input_len, args.output_len,
+                                      args.num_guided, args.rounds, args.seed)
+    report(args, structured.format_table(free, guided, args.num_prompts),
+           f"{args.num_prompts} random {args.input_len}-token prompts, {args.output_len} greedy tokens each, on two "
+           f"engines stepping in turn: all rows free, and {args.num_guided} rows guided by a JSON schema (a list of "
+           f"at least {args.output_len} records); decode steps of {args.rounds} rounds (each engine runs each batch).",
+           llms[0].llm_engine.device)
+
+
 def cmd_bench_soak(args: argparse.Namespace) -> None:
     from pagedllm.bench import soak
 
@@ -264,6 +278,14 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     _add_throughput_parser(benches)
     _add_kv_pool_benches(benches)
     _add_kernel_benches(benches)
+    so = _add_bench(benches, "structured", "decode throughput of a batch with guided (JSON schema) rows vs all free",
+                    cmd_bench_structured)
+    so.add_argument("--num-prompts", type=int, default=32)
+    so.add_argument("--num-guided", type=int, default=4, help="rows of the batch under a JSON schema")
+    so.add_argument("--input-len", type=int, default=64)
+    so.add_argument("--output-len", type=int, default=64)
+    so.add_argument("--rounds", type=int, default=4,
+                    help="runs of both batches, swapping engines and stepping order (decode steps are summed)")
     sk = _add_bench(benches, "soak", "a long randomized load with aborts against a server it starts (with these "
                                      "engine flags); fails on any error or a KV block still in use after the drain",
                     cmd_bench_soak)

@@ -3,7 +3,8 @@
 Per row, in this order:
 
 0. The grammar mask of guided rows (structured output): tokens the row's
-   grammar does not allow next get ``-inf``; other rows are not touched.
+   grammar does not allow next get ``-inf``, in the caller's tensor; other
+   rows are not touched.
 1. Token rules, on the raw logits (vLLM's order, ``sampling/token_rules.py``):
    ``allowed_token_ids`` masks every other token, ``bad_words`` mask a word's
    last token after the rest of it, ``logit_bias`` is added.
@@ -53,7 +54,7 @@ import torch
 
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.worker.sampling.draw import argmax_logsumexp, sample
-from pagedllm.worker.sampling.grammar import RowBitmask, apply_grammar
+from pagedllm.worker.sampling.grammar import RowBitmask, mask_guided_rows
 from pagedllm.worker.sampling.logits_processing import process_logits
 from pagedllm.worker.sampling.logprobs import compute_prompt_logprobs, position_logprobs
 from pagedllm.worker.sampling.metadata import SamplerOutput, SamplingMetadata, check_batch
@@ -78,14 +79,14 @@ class Sampler:
         are read from them directly (the upcast is exact, so the tokens are the
         same; the logprobs agree to fp32 rounding).
 
-        ``grammar`` holds the masks of the guided rows, if any.
-
-        The caller's tensor is never modified in place.
+        ``grammar`` holds the masks of the guided rows, if any: those rows of
+        ``logits`` are masked in place (so a batch pays nothing for its free
+        rows). No other row of the caller's tensor is ever modified.
         """
         check_batch(logits, metadata)
         if grammar is not None:
-            logits = apply_grammar(logits, grammar)  # an fp32 copy
-        elif logits.dtype != torch.float32 and not all(p.is_greedy and p.logprobs is None for p in metadata.params):
+            mask_guided_rows(logits, grammar)
+        if logits.dtype != torch.float32 and not all(p.is_greedy and p.logprobs is None for p in metadata.params):
             logits = logits.float()
         processed = process_logits(logits, metadata, self.eos_token_ids)
         greedy_ids, log_normalizer = argmax_logsumexp(processed)

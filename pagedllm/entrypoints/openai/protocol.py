@@ -207,19 +207,21 @@ class _SamplingFields(BaseModel):
 
     def structured_output_field(self) -> str | None:
         """The request field that constrains the output, or None. Raises
-        ``ValueError`` when several do, or for a backend or option this server lacks."""
+        ``RequestFieldError`` when several do, or for a backend or option this server lacks."""
         fields = [name for name in STRUCTURED_OUTPUT_FIELDS if getattr(self, name) is not None]
         if self.response_format is not None and self.response_format.type == "text":
             fields.remove("response_format")  # plain text: no constraint
         if len(fields) > 1:
-            raise RequestFieldError(fields[1], f"{' and '.join(fields)} each constrain the output; send only one of them")
+            raise RequestFieldError(fields[1], f"{' and '.join(fields)} each constrain the output; send only one")
         backend = self.guided_decoding_backend
         if backend is not None and backend not in GUIDED_DECODING_BACKENDS:
-            raise RequestFieldError("guided_decoding_backend", f"guided_decoding_backend {backend!r} is not available; this server uses xgrammar "
-                             f"(send one of {list(GUIDED_DECODING_BACKENDS)} or omit it)")
+            raise RequestFieldError("guided_decoding_backend",
+                                    f"guided_decoding_backend {backend!r} is not available; this server uses "
+                                    f"xgrammar (send one of {list(GUIDED_DECODING_BACKENDS)} or omit it)")
         if self.guided_whitespace_pattern is not None:
-            raise RequestFieldError("guided_whitespace_pattern", "guided_whitespace_pattern is not supported (it is an outlines option); use "
-                             "structured_outputs.disable_any_whitespace for JSON without whitespace")
+            raise RequestFieldError("guided_whitespace_pattern",
+                                    "guided_whitespace_pattern is not supported (an outlines option); use "
+                                    "structured_outputs.disable_any_whitespace for JSON without whitespace")
         return fields[0] if fields else None
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:

@@ -3,7 +3,7 @@ guided rows, before penalties and temperature.
 
 The mask arrives packed as xgrammar fills it: bit ``t % 32`` of int32 word
 ``t // 32`` is 1 when token ``t`` is allowed. Only the rows that carry one are
-touched; a batch without guided rows never reaches this module.
+touched, in place: a row without a grammar is neither read nor copied.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ class RowBitmask:
     bitmask: torch.Tensor
 
 
-def apply_grammar(logits: torch.Tensor, grammar: RowBitmask) -> torch.Tensor:
-    """An fp32 copy of ``logits`` whose disallowed tokens in ``grammar.rows`` are
-    -inf. The caller's tensor is never modified (the sampler's rule)."""
-    masked = logits.to(torch.float32, copy=True)
-    # xgrammar reads bitmask row i for logits row i, so the guided rows' masks go
-    # to their rows of an all-allowed bitmask, and only those rows are visited.
-    full = torch.full((masked.shape[0], grammar.bitmask.shape[1]), -1, dtype=torch.int32)
-    full[grammar.rows] = grammar.bitmask
-    xgr.apply_token_bitmask_inplace(masked, full.to(masked.device, non_blocking=True), vocab_size=masked.shape[1],
-                                    indices=grammar.rows)
-    return masked
+def mask_guided_rows(logits: torch.Tensor, grammar: RowBitmask) -> None:
+    """Set to -inf, in place, every token a guided row's grammar does not allow.
+
+    Safety rule: ``logits`` must be the caller's own tensor (the runner's fresh
+    logits); rows not in ``grammar.rows`` are left exactly as they are.
+    """
+    bitmask = grammar.bitmask.to(logits.device, non_blocking=True)
+    vocab = logits.shape[1]
+    for index, row in enumerate(grammar.rows):
+        # One [1, vocab] view per row: xgrammar pairs bitmask row i with logits row i.
+        xgr.apply_token_bitmask_inplace(logits[row : row + 1], bitmask[index : index + 1], vocab_size=vocab)
