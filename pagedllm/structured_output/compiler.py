@@ -22,6 +22,13 @@ from pagedllm.sampling_params import StructuredOutputsParams
 # possible while making such a loop impossible.
 MAX_JSON_WHITESPACE = 16
 
+# xgrammar (0.2.9) compiles a string with minLength / maxLength to repeats of
+# the first class, which admits the raw control characters U+0000-U+001F that
+# JSON forbids inside strings (its unbounded strings exclude them); the second
+# is the class of a valid unescaped JSON string character.
+_LENGTH_BOUNDED_STRING_CHARACTER = r'[^\"\\\r\n]'
+_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
+
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: ".
 _LOCATION_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
@@ -59,10 +66,10 @@ class GrammarCompiler:
         compiler = self._xgrammar_compiler()
         try:
             if kind == "json":
-                return compiler.compile_json_schema(_schema_text(params.json), **_json_format(params))
+                return compiler.compile_grammar(json_schema_grammar(_schema_text(params.json), params))
             if kind == "json_object":
                 # Any JSON object (OpenAI's json_object), with the same whitespace rule as schemas.
-                return compiler.compile_json_schema('{"type": "object"}', **_json_format(params))
+                return compiler.compile_grammar(json_schema_grammar('{"type": "object"}', params))
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
@@ -78,6 +85,13 @@ class GrammarCompiler:
             )
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
+
+
+def json_schema_grammar(schema_text: str, params: StructuredOutputsParams) -> str:
+    """xgrammar's EBNF for a JSON schema, with length-bounded strings kept to
+    valid JSON string characters (see ``_LENGTH_BOUNDED_STRING_CHARACTER``)."""
+    ebnf = str(xgr.Grammar.from_json_schema(schema_text, **_json_format(params)))
+    return ebnf.replace(_LENGTH_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER)
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import xgrammar as xgr
 
 from pagedllm.core.scheduler_output import SampleRow, ScheduledSequence, SchedulerOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -67,3 +68,15 @@ def test_a_row_that_skips_a_token_is_a_loud_error(manager):
 def test_unguided_steps_build_no_bitmask(manager):
     assert manager.bitmask_for(step("free", 0)) is None
     assert manager.compile(SamplingParams()) is None
+
+
+def test_length_bounded_json_strings_refuse_raw_control_characters(manager, smollm_tokenizer):
+    """xgrammar alone lets a string with maxLength hold a raw U+0008, which no JSON
+    parser accepts; the compiled grammar must not."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}}, "required": ["a"]}
+    grammar = manager.compile(SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)))
+    for text, valid in (('{"a": "ab\x08"}', False), ('{"a": "a\tb"}', False), ('{"a": "abcde"}', True),
+                        ('{"a": "abcdef"}', False), ('{"a": "é"}', True)):
+        matcher = xgr.GrammarMatcher(grammar)
+        complete = matcher.accept_string(text) and matcher.accept_token(smollm_tokenizer.eos_token_id)
+        assert complete == valid, text
