@@ -112,7 +112,7 @@ def test_a_failed_step_aborts_its_requests_and_drops_the_cache(tiny_llama, monke
     run(llm, [tokens(40)])
     assert llm.stats()["num_cached_blocks"] > 0
 
-    def broken(scheduler_output):
+    def broken(scheduler_output, grammar=None):
         raise RuntimeError("device fell over")
 
     monkeypatch.setattr(llm.llm_engine.runner, "execute", broken)
