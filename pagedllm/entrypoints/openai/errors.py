@@ -4,6 +4,7 @@ the handlers that turn every failure of a request into one."""
 from __future__ import annotations
 
 import re
+from collections.abc import Container
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,10 +23,26 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def bad_request(exc: ValueError) -> APIError:
-    """A ValueError from validation becomes a 400 naming the field when it can."""
+class RequestFieldError(ValueError):
+    """A bad value in the request field ``param`` (the server's 400 names it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def bad_request(exc: ValueError, request_fields: Container[str] = ()) -> APIError:
+    """A ValueError from validation becomes a 400 naming the field when it can:
+    a ``RequestFieldError``'s field, a ``SamplingParams.<field>`` message's, or
+    the request field (one of ``request_fields``) the message starts with."""
+    if isinstance(exc, RequestFieldError):
+        return APIError(400, str(exc), param=exc.param)
     match = re.match(r"SamplingParams\.(\w+)", str(exc))
-    return APIError(400, str(exc), param=match.group(1) if match else None)
+    if match:
+        return APIError(400, str(exc), param=match.group(1))
+    leading = re.match(r"(\w+)", str(exc))
+    field = leading.group(1) if leading and leading.group(1) in request_fields else None
+    return APIError(400, str(exc), param=field)
 
 
 def install_error_handlers(app: FastAPI) -> None:

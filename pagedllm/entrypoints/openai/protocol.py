@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from pagedllm.entrypoints.openai.errors import RequestFieldError
 from pagedllm.logger import init_logger
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -60,14 +61,6 @@ def _unimplemented_field_error(model_name: str, field_name: str, value: Any) -> 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
-
-
-class RequestFieldError(ValueError):
-    """A bad value in the request field ``param`` (the server's 400 names it)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class JsonSchemaFormat(BaseModel):

@@ -35,7 +35,7 @@ async def serve(state: ServerState, kind: str, prompts: list[PromptType], params
     except ValueError as exc:
         for stream in streams:
             stream.abort()
-        raise bad_request(exc) from exc
+        raise bad_request(exc, type(body).model_fields) from exc
     response = ResponseBuilder(state.engine.get_tokenizer(), kind, params, chat, body.model or state.served_model_name,
                                completion=completion, new_tool_parser=new_tool_parser)
     if body.stream:

@@ -4,17 +4,16 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from fastapi import Depends, FastAPI
 
 from pagedllm.entrypoints.chat_utils import ChatRenderOptions, render_chat
-from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.errors import APIError, bad_request
 from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest, NamedToolChoice, RequestFieldError, TokenizeRequest,
+    ChatCompletionRequest, NamedToolChoice, TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.serving import serve
-from pagedllm.entrypoints.openai.structured_outputs import check_structured_outputs, request_error
+from pagedllm.entrypoints.openai.structured_outputs import check_structured_outputs
 from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
 from pagedllm.entrypoints.openai.tool_parsers import ToolPlan, plan_tool_choice
 from pagedllm.sampling_params import SamplingParams
@@ -27,6 +26,10 @@ def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency
         check_model(state, body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        max_logprobs = state.engine.config.max_logprobs
+        if body.logprobs and (body.top_logprobs or 0) > max_logprobs:
+            raise APIError(400, f"top_logprobs must be <= {max_logprobs} (the server's --max-logprobs), "
+                                f"got {body.top_logprobs}", param="top_logprobs")
         try:
             prompt = chat_prompt(state, body)
             tools = _tools(body)
@@ -39,7 +42,7 @@ def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency
             check_structured_outputs(state.engine, body, params)
             params = _with_tool_grammar(state, params, plan)
         except ValueError as exc:
-            raise chat_error(exc) from exc
+            raise bad_request(exc, ChatCompletionRequest.model_fields) from exc
         return await serve(state, "chatcmpl", [prompt], params, body, tenant, chat=True,
                            new_tool_parser=plan.new_parser)
 
@@ -80,13 +83,4 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeReques
     try:
         return render_chat(state.engine.get_tokenizer(), conversation, options)
     except ValueError as exc:
-        raise chat_error(exc) from exc
-
-
-def chat_error(exc: ValueError) -> APIError:
-    """A 400 whose ``param`` is the request field the message starts with, if any."""
-    if isinstance(exc, RequestFieldError):
-        return request_error(exc)
-    match = re.match(r"(?:SamplingParams\.)?(\w+)", str(exc))
-    field = match.group(1) if match else None
-    return APIError(400, str(exc), param=field if field in ChatCompletionRequest.model_fields else None)
+        raise bad_request(exc, ChatCompletionRequest.model_fields) from exc

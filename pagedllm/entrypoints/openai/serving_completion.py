@@ -8,10 +8,10 @@ from fastapi import Depends, FastAPI
 
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.entrypoints.openai.completion_choices import CompletionOptions
-from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.errors import APIError, bad_request
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving import serve
-from pagedllm.entrypoints.openai.structured_outputs import check_structured_outputs, request_error
+from pagedllm.entrypoints.openai.structured_outputs import check_structured_outputs
 from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
 
 # Fill-in-the-middle tokens (prefix, suffix, middle), in the spellings models use:
@@ -42,7 +42,7 @@ def add_completion_route(app: FastAPI, state: ServerState, tenant_of: TenantDepe
                                           defaults=state.engine.default_sampling_params)
             check_structured_outputs(state.engine, body, params)
         except ValueError as exc:
-            raise request_error(exc) from exc
+            raise bad_request(exc, CompletionRequest.model_fields) from exc
         options = CompletionOptions(echo=body.echo, echo_only=echo_only, prompt_logprobs=body.prompt_logprobs is not None,
                                     tokens_as_ids=body.return_tokens_as_token_ids)
         return await serve(state, "cmpl", prompts, params, body, tenant, chat=False, completion=options)

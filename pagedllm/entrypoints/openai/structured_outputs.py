@@ -6,8 +6,8 @@ names the request field the client set (``response_format``, ``guided_json``,
 from __future__ import annotations
 
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.openai.errors import APIError, bad_request
-from pagedllm.entrypoints.openai.protocol import RequestFieldError, _SamplingFields
+from pagedllm.entrypoints.openai.errors import RequestFieldError
+from pagedllm.entrypoints.openai.protocol import _SamplingFields
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import StructuredOutputError
 
@@ -24,10 +24,3 @@ def check_structured_outputs(engine: LLMEngine, body: _SamplingFields, params: S
         engine.structured_output.compile(params)
     except StructuredOutputError as exc:
         raise RequestFieldError(field, f"{field} is invalid: {exc.reason}") from exc
-
-
-def request_error(exc: ValueError) -> APIError:
-    """The 400 of a request's ValueError, naming the field it is about."""
-    if isinstance(exc, RequestFieldError):
-        return APIError(400, str(exc), param=exc.param)
-    return bad_request(exc)
