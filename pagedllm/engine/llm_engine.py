@@ -30,7 +30,7 @@ from pagedllm.logger import init_logger
 from pagedllm.distributed.executor import DistributedExecutor, PoolShape
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.engine.stats_reporter import StatsReporter, metrics_context
-from pagedllm.model.loader import checkpoint_dtype, generation_defaults
+from pagedllm.model.loader import checkpoint_dtype, generation_defaults, generation_eos_token_ids
 from pagedllm.model.shard import load_model_shard
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -137,6 +137,8 @@ class LLMEngine:
                 ids.add(source)
             elif isinstance(source, (list, tuple)):
                 ids.update(int(t) for t in source)
+        if self.config.generation_config == "auto":
+            ids.update(generation_eos_token_ids(self.model_path))
         return sorted(ids)
 
     def _generation_defaults(self) -> dict:

@@ -126,6 +126,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
 
     _check_baseline(args)
     llm = make_llm(args)
+    args.dtype = llm.llm_engine.config.dtype  # "auto" resolved: the baselines and labels use the same dtype
     requests = _throughput_requests(args, llm.llm_engine.vocab_size)
     measured = _measure_pagedllm(args, llm, requests)
     llm.shutdown()
@@ -214,10 +215,11 @@ def cmd_bench_roofline(args: argparse.Namespace) -> None:
 
     llm = make_llm(args, enable_prefix_caching=False)  # every sequence prefills its own prompt
     engine = llm.llm_engine
+    args.dtype = engine.config.dtype  # "auto" resolved, for the table's label
     prompts = [r.prompt_token_ids
                for r in random_requests(args.batch_size, args.prompt_len, 1, engine.vocab_size, args.seed)]
     result = kernels.roofline_vs_decode(engine, args.batch_size, prompts, args.decode_tokens,
-                                        torch_dtype(engine.config.dtype))
+                                        torch_dtype(args.dtype))
     table = (
         "| dtype | rows | matmul GFLOP/s (model shapes) | roofline decode tok/s | decode tok/s, best step "
         "| decode tok/s, median step | of roofline (best, median) |\n"

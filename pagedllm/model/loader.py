@@ -164,12 +164,24 @@ def generation_defaults(path: str) -> dict[str, Any]:
     SamplingParams field name: those the file sets to something other than
     transformers' defaults, as vLLM's ``--generation-config auto`` (empty
     without a file, and for a GGUF file)."""
-    config_file = Path(path) / "generation_config.json"
-    if not config_file.is_file():
-        return {}
-    config = json.loads(config_file.read_text())
+    config = _generation_config(path)
     return {field: config[key] for key, field in GENERATION_CONFIG_FIELDS.items()
             if config.get(key) is not None and config[key] != _TRANSFORMERS_GENERATION_DEFAULTS.get(key)}
+
+
+def generation_eos_token_ids(path: str) -> list[int]:
+    """The ``eos_token_id`` (one or a list) of the checkpoint's
+    generation_config.json: chat models often end turns with a token that
+    config.json does not name (Qwen2.5's <|im_end|>), and vLLM stops on these too."""
+    eos = _generation_config(path).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    return [int(t) for t in ids if isinstance(t, int) and not isinstance(t, bool)]
+
+
+def _generation_config(path: str) -> dict[str, Any]:
+    """generation_config.json of a checkpoint folder; empty without one (and for a GGUF file)."""
+    config_file = Path(path) / "generation_config.json"
+    return json.loads(config_file.read_text()) if config_file.is_file() else {}
 
 
 def _check_architecture(architecture: Any) -> None:

@@ -154,6 +154,7 @@ def test_bench_throughput_against_hf_records_a_table(tiny_model_dir, tmp_path, c
     main([
         "bench", "throughput", "--model", tiny_model_dir("llama"), "--dataset", str(dataset),
         "--baseline", "hf", "--hf-batch-size", "2", "--num-kv-blocks", "32", "--record", str(record),
+        "--dtype", "auto",  # resolved once, for this engine and the HF baseline alike
     ])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| pagedllm") or line.startswith("| hf generate")]

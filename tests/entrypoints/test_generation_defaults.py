@@ -46,6 +46,22 @@ def test_dtype_auto_takes_the_checkpoints_dtype(tiny_llama, tmp_path):
     assert {p.dtype for p in default.llm_engine.model.parameters()} == {torch.float32}
 
 
+def test_generation_config_eos_token_ids_stop_generation(tiny_llama, tmp_path):
+    """An end-of-turn token named only in generation_config.json stops a request
+    (vLLM's rule), unless --generation-config vllm ignores the file."""
+    end_of_turn = 1234
+    shutil.copytree(tiny_llama, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "generation_config.json").read_text())
+    config["eos_token_id"] = [config.get("eos_token_id", 0), end_of_turn]
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    forced = SamplingParams(temperature=0, max_tokens=4, logit_bias={end_of_turn: 100})
+    for mode, finish, length in (("auto", "stop", 1), ("vllm", "length", 4)):
+        llm = LLM(str(tmp_path), num_kv_blocks=16, generation_config=mode)
+        output = llm.generate("Hello", forced, use_tqdm=False)[0].outputs[0]
+        assert (output.finish_reason, len(output.token_ids)) == (finish, length), mode
+        assert_pool_free(llm)
+
+
 def test_generation_config_sets_the_defaults_of_generate(greedy_three_tokens, caplog):
     with caplog.at_level("INFO", logger="pagedllm"):
         llm = LLM(greedy_three_tokens, num_kv_blocks=32)
