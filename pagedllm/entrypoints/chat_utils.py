@@ -71,14 +71,10 @@ def load_chat_template(value: str | None) -> str | None:
     return template
 
 
+@lru_cache(maxsize=32)
 def template_variables(template: str) -> frozenset[str]:
     """Every variable the template reads from its context (``messages``, ``tools``,
     ``enable_thinking``, ...). Raises ``ValueError`` if the template does not parse."""
-    return _template_variables(template)
-
-
-@lru_cache(maxsize=32)
-def _template_variables(template: str) -> frozenset[str]:
     # Parse in Hugging Face's own environment, so its extensions (``{% generation %}``) parse too.
     from transformers.utils.chat_template_utils import _compile_jinja_template
 

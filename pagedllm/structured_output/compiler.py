@@ -9,6 +9,7 @@ request reaches the scheduler, never an error in the engine loop.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -66,10 +67,11 @@ class GrammarCompiler:
         compiler = self._xgrammar_compiler()
         try:
             if kind == "json":
-                return compiler.compile_grammar(json_schema_grammar(_schema_text(params.json), params))
+                return compiler.compile_grammar(json_schema_grammar(_schema_text(params.json),
+                                                                    params.disable_any_whitespace))
             if kind == "json_object":
                 # Any JSON object (OpenAI's json_object), with the same whitespace rule as schemas.
-                return compiler.compile_grammar(json_schema_grammar('{"type": "object"}', params))
+                return compiler.compile_grammar(json_schema_grammar('{"type": "object"}', params.disable_any_whitespace))
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
@@ -87,10 +89,13 @@ class GrammarCompiler:
         return self._compiler
 
 
-def json_schema_grammar(schema_text: str, params: StructuredOutputsParams) -> str:
+@functools.lru_cache(maxsize=256)
+def json_schema_grammar(schema_text: str, disable_any_whitespace: bool) -> str:
     """xgrammar's EBNF for a JSON schema, with length-bounded strings kept to
-    valid JSON string characters (see ``_LENGTH_BOUNDED_STRING_CHARACTER``)."""
-    ebnf = str(xgr.Grammar.from_json_schema(schema_text, **_json_format(params)))
+    valid JSON string characters (see ``_LENGTH_BOUNDED_STRING_CHARACTER``).
+    Cached: the server checks a request's schema before the engine compiles it,
+    and clients send the same schema again and again."""
+    ebnf = str(xgr.Grammar.from_json_schema(schema_text, **_json_format(disable_any_whitespace)))
     return ebnf.replace(_LENGTH_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER)
 
 
@@ -112,9 +117,9 @@ def _schema_text(schema: str | dict[str, Any]) -> str:
     return schema
 
 
-def _json_format(params: StructuredOutputsParams) -> dict[str, Any]:
+def _json_format(disable_any_whitespace: bool) -> dict[str, Any]:
     """Whitespace in JSON output: at most MAX_JSON_WHITESPACE characters between
     tokens by default, none at all with ``disable_any_whitespace``."""
-    if params.disable_any_whitespace:
+    if disable_any_whitespace:
         return {"any_whitespace": False, "separators": (",", ":")}
     return {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}

@@ -44,8 +44,8 @@ drawing from ``probs``). The same seed therefore gives the same text whatever
 else is in the batch, in whatever row order, and after a preemption recomputes
 the sequence.
 
-The steps live in ``pagedllm.worker.sampling``: ``grammar`` (0), ``logits_processing`` (1-2),
-``draw`` (3-4) and ``logprobs``; this module puts them in order.
+The steps live in ``pagedllm.worker.sampling``: ``grammar`` (0), ``logits_processing``
+with ``token_rules`` (1-3), ``draw`` (4-5) and ``logprobs``; this module puts them in order.
 """
 
 from __future__ import annotations

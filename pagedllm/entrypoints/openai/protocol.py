@@ -41,6 +41,11 @@ UNIMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "add_special_tokens": (False,), "spaces_between_special_tokens": (True,), "request_id": (),
     "return_token_ids": (False,), "return_tokens_as_token_ids": (False,), "prompt_logprobs": (),
 }
+# What to use instead, where pagedllm has something close (appended to the 400's message).
+UNIMPLEMENTED_FIELD_HINTS: dict[str, str] = {
+    "guided_whitespace_pattern": "it is an outlines option; use structured_outputs.disable_any_whitespace "
+                                 "for JSON without whitespace",
+}
 
 
 @functools.cache
@@ -52,9 +57,11 @@ def _log_ignored_field(model_name: str, field_name: str) -> None:
 
 def _unimplemented_field_error(model_name: str, field_name: str, value: Any) -> ValidationError:
     """A validation error located at the field, so the 400 names it in ``param``."""
+    hint = UNIMPLEMENTED_FIELD_HINTS.get(field_name)
     error = PydanticCustomError(
-        "unimplemented_field", "{field} is not implemented by pagedllm; leave it out or at its default",
-        {"field": field_name},
+        "unimplemented_field", "{field} is not implemented by pagedllm; leave it out or at its default" + (
+            "; {hint}" if hint else ""),
+        {"field": field_name, "hint": hint},
     )
     return ValidationError.from_exception_data(model_name, [InitErrorDetails(type=error, loc=(field_name,), input=value)])
 
@@ -160,7 +167,6 @@ class _SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
-    guided_whitespace_pattern: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None, *,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -200,7 +206,7 @@ class _SamplingFields(BaseModel):
 
     def structured_output_field(self) -> str | None:
         """The request field that constrains the output, or None. Raises
-        ``RequestFieldError`` when several do, or for a backend or option this server lacks."""
+        ``RequestFieldError`` when several do, or for a backend this server lacks."""
         fields = [name for name in STRUCTURED_OUTPUT_FIELDS if getattr(self, name) is not None]
         if self.response_format is not None and self.response_format.type == "text":
             fields.remove("response_format")  # plain text: no constraint
@@ -211,10 +217,6 @@ class _SamplingFields(BaseModel):
             raise RequestFieldError("guided_decoding_backend",
                                     f"guided_decoding_backend {backend!r} is not available; this server uses "
                                     f"xgrammar (send one of {list(GUIDED_DECODING_BACKENDS)} or omit it)")
-        if self.guided_whitespace_pattern is not None:
-            raise RequestFieldError("guided_whitespace_pattern",
-                                    "guided_whitespace_pattern is not supported (an outlines option); use "
-                                    "structured_outputs.disable_any_whitespace for JSON without whitespace")
         return fields[0] if fields else None
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:

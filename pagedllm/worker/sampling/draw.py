@@ -1,4 +1,4 @@
-"""Steps 3-4 of sampling (see ``pagedllm.worker.sampler``): the greedy argmax,
+"""Steps 4-5 of sampling (see ``pagedllm.worker.sampler``): the greedy argmax,
 and the seeded draw after temperature, top_k, top_p and min_p."""
 
 from __future__ import annotations

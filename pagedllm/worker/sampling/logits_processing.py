@@ -1,4 +1,4 @@
-"""Steps 1-2 of sampling (see ``pagedllm.worker.sampler``): the token rules
+"""Steps 1-3 of sampling (see ``pagedllm.worker.sampler``): the token rules
 (allowed_token_ids, bad_words, logit_bias: ``token_rules``), penalties, then the
 min_tokens mask, on the raw logits."""
 
