@@ -51,6 +51,11 @@ class AttentionBackend(Protocol):
     [num_blocks, block_size, num_kv_heads, head_dim] K and V, plus per-token
     scales when quantized). Returns [num_tokens, num_heads, head_dim].
     Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+
+    Per-layer options (Hugging Face's conventions, so models match it):
+    ``sliding_window`` W: a query at position p sees only keys at positions
+    p - W < j <= p (Mistral, Gemma's local layers); ``logits_soft_cap`` c: scores
+    (after ``scale``) become c * tanh(score / c) before the softmax (Gemma 2).
     """
 
     def forward(
@@ -61,4 +66,7 @@ class AttentionBackend(Protocol):
         kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor: ...

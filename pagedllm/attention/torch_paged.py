@@ -8,6 +8,7 @@ its own fresh K/V directly and never touches the pool on the read side.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -45,7 +46,11 @@ class TorchPagedAttention:
         kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
+        layer = _LayerOptions(scale, sliding_window, logits_soft_cap)
         # Every read sees what the pool holds: with a quantized pool a prompt's
         # own fresh K/V come back rounded exactly as stored, so a prefix-cache hit
         # (which reads them from the pool) gives the same result as a recompute.
@@ -54,47 +59,80 @@ class TorchPagedAttention:
         num_decodes = metadata.num_decodes
         if not metadata.prefills:
             # A pure decode step: the decode output is the whole output, no copy.
-            return self._decode(query, kv_cache, metadata, scale)
+            return self._decode(query, kv_cache, metadata, layer)
         output = torch.empty_like(query)
         if num_decodes:
-            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, scale)
+            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, layer)
         for span in metadata.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
-            output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, scale)
+            output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, layer)
         return output
 
-    def _decode(self, query, kv_cache: LayerKVCache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        if self.decode_kernel is not None:
+    def _decode(self, query, kv_cache: LayerKVCache, metadata: AttentionMetadata, layer: _LayerOptions) -> torch.Tensor:
+        # The compiled kernels implement plain causal attention only.
+        if self.decode_kernel is not None and layer.is_plain:
             return self.decode_kernel(
-                query, kv_cache, metadata.decode_block_tables, metadata.decode_context_lens, scale
+                query, kv_cache, metadata.decode_block_tables, metadata.decode_context_lens, layer.scale
             )
-        return self._gather_decode(query, kv_cache, metadata, scale)
+        return self._gather_decode(query, kv_cache, metadata, layer)
 
     @staticmethod
-    def _gather_decode(query, kv_cache: LayerKVCache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _gather_decode(query, kv_cache: LayerKVCache, metadata: AttentionMetadata, layer: _LayerOptions) -> torch.Tensor:
         keys, values = kv_cache.gather(metadata.decode_block_tables, query.dtype)
         positions = torch.arange(keys.shape[2], device=query.device)
-        # [batch, 1, 1, max_context]: key j is visible iff j < context_len.
-        mask = (positions[None, :] < metadata.decode_context_lens[:, None])[:, None, None, :]
-        out = F.scaled_dot_product_attention(
-            query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-        )
-        return out.squeeze(2)
+        # [batch, 1, 1, max_context]: key j is visible iff j < context_len (and in the window).
+        context_lens = metadata.decode_context_lens[:, None]
+        mask = positions[None, :] < context_lens
+        if layer.sliding_window is not None:
+            mask &= positions[None, :] >= context_lens - layer.sliding_window
+        return _attend(query.unsqueeze(2), keys, values, mask[:, None, None, :], layer).squeeze(2)
 
     @staticmethod
-    def _prefill(query, key, value, kv_cache: LayerKVCache, span, scale: float) -> torch.Tensor:
+    def _prefill(query, key, value, kv_cache: LayerKVCache, span, layer: _LayerOptions) -> torch.Tensor:
         q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
         if span.context_len == span.query_len:
             k = key.transpose(0, 1).unsqueeze(0)
             v = value.transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             k, v = kv_cache.gather(span.block_table.unsqueeze(0), query.dtype)
             k, v = k[:, :, : span.context_len], v[:, :, : span.context_len]
+        if span.context_len == span.query_len and layer.is_plain:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale, enable_gqa=True)
+        else:
             # Query i sits at position context_len - query_len + i and sees keys up to it.
             first = span.context_len - span.query_len
-            q_pos = torch.arange(first, span.context_len, device=query.device)
-            k_pos = torch.arange(span.context_len, device=query.device)
-            mask = k_pos[None, :] <= q_pos[:, None]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            q_pos = torch.arange(first, span.context_len, device=query.device)[:, None]
+            k_pos = torch.arange(span.context_len, device=query.device)[None, :]
+            mask = k_pos <= q_pos
+            if layer.sliding_window is not None:
+                mask &= k_pos > q_pos - layer.sliding_window
+            out = _attend(q, k, v, mask, layer)
         return out.squeeze(0).transpose(0, 1)
+
+
+@dataclass(frozen=True)
+class _LayerOptions:
+    """One layer's attention options (see ``AttentionBackend.forward``)."""
+
+    scale: float
+    sliding_window: int | None
+    logits_soft_cap: float | None
+
+    @property
+    def is_plain(self) -> bool:
+        return self.sliding_window is None and self.logits_soft_cap is None
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            layer: _LayerOptions) -> torch.Tensor:
+    """Masked attention, q [b, heads, n, d] over k/v [b, kv_heads, m, d].
+    SDPA has no soft cap, so capped layers take Hugging Face's eager path:
+    scores in the input dtype, capped, softmax in fp32, cast back."""
+    if layer.logits_soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    cap = layer.logits_soft_cap
+    scores = torch.tanh(q @ k.transpose(-1, -2) * layer.scale / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v

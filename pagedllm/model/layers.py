@@ -95,6 +95,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:
         super().__init__()
+        # Models are built on the meta device and get their weights by assignment;
+        # this table is not a weight, so it is computed on the CPU (moved with the model).
+        with torch.device("cpu"):
+            self._build_tables(config, head_dim, max_position)
+
+    def _build_tables(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:
         inv_freq, attention_scaling = _rope_inv_freq(config)
         if inv_freq.numel() * 2 != head_dim:
             raise ValueError(

@@ -16,6 +16,7 @@ from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.distributed.sharding import shard_layout, shard_state_dict
+from pagedllm.model.registry import model_class_for
 from pagedllm.model.shapes import head_dim_of
 from pagedllm.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, linear
 
@@ -115,16 +116,17 @@ _FUSED = {
 
 
 def fuse_projections(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Concatenate each layer's q/k/v and gate/up weights (and biases) along the output dim."""
-    fused = dict(state_dict)
+    """Concatenate each layer's q/k/v and gate/up weights (and biases) along the output dim,
+    in place: the parts leave the dict as their fused tensor enters it, so a layer's
+    parts and its fused copy are never both held beyond that layer. Returns the dict."""
     prefixes = {name.rsplit(".self_attn.", 1)[0] for name in state_dict if ".self_attn." in name}
-    for prefix in prefixes:
+    for prefix in sorted(prefixes):
         for target, parts in _FUSED.items():
             for suffix in ("weight", "bias"):
                 names = [f"{prefix}.{part}.{suffix}" for part in parts]
-                if all(name in fused for name in names):
-                    fused[f"{prefix}.{target}.{suffix}"] = torch.cat([fused.pop(name) for name in names])
-    return fused
+                if all(name in state_dict for name in names):
+                    state_dict[f"{prefix}.{target}.{suffix}"] = torch.cat([state_dict.pop(name) for name in names])
+    return state_dict
 
 
 class LlamaForCausalLM(nn.Module):
@@ -174,11 +176,16 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face-named weights of the whole model: this rank's shard
         is sliced out, then q/k/v and gate/up are fused; a missing or
-        unexpected tensor is a ValueError."""
+        unexpected tensor is a ValueError.
+
+        The tensors are assigned, not copied: the parameters become the state
+        dict's tensors (which must already have the model's dtype), so a model
+        built on the meta device is loaded without a second copy of its
+        weights. Consumes ``state_dict``: its entries are fused in place."""
         if self.tie_word_embeddings:
-            state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
-        shard = shard_state_dict(state_dict, self.config, self.tp)
-        missing, unexpected = self.load_state_dict(fuse_projections(shard), strict=False)
+            state_dict.pop("lm_head.weight", None)
+        shard = fuse_projections(shard_state_dict(state_dict, self.config, self.tp))
+        missing, unexpected = self.load_state_dict(shard, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(
                 f"checkpoint does not match the {self.config.model_type} model: "
@@ -187,8 +194,14 @@ class LlamaForCausalLM(nn.Module):
 
 
 def build_model(checkpoint, max_model_len: int, device: torch.device, dtype: torch.dtype,
-                tp: TensorParallelGroup = SINGLE) -> LlamaForCausalLM:
-    """This rank's shard of a loaded checkpoint (the whole model with one rank), ready to run."""
-    model = LlamaForCausalLM(checkpoint.config, max_position=max_model_len, tp=tp)
+                tp: TensorParallelGroup = SINGLE) -> nn.Module:
+    """This rank's shard of a loaded checkpoint (the whole model with one rank), ready to run.
+
+    The model is built on the meta device and its parameters are the
+    checkpoint's tensors (see ``load_weights``): peak memory is the weights
+    once, plus one layer's fused projections. Consumes ``checkpoint.state_dict``.
+    """
+    with torch.device("meta"):
+        model = model_class_for(checkpoint.config)(checkpoint.config, max_position=max_model_len, tp=tp)
     model.load_weights(checkpoint.state_dict)
     return model.to(device=device, dtype=dtype).eval()

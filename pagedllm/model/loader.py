@@ -23,78 +23,20 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
-from safetensors.torch import load_file
-from transformers import (
-    AutoConfig,
-    AutoTokenizer,
-    PretrainedConfig,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-)
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # HF config.model_type values
+from pagedllm.model.checkpoint import WHAT_TO_PASS, Checkpoint
+from pagedllm.model.gguf_file import SUPPORTED_GGUF_TYPES, load_gguf
+from pagedllm.model.hf_folder import load_hf_folder
+from pagedllm.model.registry import SUPPORTED_ARCHITECTURES
 
-# The float types and llama.cpp's classic block quantizations. The importance-matrix (IQ*), ternary
-# (TQ*) and FP4 types are left out on purpose: they are rare for these models and untested here.
-SUPPORTED_GGUF_TYPES = frozenset(
-    {
-        GGMLQuantizationType.F32,
-        GGMLQuantizationType.F16,
-        GGMLQuantizationType.BF16,
-        GGMLQuantizationType.Q4_0,
-        GGMLQuantizationType.Q4_1,
-        GGMLQuantizationType.Q5_0,
-        GGMLQuantizationType.Q5_1,
-        GGMLQuantizationType.Q8_0,
-        GGMLQuantizationType.Q2_K,
-        GGMLQuantizationType.Q3_K,
-        GGMLQuantizationType.Q4_K,
-        GGMLQuantizationType.Q5_K,
-        GGMLQuantizationType.Q6_K,
-    }
-)
-
-_REQUIRED = object()  # marks a metadata key that has no default
+__all__ = ["Checkpoint", "SUPPORTED_ARCHITECTURES", "SUPPORTED_GGUF_TYPES", "checkpoint_dtype", "default_model_path",
+           "generation_defaults", "generation_eos_token_ids", "load_checkpoint"]
 
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_WHAT_TO_PASS = "pass model=PATH to a .gguf file or a Hugging Face folder with config.json and *.safetensors"
-
-# GGUF tensor names (llama.cpp) -> Hugging Face parameter names, without the .weight/.bias suffix.
-_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_GGUF_GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
-
-# Files any one of which lets AutoTokenizer build a tokenizer from a folder.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
-
-@dataclass
-class Checkpoint:
-    config: PretrainedConfig  # a transformers config (LlamaConfig / Qwen2Config / Qwen3Config)
-    state_dict: dict[str, torch.Tensor]  # Hugging Face parameter names -> tensors of the requested dtype
-    tokenizer: PreTrainedTokenizerBase  # with chat_template set when the source has one
-    path: str  # resolved path that was loaded
 
 
 def default_model_path() -> str:
@@ -127,10 +69,10 @@ def load_checkpoint(model: str | None = None, dtype: torch.dtype = torch.float32
         raise ValueError(f"model path {str(path)!r} does not exist")
     path = path.resolve()
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype)
+        return load_gguf(path, dtype)
     if path.is_dir():
-        return _load_hf_folder(path, dtype)
-    raise ValueError(f"cannot load {str(path)!r}: it is neither a .gguf file nor a folder; {_WHAT_TO_PASS}")
+        return load_hf_folder(path, dtype)
+    raise ValueError(f"cannot load {str(path)!r}: it is neither a .gguf file nor a folder; {WHAT_TO_PASS}")
 
 
 # generation_config.json keys -> the SamplingParams fields they default (vLLM's --generation-config auto).
@@ -184,214 +126,3 @@ def _generation_config(path: str) -> dict[str, Any]:
     return json.loads(config_file.read_text()) if config_file.is_file() else {}
 
 
-def _check_architecture(architecture: Any) -> None:
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-
-
-# --- Hugging Face folders ------------------------------------------------------------------------
-
-
-def _load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
-    """Load a `save_pretrained` folder. All file checks run before any tensor is read."""
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{str(folder)!r} has no config.json; {_WHAT_TO_PASS}")
-    # Read model_type ourselves: AutoConfig fails with its own, less helpful error on unknown types.
-    _check_architecture(json.loads(config_file.read_text()).get("model_type"))
-    shards = _safetensors_shards(folder)
-    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
-        raise ValueError(f"{str(folder)!r} has no tokenizer files (one of {', '.join(_TOKENIZER_FILES)})")
-
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    state_dict: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        for name, tensor in load_file(shard).items():
-            # Old checkpoints saved the rotary frequencies; they are recomputed from the config.
-            if not name.endswith("rotary_emb.inv_freq"):
-                state_dict[name] = tensor.to(dtype)
-    if config.tie_word_embeddings:
-        # Some checkpoints store the tied copy anyway; transformers ignores it, and so do we.
-        state_dict.pop("lm_head.weight", None)
-    elif "lm_head.weight" not in state_dict:
-        raise ValueError(f"{str(folder)!r} has no lm_head.weight and its config does not tie word embeddings")
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    return Checkpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, path=str(folder))
-
-
-def _safetensors_shards(folder: Path) -> list[Path]:
-    """The weight files: those listed by model.safetensors.index.json if present, else all *.safetensors."""
-    index_file = folder / "model.safetensors.index.json"
-    if index_file.is_file():
-        names = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
-        missing = [name for name in names if not (folder / name).is_file()]
-        if missing:
-            raise ValueError(f"{str(folder)!r} is missing safetensors shards listed in its index: {missing}")
-        return [folder / name for name in names]
-    shards = sorted(folder.glob("*.safetensors"))
-    if not shards:
-        raise ValueError(f"{str(folder)!r} has no *.safetensors weight files; {_WHAT_TO_PASS}")
-    return shards
-
-
-# --- GGUF files ----------------------------------------------------------------------------------
-
-
-def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
-    """Load a llama.cpp GGUF file. Architecture, tensor names and types are checked before dequantizing."""
-    try:
-        reader = GGUFReader(path)
-    except (ValueError, KeyError, IndexError) as error:  # what GGUFReader raises on a malformed file
-        raise ValueError(f"{str(path)!r} is not a valid GGUF file: {error}") from error
-    architecture = _metadata(reader, "general.architecture")
-    _check_architecture(architecture)
-    if reader.get_field("tokenizer.ggml.tokens") is None:
-        raise ValueError(f"{str(path)!r} has no tokenizer in its metadata")
-
-    hf_names: dict[str, str] = {}
-    for tensor in reader.tensors:
-        if tensor.tensor_type not in SUPPORTED_GGUF_TYPES:
-            _raise_unsupported_type(tensor)
-        hf_names[tensor.name] = _hf_name(tensor.name, architecture)
-
-    config = _gguf_config(reader, architecture)
-    state_dict: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        name = hf_names[tensor.name]
-        weights = _dequantize(tensor, dtype)
-        if architecture == "llama" and ".q_proj." in name:
-            weights = _unpermute_rope_rows(weights, config.num_attention_heads)
-        elif architecture == "llama" and ".k_proj." in name:
-            weights = _unpermute_rope_rows(weights, config.num_key_value_heads)
-        state_dict[name] = weights
-
-    # PreTrainedTokenizerFast builds the tokenizer straight from the metadata. AutoTokenizer would
-    # build the same one, but first rebuilds the config through transformers' slow GGUF path (~5 s).
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(
-        path.parent, gguf_file=path.name, local_files_only=True
-    )
-    # transformers versions differ in whether they carry the template over; make sure it is there.
-    chat_template = _metadata(reader, "tokenizer.chat_template", None)
-    if tokenizer.chat_template is None and chat_template is not None:
-        tokenizer.chat_template = chat_template
-    return Checkpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, path=str(path))
-
-
-def _metadata(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
-    """A scalar or string metadata value; `default` when absent (absent and no default: ValueError)."""
-    field = reader.get_field(key)
-    if field is None:
-        if default is _REQUIRED:
-            raise ValueError(f"GGUF metadata has no {key!r}")
-        return default
-    if field.types[0] == GGUFValueType.ARRAY:  # e.g. per-layer head counts, which no supported model has
-        raise ValueError(f"GGUF metadata {key!r} is an array; expected a single value")
-    value = field.parts[field.data[0]]
-    if field.types[0] == GGUFValueType.STRING:
-        return bytes(value).decode("utf-8")
-    return value[0].item()
-
-
-def _hf_name(gguf_name: str, architecture: str) -> str:
-    """The Hugging Face parameter name for a GGUF tensor name; ValueError for names with none."""
-    if match := _GGUF_LAYER_TENSOR.fullmatch(gguf_name):
-        layer, part, suffix = match.groups()
-        if part in _GGUF_LAYER_NAMES:
-            return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{suffix}"
-    elif match := _GGUF_GLOBAL_TENSOR.fullmatch(gguf_name):
-        part, suffix = match.groups()
-        if part in _GGUF_GLOBAL_NAMES:
-            return f"{_GGUF_GLOBAL_NAMES[part]}.{suffix}"
-        if part == "rope_freqs":
-            # llama.cpp stores Llama 3.1+'s rope scaling as per-dimension factors, which a
-            # transformers config cannot express; ignoring them would silently change the model.
-            raise ValueError(
-                f"GGUF tensor {gguf_name!r} holds llama3-style rope scaling, which this loader does "
-                "not support; load the Hugging Face folder of this model instead"
-            )
-    # Dropping a tensor we do not understand could yield a model that loads but computes nonsense.
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face counterpart for {architecture!r}")
-
-
-def _raise_unsupported_type(tensor: ReaderTensor) -> None:
-    supported = ", ".join(sorted(t.name for t in SUPPORTED_GGUF_TYPES))
-    raise ValueError(
-        f"GGUF tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}; supported: {supported}"
-    )
-
-
-def _dequantize(tensor: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
-    """One GGUF tensor as a torch tensor of `dtype` in Hugging Face (row-major, torch) shape."""
-    if tensor.tensor_type not in SUPPORTED_GGUF_TYPES:
-        _raise_unsupported_type(tensor)
-    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # float32
-    # F32 tensors come back as views of the read-only file mapping; copy those so the
-    # state dict owns writable memory that outlives the reader.
-    if not values.flags.writeable:
-        values = values.copy()
-    # GGUF lists dimensions fastest-varying first, torch the other way round.
-    shape = tuple(int(size) for size in reversed(tensor.shape))
-    return torch.from_numpy(values).reshape(shape).to(dtype)
-
-
-def _unpermute_rope_rows(weights: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation for llama checkpoints.
-
-    llama.cpp's converter reorders each head's rows from Hugging Face's rotate-half rope layout to
-    its interleaved one: `w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2)`. This is
-    the inverse; it applies to weights and biases alike.
-    """
-    rows, rest = weights.shape[0], weights.shape[1:]
-    return weights.reshape(n_head, rows // n_head // 2, 2, *rest).transpose(1, 2).reshape(weights.shape)
-
-
-def _gguf_config(reader: GGUFReader, architecture: str) -> PretrainedConfig:
-    """Build the transformers config from GGUF metadata.
-
-    Built here rather than by `AutoConfig.from_pretrained(..., gguf_file=...)`: that path ignores
-    `attention.key_length`, so Qwen3 models whose head_dim is not hidden_size / heads come out wrong,
-    and it re-reads the whole file slowly.
-    """
-
-    def arch_key(name: str, default: Any = _REQUIRED) -> Any:
-        return _metadata(reader, f"{architecture}.{name}", default)
-
-    shapes = {tensor.name: tuple(int(size) for size in reversed(tensor.shape)) for tensor in reader.tensors}
-    if "token_embd.weight" not in shapes:
-        raise ValueError("GGUF file has no token_embd.weight tensor")
-    heads = arch_key("attention.head_count")
-    hidden_size = arch_key("embedding_length")
-    settings: dict[str, Any] = {
-        # the embedding's row count is what the state dict holds; the tokenizer may list fewer tokens
-        "vocab_size": shapes["token_embd.weight"][0],
-        "hidden_size": hidden_size,
-        "intermediate_size": arch_key("feed_forward_length"),
-        "num_hidden_layers": arch_key("block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": arch_key("attention.head_count_kv", heads),
-        "max_position_embeddings": arch_key("context_length"),
-        "rms_norm_eps": arch_key("attention.layer_norm_rms_epsilon"),
-        "rope_theta": arch_key("rope.freq_base", 10000.0),
-        # llama.cpp writes output.weight only when it differs from the embedding
-        "tie_word_embeddings": "output.weight" not in shapes,
-        "bos_token_id": _metadata(reader, "tokenizer.ggml.bos_token_id", None),
-        "eos_token_id": _metadata(reader, "tokenizer.ggml.eos_token_id", None),
-        "pad_token_id": _metadata(reader, "tokenizer.ggml.padding_token_id", None),
-    }
-    if architecture in ("llama", "qwen3"):  # Qwen2Config has neither: head_dim is implied, biases always on
-        settings["head_dim"] = arch_key("attention.key_length", hidden_size // heads)
-        settings["attention_bias"] = "blk.0.attn_q.bias" in shapes
-    if architecture == "llama":
-        settings["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
-
-    scaling = arch_key("rope.scaling.type", "none")
-    if scaling in ("linear", "yarn"):
-        settings["rope_scaling"] = {"rope_type": scaling, "factor": arch_key("rope.scaling.factor")}
-        if scaling == "yarn":
-            original = arch_key("rope.scaling.original_context_length")
-            settings["rope_scaling"]["original_max_position_embeddings"] = original
-    elif scaling != "none":
-        raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported; supported: linear, yarn")
-    return AutoConfig.for_model(architecture, **settings)

@@ -28,13 +28,8 @@ from transformers import (
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from pagedllm.model.loader import (
-    SUPPORTED_GGUF_TYPES,
-    Checkpoint,
-    _dequantize,
-    default_model_path,
-    load_checkpoint,
-)
+from pagedllm.model.gguf_file import SUPPORTED_GGUF_TYPES, _dequantize
+from pagedllm.model.loader import Checkpoint, default_model_path, load_checkpoint
 
 SMOLLM_VOCAB = 49152
 TEXT = "Hello world <|im_start|>user\nHi there! 123 ünïcode 你好<|im_end|>"

@@ -1,0 +1,80 @@
+"""Per-layer attention options: a sliding window and logit soft-capping must
+equal dense attention with Hugging Face's mask and cap, on every backend, for
+fresh prefills, later prefill chunks that read the pool, and decodes."""
+
+import random
+
+import pytest
+import torch
+
+from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
+from pagedllm.attention.kv_cache import LayerKVCache
+from tests.attention.test_torch_paged import (
+    HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, SCALE, backend, decode_only_metadata, random_tables, slots_of,
+)
+
+__all__ = ["backend"]  # the fixture, imported for its parametrisation over backends
+
+OPTIONS = [
+    {"sliding_window": 5},
+    {"sliding_window": 40},
+    {"logits_soft_cap": 2.0},
+    {"sliding_window": 7, "logits_soft_cap": 1.5},
+]
+
+
+def dense_reference(q, k, v, sliding_window=None, logits_soft_cap=None):
+    """Hugging Face's eager attention of one whole sequence (q [L, H, D], k/v [L, Hkv, D]) in float64."""
+    group = NUM_HEADS // NUM_KV_HEADS
+    q, k, v = (t.double().transpose(0, 1) for t in (q, k, v))
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    scores = q @ k.transpose(-1, -2) * SCALE
+    if logits_soft_cap is not None:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+    positions = torch.arange(q.shape[1])
+    visible = positions[None, :] <= positions[:, None]
+    if sliding_window is not None:
+        visible &= positions[None, :] > positions[:, None] - sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).float()
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_options_match_dense_attention(backend, options, block_size):
+    torch.manual_seed(block_size)
+    lens, chunk = [61, 23], 29
+    tables, num_blocks = random_tables(lens, block_size, random.Random(block_size))
+    cache = LayerKVCache(torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM),
+                         torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM))
+    seqs = [(torch.randn(n, NUM_HEADS, HEAD_DIM), torch.randn(n, NUM_KV_HEADS, HEAD_DIM),
+             torch.randn(n, NUM_KV_HEADS, HEAD_DIM)) for n in lens]
+    expected = [dense_reference(*seq, **options) for seq in seqs]
+
+    def prefill(parts):
+        """parts: (sequence, first, end) runs of prompt tokens, one step."""
+        spans, slots, start = [], [], 0
+        for i, first, end in parts:
+            spans.append(PrefillSpan(start, end - first, end, torch.tensor(tables[i])))
+            slots += slots_of(tables[i], range(first, end), block_size)
+            start += end - first
+        q, k, v = (torch.cat([seqs[i][j][a:b] for i, a, b in parts]) for j in range(3))
+        meta = AttentionMetadata(torch.tensor(slots), 0, torch.zeros(0, 0, dtype=torch.long),
+                                 torch.zeros(0, dtype=torch.long), spans)
+        return backend.forward(q, k, v, cache, meta, SCALE, **options)
+
+    # Step 1: a fresh chunk of each prompt; step 2: the rest of sequence 0's prompt reads step 1's from the pool.
+    out = prefill([(0, 0, chunk), (1, 0, lens[1] - 1)])
+    torch.testing.assert_close(out[:chunk], expected[0][:chunk], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[chunk:], expected[1][: lens[1] - 1], atol=1e-5, rtol=1e-5)
+    out = prefill([(0, chunk, lens[0] - 1)])
+    torch.testing.assert_close(out, expected[0][chunk: lens[0] - 1], atol=1e-5, rtol=1e-5)
+
+    # Step 3: both decode their last token through the block tables.
+    last = [n - 1 for n in lens]
+    meta = decode_only_metadata(tables, lens)
+    meta.slot_mapping = torch.tensor([slots_of(t, [p], block_size)[0] for t, p in zip(tables, last)])
+    q, k, v = (torch.stack([seq[j][p] for seq, p in zip(seqs, last)]) for j in range(3))
+    out = backend.forward(q, k, v, cache, meta, SCALE, **options)
+    for i in range(len(lens)):
+        torch.testing.assert_close(out[i], expected[i][-1], atol=1e-5, rtol=1e-5)
