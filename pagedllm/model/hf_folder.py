@@ -7,14 +7,13 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
 from pagedllm.model.checkpoint import WHAT_TO_PASS, Checkpoint, check_architecture
+from pagedllm.model.safetensors_reader import read_safetensors
 
 # Files any one of which lets AutoTokenizer build a tokenizer from a folder.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
 
 
 def load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
@@ -31,10 +30,8 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     state_dict: dict[str, torch.Tensor] = {}
     for shard in shards:
-        for name, tensor in load_file(shard).items():
-            # Old checkpoints saved the rotary frequencies; they are recomputed from the config.
-            if not name.endswith("rotary_emb.inv_freq"):
-                state_dict[name] = tensor.to(dtype)
+        # Old checkpoints saved the rotary frequencies; they are recomputed from the config.
+        state_dict.update(read_safetensors(shard, dtype, skip=lambda name: name.endswith("rotary_emb.inv_freq")))
     if config.tie_word_embeddings:
         # Some checkpoints store the tied copy anyway; transformers ignores it, and so do we.
         state_dict.pop("lm_head.weight", None)
