@@ -250,7 +250,7 @@ class KVCacheManager:
         self.num_registered_blocks.pop(request_id, None)
         self.block_pool.free_blocks(reversed(private))
         self.num_swap_out_blocks += len(private)
-        return list(to_host.items())
+        return [(block.block_id, host) for block, host in to_host.items()]
 
     def swap_in_cost(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> int:
         """Free blocks that ``swap_in`` followed by ``allocate_slots(num_computed_tokens,
