@@ -65,11 +65,18 @@ def prompts(tokenizer, lengths=PROMPT_LENGTHS) -> list[list[int]]:
     return [ids[3 * i : 3 * i + n] for i, n in enumerate(lengths)]
 
 
+_HF_OUTPUTS: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
+
+
 @torch.inference_mode()
 def hf_greedy(hf_model, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
-    out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    """Hugging Face's greedy continuation, computed once per model, prompt and length."""
+    key = (id(hf_model), tuple(prompt), new_tokens)
+    if key not in _HF_OUTPUTS:
+        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        _HF_OUTPUTS[key] = out[0, len(prompt):].tolist()
+    return _HF_OUTPUTS[key]
 
 
 def greedy(new_tokens: int = NEW_TOKENS, n: int = 1) -> SamplingParams:
@@ -84,14 +91,19 @@ def check_greedy(llm: LLM, hf_model, batch: list[list[int]], n: int = 1) -> None
         assert [c.token_ids for c in output.outputs] == [expected] * n, f"prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("kind, block_size", [
-    ("mistral", 4),  # divides the window
-    ("mistral", 8),  # does not
-    ("qwen2", 16),  # larger than the window
-    pytest.param("qwen2", 4, marks=pytest.mark.slow),
-    ("qwen2-hybrid", 8),  # a full layer: nothing is released
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("kind, block_size, chunked", [
+    ("mistral", 8, True),  # 8 does not divide the window
+    pytest.param("mistral", 8, False, marks=SLOW),
+    pytest.param("mistral", 4, True, marks=SLOW),  # 4 divides it
+    pytest.param("mistral", 4, False, marks=SLOW),
+    pytest.param("qwen2", 16, True, marks=SLOW),  # larger than the window
+    pytest.param("qwen2", 4, False, marks=SLOW),
+    pytest.param("qwen2-hybrid", 8, True, marks=SLOW),  # a full layer: nothing is released
+    pytest.param("qwen2-hybrid", 4, False, marks=SLOW),
 ])
-@pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefill", "chunked-prefill"])
 def test_sliding_models_match_hf(sliding_model, kind, block_size, chunked):
     folder, hf_model = sliding_model(kind)
     options = dict(max_num_batched_tokens=16, long_prefill_token_threshold=7) if chunked else {}
@@ -105,7 +117,7 @@ def test_sliding_models_match_hf(sliding_model, kind, block_size, chunked):
 
 
 def test_released_blocks_bound_a_long_generation(sliding_model):
-    window, block_size, new_tokens = 16, 4, 120
+    window, block_size, new_tokens = 16, 4, 60
     folder, hf_model = sliding_model("mistral", window)
     llm = LLM(folder, num_kv_blocks=64, block_size=block_size, debug_invariants=True)
     prompt = prompts(llm.get_tokenizer(), [6])[0]
@@ -125,11 +137,12 @@ def test_hybrid_model_keeps_every_block(sliding_model):
     assert_pool_free(llm)
 
 
+@SLOW
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_with_released_blocks_matches_hf(sliding_model, mode):
     folder, hf_model = sliding_model("mistral")
-    # 70-token prompts take 18 blocks to prefill, so six requests cannot all fit.
-    llm = LLM(folder, num_kv_blocks=40, block_size=4, preemption_mode=mode, swap_space=0.01,
+    # Six requests of up to 110 tokens in a 28-block pool (the most one request may need).
+    llm = LLM(folder, num_kv_blocks=28, block_size=4, preemption_mode=mode, swap_space=0.01,
               max_num_batched_tokens=32, debug_invariants=True)
     batch = prompts(llm.get_tokenizer(), [70, 64, 50, 41, 30, 66])
     check_greedy(llm, hf_model, batch)
@@ -137,6 +150,7 @@ def test_preemption_with_released_blocks_matches_hf(sliding_model, mode):
     assert_pool_free(llm)
 
 
+@SLOW
 def test_forks_and_beams_share_released_tables(sliding_model):
     folder, hf_model = sliding_model("mistral")
     llm = LLM(folder, num_kv_blocks=128, block_size=4, debug_invariants=True)
