@@ -8,9 +8,11 @@ line generates one flag per field (``pagedllm/entrypoints/engine_args.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import Field, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from pagedllm.core.sliding_window import uniform_sliding_window
 from pagedllm.utils import check_block_size
 
 if TYPE_CHECKING:
@@ -142,6 +144,10 @@ class SchedulerConfig:
     # Most prompt tokens one request may prefill in one step (None: no cap), so a
     # huge prompt cannot stall everyone else's decoding.
     long_prefill_token_threshold: int | None = None
+    # The model's sliding window when every layer slides with it (Mistral,
+    # all-sliding Qwen2): blocks that fall out of it are released. None: every
+    # block is kept (full attention, or a hybrid of full and sliding layers).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("preemption_mode", self.preemption_mode, PreemptionMode)
@@ -154,6 +160,9 @@ class SchedulerConfig:
                 raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill=True")
         if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window must be an integer >= 1 or None, got {window!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
@@ -283,8 +292,10 @@ class EngineConfig:
                              f"pass --dtype with one of {', '.join(_DTYPES)}")
         return replace(self, dtype=resolved)
 
-    def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
-        """Resolve the defaults that depend on the loaded model."""
+    def scheduler_config(self, model_max_len: int, layer_windows: Sequence[int | None] = ()) -> SchedulerConfig:
+        """Resolve the defaults that depend on the loaded model. ``layer_windows``:
+        each layer's sliding window (``model.shapes.sliding_windows_of``); blocks
+        are released out of the window only when every layer shares one."""
         max_model_len = self.max_model_len or model_max_len
         if max_model_len > model_max_len:
             raise ValueError(
@@ -301,6 +312,7 @@ class EngineConfig:
             preemption_mode=self.preemption_mode,
             scheduling_policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            sliding_window=uniform_sliding_window(layer_windows),
         )
 
 

@@ -31,16 +31,19 @@ def paged_decode_kernel_for(device: torch.device, block_size: int, kv_cache_dtyp
     return None
 
 
-def cpu_decode(query, kv_cache: LayerKVCache, block_tables, context_lens, scale):
+def cpu_decode(query, kv_cache: LayerKVCache, block_tables, context_lens, scale,
+               sliding_window: int | None = None, logits_soft_cap: float | None = None):
     """The C++ kernel over a layer cache (it must have built: see ``load_cpu_kernels``)."""
     return load_cpu_kernels().paged_decode_attention(query, kv_cache.key, kv_cache.value, kv_cache.key_scale,
-                                                     kv_cache.value_scale, block_tables, context_lens, scale)
+                                                     kv_cache.value_scale, block_tables, context_lens, scale,
+                                                     sliding_window or 0, logits_soft_cap or 0.0)
 
 
-def triton_decode(query, kv_cache: LayerKVCache, block_tables, context_lens, scale):
+def triton_decode(query, kv_cache: LayerKVCache, block_tables, context_lens, scale,
+                  sliding_window: int | None = None, logits_soft_cap: float | None = None):
     """The Triton kernel over a layer cache."""
     return triton_paged_decode(query, kv_cache.key, kv_cache.value, block_tables, context_lens, scale,
-                               kv_cache.key_scale, kv_cache.value_scale)
+                               kv_cache.key_scale, kv_cache.value_scale, sliding_window, logits_soft_cap)
 
 
 def attention_backend_for(device: torch.device, block_size: int, kv_cache_dtype: str = "auto") -> TorchPagedAttention:

@@ -4,6 +4,8 @@ Decodes are batched: each sequence's K/V is gathered through its block table
 into a padded [batch, max_context] view and masked past its length. Prefill
 spans run one sequence at a time; a span with no earlier context attends to
 its own fresh K/V directly and never touches the pool on the read side.
+A windowed layer's reads start at the first block of its queries' window: the
+table entries before it may have been released (``core.sliding_window``).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import torch.nn.functional as F
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.attention.kv_cache import LayerKVCache
 
-# (query, layer cache, block_tables, context_lens, scale) -> output
-DecodeKernel = Callable[[torch.Tensor, LayerKVCache, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# (query, layer cache, block_tables, context_lens, scale, sliding_window, logits_soft_cap) -> output
+DecodeKernel = Callable[
+    [torch.Tensor, LayerKVCache, torch.Tensor, torch.Tensor, float, int | None, float | None], torch.Tensor
+]
 
 
 class TorchPagedAttention:
@@ -28,7 +32,8 @@ class TorchPagedAttention:
     chosen by :func:`pagedllm.attention.selector.paged_decode_kernel_for`)
     decodes read K/V straight through the block tables instead of gathering a
     padded copy; prefill spans always use PyTorch's SDPA. The kernel takes
-    ``(query, kv_cache, block_tables, context_lens, scale)``, must accept
+    ``(query, kv_cache, block_tables, context_lens, scale, sliding_window,
+    logits_soft_cap)``, reads no table entry before the window's first block, must accept
     tensors on the device the pool lives on and the pool's storage type
     (the selector only picks kernels that do), and must accept a query whose
     rows are strided (a view into the fused qkv output) as long as each row's
@@ -69,40 +74,53 @@ class TorchPagedAttention:
         return output
 
     def _decode(self, query, kv_cache: LayerKVCache, metadata: AttentionMetadata, layer: _LayerOptions) -> torch.Tensor:
-        # The compiled kernels implement plain causal attention only.
-        if self.decode_kernel is not None and layer.is_plain:
-            return self.decode_kernel(
-                query, kv_cache, metadata.decode_block_tables, metadata.decode_context_lens, layer.scale
-            )
+        if self.decode_kernel is not None:
+            return self.decode_kernel(query, kv_cache, metadata.decode_block_tables, metadata.decode_context_lens,
+                                      layer.scale, layer.sliding_window, layer.logits_soft_cap)
         return self._gather_decode(query, kv_cache, metadata, layer)
 
     @staticmethod
     def _gather_decode(query, kv_cache: LayerKVCache, metadata: AttentionMetadata, layer: _LayerOptions) -> torch.Tensor:
-        keys, values = kv_cache.gather(metadata.decode_block_tables, query.dtype)
-        positions = torch.arange(keys.shape[2], device=query.device)
-        # [batch, 1, 1, max_context]: key j is visible iff j < context_len (and in the window).
+        tables = metadata.decode_block_tables
         context_lens = metadata.decode_context_lens[:, None]
-        mask = positions[None, :] < context_lens
-        if layer.sliding_window is not None:
-            mask &= positions[None, :] >= context_lens - layer.sliding_window
+        first = torch.zeros_like(context_lens)  # each row's first table entry read
+        block_size = kv_cache.key.shape[1]
+        window = layer.sliding_window
+        if window is not None:
+            # The blocks a window can straddle, from each row's first in-window one;
+            # an index past the table re-reads its last entry, masked below.
+            first = (context_lens - window).clamp(min=0) // block_size
+            span = min(tables.shape[1], (window + block_size - 2) // block_size + 1)
+            index = first + torch.arange(span, device=tables.device)
+            tables = tables.gather(1, index.clamp(max=max(tables.shape[1] - 1, 0)))
+        keys, values = kv_cache.gather(tables, query.dtype)
+        positions = first * block_size + torch.arange(keys.shape[2], device=query.device)
+        # [batch, 1, 1, keys]: key j is visible iff j < context_len (and in the window).
+        mask = positions < context_lens
+        if window is not None:
+            mask &= positions >= context_lens - window
         return _attend(query.unsqueeze(2), keys, values, mask[:, None, None, :], layer).squeeze(2)
 
     @staticmethod
     def _prefill(query, key, value, kv_cache: LayerKVCache, span, layer: _LayerOptions) -> torch.Tensor:
         q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
+        # Query i sits at position first + i and sees keys up to it (and in the window).
+        first = span.context_len - span.query_len
+        key_start = 0  # position of the first key read
         if span.context_len == span.query_len:
             k = key.transpose(0, 1).unsqueeze(0)
             v = value.transpose(0, 1).unsqueeze(0)
         else:
-            k, v = kv_cache.gather(span.block_table.unsqueeze(0), query.dtype)
-            k, v = k[:, :, : span.context_len], v[:, :, : span.context_len]
+            block_size = kv_cache.key.shape[1]
+            if layer.sliding_window is not None:
+                key_start = max(0, first - layer.sliding_window + 1) // block_size * block_size
+            k, v = kv_cache.gather(span.block_table[key_start // block_size :].unsqueeze(0), query.dtype)
+            k, v = k[:, :, : span.context_len - key_start], v[:, :, : span.context_len - key_start]
         if span.context_len == span.query_len and layer.is_plain:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale, enable_gqa=True)
         else:
-            # Query i sits at position context_len - query_len + i and sees keys up to it.
-            first = span.context_len - span.query_len
             q_pos = torch.arange(first, span.context_len, device=query.device)[:, None]
-            k_pos = torch.arange(span.context_len, device=query.device)[None, :]
+            k_pos = torch.arange(key_start, span.context_len, device=query.device)[None, :]
             mask = k_pos <= q_pos
             if layer.sliding_window is not None:
                 mask &= k_pos > q_pos - layer.sliding_window

@@ -154,6 +154,9 @@ class ContiguousKVCacheManager:
     def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
         return list(self.req_to_blocks.get(request_id, range(0))[start:])
 
+    def num_released(self, request_id: str) -> int:
+        return 0  # a reservation is held whole until the request ends
+
     def fork(self, parent_id: str, child_id: str) -> list[BlockCopy] | None:
         raise ValueError("the contiguous KV layout cannot fork sequences (n > 1, beam search); use kv_layout='paged'")
 

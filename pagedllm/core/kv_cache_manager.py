@@ -1,22 +1,27 @@
 """Block tables: which physical blocks hold each request's tokens.
 
 Token ``t`` of a request lives in slot
-``block_table[t // block_size] * block_size + t % block_size``.
+``block_table[t // block_size] * block_size + t % block_size``. With a sliding
+window the leading entries that fell out of it are None: released, owning nothing.
 """
 
 from __future__ import annotations
 
 from pagedllm.core.block_hash import extend_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
-from pagedllm.core.kv_interface import BlockCopy, KVCacheStats
+from pagedllm.core.kv_interface import NULL_BLOCK_ID, BlockCopy, KVCacheStats
 from pagedllm.core.request import Request
+from pagedllm.core.sliding_window import num_out_of_window_blocks
 from pagedllm.core.swap_space import SwapSpace
+from pagedllm.core.table_invariants import check_paged_tables
 from collections.abc import Collection, Mapping
 
 from pagedllm.utils import cdiv, check_block_size
 
-# A swapped-out table entry: a resident (shared) block, or the id of a host block.
-SwappedEntry = KVCacheBlock | int
+# A table entry: a block, or None once it fell out of the sliding window.
+TableEntry = KVCacheBlock | None
+# A swapped-out table entry: a resident (shared) block, the id of a host block, or None.
+SwappedEntry = KVCacheBlock | int | None
 
 
 class KVCacheManager:
@@ -31,10 +36,16 @@ class KVCacheManager:
     - Only a table's last block is ever written, and never while it is shared:
       writing into a block with ``ref_cnt > 1`` first replaces it by a copy.
       Reads never check sharing.
-    - Block tables are append-only while a request lives; a block is taken only
-      when the previous last block is full, so a table never holds more than
-      ``ceil(num_tokens / block_size)`` blocks and waste per request is at most
-      ``block_size - 1`` slots.
+    - Block tables only grow at the tail while a request lives; a block is
+      taken only when the previous last block is full, so a table never holds
+      more than ``ceil(num_tokens / block_size)`` entries and waste per request
+      is at most ``block_size - 1`` slots. With ``sliding_window`` (every layer
+      slides with that window) the leading entries no query will read again
+      are released at the start of ``allocate_slots`` and become None, in
+      order, never to be filled again: only the last
+      ``ceil(sliding_window / block_size) + 1`` entries (plus a step's new
+      ones) hold blocks. A released block keeps its hash, so it stays in the
+      prefix cache until evicted.
     - ``free`` releases tail-first, so (once prefix caching keeps freed blocks
       around) a shared prefix is evicted after the private tails that follow it.
     """
@@ -46,11 +57,16 @@ class KVCacheManager:
         enable_block_sharing: bool = True,
         enable_prefix_caching: bool = True,
         num_swap_blocks: int = 0,
+        sliding_window: int | None = None,
     ) -> None:
         check_block_size(block_size)
         self.block_size = block_size
         self.block_pool = BlockPool(num_blocks)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_blocks: dict[str, list[TableEntry]] = {}
+        # The window every layer shares (None: keep every block), and how many
+        # leading entries of each table it released (they are None).
+        self.sliding_window = sliding_window
+        self.num_released_blocks: dict[str, int] = {}
         self.peak_blocks_in_use = 0
         # False only for the no-sharing baseline of `pagedllm bench sharing`.
         self.enable_block_sharing = enable_block_sharing
@@ -136,23 +152,30 @@ class KVCacheManager:
         block copies the model runner must perform before the forward pass (at
         most one, whatever the sequence length, and only ever of the entry at
         ``num_computed_tokens // block_size``), or None if the pool is short;
-        on None nothing was changed.
+        on None nothing was added. Either way, first releases the entries out
+        of the sliding window of ``num_computed_tokens`` (nothing reads them
+        again, so that is never undone), and cached blocks already out of it
+        are not taken at all (their entries start as None).
         """
         computed_blocks = computed_blocks or []
         blocks = self.req_to_blocks.get(request_id, [])
         if computed_blocks and blocks:
             raise ValueError(f"request {request_id!r} already has blocks; cached blocks go only to a new table")
+        released = num_out_of_window_blocks(num_computed_tokens, self.sliding_window, self.block_size)
+        self._release_out_of_window(request_id, released)
+        kept = computed_blocks[released:]
         held = len(blocks) + len(computed_blocks)
         num_new_blocks = max(0, self.num_blocks_for(num_computed_tokens + num_new_tokens) - held)
         write_index = num_computed_tokens // self.block_size
         needs_copy = write_index < len(blocks) and blocks[write_index].ref_cnt > 1
-        revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        revived = sum(1 for block in kept if block.ref_cnt == 0)
         if num_new_blocks + needs_copy + revived > self.num_free_blocks:
             return None
         if computed_blocks:
-            self.block_pool.touch(computed_blocks)
-            blocks = list(computed_blocks)
+            self.block_pool.touch(kept)
+            blocks = [None] * (len(computed_blocks) - len(kept)) + kept
             self.num_registered_blocks[request_id] = len(computed_blocks)
+            self.num_released_blocks[request_id] = len(computed_blocks) - len(kept)
         blocks = self.req_to_blocks.setdefault(request_id, blocks)
         copies = []
         if needs_copy:
@@ -164,6 +187,22 @@ class KVCacheManager:
         blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
         return copies
+
+    def _release_out_of_window(self, request_id: str, num_released: int) -> None:
+        """Release the request's table entries before ``num_released`` (None
+        entries stay None), last first like ``free``: each drops one reference."""
+        blocks = self.req_to_blocks.get(request_id)
+        start = self.num_released_blocks.get(request_id, 0)
+        if blocks is None or num_released <= start:
+            return
+        num_released = min(num_released, len(blocks))
+        self.block_pool.free_blocks(reversed(blocks[start:num_released]))
+        blocks[start:num_released] = [None] * (num_released - start)
+        self.num_released_blocks[request_id] = num_released
+
+    def num_released(self, request_id: str) -> int:
+        """Leading entries of the request's table released by the sliding window."""
+        return self.num_released_blocks.get(request_id, 0)
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the blocks that the request's first ``num_tokens`` tokens fill,
@@ -183,7 +222,8 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys)
-        for index in range(start, num_full):
+        # A released entry (after a swap-in restarts registration) was registered before.
+        for index in range(max(start, self.num_released(request.request_id)), num_full):
             self.block_pool.cache_block(blocks[index], hashes[index])
         self.num_registered_blocks[request.request_id] = num_full
 
@@ -199,18 +239,18 @@ class KVCacheManager:
         next forward pass, or None (nothing changed) if the host pool is short.
         """
         blocks = self.req_to_blocks.get(request_id, [])
-        private = [block for block in blocks if block.ref_cnt == 1]
+        private = [block for block in blocks if block is not None and block.ref_cnt == 1]
         host_blocks = self.swap_space.allocate(len(private))
         if host_blocks is None:
             return None
-        to_host = dict(zip((block.block_id for block in private), host_blocks))
-        self.swapped_tables[request_id] = [to_host.get(block.block_id, block) for block in blocks]
+        to_host: dict[KVCacheBlock, int] = dict(zip(private, host_blocks))
+        self.swapped_tables[request_id] = [to_host.get(block, block) for block in blocks]
         del self.req_to_blocks[request_id]
         # Swapped-in copies come back unhashed: registration restarts from block 0.
         self.num_registered_blocks.pop(request_id, None)
         self.block_pool.free_blocks(reversed(private))
         self.num_swap_out_blocks += len(private)
-        return list(to_host.items())
+        return [(block.block_id, host) for block, host in to_host.items()]
 
     def swap_in_cost(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> int:
         """Free blocks that ``swap_in`` followed by ``allocate_slots(num_computed_tokens,
@@ -228,13 +268,14 @@ class KVCacheManager:
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
         """Bring a swapped request's blocks back into fresh device blocks.
-        Returns the ``(host block, device block)`` copies, or None if the pool is short."""
+        Returns the ``(host block, device block)`` copies, or None if the pool is short.
+        Released (None) entries stay released."""
         table = self.swapped_tables[request_id]
         host_blocks = [entry for entry in table if isinstance(entry, int)]
         if len(host_blocks) > self.num_free_blocks:
             return None
         fresh = iter(self.block_pool.get_new_blocks(len(host_blocks)))
-        blocks: list[KVCacheBlock] = []
+        blocks: list[TableEntry] = []
         copies = []
         for entry in table:
             if isinstance(entry, int):
@@ -261,19 +302,23 @@ class KVCacheManager:
         if child_id in self.req_to_blocks:
             raise ValueError(f"request {child_id!r} already has a block table")
         parent_blocks = self.req_to_blocks.get(parent_id, [])
+        released = self.num_released(parent_id)
+        held = parent_blocks[released:]  # the child's released entries are the parent's
         if self.enable_block_sharing:
-            self.block_pool.touch(parent_blocks)
+            self.block_pool.touch(held)
             self.req_to_blocks[child_id] = list(parent_blocks)
             self.num_registered_blocks[child_id] = self.num_registered_blocks.get(parent_id, 0)
+            self.num_released_blocks[child_id] = released
             return []
-        if len(parent_blocks) > self.num_free_blocks:
+        if len(held) > self.num_free_blocks:
             return None
-        child_blocks = self.block_pool.get_new_blocks(len(parent_blocks))
-        self.req_to_blocks[child_id] = child_blocks
+        child_blocks = self.block_pool.get_new_blocks(len(held))
+        self.req_to_blocks[child_id] = [None] * released + child_blocks
+        self.num_released_blocks[child_id] = released
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
         return [
             BlockCopy(src.block_id, dst.block_id, index)
-            for index, (src, dst) in enumerate(zip(parent_blocks, child_blocks))
+            for index, (src, dst) in enumerate(zip(held, child_blocks), released)
         ]
 
     def free(self, request_id: str) -> None:
@@ -281,12 +326,13 @@ class KVCacheManager:
         so every finish/abort/preempt path can call it unconditionally."""
         blocks = self.req_to_blocks.pop(request_id, None)
         self.num_registered_blocks.pop(request_id, None)
+        self.num_released_blocks.pop(request_id, None)
         swapped = self.swapped_tables.pop(request_id, None)
         if swapped is not None:
             self.swap_space.free([entry for entry in swapped if isinstance(entry, int)])
             blocks = [entry for entry in swapped if not isinstance(entry, int)]
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(reversed([block for block in blocks if block is not None]))
 
     def pool_snapshot(self) -> list[dict]:
         """Per physical block, for the live pool view: ``state`` ("used": some
@@ -297,13 +343,11 @@ class KVCacheManager:
         the engine: each mapping is copied in one call, so the view may straddle
         a step but never raises."""
         owners: dict[int, list[str]] = {}
-        tables = list(self.req_to_blocks.items()) + [
-            (rid, [entry for entry in table if not isinstance(entry, int)])
-            for rid, table in list(self.swapped_tables.items())
-        ]
+        tables = list(self.req_to_blocks.items()) + list(self.swapped_tables.items())
         for request_id, blocks in tables:
             for block in list(blocks):
-                owners.setdefault(block.block_id, []).append(request_id)
+                if isinstance(block, KVCacheBlock):
+                    owners.setdefault(block.block_id, []).append(request_id)
         return [
             {
                 "block_id": block.block_id,
@@ -317,9 +361,11 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
         """Block ids of the request's table from entry ``start`` on (the scheduler
-        sends a running request's new entries only, so this stays O(new))."""
+        sends a running request's new entries only, so this stays O(new));
+        released entries read ``NULL_BLOCK_ID``."""
         blocks = self.req_to_blocks.get(request_id, [])
-        return [blocks[index].block_id for index in range(start, len(blocks))]
+        return [NULL_BLOCK_ID if (block := blocks[index]) is None else block.block_id
+                for index in range(start, len(blocks))]
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(
@@ -336,42 +382,6 @@ class KVCacheManager:
         )  # external_fragmentation_waits stays 0: paging never refuses what free blocks would fit
 
     def check_invariants(self, running: Mapping[str, int], swapped: Collection[str]) -> None:
-        """Raise ``RuntimeError`` on the first broken invariant (see the protocol)."""
-        self.block_pool.check_invariants()
-        references: dict[int, int] = {}
-        host_blocks: list[int] = []
-        for request_id, table in self.swapped_tables.items():
-            if request_id not in swapped:
-                raise RuntimeError(f"request {request_id!r} has swapped blocks but is not swapped out")
-            if request_id in self.req_to_blocks:
-                raise RuntimeError(f"request {request_id!r} is both swapped out and resident")
-            for entry in table:
-                if isinstance(entry, int):
-                    host_blocks.append(entry)
-                else:
-                    references[entry.block_id] = references.get(entry.block_id, 0) + 1
-        if len(set(host_blocks)) != len(host_blocks):
-            raise RuntimeError("a host swap block is used twice")
-        if len(host_blocks) + self.swap_space.num_free_blocks != self.swap_space.num_blocks:
-            raise RuntimeError("host swap blocks leaked")
-        for request_id, blocks in self.req_to_blocks.items():
-            for block in blocks:
-                references[block.block_id] = references.get(block.block_id, 0) + 1
-            if request_id not in running:
-                raise RuntimeError(f"request {request_id!r} holds blocks but is not running")
-            num_tokens = running[request_id]
-            limit = self.num_blocks_for(num_tokens)
-            if len(blocks) > limit:
-                raise RuntimeError(
-                    f"request {request_id!r} holds {len(blocks)} blocks for {num_tokens} tokens (at most {limit})"
-                )
-            for index, block in enumerate(blocks[num_tokens // self.block_size :], num_tokens // self.block_size):
-                if block.block_hash is not None:
-                    raise RuntimeError(f"block {block.block_id} is hashed but is request {request_id!r}'s unfilled block {index}")
-        for block in self.block_pool.blocks:
-            expected = references.get(block.block_id, 0)
-            if block.ref_cnt != expected:
-                raise RuntimeError(
-                    f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
-                    f"{expected} block tables point at it"
-                )
+        """Raise ``RuntimeError`` on the first broken invariant (see the protocol
+        and ``table_invariants``)."""
+        check_paged_tables(self, running, swapped)

@@ -17,6 +17,14 @@ if TYPE_CHECKING:
     from pagedllm.core.request import Request
 
 
+# The block id the runner's tables hold for an entry the sliding window released.
+# The same filler the decode tables are padded with: no reader reaches such an
+# entry (windowed attention starts at the window's first block), and if one did
+# its positions are masked, so which block it names never matters. No block is
+# reserved for it: the pool keeps all its blocks.
+NULL_BLOCK_ID = 0
+
+
 class BlockCopy(NamedTuple):
     """Copy physical block ``src`` into ``dst`` before the next forward pass;
     ``dst`` becomes entry ``table_index`` of the requesting sequence's table
@@ -113,7 +121,12 @@ class KVCacheManagerProtocol(Protocol):
         """Release the request's blocks (tail first) and host blocks."""
 
     def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
-        """Physical block ids of the request's table from entry ``start`` on."""
+        """Physical block ids of the request's table from entry ``start`` on
+        (``NULL_BLOCK_ID`` for released entries)."""
+
+    def num_released(self, request_id: str) -> int:
+        """Leading entries of the request's table released by the sliding window
+        (they stay released while the request lives)."""
 
     def reset_prefix_cache(self) -> int:
         """Forget cached blocks no request uses; returns how many."""

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.core.kv_interface import BlockCopy, KVCacheManagerProtocol
+from pagedllm.core.kv_interface import NULL_BLOCK_ID, BlockCopy, KVCacheManagerProtocol
 from pagedllm.core.request import Request, child_request_id, child_seed
 from pagedllm.core.scheduler_output import NewSequenceData, SampleRow, ScheduledSequence, SchedulerOutput
 
 
 @dataclass
 class _View:
-    """The runner's copy of a sequence covers these many tokens and table entries."""
+    """The runner's copy of a sequence covers these many tokens and table
+    entries, the first ``num_released`` of them released by the sliding window."""
 
     num_tokens: int
     num_blocks: int
+    num_released: int
 
 
 class RunnerViews:
@@ -57,14 +59,20 @@ class RunnerViews:
                 sequence_id, request.prompt_token_ids, list(request.output_token_ids), block_ids,
                 request.sampling_params,
             ))
-            self._views[sequence_id] = _View(request.num_tokens, len(block_ids))
+            self._views[sequence_id] = _View(request.num_tokens, len(block_ids), kv.num_released(sequence_id))
         else:
             scheduled.new_token_ids = request.all_token_ids[view.num_tokens :]
             scheduled.new_block_ids = kv.get_block_ids(sequence_id, view.num_blocks)
-            # Copy-on-write replaces an entry the runner already holds.
-            scheduled.replaced_blocks = [(c.table_index, c.dst) for c in copies if c.table_index < view.num_blocks]
+            # The window released entries the runner holds (so its table never
+            # names a block it no longer owns), and copy-on-write replaced one.
+            released = kv.num_released(sequence_id)
+            scheduled.replaced_blocks = [
+                (index, NULL_BLOCK_ID) for index in range(view.num_released, min(released, view.num_blocks))
+            ]
+            scheduled.replaced_blocks += [(c.table_index, c.dst) for c in copies if c.table_index < view.num_blocks]
             view.num_tokens = request.num_tokens
             view.num_blocks += len(scheduled.new_block_ids)
+            view.num_released = released
         output.scheduled.append(scheduled)
 
 

@@ -55,7 +55,8 @@ class ScheduledSequence:
     Diffs against what the runner holds (empty for a sequence in
     ``new_sequences`` this step): ``new_token_ids`` were appended since it last
     ran, ``new_block_ids`` extend its block table, and ``replaced_blocks`` are
-    ``(table index, block id)`` entries a copy-on-write replaced.
+    ``(table index, block id)`` entries a copy-on-write replaced, or that the
+    sliding window released (block id ``NULL_BLOCK_ID``).
     """
 
     sequence_id: str

@@ -128,7 +128,8 @@ class LLMEngine:
             tokens = {"max_model_len": self.max_model_len, "request": None}.get(reservation, reservation)
             return ContiguousKVCacheManager(num_blocks, block_size, tokens)
         return KVCacheManager(num_blocks, block_size, config.cache.enable_block_sharing,
-                              config.cache.enable_prefix_caching, num_swap_blocks)
+                              config.cache.enable_prefix_caching, num_swap_blocks,
+                              sliding_window=self.scheduler_config.sliding_window)
 
     def _eos_token_ids(self) -> list[int]:
         ids: set[int] = set()

@@ -39,6 +39,8 @@ def paged_decode_attention(
     scale: float,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """One new token per sequence attends over its paged context.
 
@@ -48,7 +50,9 @@ def paged_decode_attention(
     [num_blocks, block_size, num_kv_heads]; ``block_tables``
     [num_seqs, max_blocks] (entries past a sequence's context are never read);
     ``context_lens`` [num_seqs], each at least 1. The block size must be a
-    power of two (Triton ranges are).
+    power of two (Triton ranges are). ``sliding_window`` W: only the last W
+    tokens are read (table entries before the window's first block never
+    are); ``logits_soft_cap`` c: scores become c * tanh(score / c).
     """
     if not triton_paged_decode_available():
         raise RuntimeError("Triton is not installed; use the PyTorch decode path")
@@ -74,7 +78,7 @@ def paged_decode_attention(
         out, query, key_cache, value_cache,
         key_scale if quantized else key_cache, value_scale if quantized else value_cache,
         block_tables, context_lens,
-        scale,
+        scale, sliding_window or 0, logits_soft_cap or 0.0,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -85,5 +89,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=_next_power_of_2(head_dim),
+        WINDOWED=sliding_window is not None,
+        CAPPED=logits_soft_cap is not None,
     )
     return out

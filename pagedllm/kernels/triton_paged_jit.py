@@ -17,7 +17,7 @@ import triton.language as tl
 def paged_decode_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr,
     block_tables_ptr, context_lens_ptr,
-    scale,
+    scale, sliding_window, soft_cap,
     stride_q_token, stride_q_head,
     stride_o_token, stride_o_head,
     stride_c_block, stride_c_slot, stride_c_head,
@@ -28,7 +28,10 @@ def paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    CAPPED: tl.constexpr,
 ):
+    # WINDOWED / CAPPED are compile-time, so a plain layer's kernel has no trace of either.
     seq = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // QUERIES_PER_KV
@@ -40,16 +43,20 @@ def paged_decode_kernel(
     q = q.to(tl.float32) * scale
     context_len = tl.load(context_lens_ptr + seq)
     num_blocks = tl.cdiv(context_len, BLOCK_SIZE)
+    # The window's first token (Hugging Face: keys p - W < j <= p); blocks before it are never read.
+    first_token = tl.maximum(context_len - sliding_window, 0) if WINDOWED else 0
 
     # Running max starts finite so exp(m_old - m_new) never sees inf - inf.
     running_max = tl.full((), -1.0e30, tl.float32)
     running_sum = tl.zeros((), tl.float32)
     acc = tl.zeros((HEAD_DIM_PADDED,), tl.float32)
-    for logical in range(0, num_blocks):
+    for logical in range(first_token // BLOCK_SIZE, num_blocks):
         block = tl.load(block_tables_ptr + seq * stride_table_row + logical).to(tl.int64)
         offsets = (block * stride_c_block + slots[:, None] * stride_c_slot
                    + kv_head * stride_c_head + dims[None, :])
         visible = (logical * BLOCK_SIZE + slots) < context_len
+        if WINDOWED:
+            visible = visible & ((logical * BLOCK_SIZE + slots) >= first_token)
         load_mask = visible[:, None] & dim_ok[None, :]
         k = tl.load(key_cache_ptr + offsets, mask=load_mask, other=0.0).to(tl.float32)
         scores = tl.sum(k * q[None, :], axis=1)
@@ -57,6 +64,9 @@ def paged_decode_kernel(
             # int8 pool: one fp32 scale per (slot, KV head) for K and for V.
             scale_offsets = (block * BLOCK_SIZE + slots) * NUM_KV_HEADS + kv_head
             scores = scores * tl.load(key_scale_ptr + scale_offsets, mask=visible, other=0.0)
+        if CAPPED:
+            # soft_cap * tanh(scores / soft_cap), with tanh(x) = 2 * sigmoid(2x) - 1.
+            scores = soft_cap * (2.0 * tl.sigmoid(2.0 * scores / soft_cap) - 1.0)
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=0))
         correction = tl.exp(running_max - new_max)

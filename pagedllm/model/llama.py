@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, SmolLM, Qwen2, Qwen3) over a paged KV pool.
+"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3) over a paged KV pool.
 
 Tokens of all sequences in a step are flattened into one [num_tokens, hidden]
 batch; the attention backend uses the step's metadata to find each token's
@@ -17,19 +17,22 @@ from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.distributed.sharding import shard_layout, shard_state_dict
 from pagedllm.model.registry import model_class_for
-from pagedllm.model.shapes import head_dim_of
+from pagedllm.model.shapes import head_dim_of, sliding_windows_of
 from pagedllm.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, linear
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class Attention(nn.Module):
     """Self-attention over this rank's heads (all of them without tensor
     parallelism): q/k/v are column-parallel, o_proj row-parallel and summed."""
 
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.tp = tp
+        # This layer's window (None: full attention), as Hugging Face applies it.
+        self.sliding_window = sliding_window
         layout = shard_layout(config, tp)
         self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
         self.head_dim = head_dim_of(config)
@@ -67,14 +70,15 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        out = backend.forward(q, k, v, kv_cache, metadata, self.scale, sliding_window=self.sliding_window)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, rotary, tp)
+        self.self_attn = Attention(config, rotary, tp, sliding_window)
         self.mlp = GatedMLP(config.hidden_size, shard_layout(config, tp).intermediate_size,
                             bool(getattr(config, "mlp_bias", False)), tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -104,7 +108,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # One rotary table shared by all layers (it holds no weights).
         rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary, tp) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary, tp, window) for window in sliding_windows_of(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -78,3 +78,44 @@ def test_options_match_dense_attention(backend, options, block_size):
     out = backend.forward(q, k, v, cache, meta, SCALE, **options)
     for i in range(len(lens)):
         torch.testing.assert_close(out[i], expected[i][-1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window, block_size", [(5, 4), (12, 8), (16, 16)])
+def test_windowed_reads_never_touch_released_entries(backend, window, block_size):
+    """Table entries wholly before the window (released by the KV manager) point
+    at a block of NaNs: any read of one, even masked, would poison the output."""
+    torch.manual_seed(window)
+    lens = [61, 23, 3]
+    tables, num_blocks = random_tables(lens, block_size, random.Random(window))
+    poison = num_blocks  # one extra block, all NaN
+    cache = LayerKVCache(torch.zeros(num_blocks + 1, block_size, NUM_KV_HEADS, HEAD_DIM),
+                         torch.zeros(num_blocks + 1, block_size, NUM_KV_HEADS, HEAD_DIM))
+    seqs = [(torch.randn(n, NUM_HEADS, HEAD_DIM), torch.randn(n, NUM_KV_HEADS, HEAD_DIM),
+             torch.randn(n, NUM_KV_HEADS, HEAD_DIM)) for n in lens]
+    for table, (_, k, v), n in zip(tables, seqs, lens):
+        slots = torch.tensor(slots_of(table, range(n), block_size))
+        cache.key.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = k
+        cache.value.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = v
+    cache.key[poison], cache.value[poison] = float("nan"), float("nan")
+    expected = [dense_reference(*seq, sliding_window=window) for seq in seqs]
+
+    def released(table, first_query):
+        """The table with every entry before the window of ``first_query`` poisoned."""
+        first_block = max(0, first_query - window + 1) // block_size
+        return [poison] * first_block + table[first_block:]
+
+    # Decodes of each sequence's last token (written again where it already is).
+    meta = decode_only_metadata([released(t, n - 1) for t, n in zip(tables, lens)], lens)
+    meta.slot_mapping = torch.tensor([slots_of(t, [n - 1], block_size)[0] for t, n in zip(tables, lens)])
+    q, k, v = (torch.stack([seq[j][-1] for seq in seqs]) for j in range(3))
+    out = backend.forward(q, k, v, cache, meta, SCALE, sliding_window=window)
+    for i in range(len(lens)):
+        torch.testing.assert_close(out[i], expected[i][-1], atol=1e-5, rtol=1e-5)
+    # A later prefill chunk of sequence 0 (positions 40-60) gathers from the pool.
+    first, n = 40, lens[0]
+    span = PrefillSpan(0, n - first, n, torch.tensor(released(tables[0], first)))
+    meta = AttentionMetadata(torch.tensor(slots_of(tables[0], range(first, n), block_size)), 0,
+                             torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [span])
+    q, k, v = (t[first:] for t in seqs[0])
+    out = backend.forward(q, k, v, cache, meta, SCALE, sliding_window=window)
+    torch.testing.assert_close(out, expected[0][first:], atol=1e-5, rtol=1e-5)

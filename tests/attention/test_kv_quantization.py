@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.attention.kv_cache import allocate_layer, dequantize, quantize
 from pagedllm.attention.selector import cpu_decode, triton_decode
-from pagedllm.attention.torch_paged import TorchPagedAttention
+from pagedllm.attention.torch_paged import TorchPagedAttention, _LayerOptions
 from pagedllm.kernels.cpu import load_cpu_kernels
 from tests.attention.test_torch_paged import random_tables, slots_of
 
@@ -81,7 +81,7 @@ def test_quantized_decode_attention_is_close_to_fp32(path, kv_cache_dtype):
     )
     query = torch.randn(len(lens), NUM_HEADS, HEAD_DIM)
     scale = HEAD_DIM**-0.5
-    got = TorchPagedAttention(DECODE_KERNELS[path])._decode(query, pool, metadata, scale)
+    got = TorchPagedAttention(DECODE_KERNELS[path])._decode(query, pool, metadata, _LayerOptions(scale, None, None))
     # The exact reference: fp32 attention over the unquantized K/V.
     errors = []
     for i, (k, v) in enumerate(zip(keys, values)):
@@ -96,5 +96,5 @@ def test_quantized_decode_attention_is_close_to_fp32(path, kv_cache_dtype):
     assert error.mean() < bound[0] and error.max() < bound[1], (error.mean(), error.max())
     if path != "pytorch":
         # A kernel reads the int8 values and scales exactly as the dequantizing gather does.
-        gathered = TorchPagedAttention()._decode(query, pool, metadata, scale)
+        gathered = TorchPagedAttention()._decode(query, pool, metadata, _LayerOptions(scale, None, None))
         torch.testing.assert_close(got, gathered, atol=1e-4, rtol=1e-4)

@@ -5,10 +5,12 @@
 #include <optional>
 #include <tuple>
 
-// paged_decode.cpp: decode attention read straight through the block tables.
+// paged_decode.cpp: decode attention read straight through the block tables
+// (sliding_window / logits_soft_cap: 0 for none).
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      std::optional<torch::Tensor> key_scale, std::optional<torch::Tensor> value_scale,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     int64_t sliding_window, double logits_soft_cap);
 
 // layer_ops.cpp: the elementwise parts of a decoder layer, fused.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, std::optional<torch::Tensor> residual);

@@ -10,6 +10,11 @@
 // head) in key_scale / value_scale [num_blocks, block_size, H_kv]: a token's
 // score is scale_k * (q . k_int8) and its value weight is p * scale_v, so the
 // int8 values are never expanded into a dequantized copy.
+// Per-layer options (Hugging Face's conventions): sliding_window W > 0 reads
+// only the last W tokens (from max(0, context_len - W); earlier blocks are
+// never touched, their table entries may be released), and logits_soft_cap
+// c > 0 turns each score into c * tanh(score / c). Both cost per block, not
+// per token, when unset, so plain layers run the same per-token work.
 //
 // One pass per task with an online softmax (as flash-decoding does): for each
 // block, score its tokens for every query head, rescale the running sums to
@@ -250,11 +255,12 @@ template <typename cache_t>
 using GroupedBlockFn = void (*)(const float*, const cache_t*, const cache_t*, int64_t, int64_t, float*, float*, float*,
                                 PrefetchShare);
 
-// The grouped path for this call's shapes, or null where it does not apply.
+// The grouped path for this call's shapes, or null where it does not apply
+// (it has no key scales and no soft cap).
 template <typename cache_t, int64_t kHeadDim>
-GroupedBlockFn<cache_t> grouped_block_fn(int64_t block_size, int64_t group, bool quantized) {
+GroupedBlockFn<cache_t> grouped_block_fn(int64_t block_size, int64_t group, bool quantized, bool capped) {
   if constexpr (kHeadDim == 64 && (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>)) {
-    if (block_size != 16 || quantized) return nullptr;
+    if (block_size != 16 || quantized || capped) return nullptr;
     switch (group) {
       case 1: return attend_block_grouped<cache_t, 1>;
       case 2: return attend_block_grouped<cache_t, 2>;
@@ -277,12 +283,14 @@ GroupedBlockFn<cache_t> grouped_block_fn(int64_t block_size, int64_t group, bool
 // ``after`` is the first block of the task this thread runs next (-1:
 // none), fetched during this task's last block: at short contexts a
 // sequence's first block would otherwise be a cold miss every time.
+// Tokens before ``first_token`` (the sliding window's start, else 0) are skipped;
+// ``soft_cap`` > 0 caps the scores.
 template <typename scalar_t, typename cache_t, int64_t kHeadDim>
 void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t* value_cache,
                  const float* key_scale, const float* value_scale,
-                 const int64_t* table, int64_t block_begin, int64_t block_end, int64_t context_len,
+                 const int64_t* table, int64_t block_begin, int64_t block_end, int64_t first_token, int64_t context_len,
                  int64_t block_size, int64_t num_kv_heads, int64_t runtime_head_dim, int64_t group, float scale,
-                 int64_t after, Scratch& s, Partial part) {
+                 float soft_cap, int64_t after, Scratch& s, Partial part) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
   const int64_t rows = num_kv_heads * group;
   const int64_t token_stride = num_kv_heads * head_dim;
@@ -296,11 +304,14 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
 
   const int64_t block_lines = (block_size * token_stride * static_cast<int64_t>(sizeof(cache_t)) + 63) / 64;
 #if defined(__AVX512F__)
-  const GroupedBlockFn<cache_t> grouped = grouped_block_fn<cache_t, kHeadDim>(block_size, group, key_scale != nullptr);
+  const GroupedBlockFn<cache_t> grouped =
+      grouped_block_fn<cache_t, kHeadDim>(block_size, group, key_scale != nullptr, soft_cap > 0.0f);
 #endif
   for (int64_t b = block_begin; b < block_end; ++b) {
-    const int64_t first_slot = table[b] * block_size;
-    const int64_t n = std::min(block_size, context_len - b * block_size);
+    // The block's tokens before the window are skipped (none in a plain layer).
+    const int64_t skipped = std::max<int64_t>(0, first_token - b * block_size);
+    const int64_t first_slot = table[b] * block_size + skipped;
+    const int64_t n = std::min(block_size, context_len - b * block_size) - skipped;
     const cache_t* k_block = key_cache + first_slot * token_stride;
     const cache_t* v_block = value_cache + first_slot * token_stride;
     const char* k_next = nullptr;
@@ -330,6 +341,9 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
       if (key_scale != nullptr) {
         const float* token_scales = key_scale + first_slot * num_kv_heads + r / group;
         for (int64_t t = 0; t < n; ++t) scores[t] *= token_scales[t * num_kv_heads];
+      }
+      if (soft_cap > 0.0f) {
+        for (int64_t t = 0; t < n; ++t) scores[t] = soft_cap * std::tanh(scores[t] / soft_cap);
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -398,7 +412,7 @@ template <typename scalar_t, typename cache_t>
 void run_decode(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                 const float* key_scale, const float* value_scale, const int64_t* bt, const int64_t* cl,
                 int64_t max_blocks, int64_t parts_per_seq, int64_t blocks_per_part, double scale,
-                std::vector<Partial>& parts, torch::Tensor& out) {
+                int64_t sliding_window, double soft_cap, std::vector<Partial>& parts, torch::Tensor& out) {
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, query_stride = query.stride(0);
@@ -409,11 +423,14 @@ void run_decode(const torch::Tensor& query, const torch::Tensor& key_cache, cons
   auto run_task = head_dim == 64    ? decode_task<scalar_t, cache_t, 64>
                   : head_dim == 128 ? decode_task<scalar_t, cache_t, 128>
                                     : decode_task<scalar_t, cache_t, 0>;
-  // Task t covers blocks [block_begin, block_end) of sequence t / parts_per_seq.
+  // The first token sequence b reads: its window's start, else 0.
+  auto first_token = [&](int64_t b) { return sliding_window > 0 ? std::max<int64_t>(0, cl[b] - sliding_window) : 0; };
+  // Task t covers blocks [block_begin, block_end) of sequence t / parts_per_seq,
+  // counted from the sequence's first block read.
   auto task_blocks = [&](int64_t task) {
     const int64_t b = task / parts_per_seq, part = task % parts_per_seq;
     const int64_t seq_blocks = (cl[b] + block_size - 1) / block_size;
-    const int64_t block_begin = std::min(seq_blocks, part * blocks_per_part);
+    const int64_t block_begin = std::min(seq_blocks, first_token(b) / block_size + part * blocks_per_part);
     return std::pair<int64_t, int64_t>{block_begin, std::min(seq_blocks, block_begin + blocks_per_part)};
   };
   at::parallel_for(0, batch * parts_per_seq, 1, [&](int64_t begin, int64_t end) {
@@ -427,8 +444,8 @@ void run_decode(const torch::Tensor& query, const torch::Tensor& key_cache, cons
         if (next_begin < next_end) after = bt[(task + 1) / parts_per_seq * max_blocks + next_begin];
       }
       run_task(q + b * query_stride, kc, vc, key_scale, value_scale, bt + b * max_blocks, block_begin, block_end,
-               cl[b], block_size, num_kv_heads, head_dim, group, static_cast<float>(scale), after, scratch,
-               parts[task]);
+               first_token(b), cl[b], block_size, num_kv_heads, head_dim, group, static_cast<float>(scale),
+               static_cast<float>(soft_cap), after, scratch, parts[task]);
       // One partition per sequence (the usual decode batch): finish it here,
       // with its blocks' values still in cache and no second pass over the batch.
       if (parts_per_seq == 1) normalize<scalar_t>(parts[task], num_heads, head_dim, o + b * num_heads * head_dim);
@@ -446,7 +463,8 @@ void run_decode(const torch::Tensor& query, const torch::Tensor& key_cache, cons
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      std::optional<torch::Tensor> key_scale, std::optional<torch::Tensor> value_scale,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     int64_t sliding_window, double logits_soft_cap) {
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "paged_decode_attention needs contiguous caches");
   // The query may be a row-strided view (the q part of the fused qkv output):
   // only its heads and dims must be packed, which saves a copy per layer.
@@ -475,13 +493,17 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   auto lens = context_lens.contiguous();
   auto out = torch::empty({batch, num_heads, head_dim}, query.options());
   const int64_t max_blocks = tables.size(1);
+  const int64_t block_size = key_cache.size(1);
+  // Blocks one sequence reads: its table, or at most those a window straddles.
+  const int64_t read_blocks =
+      sliding_window > 0 ? std::min(max_blocks, (sliding_window + block_size - 2) / block_size + 1) : max_blocks;
 
   // A task per sequence keeps each block's read contiguous. With fewer
   // sequences than twice the threads, each sequence's blocks are also split
   // into partitions (flash-decoding) so every core has work.
   const int64_t threads = at::get_num_threads();
-  const int64_t parts_per_seq = batch >= 2 * threads ? 1 : std::min<int64_t>(max_blocks, (2 * threads + batch - 1) / batch);
-  const int64_t blocks_per_part = (max_blocks + parts_per_seq - 1) / parts_per_seq;
+  const int64_t parts_per_seq = batch >= 2 * threads ? 1 : std::min<int64_t>(read_blocks, (2 * threads + batch - 1) / batch);
+  const int64_t blocks_per_part = (read_blocks + parts_per_seq - 1) / parts_per_seq;
   const int64_t state = num_heads * (head_dim + 2);
   std::vector<float> partial_state(batch * parts_per_seq * state);
   std::vector<Partial> parts(batch * parts_per_seq);
@@ -494,10 +516,10 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     if (quantized)
       run_decode<scalar_t, int8_t>(query, key_cache, value_cache, k_scale, v_scale, bt, cl, max_blocks, parts_per_seq,
-                                   blocks_per_part, scale, parts, out);
+                                   blocks_per_part, scale, sliding_window, logits_soft_cap, parts, out);
     else
       run_decode<scalar_t, scalar_t>(query, key_cache, value_cache, nullptr, nullptr, bt, cl, max_blocks,
-                                     parts_per_seq, blocks_per_part, scale, parts, out);
+                                     parts_per_seq, blocks_per_part, scale, sliding_window, logits_soft_cap, parts, out);
   });
   return out;
 }
