@@ -18,7 +18,8 @@ from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.distributed.sharding import shard_layout, shard_state_dict
 from pagedllm.model.registry import model_class_for
 from pagedllm.model.shapes import head_dim_of
-from pagedllm.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, linear
+from pagedllm.model.layers import GatedMLP, Linear, RMSNorm, linear
+from pagedllm.model.rotary import RotaryEmbedding, context_window_of
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -66,7 +67,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, metadata)
         out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
 
@@ -147,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         # KV heads this rank stores (all of them with one rank): its pool's width.
         self.num_kv_heads = shard_layout(config, tp).num_kv_heads
-        self.model = DecoderModel(config, max_position or config.max_position_embeddings, tp)
+        self.model = DecoderModel(config, max_position or context_window_of(config), tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
