@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, SmolLM, Qwen2, Qwen3) over a paged KV pool.
+"""Llama-family decoder (Llama, SmolLM 2/3, Qwen2, Qwen3, Phi-3) over a paged KV pool.
 
 Tokens of all sequences in a step are flattened into one [num_tokens, hidden]
 batch; the attention backend uses the step's metadata to find each token's
@@ -17,18 +17,18 @@ from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.distributed.sharding import shard_layout, shard_state_dict
 from pagedllm.model.registry import model_class_for
-from pagedllm.model.shapes import head_dim_of
+from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
 from pagedllm.model.layers import GatedMLP, Linear, RMSNorm, linear
 from pagedllm.model.rotary import RotaryEmbedding, context_window_of
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "phi3", "smollm3")
 
 
 class Attention(nn.Module):
     """Self-attention over this rank's heads (all of them without tensor
     parallelism): q/k/v are column-parallel, o_proj row-parallel and summed."""
 
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding | None, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.tp = tp
         layout = shard_layout(config, tp)
@@ -67,13 +67,14 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k, metadata)
+        if self.rotary is not None:  # None: a SmolLM3 "NoPE" layer, which attends without positions
+            q, k = self.rotary(positions, q, k, metadata)
         out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding | None, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.self_attn = Attention(config, rotary, tp)
         self.mlp = GatedMLP(config.hidden_size, shard_layout(config, tp).intermediate_size,
@@ -105,8 +106,15 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # One rotary table shared by all layers (it holds no weights).
         rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary, tp) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary if uses_rope else None, tp)
+                                    for uses_rope in rope_layers_of(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def rope_layers_of(config: PretrainedConfig) -> list[bool]:
+    """Whether each layer rotates q and k: all of them, but SmolLM3's ``no_rope_layers`` (1: rope, 0: none)."""
+    flags = getattr(config, "no_rope_layers", None)
+    return [bool(flag) for flag in flags] if flags is not None else [True] * config.num_hidden_layers
 
 
 # Hugging Face projections that run as one fused matmul here: fused name -> parts, in order.
@@ -128,6 +136,20 @@ def fuse_projections(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
                 if all(name in state_dict for name in names):
                     state_dict[f"{prefix}.{target}.{suffix}"] = torch.cat([state_dict.pop(name) for name in names])
     return state_dict
+
+
+def split_fused_projections(state_dict: dict[str, torch.Tensor], config: PretrainedConfig) -> None:
+    """Split checkpoint-fused q|k|v and gate|up weights (Phi-3's) into Hugging Face's separate
+    parts, in place and as views, so tensor parallelism can slice each part."""
+    head_dim = head_dim_of(config)
+    sizes = {"self_attn.qkv_proj": [config.num_attention_heads * head_dim] + [num_kv_heads_of(config) * head_dim] * 2,
+             "mlp.gate_up_proj": [config.intermediate_size] * 2}
+    for name in list(state_dict):
+        for target, size in sizes.items():
+            if f".{target}." in name:
+                prefix, suffix = name.split(f".{target}.")
+                for part, tensor in zip(_FUSED[target], state_dict.pop(name).split(size)):
+                    state_dict[f"{prefix}.{part}.{suffix}"] = tensor
 
 
 class LlamaForCausalLM(nn.Module):
@@ -185,6 +207,8 @@ class LlamaForCausalLM(nn.Module):
         weights. Consumes ``state_dict``: its entries are fused in place."""
         if self.tie_word_embeddings:
             state_dict.pop("lm_head.weight", None)
+        if self.tp.world_size > 1:
+            split_fused_projections(state_dict, self.config)
         shard = fuse_projections(shard_state_dict(state_dict, self.config, self.tp))
         missing, unexpected = self.load_state_dict(shard, strict=False, assign=True)
         if missing or unexpected:

@@ -34,6 +34,7 @@ def rope_config(name: str) -> LlamaConfig:
                        rope_parameters={"rope_theta": 10000.0, **ROPES[name]})
 
 
+@pytest.mark.slow  # ~35 s each: Hugging Face generates 200 tokens per case
 @pytest.mark.parametrize("name", list(ROPES))
 def test_rope_scaling_matches_hf(name, tmp_path, smollm_tokenizer):
     folder = write_checkpoint(tmp_path, rope_config(name), smollm_tokenizer)
