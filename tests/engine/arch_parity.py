@@ -22,7 +22,7 @@ def write_checkpoint(folder: Path, config: PretrainedConfig, tokenizer) -> str:
     """A random-weight checkpoint of ``config`` (TINY_COMMON's sizes unless it sets its own)
     with ``tokenizer`` beside it; no EOS, so every run generates its full length."""
     config.vocab_size = len(tokenizer)
-    config.eos_token_id = None
+    config.eos_token_id = config.pad_token_id = None  # (defaults such as SmolLM3's pad id lie past this vocabulary)
     torch.manual_seed(1234)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
