@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, SmolLM 2/3, Qwen2, Qwen3, Phi-3) over a paged KV pool.
+"""Llama-family decoder (Llama, SmolLM 2/3, Qwen2, Qwen3, Phi-3, Granite) over a paged KV pool.
 
 Tokens of all sequences in a step are flattened into one [num_tokens, hidden]
 batch; the attention backend uses the step's metadata to find each token's
@@ -21,7 +21,7 @@ from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
 from pagedllm.model.layers import GatedMLP, Linear, RMSNorm, linear
 from pagedllm.model.rotary import RotaryEmbedding, context_window_of
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "phi3", "smollm3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 
 
 class Attention(nn.Module):
@@ -34,7 +34,8 @@ class Attention(nn.Module):
         layout = shard_layout(config, tp)
         self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
         self.head_dim = head_dim_of(config)
-        self.scale = self.head_dim**-0.5
+        # Granite's attention_multiplier replaces the usual 1/sqrt(head_dim).
+        self.scale = getattr(config, "attention_multiplier", None) or self.head_dim**-0.5
         hidden = config.hidden_size
         # Qwen2 always has q/k/v biases; Llama and Qwen3 follow `attention_bias`.
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
@@ -81,6 +82,7 @@ class DecoderLayer(nn.Module):
                             bool(getattr(config, "mlp_bias", False)), tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = getattr(config, "residual_multiplier", None)  # Granite's
 
     def forward(
         self, positions, hidden, residual: torch.Tensor | None, kv_cache, metadata, backend
@@ -95,9 +97,14 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, metadata, backend)
+        hidden = _times(self.self_attn(positions, hidden, kv_cache, metadata, backend), self.residual_multiplier)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return _times(self.mlp(hidden), self.residual_multiplier), residual
+
+
+def _times(x: torch.Tensor, multiplier: float | None) -> torch.Tensor:
+    """x * multiplier (Granite's scalings, in the model dtype as Hugging Face's); x without one."""
+    return x if multiplier is None else x * multiplier
 
 
 class DecoderModel(nn.Module):
@@ -174,6 +181,9 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Granite scales the embeddings and divides the logits; other models have neither.
+        self.embedding_multiplier = getattr(config, "embedding_multiplier", None)
+        self.logits_scaling = getattr(config, "logits_scaling", None)
 
     def forward(
         self,
@@ -183,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = _times(self.model.embed_tokens(input_ids), self.embedding_multiplier)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, backend)
@@ -194,7 +204,8 @@ class LlamaForCausalLM(nn.Module):
         """Logits in the model's dtype: the sampler reads bf16 ones as fp32
         without a copy when it only needs the argmax."""
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return linear(hidden, weight)
+        logits = linear(hidden, weight)
+        return logits if self.logits_scaling is None else logits / self.logits_scaling
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face-named weights of the whole model: this rank's shard

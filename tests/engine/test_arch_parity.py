@@ -1,10 +1,11 @@
 """The Llama-like architectures beyond Llama/Qwen, greedy token for token against Hugging Face:
-Phi-3 (fused checkpoint projections, longrope, partial rotary) and SmolLM3 (layers without rope)."""
+Phi-3 (fused checkpoint projections, longrope, partial rotary), SmolLM3 (layers without rope) and
+Granite (embedding, residual, attention and logits multipliers)."""
 
 from __future__ import annotations
 
 import pytest
-from transformers import Phi3Config, SmolLM3Config
+from transformers import GraniteConfig, Phi3Config, SmolLM3Config
 
 from tests.conftest import TINY_COMMON
 from tests.engine.arch_parity import check_greedy_parity, write_checkpoint
@@ -34,5 +35,13 @@ def test_phi3_matches_hf(tmp_path, smollm_tokenizer):
 @pytest.mark.slow  # ~25 s
 def test_smollm3_matches_hf(tmp_path, smollm_tokenizer):
     config = SmolLM3Config(**TINY_COMMON, no_rope_layers=[1, 0], tie_word_embeddings=True)
+    folder = write_checkpoint(tmp_path, config, smollm_tokenizer)
+    check_greedy_parity(folder, [5, 30, 60], new_tokens=24)
+
+
+@pytest.mark.slow  # ~25 s
+def test_granite_matches_hf(tmp_path, smollm_tokenizer):
+    config = GraniteConfig(**TINY_COMMON, tie_word_embeddings=True, embedding_multiplier=3.0,
+                           residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0)
     folder = write_checkpoint(tmp_path, config, smollm_tokenizer)
     check_greedy_parity(folder, [5, 30, 60], new_tokens=24)
