@@ -5,8 +5,13 @@ Granite (embedding, residual, attention and logits multipliers)."""
 from __future__ import annotations
 
 import pytest
-from transformers import GraniteConfig, Phi3Config, SmolLM3Config
+import torch
+from transformers import GraniteConfig, Phi3Config, Phi3ForCausalLM, SmolLM3Config
 
+from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.distributed.sharding import shard_layout
+from pagedllm.model.checkpoint import Checkpoint
+from pagedllm.model.llama import build_model
 from tests.conftest import TINY_COMMON
 from tests.engine.arch_parity import check_greedy_parity, write_checkpoint
 
@@ -45,3 +50,21 @@ def test_granite_matches_hf(tmp_path, smollm_tokenizer):
                            residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0)
     folder = write_checkpoint(tmp_path, config, smollm_tokenizer)
     check_greedy_parity(folder, [5, 30, 60], new_tokens=24)
+
+
+def test_phi3_fused_projections_shard_for_tensor_parallelism():
+    """Phi-3 checkpoints fuse q|k|v and gate|up; rank 1 of 2 gets the same cut of each part as a
+    checkpoint with separate projections would give it."""
+    torch.manual_seed(0)
+    config = phi3_config()
+    weights = Phi3ForCausalLM(config).state_dict()
+    whole = build_model(Checkpoint(config, dict(weights), None, ""), 64, torch.device("cpu"), torch.float32)
+    tp = TensorParallelGroup(rank=1, world_size=2)
+    rank1 = build_model(Checkpoint(config, dict(weights), None, ""), 64, torch.device("cpu"), torch.float32, tp)
+    layout = shard_layout(config, tp)
+    attention, rank1_attention = whole.model.layers[0].self_attn, rank1.model.layers[0].self_attn
+    q, k, v = attention.qkv_proj.weight.split([attention.q_size, attention.kv_size, attention.kv_size])
+    assert torch.equal(rank1_attention.qkv_proj.weight, torch.cat([q[layout.q_rows], k[layout.kv_rows], v[layout.kv_rows]]))
+    gate, up = whole.model.layers[0].mlp.gate_up_proj.weight.chunk(2)
+    assert torch.equal(rank1.model.layers[0].mlp.gate_up_proj.weight,
+                       torch.cat([gate[layout.mlp_rows], up[layout.mlp_rows]]))
