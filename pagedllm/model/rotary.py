@@ -37,8 +37,8 @@ from pagedllm.kernels.cpu import cpu_kernels_for
 from pagedllm.model.shapes import head_dim_of
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
-# Rope types whose frequencies depend on the sequence length of the forward pass.
-LENGTH_DEPENDENT = ("dynamic", "longrope")
+# What a step rotates with: each token's row in the cos table, the cos table, the sin table.
+StepRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def rope_parameters_of(config: Any) -> dict[str, Any]:
@@ -135,8 +135,9 @@ class RotaryEmbedding(nn.Module):
 
     ``cos_cache``/``sin_cache`` hold one row per position ([max_position,
     rot_dim]); for longrope the short-factor rows come first and the
-    long-factor rows follow at ``max_position + position``. Dynamic NTK
-    computes the rows of tokens beyond its window each step.
+    long-factor rows follow at ``max_position + position`` (twice the table,
+    as vLLM keeps it). Dynamic NTK computes the rows of tokens beyond its
+    window each step.
     """
 
     def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:
@@ -146,7 +147,7 @@ class RotaryEmbedding(nn.Module):
         self.threshold = length_threshold(config)
         self.max_position = max_position
         # Length-dependent rows of the step being run, shared by all layers: (that step's metadata, rows).
-        self._step: tuple[weakref.ref, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self._step: tuple[weakref.ref, StepRows] | None = None
         # Models are built on the meta device and get their weights by assignment;
         # these tables are not weights, so they are computed on the CPU (moved with the model).
         with torch.device("cpu"):
@@ -182,8 +183,9 @@ class RotaryEmbedding(nn.Module):
         sin = sin_table[rows].to(q.dtype).unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
-    def _rows(self, positions: torch.Tensor, metadata: AttentionMetadata | None):
-        """(each token's row, cos table, sin table) for this step."""
+    def _rows(self, positions: torch.Tensor, metadata: AttentionMetadata | None) -> StepRows:
+        """Each token's row and the tables for this step. Length-dependent ropes work them out
+        once per step (the first layer) and reuse them while ``metadata`` is the same object."""
         if self.threshold is None:
             return positions, self.cos_cache, self.sin_cache
         if self._step is not None and metadata is not None and self._step[0]() is metadata:
@@ -200,7 +202,7 @@ class RotaryEmbedding(nn.Module):
             self._step = (weakref.ref(metadata), rows)
         return rows
 
-    def _dynamic_rows(self, positions: torch.Tensor, lengths: torch.Tensor, beyond: torch.Tensor):
+    def _dynamic_rows(self, positions: torch.Tensor, lengths: torch.Tensor, beyond: torch.Tensor) -> StepRows:
         """One cos/sin row per token: the table's within the window, and beyond
         it the frequencies dynamic NTK computes for that token's length."""
         cos, sin = self.cos_cache[positions], self.sin_cache[positions]

@@ -64,7 +64,8 @@ def test_phi3_fused_projections_shard_for_tensor_parallelism():
     layout = shard_layout(config, tp)
     attention, rank1_attention = whole.model.layers[0].self_attn, rank1.model.layers[0].self_attn
     q, k, v = attention.qkv_proj.weight.split([attention.q_size, attention.kv_size, attention.kv_size])
-    assert torch.equal(rank1_attention.qkv_proj.weight, torch.cat([q[layout.q_rows], k[layout.kv_rows], v[layout.kv_rows]]))
+    expected_qkv = torch.cat([q[layout.q_rows], k[layout.kv_rows], v[layout.kv_rows]])
+    assert torch.equal(rank1_attention.qkv_proj.weight, expected_qkv)
     gate, up = whole.model.layers[0].mlp.gate_up_proj.weight.chunk(2)
     assert torch.equal(rank1.model.layers[0].mlp.gate_up_proj.weight,
                        torch.cat([gate[layout.mlp_rows], up[layout.mlp_rows]]))

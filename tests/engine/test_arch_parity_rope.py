@@ -8,7 +8,7 @@ token by its own sequence length (see pagedllm/model/rotary.py).
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig, Phi3Config
+from transformers import LlamaConfig
 
 from tests.conftest import TINY_COMMON
 from tests.engine.arch_parity import check_greedy_parity, write_checkpoint

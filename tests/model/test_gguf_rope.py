@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -31,7 +30,8 @@ def llama_cpp_rope_freqs(config: LlamaConfig) -> np.ndarray:
     dim = config.hidden_size // config.num_attention_heads
     freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     old_context = rope["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_context / rope["low_freq_factor"], old_context / rope["high_freq_factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    low_wavelen, high_wavelen = old_context / low, old_context / high
     factors = []
     for freq in freqs.tolist():
         wavelen = 2 * math.pi / freq
@@ -40,7 +40,7 @@ def llama_cpp_rope_freqs(config: LlamaConfig) -> np.ndarray:
         elif wavelen > low_wavelen:
             factors.append(rope["factor"])
         else:
-            smooth = (old_context / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+            smooth = (old_context / wavelen - low) / (high - low)
             factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
     return np.array(factors, dtype=np.float32)
 
