@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import gguf
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
-from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerFast
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from transformers import PreTrainedTokenizerFast
 
 from pagedllm.model.checkpoint import Checkpoint, check_architecture
+from pagedllm.model.gguf_config import GLOBAL_NAMES, GGUFArchitecture, gguf_architecture, gguf_config, metadata
 
 # The float types and llama.cpp's classic block quantizations. The importance-matrix (IQ*), ternary
 # (TQ*) and FP4 types are left out on purpose: they are rare for these models and untested here.
@@ -38,25 +38,9 @@ SUPPORTED_GGUF_TYPES = frozenset(
     }
 )
 
-_REQUIRED = object()  # marks a metadata key that has no default
-
-# GGUF tensor names (llama.cpp) -> Hugging Face parameter names, without the .weight/.bias suffix.
-_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _GGUF_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GGUF_GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
+
 
 def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     """Load a llama.cpp GGUF file. Architecture, tensor names and types are checked before dequantizing."""
@@ -64,8 +48,9 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
         reader = GGUFReader(path)
     except (ValueError, KeyError, IndexError) as error:  # what GGUFReader raises on a malformed file
         raise ValueError(f"{str(path)!r} is not a valid GGUF file: {error}") from error
-    architecture = _metadata(reader, "general.architecture")
+    architecture = metadata(reader, "general.architecture")
     check_architecture(architecture)
+    layout = gguf_architecture(architecture)
     if reader.get_field("tokenizer.ggml.tokens") is None:
         raise ValueError(f"{str(path)!r} has no tokenizer in its metadata")
 
@@ -73,16 +58,21 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     for tensor in reader.tensors:
         if tensor.tensor_type not in SUPPORTED_GGUF_TYPES:
             _raise_unsupported_type(tensor)
-        hf_names[tensor.name] = _hf_name(tensor.name, architecture)
+        if _rope_tensor_name(tensor.name) not in layout.rope_tensors:
+            hf_names[tensor.name] = _hf_name(tensor.name, architecture, layout)
 
-    config = _gguf_config(reader, architecture)
+    rope_tensors = {_rope_tensor_name(t.name): _dequantize(t, torch.float32) for t in reader.tensors
+                    if t.name not in hf_names}
+    config = gguf_config(reader, architecture, rope_tensors)
     state_dict: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
+        if tensor.name not in hf_names:
+            continue
         name = hf_names[tensor.name]
         weights = _dequantize(tensor, dtype)
-        if architecture == "llama" and ".q_proj." in name:
+        if layout.unpermute_qk and ".q_proj." in name:
             weights = _unpermute_rope_rows(weights, config.num_attention_heads)
-        elif architecture == "llama" and ".k_proj." in name:
+        elif layout.unpermute_qk and ".k_proj." in name:
             weights = _unpermute_rope_rows(weights, config.num_key_value_heads)
         state_dict[name] = weights
 
@@ -92,44 +82,27 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
         path.parent, gguf_file=path.name, local_files_only=True
     )
     # transformers versions differ in whether they carry the template over; make sure it is there.
-    chat_template = _metadata(reader, "tokenizer.chat_template", None)
+    chat_template = metadata(reader, "tokenizer.chat_template", None)
     if tokenizer.chat_template is None and chat_template is not None:
         tokenizer.chat_template = chat_template
     return Checkpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, path=str(path))
 
 
-def _metadata(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
-    """A scalar or string metadata value; `default` when absent (absent and no default: ValueError)."""
-    field = reader.get_field(key)
-    if field is None:
-        if default is _REQUIRED:
-            raise ValueError(f"GGUF metadata has no {key!r}")
-        return default
-    if field.types[0] == GGUFValueType.ARRAY:  # e.g. per-layer head counts, which no supported model has
-        raise ValueError(f"GGUF metadata {key!r} is an array; expected a single value")
-    value = field.parts[field.data[0]]
-    if field.types[0] == GGUFValueType.STRING:
-        return bytes(value).decode("utf-8")
-    return value[0].item()
+def _rope_tensor_name(gguf_name: str) -> str:
+    """``rope_freqs.weight`` -> ``rope_freqs`` (what GGUF_ARCHITECTURES' rope_tensors list)."""
+    return gguf_name.removesuffix(".weight")
 
 
-def _hf_name(gguf_name: str, architecture: str) -> str:
+def _hf_name(gguf_name: str, architecture: str, layout: GGUFArchitecture) -> str:
     """The Hugging Face parameter name for a GGUF tensor name; ValueError for names with none."""
     if match := _GGUF_LAYER_TENSOR.fullmatch(gguf_name):
         layer, part, suffix = match.groups()
-        if part in _GGUF_LAYER_NAMES:
-            return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{suffix}"
+        if part in layout.layer_names:
+            return f"model.layers.{layer}.{layout.layer_names[part]}.{suffix}"
     elif match := _GGUF_GLOBAL_TENSOR.fullmatch(gguf_name):
         part, suffix = match.groups()
-        if part in _GGUF_GLOBAL_NAMES:
-            return f"{_GGUF_GLOBAL_NAMES[part]}.{suffix}"
-        if part == "rope_freqs":
-            # llama.cpp stores Llama 3.1+'s rope scaling as per-dimension factors, which a
-            # transformers config cannot express; ignoring them would silently change the model.
-            raise ValueError(
-                f"GGUF tensor {gguf_name!r} holds llama3-style rope scaling, which this loader does "
-                "not support; load the Hugging Face folder of this model instead"
-            )
+        if part in GLOBAL_NAMES:
+            return f"{GLOBAL_NAMES[part]}.{suffix}"
     # Dropping a tensor we do not understand could yield a model that loads but computes nonsense.
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face counterpart for {architecture!r}")
 
@@ -164,53 +137,3 @@ def _unpermute_rope_rows(weights: torch.Tensor, n_head: int) -> torch.Tensor:
     """
     rows, rest = weights.shape[0], weights.shape[1:]
     return weights.reshape(n_head, rows // n_head // 2, 2, *rest).transpose(1, 2).reshape(weights.shape)
-
-
-def _gguf_config(reader: GGUFReader, architecture: str) -> PretrainedConfig:
-    """Build the transformers config from GGUF metadata.
-
-    Built here rather than by `AutoConfig.from_pretrained(..., gguf_file=...)`: that path ignores
-    `attention.key_length`, so Qwen3 models whose head_dim is not hidden_size / heads come out wrong,
-    and it re-reads the whole file slowly.
-    """
-
-    def arch_key(name: str, default: Any = _REQUIRED) -> Any:
-        return _metadata(reader, f"{architecture}.{name}", default)
-
-    shapes = {tensor.name: tuple(int(size) for size in reversed(tensor.shape)) for tensor in reader.tensors}
-    if "token_embd.weight" not in shapes:
-        raise ValueError("GGUF file has no token_embd.weight tensor")
-    heads = arch_key("attention.head_count")
-    hidden_size = arch_key("embedding_length")
-    settings: dict[str, Any] = {
-        # the embedding's row count is what the state dict holds; the tokenizer may list fewer tokens
-        "vocab_size": shapes["token_embd.weight"][0],
-        "hidden_size": hidden_size,
-        "intermediate_size": arch_key("feed_forward_length"),
-        "num_hidden_layers": arch_key("block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": arch_key("attention.head_count_kv", heads),
-        "max_position_embeddings": arch_key("context_length"),
-        "rms_norm_eps": arch_key("attention.layer_norm_rms_epsilon"),
-        "rope_theta": arch_key("rope.freq_base", 10000.0),
-        # llama.cpp writes output.weight only when it differs from the embedding
-        "tie_word_embeddings": "output.weight" not in shapes,
-        "bos_token_id": _metadata(reader, "tokenizer.ggml.bos_token_id", None),
-        "eos_token_id": _metadata(reader, "tokenizer.ggml.eos_token_id", None),
-        "pad_token_id": _metadata(reader, "tokenizer.ggml.padding_token_id", None),
-    }
-    if architecture in ("llama", "qwen3"):  # Qwen2Config has neither: head_dim is implied, biases always on
-        settings["head_dim"] = arch_key("attention.key_length", hidden_size // heads)
-        settings["attention_bias"] = "blk.0.attn_q.bias" in shapes
-    if architecture == "llama":
-        settings["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
-
-    scaling = arch_key("rope.scaling.type", "none")
-    if scaling in ("linear", "yarn"):
-        settings["rope_scaling"] = {"rope_type": scaling, "factor": arch_key("rope.scaling.factor")}
-        if scaling == "yarn":
-            original = arch_key("rope.scaling.original_context_length")
-            settings["rope_scaling"]["original_max_position_embeddings"] = original
-    elif scaling != "none":
-        raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported; supported: linear, yarn")
-    return AutoConfig.for_model(architecture, **settings)

@@ -1,4 +1,5 @@
-"""Building blocks of a Llama-family decoder: linear, RMSNorm, rotary embedding, gated MLP.
+"""Building blocks of a Llama-family decoder: linear, RMSNorm, gated MLP (the rotary
+embedding is in ``rotary.py``).
 
 On CPU, RMSNorm (with the residual add), the rotary embedding and the gated
 MLP's silu(gate) * up each run as one fused C++ op (``pagedllm.kernels``) when the kernels built; the PyTorch
@@ -11,11 +12,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.kernels.cpu import cpu_kernels_for
-from pagedllm.model.shapes import head_dim_of
 
 
 # Up to this many rows an fp32 matmul is a decode step's, bound by streaming the
@@ -82,77 +81,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding with a precomputed cos/sin table.
-
-    The inverse frequencies (including rope scaling: linear, llama3, yarn,
-    longrope) come from transformers' own rope code, so scaling follows the
-    config exactly as Hugging Face applies it. Rotation is the "rotate half"
-    (NeoX) layout Hugging Face checkpoints use.
-    """
-
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:
-        super().__init__()
-        # Models are built on the meta device and get their weights by assignment;
-        # this table is not a weight, so it is computed on the CPU (moved with the model).
-        with torch.device("cpu"):
-            self._build_tables(config, head_dim, max_position)
-
-    def _build_tables(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:
-        inv_freq, attention_scaling = _rope_inv_freq(config)
-        if inv_freq.numel() * 2 != head_dim:
-            raise ValueError(
-                f"partial rotary embeddings are not supported (rope dim {inv_freq.numel() * 2}, head_dim {head_dim})"
-            )
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :].float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos() * attention_scaling, persistent=False)
-        self.register_buffer("sin_cache", emb.sin() * attention_scaling, persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, dim], k: [tokens, kv_heads, dim]; positions: [tokens].
-
-        The C++ path rotates q and k in place (they may be views of the fused
-        qkv output); the PyTorch path returns new tensors."""
-        kernels = cpu_kernels_for(q)
-        if kernels is not None:
-            kernels.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
-            return q, k
-        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rope_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = getattr(config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "dynamic":
-        raise ValueError("rope_type 'dynamic' (length-dependent NTK scaling) is not supported")
-    if rope_type == "default":
-        return _default_rope_inv_freq(config)
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
-    return ROPE_INIT_FUNCTIONS[rope_type](config)
-
-
-def _default_rope_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
-    """The unscaled RoPE frequencies, computed exactly as transformers'
-    ``LlamaRotaryEmbedding.compute_default_rope_parameters`` does. Written out
-    here because importing ``modeling_llama`` pulls in torch._dynamo and, with
-    it, Triton (whose nanobind leak report then ends every CPU run)."""
-    base = config.rope_parameters["rope_theta"]
-    dim = head_dim_of(config)
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 
 class GatedMLP(nn.Module):

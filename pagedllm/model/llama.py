@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3) over a paged KV pool.
+"""Llama-family decoder (Llama, SmolLM 2/3, Mistral, Qwen2, Qwen3, Phi-3, Granite) over a paged KV pool.
 
 Tokens of all sequences in a step are flattened into one [num_tokens, hidden]
 batch; the attention backend uses the step's metadata to find each token's
@@ -17,17 +17,18 @@ from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.distributed.sharding import shard_layout, shard_state_dict
 from pagedllm.model.registry import model_class_for
-from pagedllm.model.shapes import head_dim_of, sliding_windows_of
-from pagedllm.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, linear
+from pagedllm.model.shapes import head_dim_of, num_kv_heads_of, sliding_windows_of
+from pagedllm.model.layers import GatedMLP, Linear, RMSNorm, linear
+from pagedllm.model.rotary import RotaryEmbedding, context_window_of
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 
 
 class Attention(nn.Module):
     """Self-attention over this rank's heads (all of them without tensor
     parallelism): q/k/v are column-parallel, o_proj row-parallel and summed."""
 
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup,
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding | None, tp: TensorParallelGroup,
                  sliding_window: int | None = None) -> None:
         super().__init__()
         self.tp = tp
@@ -36,7 +37,8 @@ class Attention(nn.Module):
         layout = shard_layout(config, tp)
         self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
         self.head_dim = head_dim_of(config)
-        self.scale = self.head_dim**-0.5
+        # Granite's attention_multiplier replaces the usual 1/sqrt(head_dim).
+        self.scale = getattr(config, "attention_multiplier", None) or self.head_dim**-0.5
         hidden = config.hidden_size
         # Qwen2 always has q/k/v biases; Llama and Qwen3 follow `attention_bias`.
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
@@ -69,13 +71,14 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.rotary is not None:  # None: a SmolLM3 "NoPE" layer, which attends without positions
+            q, k = self.rotary(positions, q, k, metadata)
         out = backend.forward(q, k, v, kv_cache, metadata, self.scale, sliding_window=self.sliding_window)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup,
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding | None, tp: TensorParallelGroup,
                  sliding_window: int | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(config, rotary, tp, sliding_window)
@@ -83,6 +86,7 @@ class DecoderLayer(nn.Module):
                             bool(getattr(config, "mlp_bias", False)), tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = getattr(config, "residual_multiplier", None)  # Granite's
 
     def forward(
         self, positions, hidden, residual: torch.Tensor | None, kv_cache, metadata, backend
@@ -97,9 +101,14 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, metadata, backend)
+        hidden = _times(self.self_attn(positions, hidden, kv_cache, metadata, backend), self.residual_multiplier)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return _times(self.mlp(hidden), self.residual_multiplier), residual
+
+
+def _times(x: torch.Tensor, multiplier: float | None) -> torch.Tensor:
+    """x * multiplier (Granite's scalings, in the model dtype as Hugging Face's); x without one."""
+    return x if multiplier is None else x * multiplier
 
 
 class DecoderModel(nn.Module):
@@ -108,8 +117,15 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # One rotary table shared by all layers (it holds no weights).
         rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary, tp, window) for window in sliding_windows_of(config))
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary if uses_rope else None, tp, window)
+                                    for uses_rope, window in zip(rope_layers_of(config), sliding_windows_of(config)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def rope_layers_of(config: PretrainedConfig) -> list[bool]:
+    """Whether each layer rotates q and k: all of them, but SmolLM3's ``no_rope_layers`` (1: rope, 0: none)."""
+    flags = getattr(config, "no_rope_layers", None)
+    return [bool(flag) for flag in flags] if flags is not None else [True] * config.num_hidden_layers
 
 
 # Hugging Face projections that run as one fused matmul here: fused name -> parts, in order.
@@ -133,6 +149,20 @@ def fuse_projections(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return state_dict
 
 
+def split_fused_projections(state_dict: dict[str, torch.Tensor], config: PretrainedConfig) -> None:
+    """Split checkpoint-fused q|k|v and gate|up weights (Phi-3's) into Hugging Face's separate
+    parts, in place and as views, so tensor parallelism can slice each part."""
+    head_dim = head_dim_of(config)
+    sizes = {"self_attn.qkv_proj": [config.num_attention_heads * head_dim] + [num_kv_heads_of(config) * head_dim] * 2,
+             "mlp.gate_up_proj": [config.intermediate_size] * 2}
+    for name in list(state_dict):
+        for target, size in sizes.items():
+            if f".{target}." in name:
+                prefix, suffix = name.split(f".{target}.")
+                for part, tensor in zip(_FUSED[target], state_dict.pop(name).split(size)):
+                    state_dict[f"{prefix}.{part}.{suffix}"] = tensor
+
+
 class LlamaForCausalLM(nn.Module):
     """The decoder plus LM head. ``forward`` returns final hidden states; call
     ``compute_logits`` only on the rows that need them (sampling positions)."""
@@ -151,10 +181,13 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         # KV heads this rank stores (all of them with one rank): its pool's width.
         self.num_kv_heads = shard_layout(config, tp).num_kv_heads
-        self.model = DecoderModel(config, max_position or config.max_position_embeddings, tp)
+        self.model = DecoderModel(config, max_position or context_window_of(config), tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Granite scales the embeddings and divides the logits; other models have neither.
+        self.embedding_multiplier = getattr(config, "embedding_multiplier", None)
+        self.logits_scaling = getattr(config, "logits_scaling", None)
 
     def forward(
         self,
@@ -164,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = _times(self.model.embed_tokens(input_ids), self.embedding_multiplier)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, backend)
@@ -175,7 +208,8 @@ class LlamaForCausalLM(nn.Module):
         """Logits in the model's dtype: the sampler reads bf16 ones as fp32
         without a copy when it only needs the argmax."""
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return linear(hidden, weight)
+        logits = linear(hidden, weight)
+        return logits if self.logits_scaling is None else logits / self.logits_scaling
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face-named weights of the whole model: this rank's shard
@@ -188,6 +222,8 @@ class LlamaForCausalLM(nn.Module):
         weights. Consumes ``state_dict``: its entries are fused in place."""
         if self.tie_word_embeddings:
             state_dict.pop("lm_head.weight", None)
+        if self.tp.world_size > 1:
+            split_fused_projections(state_dict, self.config)
         shard = fuse_projections(shard_state_dict(state_dict, self.config, self.tp))
         missing, unexpected = self.load_state_dict(shard, strict=False, assign=True)
         if missing or unexpected:

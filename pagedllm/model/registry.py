@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 
 
 def model_class_for(config: Any) -> type:
     """The model class for a transformers config; ValueError naming the supported architectures."""
     from pagedllm.model.llama import LlamaForCausalLM
 
-    classes = dict.fromkeys(("llama", "mistral", "qwen2", "qwen3"), LlamaForCausalLM)
+    classes = dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite"), LlamaForCausalLM)
     model_type = getattr(config, "model_type", None)
     if model_type not in classes:
         raise ValueError(

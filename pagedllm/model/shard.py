@@ -15,6 +15,7 @@ from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.distributed.sharding import check_tensor_parallel_size
 from pagedllm.model.llama import LlamaForCausalLM, build_model
 from pagedllm.model.loader import load_checkpoint
+from pagedllm.model.rotary import context_window_of
 from pagedllm.model.shapes import sliding_windows_of
 
 
@@ -43,7 +44,7 @@ def load_model_shard(config: EngineConfig, device: torch.device, tp: TensorParal
     """
     dtype = torch_dtype(config.dtype)
     checkpoint = load_checkpoint(config.model, dtype=dtype)
-    scheduler_config = config.scheduler_config(checkpoint.config.max_position_embeddings,
+    scheduler_config = config.scheduler_config(context_window_of(checkpoint.config),
                                                sliding_windows_of(checkpoint.config))
     check_tensor_parallel_size(checkpoint.config, tp.world_size)
     model = build_model(checkpoint, scheduler_config.max_model_len, device, dtype, tp)

@@ -106,9 +106,9 @@ def test_default_rope_frequencies_equal_transformers_bit_for_bit(config_kwargs):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from pagedllm.model.layers import _rope_inv_freq
+    from pagedllm.model.rotary import rope_inv_freq
 
     config = LlamaConfig(**config_kwargs)
     expected, expected_scaling = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
-    inv_freq, scaling = _rope_inv_freq(config)
+    inv_freq, scaling = rope_inv_freq(config)
     assert torch.equal(inv_freq, expected) and scaling == expected_scaling

@@ -100,8 +100,11 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tenso
                   cos_cache.is_contiguous() && sin_cache.is_contiguous(),
               "rotary_embedding: cos/sin caches must be contiguous, fp32 or the query's dtype");
   TORCH_CHECK(positions.scalar_type() == torch::kLong, "rotary_embedding: positions must be int64");
-  const int64_t tokens = query.size(0), head_dim = query.size(2), half = head_dim / 2;
-  TORCH_CHECK(cos_cache.size(1) == head_dim, "rotary_embedding: cache width must equal head_dim");
+  // The cache width is the rotary dim: with partial rotary (Phi-4-mini) only
+  // the first rot_dim channels of each head rotate, the rest pass through.
+  const int64_t tokens = query.size(0), head_dim = query.size(2), rot_dim = cos_cache.size(1), half = rot_dim / 2;
+  TORCH_CHECK(rot_dim <= head_dim && rot_dim % 2 == 0 && key.size(2) == head_dim,
+              "rotary_embedding: cache width must be even and at most head_dim");
   auto pos = positions.contiguous();
   const int64_t* p = pos.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
@@ -115,8 +118,8 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tenso
       const int64_t q_stride = query.stride(0), k_stride = key.stride(0);
       at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
-          const auto* cos = cos_base + p[t] * head_dim;
-          const auto* sin = sin_base + p[t] * head_dim;
+          const auto* cos = cos_base + p[t] * rot_dim;
+          const auto* sin = sin_base + p[t] * rot_dim;
           for (int64_t h = 0; h < q_heads; ++h) rotate_head(q + t * q_stride + h * head_dim, cos, sin, half);
           for (int64_t h = 0; h < k_heads; ++h) rotate_head(k + t * k_stride + h * head_dim, cos, sin, half);
         }
