@@ -55,6 +55,30 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where an architecture's names differ. Gemma 2/3 normalise each sublayer's output as well, so
+# their ffn_norm is the norm before the MLP, not Llama's post_attention_layernorm.
+_GEMMA_SANDWICH_NORMS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GGUF_ARCH_LAYER_NAMES = {"gemma2": _GEMMA_SANDWICH_NORMS, "gemma3": _GEMMA_SANDWICH_NORMS}
+# llama.cpp architecture -> Hugging Face model_type, where they differ (GGUF "gemma3" is the text model).
+_HF_MODEL_TYPE = {"gemma3": "gemma3_text"}
+# llama.cpp's Gemma converters store every RMSNorm weight w (Gemma scales by 1 + w) as 1 + w;
+# the loader subtracts the 1 again, in fp32, as transformers' GGUF loader does.
+_NORMS_STORED_PLUS_ONE = frozenset({"gemma", "gemma2", "gemma3"})
+# Optional per-architecture metadata "<arch>.<key>" -> config field (absent: the config's default,
+# which for these is llama.cpp's too: Gemma 2 caps 50/30 and alternates windows, Gemma 3 has a
+# full layer every 6).
+_ARCH_CONFIG_KEYS = {
+    "gemma2": {"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
+               "final_logit_softcapping": "final_logit_softcapping"},
+    "gemma3": {"attention.sliding_window": "sliding_window",
+               "attention.sliding_window_pattern": "sliding_window_pattern"},
+}
+# llama.cpp's block counts of the 27B Gemmas, which scale queries by (hidden / heads) ** -0.5.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _GGUF_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GGUF_GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 
@@ -65,7 +89,7 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     except (ValueError, KeyError, IndexError) as error:  # what GGUFReader raises on a malformed file
         raise ValueError(f"{str(path)!r} is not a valid GGUF file: {error}") from error
     architecture = _metadata(reader, "general.architecture")
-    check_architecture(architecture)
+    check_architecture(_HF_MODEL_TYPE.get(architecture, architecture))
     if reader.get_field("tokenizer.ggml.tokens") is None:
         raise ValueError(f"{str(path)!r} has no tokenizer in its metadata")
 
@@ -79,7 +103,10 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     state_dict: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         name = hf_names[tensor.name]
-        weights = _dequantize(tensor, dtype)
+        if architecture in _NORMS_STORED_PLUS_ONE and name.endswith("norm.weight"):
+            weights = (_dequantize(tensor, torch.float32) - 1).to(dtype)
+        else:
+            weights = _dequantize(tensor, dtype)
         if architecture == "llama" and ".q_proj." in name:
             weights = _unpermute_rope_rows(weights, config.num_attention_heads)
         elif architecture == "llama" and ".k_proj." in name:
@@ -117,8 +144,9 @@ def _hf_name(gguf_name: str, architecture: str) -> str:
     """The Hugging Face parameter name for a GGUF tensor name; ValueError for names with none."""
     if match := _GGUF_LAYER_TENSOR.fullmatch(gguf_name):
         layer, part, suffix = match.groups()
-        if part in _GGUF_LAYER_NAMES:
-            return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{suffix}"
+        names = {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(architecture, {})}
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{suffix}"
     elif match := _GGUF_GLOBAL_TENSOR.fullmatch(gguf_name):
         part, suffix = match.groups()
         if part in _GGUF_GLOBAL_NAMES:
@@ -199,11 +227,18 @@ def _gguf_config(reader: GGUFReader, architecture: str) -> PretrainedConfig:
         "eos_token_id": _metadata(reader, "tokenizer.ggml.eos_token_id", None),
         "pad_token_id": _metadata(reader, "tokenizer.ggml.padding_token_id", None),
     }
-    if architecture in ("llama", "qwen3"):  # Qwen2Config has neither: head_dim is implied, biases always on
+    if architecture in ("llama", "qwen3", "gemma", "gemma2", "gemma3"):  # Qwen2Config has neither (implied)
         settings["head_dim"] = arch_key("attention.key_length", hidden_size // heads)
         settings["attention_bias"] = "blk.0.attn_q.bias" in shapes
     if architecture == "llama":
         settings["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
+    for key, field in _ARCH_CONFIG_KEYS.get(architecture, {}).items():
+        if reader.get_field(f"{architecture}.{key}") is not None:
+            settings[field] = arch_key(key)
+    if architecture in _GEMMA_27B_LAYERS:
+        # Not in the metadata: llama.cpp derives the query scale from the model size.
+        is_27b = settings["num_hidden_layers"] == _GEMMA_27B_LAYERS[architecture]
+        settings["query_pre_attn_scalar"] = hidden_size // heads if is_27b else settings["head_dim"]
 
     scaling = arch_key("rope.scaling.type", "none")
     if scaling in ("linear", "yarn"):
@@ -213,4 +248,4 @@ def _gguf_config(reader: GGUFReader, architecture: str) -> PretrainedConfig:
             settings["rope_scaling"]["original_max_position_embeddings"] = original
     elif scaling != "none":
         raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported; supported: linear, yarn")
-    return AutoConfig.for_model(architecture, **settings)
+    return AutoConfig.for_model(_HF_MODEL_TYPE.get(architecture, architecture), **settings)
