@@ -74,8 +74,7 @@ _NORMS_STORED_PLUS_ONE = frozenset({"gemma", "gemma2", "gemma3"})
 _ARCH_CONFIG_KEYS = {
     "gemma2": {"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
                "final_logit_softcapping": "final_logit_softcapping"},
-    "gemma3": {"attention.sliding_window": "sliding_window",
-               "attention.sliding_window_pattern": "sliding_window_pattern"},
+    "gemma3": {"attention.sliding_window": "sliding_window"},
 }
 # llama.cpp's block counts of the 27B Gemmas, which scale queries by (hidden / heads) ** -0.5.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
