@@ -9,8 +9,8 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.conftest import assert_pool_free
-from tests.engine.test_hf_parity import BF16_MAX_NATS, BF16_MEAN_RATIO, check_parity, hf_greedy, prompts_for
-from tests.model.test_gemma import GEMMA_ARCHS, tiny_gemma, tiny_gemma_config
+from tests.engine.test_hf_parity import BF16_MAX_NATS, BF16_MEAN_RATIO, check_parity, prompts_for
+from tests.model.test_gemma import GEMMA_ARCHS, assert_hf_greedy, tiny_gemma, tiny_gemma_config
 
 
 @pytest.fixture(scope="module")
@@ -32,23 +32,39 @@ def tiny_gemma_dir(tmp_path_factory, smollm_tokenizer):
     return make
 
 
+NEW_TOKENS = 24
+
+
+def check_greedy(llm: LLM, hf_model, prompts: list[list[int]]) -> list:
+    """pagedllm's free-running greedy tokens are Hugging Face's (EOS masked by min_tokens in both)."""
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert_hf_greedy(hf_model, prompt, output.outputs[0].token_ids, eos_masked=hf_model.config.eos_token_id)
+    return outputs
+
+
 @pytest.mark.parametrize("arch", GEMMA_ARCHS)
 def test_tiny_gemma_greedy_matches_hf(arch, tiny_gemma_dir):
     folder, hf_model = tiny_gemma_dir(arch)
-    # 24-token steps: every prompt over 24 tokens is prefilled in chunks.
-    llm = LLM(folder, num_kv_blocks=256, max_num_batched_tokens=24, debug_invariants=True)
-    check_parity(llm, hf_model)
-    # Prompts sharing a 160-token prefix, one at a time: each reuses the blocks the first left cached.
-    shared = prompts_for(llm.get_tokenizer())[-1][:160]
-    prompts = [shared + prompt[:length] for prompt, length in zip(prompts_for(llm.get_tokenizer()), [3, 20, 41])]
-    params = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32)
-    for i, prompt in enumerate(prompts):
-        output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-        if i > 0:
-            assert output.num_cached_tokens >= 144
-        with torch.inference_mode():
-            assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt), f"prompt of {len(prompt)} tokens"
+    # 16-token steps: prompts are prefilled in chunks, alongside other sequences' decodes.
+    llm = LLM(folder, num_kv_blocks=128, max_num_batched_tokens=16, debug_invariants=True)
+    text = prompts_for(llm.get_tokenizer())  # of 8, 17, 33, 64, 100, ... tokens
+    prompts = [text[0][:5], text[3][:30], text[4][:90]]
+    check_greedy(llm, hf_model, prompts)
+    # The longest prompt's first 80 tokens (5 blocks) are cached now: prompts extending them reuse them.
+    extended = [prompts[2][:80] + prompt[:length] for prompt, length in zip(prompts, [3, 20])]
+    outputs = check_greedy(llm, hf_model, extended)
+    assert [output.num_cached_tokens for output in outputs] == [80, 80]
     assert_pool_free(llm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_tiny_gemma_matches_hf_generate_and_prompt_logprobs(arch, tiny_gemma_dir):
+    """The Llama parity check (8 prompts up to 300 tokens, HF's own generate loop, prompt logprobs)."""
+    folder, hf_model = tiny_gemma_dir(arch)
+    check_parity(LLM(folder, num_kv_blocks=256, max_num_batched_tokens=64, debug_invariants=True), hf_model)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
