@@ -43,7 +43,23 @@ _FUSED_PROJECTIONS = {
     "ffn_up": "mlp.gate_up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 2/3 normalise each sublayer's output as well, so their ffn_norm is the norm before the MLP,
+# not Llama's post_attention_layernorm.
+_SANDWICH_NORMS = {
+    **_SEPARATE_PROJECTIONS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Optional Gemma metadata "<arch>.<key>" -> config field (absent: the config's default, which for
+# these is llama.cpp's too: Gemma 2 caps 50/30 and alternates windows, Gemma 3 has a full layer
+# every 6).
+_GEMMA2_KEYS = {"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
+                "final_logit_softcapping": "final_logit_softcapping"}
+_GEMMA3_KEYS = {"attention.sliding_window": "sliding_window"}
+# llama.cpp's block counts of the 27B Gemmas, which scale queries by (hidden / heads) ** -0.5.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 @dataclass(frozen=True)
@@ -52,13 +68,24 @@ class GGUFArchitecture:
     unpermute_qk: bool  # llama.cpp reorders llama's q/k rows to its interleaved rope layout
     rope_tensors: frozenset[str]  # global tensors that hold rope scaling: they go into the config
     partial_rotary: bool  # rope.dimension_count < head_dim maps to partial_rotary_factor
+    # llama.cpp's Gemma converters store every RMSNorm weight w (Gemma scales by 1 + w) as 1 + w;
+    # the loader subtracts the 1 again, in fp32, as transformers' GGUF loader does.
+    norms_stored_plus_one: bool = False
+    model_type: str | None = None  # the Hugging Face model_type where it differs (GGUF gemma3: gemma3_text)
+    config_keys: dict[str, str] | None = None  # optional "<arch>.<key>" metadata -> config field
 
 
+_NO_ROPE_TENSORS: frozenset[str] = frozenset()
 GGUF_ARCHITECTURES = {
     "llama": GGUFArchitecture(_SEPARATE_PROJECTIONS, True, frozenset({"rope_freqs"}), False),
-    "qwen2": GGUFArchitecture(_SEPARATE_PROJECTIONS, False, frozenset(), False),
-    "qwen3": GGUFArchitecture(_SEPARATE_PROJECTIONS, False, frozenset(), False),
+    "qwen2": GGUFArchitecture(_SEPARATE_PROJECTIONS, False, _NO_ROPE_TENSORS, False),
+    "qwen3": GGUFArchitecture(_SEPARATE_PROJECTIONS, False, _NO_ROPE_TENSORS, False),
     "phi3": GGUFArchitecture(_FUSED_PROJECTIONS, False, frozenset({"rope_factors_long", "rope_factors_short"}), True),
+    "gemma": GGUFArchitecture(_SEPARATE_PROJECTIONS, False, _NO_ROPE_TENSORS, False, norms_stored_plus_one=True),
+    "gemma2": GGUFArchitecture(_SANDWICH_NORMS, False, _NO_ROPE_TENSORS, False, norms_stored_plus_one=True,
+                               config_keys=_GEMMA2_KEYS),
+    "gemma3": GGUFArchitecture(_SANDWICH_NORMS, False, _NO_ROPE_TENSORS, False, norms_stored_plus_one=True,
+                               model_type="gemma3_text", config_keys=_GEMMA3_KEYS),
 }
 
 
@@ -119,20 +146,35 @@ def gguf_config(reader: GGUFReader, architecture: str, rope_tensors: dict[str, t
         "eos_token_id": metadata(reader, "tokenizer.ggml.eos_token_id", None),
         "pad_token_id": metadata(reader, "tokenizer.ggml.padding_token_id", None),
     }
-    if architecture in ("llama", "qwen3"):  # Qwen2Config has neither: head_dim is implied, biases always on
+    if architecture in ("llama", "qwen3", "gemma", "gemma2", "gemma3"):  # Qwen2Config has neither (implied)
         settings["head_dim"] = head_dim
         settings["attention_bias"] = "blk.0.attn_q.bias" in shapes
     if architecture == "llama":
         settings["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
+    settings.update(_gemma_settings(reader, architecture, settings))
     if architecture == "phi3":
         settings["original_max_position_embeddings"] = arch_key("rope.scaling.original_context_length",
                                                                 settings["max_position_embeddings"])
         settings["sliding_window"] = arch_key("attention.sliding_window", 0) or None  # 0: none (Phi-4)
     settings.update(_rope_settings(arch_key, architecture, head_dim, settings, rope_tensors))
-    config = AutoConfig.for_model(architecture, **settings)
+    config = AutoConfig.for_model(gguf_architecture(architecture).model_type or architecture, **settings)
     if "rope_freqs" in rope_tensors:
         config.gguf_rope_factors = rope_tensors["rope_freqs"].tolist()
     return config
+
+
+def _gemma_settings(reader: GGUFReader, architecture: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's optional metadata keys, and its query scale, which llama.cpp derives from the model size."""
+    out: dict[str, Any] = {}
+    for key, field in (gguf_architecture(architecture).config_keys or {}).items():
+        value = metadata(reader, f"{architecture}.{key}", None)
+        if value is not None:
+            out[field] = value
+    if architecture in _GEMMA_27B_LAYERS:
+        is_27b = settings["num_hidden_layers"] == _GEMMA_27B_LAYERS[architecture]
+        out["query_pre_attn_scalar"] = settings["hidden_size"] // settings["num_attention_heads"] if is_27b \
+            else settings["head_dim"]
+    return out
 
 
 def _rope_settings(arch_key, architecture: str, head_dim: int, settings: dict[str, Any],

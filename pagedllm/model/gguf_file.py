@@ -49,8 +49,8 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     except (ValueError, KeyError, IndexError) as error:  # what GGUFReader raises on a malformed file
         raise ValueError(f"{str(path)!r} is not a valid GGUF file: {error}") from error
     architecture = metadata(reader, "general.architecture")
-    check_architecture(architecture)
     layout = gguf_architecture(architecture)
+    check_architecture(layout.model_type or architecture)
     if reader.get_field("tokenizer.ggml.tokens") is None:
         raise ValueError(f"{str(path)!r} has no tokenizer in its metadata")
 
@@ -69,7 +69,10 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
         if tensor.name not in hf_names:
             continue
         name = hf_names[tensor.name]
-        weights = _dequantize(tensor, dtype)
+        if layout.norms_stored_plus_one and name.endswith("norm.weight"):
+            weights = (_dequantize(tensor, torch.float32) - 1).to(dtype)
+        else:
+            weights = _dequantize(tensor, dtype)
         if layout.unpermute_qk and ".q_proj." in name:
             weights = _unpermute_rope_rows(weights, config.num_attention_heads)
         elif layout.unpermute_qk and ".k_proj." in name:

@@ -48,6 +48,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate) * up`` (tanh approximation: Hugging Face's ``gelu_pytorch_tanh``,
+    Gemma's activation) for ``x = [gate | up]``, in PyTorch's two ops."""
+    gate, up = x.chunk(2, dim=-1)
+    return nn.functional.gelu(gate, approximate="tanh") * up
+
+
+# Hugging Face activation name -> the gated MLP's fused act(gate) * up.
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and names) whose forward is :func:`linear`."""
 
@@ -84,15 +95,20 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul.
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul; ``activation``
+    is a key of ``GATED_ACTIVATIONS`` (silu, or Gemma's gelu_pytorch_tanh).
     Under tensor parallelism ``intermediate_size`` is this rank's share: gate/up
     are column-parallel and down's partial sums are all-reduced."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TensorParallelGroup = SINGLE) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TensorParallelGroup = SINGLE,
+                 activation: str = "silu") -> None:
         super().__init__()
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"unsupported activation {activation!r}; supported: {', '.join(GATED_ACTIVATIONS)}")
         self.tp = tp
+        self.act_and_mul = GATED_ACTIVATIONS[activation]
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(self.act_and_mul(self.gate_up_proj(x))))

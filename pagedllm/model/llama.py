@@ -32,8 +32,9 @@ class Attention(nn.Module):
                  sliding_window: int | None = None) -> None:
         super().__init__()
         self.tp = tp
-        # This layer's window (None: full attention), as Hugging Face applies it.
+        # This layer's window (None: full attention) and score cap (Gemma 2), as Hugging Face applies them.
         self.sliding_window = sliding_window
+        self.logits_soft_cap: float | None = None
         layout = shard_layout(config, tp)
         self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
         self.head_dim = head_dim_of(config)
@@ -73,7 +74,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:  # None: a SmolLM3 "NoPE" layer, which attends without positions
             q, k = self.rotary(positions, q, k, metadata)
-        out = backend.forward(q, k, v, kv_cache, metadata, self.scale, sliding_window=self.sliding_window)
+        out = backend.forward(q, k, v, kv_cache, metadata, self.scale, sliding_window=self.sliding_window,
+                              logits_soft_cap=self.logits_soft_cap)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
 
 

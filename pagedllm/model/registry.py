@@ -9,14 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2",
+                           "gemma3_text")
 
 
 def model_class_for(config: Any) -> type:
     """The model class for a transformers config; ValueError naming the supported architectures."""
+    from pagedllm.model.gemma import GemmaForCausalLM
     from pagedllm.model.llama import LlamaForCausalLM
 
     classes = dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite"), LlamaForCausalLM)
+    classes.update(dict.fromkeys(("gemma", "gemma2", "gemma3_text"), GemmaForCausalLM))
     model_type = getattr(config, "model_type", None)
     if model_type not in classes:
         raise ValueError(

@@ -1,0 +1,95 @@
+"""Tiny random Gemma 1/2/3 checkpoints: pagedllm's greedy output equals Hugging Face's token for
+token (fp32; chunked prefill and prefix caching on) and its bf16 run is as close to the fp32
+oracle as Hugging Face's own bf16 run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from tests.conftest import assert_pool_free
+from tests.engine.test_hf_parity import BF16_MAX_NATS, BF16_MEAN_RATIO, check_parity, prompts_for
+from tests.model.test_gemma import GEMMA_ARCHS, assert_hf_greedy, tiny_gemma, tiny_gemma_config
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma_dir(tmp_path_factory, smollm_tokenizer):
+    """Factory: a tiny random Gemma folder (with the SmolLM2 tokenizer) and its HF model, once per arch."""
+    made: dict[str, tuple[str, torch.nn.Module]] = {}
+
+    def make(arch: str):
+        if arch not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+            config = tiny_gemma_config(arch, len(smollm_tokenizer))
+            config.eos_token_id = smollm_tokenizer.eos_token_id
+            model = tiny_gemma(config)
+            model.save_pretrained(folder)
+            smollm_tokenizer.save_pretrained(folder)
+            made[arch] = (str(folder), model)
+        return made[arch]
+
+    return make
+
+
+NEW_TOKENS = 24
+
+
+def check_greedy(llm: LLM, hf_model, prompts: list[list[int]]) -> list:
+    """pagedllm's free-running greedy tokens are Hugging Face's (EOS masked by min_tokens in both)."""
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert_hf_greedy(hf_model, prompt, output.outputs[0].token_ids, eos_masked=hf_model.config.eos_token_id)
+    return outputs
+
+
+@pytest.mark.parametrize("arch", GEMMA_ARCHS)
+def test_tiny_gemma_greedy_matches_hf(arch, tiny_gemma_dir):
+    folder, hf_model = tiny_gemma_dir(arch)
+    # 16-token steps: prompts are prefilled in chunks, alongside other sequences' decodes.
+    llm = LLM(folder, num_kv_blocks=128, max_num_batched_tokens=16, debug_invariants=True)
+    text = prompts_for(llm.get_tokenizer())  # of 8, 17, 33, 64, 100, ... tokens
+    prompts = [text[0][:5], text[3][:30], text[4][:90]]
+    check_greedy(llm, hf_model, prompts)
+    # The longest prompt's first 80 tokens (5 blocks) are cached now: prompts extending them reuse them.
+    extended = [prompts[2][:80] + prompt[:length] for prompt, length in zip(prompts, [3, 20])]
+    outputs = check_greedy(llm, hf_model, extended)
+    assert [output.num_cached_tokens for output in outputs] == [80, 80]
+    assert_pool_free(llm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_tiny_gemma_matches_hf_generate_and_prompt_logprobs(arch, tiny_gemma_dir):
+    """The Llama parity check (8 prompts up to 300 tokens, HF's own generate loop, prompt logprobs)."""
+    folder, hf_model = tiny_gemma_dir(arch)
+    check_parity(LLM(folder, num_kv_blocks=256, max_num_batched_tokens=64, debug_invariants=True), hf_model)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_tiny_gemma_bfloat16_close_to_hf(arch, tiny_gemma_dir):
+    folder, oracle = tiny_gemma_dir(arch)
+    llm = LLM(folder, dtype="bfloat16", num_kv_blocks=256)
+    prompts = prompts_for(llm.get_tokenizer())
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_pool_free(llm)
+    hf_bf16 = tiny_gemma(oracle.config).to(torch.bfloat16)
+    hf_bf16.load_state_dict(oracle.state_dict())
+    with torch.inference_mode():
+        for prompt, output in zip(prompts, outputs):
+            rows, targets = torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])
+
+            def target_logprobs(model) -> torch.Tensor:
+                logits = model(torch.tensor([prompt])).logits[0].float()
+                return torch.log_softmax(logits, dim=-1)[rows, targets]
+
+            reference = target_logprobs(oracle)
+            ours = torch.tensor([entry[prompt[i + 1]].logprob for i, entry in enumerate(output.prompt_logprobs[1:])])
+            our_error = (ours - reference).abs()
+            hf_error = (target_logprobs(hf_bf16) - reference).abs()
+            assert our_error.max() < BF16_MAX_NATS, f"prompt of {len(prompt)} tokens: {our_error.max():.3f} nats"
+            assert our_error.mean() <= BF16_MEAN_RATIO * hf_error.mean(), (
+                f"prompt of {len(prompt)} tokens: mean error {our_error.mean():.4f} vs HF bf16 {hf_error.mean():.4f}"
+            )
