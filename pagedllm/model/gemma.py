@@ -31,7 +31,7 @@ from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.distributed.sharding import shard_layout
-from pagedllm.model.layers import GatedMLP, Linear
+from pagedllm.model.layers import GatedMLP
 from pagedllm.model.llama import Attention, LlamaForCausalLM
 from pagedllm.model.rotary import RotaryEmbedding
 from pagedllm.model.shapes import head_dim_of, sliding_windows_of
@@ -142,19 +142,17 @@ class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma 1/2/3 text models; weight loading (sharding, q/k/v and gate/up fusion, tied
     embeddings) and the LM head are Llama's, the final logits optionally soft-capped."""
 
+    model_types = GEMMA_MODEL_TYPES
+
     def __init__(self, config: PretrainedConfig, max_position: int | None = None,
                  tp: TensorParallelGroup = SINGLE) -> None:
-        # Llama's __init__ builds a Llama decoder; only the module state is shared.
-        nn.Module.__init__(self)
-        _check_supported(config)
-        self.config = config
-        self.tp = tp
-        self.num_kv_heads = shard_layout(config, tp).num_kv_heads
-        self.model = GemmaModel(config, max_position or config.max_position_embeddings, tp)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        super().__init__(config, max_position, tp)
         self.final_soft_cap = getattr(config, "final_logit_softcapping", None)
+
+    @staticmethod
+    def build_decoder(config: PretrainedConfig, max_position: int, tp: TensorParallelGroup) -> nn.Module:
+        _check_supported(config)
+        return GemmaModel(config, max_position, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
                 metadata: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -173,8 +171,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
 
 def _check_supported(config: PretrainedConfig) -> None:
-    if config.model_type not in GEMMA_MODEL_TYPES:
-        raise ValueError(f"unsupported architecture {config.model_type!r}; supported: {', '.join(GEMMA_MODEL_TYPES)}")
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("Gemma 3 with use_bidirectional_attention (an embedding model) is not supported; "
                          "only causal text generation is")

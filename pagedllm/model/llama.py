@@ -167,29 +167,38 @@ def split_fused_projections(state_dict: dict[str, torch.Tensor], config: Pretrai
 
 class LlamaForCausalLM(nn.Module):
     """The decoder plus LM head. ``forward`` returns final hidden states; call
-    ``compute_logits`` only on the rows that need them (sampling positions)."""
+    ``compute_logits`` only on the rows that need them (sampling positions).
+    A family with another decoder subclasses it and overrides ``model_types``
+    and ``build_decoder``; loading and the LM head are shared."""
+
+    model_types: tuple[str, ...] = SUPPORTED_MODEL_TYPES
 
     def __init__(self, config: PretrainedConfig, max_position: int | None = None,
                  tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
+        if config.model_type not in self.model_types:
             raise ValueError(
-                f"unsupported architecture {config.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"unsupported architecture {config.model_type!r}; supported: {', '.join(self.model_types)}"
             )
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
         self.config = config
         self.tp = tp
         # KV heads this rank stores (all of them with one rank): its pool's width.
         self.num_kv_heads = shard_layout(config, tp).num_kv_heads
-        self.model = DecoderModel(config, max_position or context_window_of(config), tp)
+        self.model = self.build_decoder(config, max_position or context_window_of(config), tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # Granite scales the embeddings and divides the logits; other models have neither.
         self.embedding_multiplier = getattr(config, "embedding_multiplier", None)
         self.logits_scaling = getattr(config, "logits_scaling", None)
+
+    @staticmethod
+    def build_decoder(config: PretrainedConfig, max_position: int, tp: TensorParallelGroup) -> nn.Module:
+        """The embedding, layers and final norm (``self.model``)."""
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
+        return DecoderModel(config, max_position, tp)
 
     def forward(
         self,
