@@ -11,7 +11,7 @@ load. Rope scaling that llama.cpp stores as tensors rather than metadata becomes
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,6 +52,7 @@ class GGUFArchitecture:
     unpermute_qk: bool  # llama.cpp reorders llama's q/k rows to its interleaved rope layout
     rope_tensors: frozenset[str]  # global tensors that hold rope scaling: they go into the config
     partial_rotary: bool  # rope.dimension_count < head_dim maps to partial_rotary_factor
+    scalars: dict[str, str] = field(default_factory=dict)  # optional `{arch}.` metadata -> config attribute
 
 
 GGUF_ARCHITECTURES = {
@@ -59,6 +60,10 @@ GGUF_ARCHITECTURES = {
     "qwen2": GGUFArchitecture(_SEPARATE_PROJECTIONS, False, frozenset(), False),
     "qwen3": GGUFArchitecture(_SEPARATE_PROJECTIONS, False, frozenset(), False),
     "phi3": GGUFArchitecture(_FUSED_PROJECTIONS, False, frozenset({"rope_factors_long", "rope_factors_short"}), True),
+    # llama.cpp's converter renames Granite's multipliers to *_scale and writes each only when set.
+    "granite": GGUFArchitecture(_SEPARATE_PROJECTIONS, True, frozenset({"rope_freqs"}), False, {
+        "attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+        "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}),
 }
 
 
@@ -121,9 +126,13 @@ def gguf_config(reader: GGUFReader, architecture: str, rope_tensors: dict[str, t
     }
     if architecture in ("llama", "qwen3"):  # Qwen2Config has neither: head_dim is implied, biases always on
         settings["head_dim"] = head_dim
+    if architecture in ("llama", "qwen3", "granite"):
         settings["attention_bias"] = "blk.0.attn_q.bias" in shapes
-    if architecture == "llama":
+    if architecture in ("llama", "granite"):
         settings["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
+    for key, attribute in gguf_architecture(architecture).scalars.items():
+        if (value := arch_key(key, None)) is not None:
+            settings[attribute] = value
     if architecture == "phi3":
         settings["original_max_position_embeddings"] = arch_key("rope.scaling.original_context_length",
                                                                 settings["max_position_embeddings"])
