@@ -60,6 +60,8 @@ GGUF_ARCHITECTURES = {
     "qwen2": GGUFArchitecture(_SEPARATE_PROJECTIONS, False, frozenset(), False),
     "qwen3": GGUFArchitecture(_SEPARATE_PROJECTIONS, False, frozenset(), False),
     "phi3": GGUFArchitecture(_FUSED_PROJECTIONS, False, frozenset({"rope_factors_long", "rope_factors_short"}), True),
+    # llama.cpp writes no NoPE layout for SmolLM3: it fixes every 4th layer (SmolLM3Config's default).
+    "smollm3": GGUFArchitecture(_SEPARATE_PROJECTIONS, True, frozenset({"rope_freqs"}), False),
     # llama.cpp's converter renames Granite's multipliers to *_scale and writes each only when set.
     "granite": GGUFArchitecture(_SEPARATE_PROJECTIONS, True, frozenset({"rope_freqs"}), False, {
         "attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
@@ -126,9 +128,9 @@ def gguf_config(reader: GGUFReader, architecture: str, rope_tensors: dict[str, t
     }
     if architecture in ("llama", "qwen3"):  # Qwen2Config has neither: head_dim is implied, biases always on
         settings["head_dim"] = head_dim
-    if architecture in ("llama", "qwen3", "granite"):
+    if architecture in ("llama", "qwen3", "granite", "smollm3"):
         settings["attention_bias"] = "blk.0.attn_q.bias" in shapes
-    if architecture in ("llama", "granite"):
+    if architecture in ("llama", "granite", "smollm3"):
         settings["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
     for key, attribute in gguf_architecture(architecture).scalars.items():
         if (value := arch_key(key, None)) is not None:

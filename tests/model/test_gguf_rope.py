@@ -1,5 +1,6 @@
-"""GGUF rope scaling stored as tensors (Llama 3.1+'s rope_freqs, Phi-3's long/short factors) and
-Phi-3's layout, Granite's multipliers: loaded into the config, and generating what Hugging Face generates."""
+"""GGUF rope scaling stored as tensors (Llama 3.1+'s rope_freqs, Phi-3's long/short factors),
+Phi-3's layout, Granite's multipliers, SmolLM3's NoPE layers: loaded into the config, and
+generating what Hugging Face generates."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 from gguf import GGUFWriter
 from transformers import (
-    GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM,
+    GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from pagedllm import LLM, SamplingParams
@@ -145,4 +147,17 @@ def test_granite_gguf_carries_the_multipliers(tmp_path):
     _assert_same_tensors(checkpoint.state_dict, _expected_parameters(model))
     for key, value in multipliers.items():
         assert getattr(checkpoint.config, key) == pytest.approx(value), key
+    check_generation(str(path), model, [3, 20])
+
+
+def test_smollm3_gguf_keeps_every_fourth_layer_without_rope(tmp_path):
+    torch.manual_seed(0)
+    config = SmolLM3Config(**{**SHAPE, "num_hidden_layers": 4}, initializer_range=0.2, pad_token_id=0,
+                           bos_token_id=1, eos_token_id=2)
+    model = SmolLM3ForCausalLM(config).eval()
+    assert model.config.no_rope_layers == [1, 1, 1, 0]
+    path = _write_gguf(tmp_path / "smollm3.gguf", "smollm3", model)
+    checkpoint = load_checkpoint(str(path))
+    _assert_same_tensors(checkpoint.state_dict, _expected_parameters(model))
+    assert checkpoint.config.no_rope_layers == [1, 1, 1, 0]
     check_generation(str(path), model, [3, 20])
