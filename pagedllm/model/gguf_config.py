@@ -11,7 +11,7 @@ load. Rope scaling that llama.cpp stores as tensors rather than metadata becomes
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,7 +72,7 @@ class GGUFArchitecture:
     # the loader subtracts the 1 again, in fp32, as transformers' GGUF loader does.
     norms_stored_plus_one: bool = False
     model_type: str | None = None  # the Hugging Face model_type where it differs (GGUF gemma3: gemma3_text)
-    config_keys: dict[str, str] | None = None  # optional "<arch>.<key>" metadata -> config field
+    scalars: dict[str, str] = field(default_factory=dict)  # optional `{arch}.` metadata -> config attribute
 
 
 _NO_ROPE_TENSORS: frozenset[str] = frozenset()
@@ -83,9 +83,15 @@ GGUF_ARCHITECTURES = {
     "phi3": GGUFArchitecture(_FUSED_PROJECTIONS, False, frozenset({"rope_factors_long", "rope_factors_short"}), True),
     "gemma": GGUFArchitecture(_SEPARATE_PROJECTIONS, False, _NO_ROPE_TENSORS, False, norms_stored_plus_one=True),
     "gemma2": GGUFArchitecture(_SANDWICH_NORMS, False, _NO_ROPE_TENSORS, False, norms_stored_plus_one=True,
-                               config_keys=_GEMMA2_KEYS),
+                               scalars=_GEMMA2_KEYS),
     "gemma3": GGUFArchitecture(_SANDWICH_NORMS, False, _NO_ROPE_TENSORS, False, norms_stored_plus_one=True,
-                               model_type="gemma3_text", config_keys=_GEMMA3_KEYS),
+                               model_type="gemma3_text", scalars=_GEMMA3_KEYS),
+    # llama.cpp writes no NoPE layout for SmolLM3: it fixes every 4th layer (SmolLM3Config's default).
+    "smollm3": GGUFArchitecture(_SEPARATE_PROJECTIONS, True, frozenset({"rope_freqs"}), False),
+    # llama.cpp's converter renames Granite's multipliers to *_scale and writes each only when set.
+    "granite": GGUFArchitecture(_SEPARATE_PROJECTIONS, True, frozenset({"rope_freqs"}), False, scalars={
+        "attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+        "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}),
 }
 
 
@@ -146,12 +152,16 @@ def gguf_config(reader: GGUFReader, architecture: str, rope_tensors: dict[str, t
         "eos_token_id": metadata(reader, "tokenizer.ggml.eos_token_id", None),
         "pad_token_id": metadata(reader, "tokenizer.ggml.padding_token_id", None),
     }
-    if architecture in ("llama", "qwen3", "gemma", "gemma2", "gemma3"):  # Qwen2Config has neither (implied)
+    if architecture in ("llama", "qwen3", "granite", "smollm3", "gemma", "gemma2", "gemma3"):
+        # Qwen2Config has neither: head_dim is implied, biases always on
         settings["head_dim"] = head_dim
         settings["attention_bias"] = "blk.0.attn_q.bias" in shapes
-    if architecture == "llama":
+    if architecture in ("llama", "granite", "smollm3"):
         settings["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
-    settings.update(_gemma_settings(reader, architecture, settings))
+    for key, attribute in gguf_architecture(architecture).scalars.items():
+        if (value := arch_key(key, None)) is not None:
+            settings[attribute] = value
+    settings.update(_gemma_query_scale(architecture, settings))
     if architecture == "phi3":
         settings["original_max_position_embeddings"] = arch_key("rope.scaling.original_context_length",
                                                                 settings["max_position_embeddings"])
@@ -163,18 +173,13 @@ def gguf_config(reader: GGUFReader, architecture: str, rope_tensors: dict[str, t
     return config
 
 
-def _gemma_settings(reader: GGUFReader, architecture: str, settings: dict[str, Any]) -> dict[str, Any]:
-    """Gemma's optional metadata keys, and its query scale, which llama.cpp derives from the model size."""
-    out: dict[str, Any] = {}
-    for key, field in (gguf_architecture(architecture).config_keys or {}).items():
-        value = metadata(reader, f"{architecture}.{key}", None)
-        if value is not None:
-            out[field] = value
-    if architecture in _GEMMA_27B_LAYERS:
-        is_27b = settings["num_hidden_layers"] == _GEMMA_27B_LAYERS[architecture]
-        out["query_pre_attn_scalar"] = settings["hidden_size"] // settings["num_attention_heads"] if is_27b \
-            else settings["head_dim"]
-    return out
+def _gemma_query_scale(architecture: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2/3's query scale, which llama.cpp derives from the model size instead of storing it."""
+    if architecture not in _GEMMA_27B_LAYERS:
+        return {}
+    is_27b = settings["num_hidden_layers"] == _GEMMA_27B_LAYERS[architecture]
+    return {"query_pre_attn_scalar": settings["hidden_size"] // settings["num_attention_heads"] if is_27b
+            else settings["head_dim"]}
 
 
 def _rope_settings(arch_key, architecture: str, head_dim: int, settings: dict[str, Any],

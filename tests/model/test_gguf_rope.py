@@ -1,5 +1,6 @@
-"""GGUF rope scaling stored as tensors (Llama 3.1+'s rope_freqs, Phi-3's long/short factors) and
-Phi-3's layout: loaded into the config, and generating what Hugging Face generates."""
+"""GGUF rope scaling stored as tensors (Llama 3.1+'s rope_freqs, Phi-3's long/short factors),
+Phi-3's layout, Granite's multipliers, SmolLM3's NoPE layers: loaded into the config, and
+generating what Hugging Face generates."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFWriter
-from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
+from transformers import (
+    GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, SmolLM3Config,
+    SmolLM3ForCausalLM,
+)
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.loader import load_checkpoint
@@ -125,3 +129,35 @@ def test_partial_rotary_is_refused_where_the_architecture_has_none(tmp_path):
                        extra=lambda writer: writer.add_rope_dimension_count(8))
     with pytest.raises(ValueError, match=r"rope.dimension_count 8 differs from head_dim 16 .*'llama' does not"):
         load_checkpoint(str(path))
+
+
+def test_granite_gguf_carries_the_multipliers(tmp_path):
+    multipliers = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0)
+    torch.manual_seed(0)
+    model = GraniteForCausalLM(GraniteConfig(**SHAPE, **multipliers, initializer_range=0.2)).eval()
+
+    def scales(writer: GGUFWriter) -> None:  # as llama.cpp's GraniteModel converter names them
+        writer.add_embedding_scale(3.0)
+        writer.add_residual_scale(0.5)
+        writer.add_attention_scale(0.1)
+        writer.add_logit_scale(2.0)
+
+    path = _write_gguf(tmp_path / "granite.gguf", "granite", model, extra=scales)
+    checkpoint = load_checkpoint(str(path))
+    _assert_same_tensors(checkpoint.state_dict, _expected_parameters(model))
+    for key, value in multipliers.items():
+        assert getattr(checkpoint.config, key) == pytest.approx(value), key
+    check_generation(str(path), model, [3, 20])
+
+
+def test_smollm3_gguf_keeps_every_fourth_layer_without_rope(tmp_path):
+    torch.manual_seed(0)
+    config = SmolLM3Config(**{**SHAPE, "num_hidden_layers": 4}, initializer_range=0.2, pad_token_id=0,
+                           bos_token_id=1, eos_token_id=2)
+    model = SmolLM3ForCausalLM(config).eval()
+    assert model.config.no_rope_layers == [1, 1, 1, 0]
+    path = _write_gguf(tmp_path / "smollm3.gguf", "smollm3", model)
+    checkpoint = load_checkpoint(str(path))
+    _assert_same_tensors(checkpoint.state_dict, _expected_parameters(model))
+    assert checkpoint.config.no_rope_layers == [1, 1, 1, 0]
+    check_generation(str(path), model, [3, 20])

@@ -285,9 +285,9 @@ def _write_gguf(
         writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
         for name, tensor in _expected_parameters(model).items():
             weights = tensor.numpy()
-            if architecture == "llama" and ".q_proj." in name:
+            if architecture in ("llama", "granite", "smollm3") and ".q_proj." in name:
                 weights = _llama_cpp_permute(weights, config.num_attention_heads)
-            if architecture == "llama" and ".k_proj." in name:
+            if architecture in ("llama", "granite", "smollm3") and ".k_proj." in name:
                 weights = _llama_cpp_permute(weights, config.num_key_value_heads)
             writer.add_tensor(_gguf_name(name), weights)
     extra(writer)
