@@ -28,8 +28,9 @@ from transformers import (
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from pagedllm.model.gguf_config import GGUF_ARCHITECTURES
 from pagedllm.model.gguf_file import SUPPORTED_GGUF_TYPES, _dequantize
-from pagedllm.model.loader import Checkpoint, default_model_path, load_checkpoint
+from pagedllm.model.loader import SUPPORTED_ARCHITECTURES, Checkpoint, default_model_path, load_checkpoint
 
 SMOLLM_VOCAB = 49152
 TEXT = "Hello world <|im_start|>user\nHi there! 123 ünïcode 你好<|im_end|>"
@@ -381,7 +382,8 @@ def test_folder_without_config(tmp_path):
 
 def test_folder_with_unknown_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ValueError, match=r"unsupported architecture 'gpt2'; supported: llama, qwen2, qwen3"):
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    with pytest.raises(ValueError, match=rf"unsupported architecture 'gpt2'; supported: {supported}$"):
         load_checkpoint(str(tmp_path))
 
 
@@ -397,7 +399,8 @@ def test_folder_without_weights_or_tokenizer(tmp_path):
 
 def test_gguf_with_unknown_architecture(tmp_path):
     path = _write_gguf(tmp_path / "gpt2.gguf", "gpt2")
-    with pytest.raises(ValueError, match=r"unsupported architecture 'gpt2'; supported: llama, qwen2, qwen3"):
+    supported = ", ".join(GGUF_ARCHITECTURES)
+    with pytest.raises(ValueError, match=rf"unsupported GGUF architecture 'gpt2'; supported: {supported}$"):
         load_checkpoint(str(path))
 
 
