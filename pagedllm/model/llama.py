@@ -18,6 +18,7 @@ from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.distributed.sharding import shard_layout, shard_state_dict
 from pagedllm.model.shapes import head_dim_of
 from pagedllm.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, linear
+from pagedllm.model.quantized import QuantizedLinear, install_packed_weights
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -168,6 +169,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: the sampler reads bf16 ones as fp32
         without a copy when it only needs the argmax."""
+        if isinstance(getattr(self, "lm_head", None), QuantizedLinear):  # packed GGUF weights
+            return self.lm_head(hidden)
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return linear(hidden, weight)
 
@@ -175,6 +178,7 @@ class LlamaForCausalLM(nn.Module):
         """Load Hugging Face-named weights of the whole model: this rank's shard
         is sliced out, then q/k/v and gate/up are fused; a missing or
         unexpected tensor is a ValueError."""
+        state_dict = install_packed_weights(self, state_dict, _FUSED)
         if self.tie_word_embeddings:
             state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
         shard = shard_state_dict(state_dict, self.config, self.tp)

