@@ -86,12 +86,21 @@ def test_packed_greedy_equals_dequantized(quantized_gguf):
     _assert_same_greedy(packed, dequantized, 1e-4)
 
 
-def test_packed_bfloat16_close_to_dequantized(quantized_gguf):
-    """bf16: packed multiplies by the exact decoded weights, dequantize by their bf16 rounding."""
+def _prompt_logprobs(outputs) -> torch.Tensor:
+    """The log-probability of every prompt token after the first, all prompts concatenated."""
+    return torch.tensor([entry[output.prompt_token_ids[i + 1]].logprob for output in outputs
+                         for i, entry in enumerate(output.prompt_logprobs[1:])])
+
+
+def test_packed_bfloat16_as_close_to_fp32_as_dequantized_bfloat16(quantized_gguf):
+    """bf16 packed multiplies by the exact decoded weights (output rounded to bf16), bf16
+    dequantized by their bf16 rounding: against the fp32 run, packed is off by no more than
+    dequantized is (the bound test_hf_parity uses for bf16 against HF)."""
     prompts = [list(range(3, 40)), list(range(100, 110))]
-    _, packed = _generate(quantized_gguf, "packed", prompts, "bfloat16")
-    _, dequantized = _generate(quantized_gguf, "dequantize", prompts, "bfloat16")
-    _assert_close_logprobs(packed, dequantized, 0.1)
+    reference = _prompt_logprobs(_generate(quantized_gguf, "dequantize", prompts)[1])
+    packed = (_prompt_logprobs(_generate(quantized_gguf, "packed", prompts, "bfloat16")[1]) - reference).abs()
+    dense = (_prompt_logprobs(_generate(quantized_gguf, "dequantize", prompts, "bfloat16")[1]) - reference).abs()
+    assert packed.max() < 0.35 and packed.mean() <= 1.5 * dense.mean(), (packed.mean(), dense.mean())
 
 
 def test_tensor_parallel_falls_back_to_dense(quantized_gguf, caplog):
@@ -140,7 +149,7 @@ def test_type_nothing_decodes_is_rejected_before_loading(tmp_path):
     def q8_k(writer: GGUFWriter) -> None:
         writer.add_tensor("blk.0.ffn_down.weight", np.zeros((2, 292), dtype=np.uint8), raw_dtype=T.Q8_K)
 
-    path = _write_gguf(tmp_path / "q8k.gguf", "llama", _tiny_hf_model("llama"), extra=q8_k)
+    path = _write_gguf(tmp_path / "q8k.gguf", "llama", extra=q8_k)  # types are checked before the metadata
     with pytest.raises(ValueError, match=r"unsupported type Q8_K; supported: .*Q4_K.*Q6_K"):
         load_checkpoint(str(path), gguf_weights="packed")
 
