@@ -72,12 +72,12 @@ def write_random_gguf(path: Path, shape: dict, qtype_name: str, seed: int = 0) -
 
 def _write_metadata(writer, shape: dict) -> None:
     # A byte-level vocabulary padded to the embedding's rows, so that every generated id detokenizes.
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    alphabet = list(bytes_to_unicode().values())
+    tokens = [*bytes_to_unicode().values(), "hi"]  # the byte alphabet and one merge
     writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(alphabet + [f"<t{i}>" for i in range(shape["vocab"] - len(alphabet))])
-    writer.add_token_merges([])
+    writer.add_token_list(tokens + [f"<t{i}>" for i in range(shape["vocab"] - len(tokens))])
+    writer.add_token_merges(["h i"])
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
     writer.add_block_count(shape["layers"])

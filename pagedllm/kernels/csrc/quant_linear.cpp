@@ -120,18 +120,26 @@ void decode_k(const uint8_t* b, float* y) {
 }
 
 // Q6_K: low nibbles in ql[128], two high bits each in qh[64], an int8 scale per 16 weights.
+// Each half of 128 weights is 4 runs of 32: run r takes nibble r / 2 of ql[64 * half + 32 * (r % 2) + l]
+// and bits 2r, 2r + 1 of qh[32 * half + l]. Loops of fixed shifts, so that they vectorize.
 void decode_q6_k(const uint8_t* b, float* y) {
-  const uint8_t* ql = b;
-  const uint8_t* qh = b + 128;
   const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
   const float d = f16_at(b + 208);
-  for (int half = 0; half < 2; ++half)
-    for (int r = 0; r < 128; ++r) {
-      const int low = (ql[half * 64 + (r & 63)] >> (4 * (r >> 6))) & 0x0F;
-      const int high = (qh[half * 32 + (r & 31)] >> (2 * (r >> 5))) & 0x03;
-      const int f = half * 128 + r;
-      y[f] = (d * static_cast<float>(scales[f >> 4])) * static_cast<float>((low | (high << 4)) - 32);
+  for (int half = 0; half < 2; ++half) {
+    const uint8_t* ql = b + 64 * half;
+    const uint8_t* qh = b + 128 + 32 * half;
+    for (int run = 0; run < 4; ++run) {
+      const uint8_t* low = ql + 32 * (run & 1);
+      const int low_shift = 4 * (run >> 1), high_shift = 2 * run;
+      float* out = y + 128 * half + 32 * run;
+      const float d0 = d * static_cast<float>(scales[8 * half + 2 * run]);
+      const float d1 = d * static_cast<float>(scales[8 * half + 2 * run + 1]);
+      for (int l = 0; l < 32; ++l) {
+        const int q = (((low[l] >> low_shift) & 0x0F) | (((qh[l] >> high_shift) & 0x03) << 4)) - 32;
+        out[l] = (l < 16 ? d0 : d1) * static_cast<float>(q);
+      }
     }
+  }
 }
 
 Format format_of(int64_t qtype) {
