@@ -151,3 +151,10 @@ def test_packed_weight_rows_follow_the_rope_unpermutation(quantized_gguf):
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
         assert isinstance(packed[name], PackedWeight)
         assert torch.equal(packed[name].dequantize(), dense[name])
+
+
+def test_packed_weights_of_the_wrong_shape_are_rejected(quantized_gguf):
+    checkpoint = load_checkpoint(quantized_gguf, gguf_weights="packed")
+    checkpoint.config.intermediate_size = 128  # the file's MLP is 96 wide
+    with pytest.raises(ValueError, match=r"checkpoint does not match the model: .*gate_proj.weight is \[192, 64\]"):
+        PagedLlama(checkpoint.config).load_weights(checkpoint.state_dict)

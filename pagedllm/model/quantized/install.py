@@ -42,21 +42,24 @@ def install_packed_weights(model: nn.Module, state_dict: dict, fused: dict[str, 
     for name in list(packed):
         module_name = name.removesuffix(".weight")
         module = _find(model, module_name)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            _check_shape(name, packed[name].shape, tuple(module.weight.shape))
         if isinstance(module, nn.Linear):
             _replace(model, module_name, QuantizedLinear([packed.pop(name)], module.bias is not None,
                                                          module.weight.device))
         elif isinstance(module, nn.Embedding):
             _replace(model, module_name, PackedEmbedding(packed.pop(name)))
-    if getattr(model, "tie_word_embeddings", False) and isinstance(model.get_submodule("model.embed_tokens"),
-                                                                   PackedEmbedding):
+    embedding = _find(model, "model.embed_tokens")
+    if getattr(model, "tie_word_embeddings", False) and isinstance(embedding, PackedEmbedding):
         # compute_logits uses lm_head when it is a QuantizedLinear; this one shares the blocks.
-        model.lm_head = model.get_submodule("model.embed_tokens").as_linear()
+        model.lm_head = embedding.as_linear()
     # Whatever found no packed module loads dense (or fails as an unexpected tensor would).
     return {**dense, **{name: weight.dequantize() for name, weight in packed.items()}}
 
 
 def _install_fused(model: nn.Module, packed: dict[str, PackedWeight], fused: dict[str, tuple[str, ...]]) -> None:
-    """Replace each fused projection whose parts are all packed; dequantize partly packed ones."""
+    """Replace each fused projection whose parts are all packed (partly packed ones stay in
+    `packed`, which the caller dequantizes)."""
     for name, module in list(model.named_modules()):
         for target, parts in fused.items():
             if not name.endswith("." + target):
@@ -65,7 +68,16 @@ def _install_fused(model: nn.Module, packed: dict[str, PackedWeight], fused: dic
             names = [f"{prefix}{part}.weight" for part in parts]
             if all(part in packed for part in names):
                 weights = [packed.pop(part) for part in names]
+                rows = sum(weight.shape[0] for weight in weights)
+                for part, weight in zip(names, weights):
+                    _check_shape(part, (rows, weight.shape[1]), tuple(module.weight.shape))
                 _replace(model, name, QuantizedLinear.fused(weights, module.bias is not None, module.weight.device))
+
+
+def _check_shape(name: str, shape: tuple[int, int], expected: tuple[int, ...]) -> None:
+    if shape != expected:
+        raise ValueError(f"checkpoint does not match the model: {name} is {list(shape)}, the model expects "
+                         f"{list(expected)}")
 
 
 def _find(model: nn.Module, name: str) -> nn.Module | None:
