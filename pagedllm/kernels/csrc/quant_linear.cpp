@@ -35,12 +35,6 @@ enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 
 
 using BlockDecoder = void (*)(const uint8_t* block, float* out);
 
-struct Format {
-  int64_t block_size;   // weights per block
-  int64_t block_bytes;  // bytes per block (gguf.GGML_QUANT_SIZES)
-  BlockDecoder decode;
-};
-
 inline float f16_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
@@ -53,11 +47,39 @@ void decode_q8_0(const uint8_t* b, float* y) {
   for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(q[j]) * d;
 }
 
+#if defined(__AVX512F__)
+// A Q4 / Q5 block's 32 weights from its 16 nibble bytes (weight j in the low nibble of byte j,
+// weight j + 16 in the high one), 16 added where the fifth-bit masks are set (Q5), minus
+// `offset`, times d, plus m when the type has a min: the scalar decoders' arithmetic, 16 lanes at once.
+template <bool kHasMin>
+inline void decode_nibbles(const uint8_t* qs, __mmask16 fifth_lo, __mmask16 fifth_hi, int offset, float d, float m,
+                           float* y) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m512i sixteen = _mm512_set1_epi32(16), minus = _mm512_set1_epi32(offset);
+  __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble));
+  __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+  lo = _mm512_sub_epi32(_mm512_mask_add_epi32(lo, fifth_lo, lo, sixteen), minus);
+  hi = _mm512_sub_epi32(_mm512_mask_add_epi32(hi, fifth_hi, hi, sixteen), minus);
+  const __m512 dv = _mm512_set1_ps(d);
+  __m512 a = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(lo)), b = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(hi));
+  if constexpr (kHasMin) {
+    a = _mm512_add_ps(a, _mm512_set1_ps(m));
+    b = _mm512_add_ps(b, _mm512_set1_ps(m));
+  }
+  _mm512_storeu_ps(y, a);
+  _mm512_storeu_ps(y + 16, b);
+}
+#endif
+
 // Q4_0 / Q4_1: byte j holds weight j (low nibble) and weight j + 16 (high nibble).
 template <bool kHasMin>
 void decode_q4(const uint8_t* b, float* y) {
   const float d = f16_at(b), m = kHasMin ? f16_at(b + 2) : 0.0f;
   const uint8_t* qs = b + (kHasMin ? 4 : 2);
+#if defined(__AVX512F__)
+  decode_nibbles<kHasMin>(qs, 0, 0, kHasMin ? 0 : 8, d, m, y);
+#else
   for (int j = 0; j < 16; ++j) {
     if constexpr (kHasMin) {
       y[j] = d * static_cast<float>(qs[j] & 0x0F) + m;
@@ -67,6 +89,7 @@ void decode_q4(const uint8_t* b, float* y) {
       y[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
     }
   }
+#endif
 }
 
 // Q5_0 / Q5_1: as Q4, plus a fifth bit per weight in a little-endian uint32 (bit j: weight j).
@@ -76,6 +99,10 @@ void decode_q5(const uint8_t* b, float* y) {
   uint32_t qh;
   std::memcpy(&qh, b + (kHasMin ? 4 : 2), 4);
   const uint8_t* qs = b + (kHasMin ? 8 : 6);
+#if defined(__AVX512F__)
+  decode_nibbles<kHasMin>(qs, static_cast<__mmask16>(qh & 0xFFFF), static_cast<__mmask16>(qh >> 16),
+                          kHasMin ? 0 : 16, d, m, y);
+#else
   for (int j = 0; j < 16; ++j) {
     const int lo = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
     const int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
@@ -87,6 +114,7 @@ void decode_q5(const uint8_t* b, float* y) {
       y[j + 16] = d * static_cast<float>(hi - 16);
     }
   }
+#endif
 }
 
 // The 8 six-bit scales and mins of a Q4_K / Q5_K super-block (llama.cpp's get_scale_min_k4).
@@ -142,27 +170,37 @@ void decode_q6_k(const uint8_t* b, float* y) {
   }
 }
 
-Format format_of(int64_t qtype) {
-  switch (qtype) {
-    case Q8_0: return {32, 34, decode_q8_0};
-    case Q4_0: return {32, 18, decode_q4<false>};
-    case Q4_1: return {32, 20, decode_q4<true>};
-    case Q5_0: return {32, 22, decode_q5<false>};
-    case Q5_1: return {32, 24, decode_q5<true>};
-    case Q4_K: return {256, 144, decode_k<false>};
-    case Q5_K: return {256, 176, decode_k<true>};
-    case Q6_K: return {256, 210, decode_q6_k};
-    default: TORCH_CHECK(false, "packed GGUF type id ", qtype, " has no CPU kernel");
-  }
-}
+// One packed type: its block geometry (gguf.GGML_QUANT_SIZES) and decoder, all compile-time
+// constants, so that the decoder inlines into the row loop (an indirect call per block of 32
+// weights would cost more than decoding it).
+template <int64_t kBlockSize, int64_t kBlockBytes, BlockDecoder kDecode>
+struct Format {
+  static constexpr int64_t block_size = kBlockSize, block_bytes = kBlockBytes;
 
-// Rows [begin, end) of the packed weight as fp32, one row of `K` after another into `out`.
-void decode_rows(const uint8_t* packed, int64_t row_bytes, const Format& f, int64_t K, int64_t begin, int64_t end,
-                 float* out) {
-  for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* row = packed + n * row_bytes;
-    float* y = out + (n - begin) * K;
-    for (int64_t blk = 0; blk < K / f.block_size; ++blk) f.decode(row + blk * f.block_bytes, y + blk * f.block_size);
+  // Rows [begin, end) of the packed weight as fp32, one row of `K` after another into `out`.
+  static void decode_rows(const uint8_t* packed, int64_t row_bytes, int64_t K, int64_t begin, int64_t end,
+                          float* out) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = packed + n * row_bytes;
+      float* y = out + (n - begin) * K;
+      for (int64_t blk = 0; blk < K / kBlockSize; ++blk) kDecode(row + blk * kBlockBytes, y + blk * kBlockSize);
+    }
+  }
+};
+
+// body(Format<...>{}) for the format of GGML type id `qtype`.
+template <typename Body>
+void with_format(int64_t qtype, Body&& body) {
+  switch (qtype) {
+    case Q8_0: return body(Format<32, 34, decode_q8_0>{});
+    case Q4_0: return body(Format<32, 18, decode_q4<false>>{});
+    case Q4_1: return body(Format<32, 20, decode_q4<true>>{});
+    case Q5_0: return body(Format<32, 22, decode_q5<false>>{});
+    case Q5_1: return body(Format<32, 24, decode_q5<true>>{});
+    case Q4_K: return body(Format<256, 144, decode_k<false>>{});
+    case Q5_K: return body(Format<256, 176, decode_k<true>>{});
+    case Q6_K: return body(Format<256, 210, decode_q6_k>{});
+    default: TORCH_CHECK(false, "packed GGUF type id ", qtype, " has no CPU kernel");
   }
 }
 
@@ -217,37 +255,18 @@ void multiply_tile(const float* x, int64_t ldx, int64_t M, const float* w, int64
 #endif
 }
 
-void check_inputs(const torch::Tensor& packed, int64_t in_features, const Format& f) {
+template <typename F>
+void check_inputs(const torch::Tensor& packed, int64_t in_features) {
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kByte && packed.is_contiguous(),
               "packed weight must be contiguous uint8 [out_features, bytes_per_row]");
-  TORCH_CHECK(in_features % f.block_size == 0 && packed.size(1) == in_features / f.block_size * f.block_bytes,
+  TORCH_CHECK(in_features % F::block_size == 0 && packed.size(1) == in_features / F::block_size * F::block_bytes,
               "packed weight rows do not hold in_features=", in_features, " weights of this type");
 }
 
-}  // namespace
-
-torch::Tensor quant_dequantize(torch::Tensor packed, int64_t qtype, int64_t in_features) {
-  const Format f = format_of(qtype);
-  check_inputs(packed, in_features, f);
-  const int64_t N = packed.size(0);
-  auto out = torch::empty({N, in_features}, torch::kFloat);
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    decode_rows(pp, packed.size(1), f, in_features, begin, end, op + begin * in_features);
-  });
-  return out;
-}
-
-void quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::Tensor out, int64_t small_rows) {
-  const Format f = format_of(qtype);
+template <typename F>
+void linear(const torch::Tensor& x, const torch::Tensor& packed, torch::Tensor& out, int64_t small_rows) {
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  check_inputs(packed, K, f);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
-              "quant_linear: x must be fp32 [rows, in_features] with contiguous rows");
-  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat && out.stride(1) == 1 && out.size(0) == M &&
-                  out.size(1) == N,
-              "quant_linear: out must be an fp32 [rows, out_features] view with contiguous rows");
+  check_inputs<F>(packed, K);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const int64_t row_bytes = packed.size(1);
   if (M <= small_rows) {
@@ -258,7 +277,7 @@ void quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::T
       std::vector<float> tile(kTileRows * K, 0.0f);  // rows past N stay zero
       for (int64_t t = begin; t < end; ++t) {
         const int64_t n = t * kTileRows, rows = std::min(kTileRows, N - n);
-        decode_rows(pp, row_bytes, f, K, n, n + rows, tile.data());
+        F::decode_rows(pp, row_bytes, K, n, n + rows, tile.data());
         multiply_tile(xp, x.stride(0), M, tile.data(), K, yp + n, out.stride(0), rows);
       }
     });
@@ -267,13 +286,38 @@ void quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::T
   // About 2 MB of fp32 weights per tile: big enough for MKL, small enough to stay in cache.
   const int64_t tile_rows = std::max<int64_t>(64, (int64_t{1} << 19) / K);
   auto scratch = torch::empty({std::min(tile_rows, N), K}, torch::kFloat);
+  float* sp = scratch.data_ptr<float>();
   for (int64_t n = 0; n < N; n += tile_rows) {
     const int64_t rows = std::min(tile_rows, N - n);
-    float* sp = scratch.data_ptr<float>();
     at::parallel_for(n, n + rows, 8, [&](int64_t begin, int64_t end) {
-      decode_rows(pp, row_bytes, f, K, begin, end, sp + (begin - n) * K);
+      F::decode_rows(pp, row_bytes, K, begin, end, sp + (begin - n) * K);
     });
     auto target = out.narrow(1, n, rows);
     at::mm_out(target, x, scratch.narrow(0, 0, rows).t());
   }
+}
+
+}  // namespace
+
+torch::Tensor quant_dequantize(torch::Tensor packed, int64_t qtype, int64_t in_features) {
+  auto out = torch::empty({packed.size(0), in_features}, torch::kFloat);
+  with_format(qtype, [&](auto format) {
+    using F = decltype(format);
+    check_inputs<F>(packed, in_features);
+    const uint8_t* pp = packed.data_ptr<uint8_t>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, packed.size(0), 16, [&](int64_t begin, int64_t end) {
+      F::decode_rows(pp, packed.size(1), in_features, begin, end, op + begin * in_features);
+    });
+  });
+  return out;
+}
+
+void quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::Tensor out, int64_t small_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
+              "quant_linear: x must be fp32 [rows, in_features] with contiguous rows");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat && out.stride(1) == 1 && out.size(0) == x.size(0) &&
+                  out.size(1) == packed.size(0),
+              "quant_linear: out must be an fp32 [rows, out_features] view with contiguous rows");
+  with_format(qtype, [&](auto format) { linear<decltype(format)>(x, packed, out, small_rows); });
 }
