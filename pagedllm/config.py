@@ -31,6 +31,7 @@ KVLayout = Literal["paged", "contiguous"]
 ContiguousReservation = Literal["max_model_len", "request"]
 PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+GGUFWeights = Literal["packed", "dequantize"]
 
 _DTYPES = get_args(DType)
 KV_CACHE_DTYPES = get_args(KVCacheDType)
@@ -248,8 +249,16 @@ class EngineConfig:
                           "them unset; vllm: ignore the file"},
     )
 
+    gguf_weights: GGUFWeights = field(
+        default="packed",
+        metadata={"help": "GGUF files: packed keeps Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights in their "
+                          "blocks and multiplies them with a kernel that decodes tile by tile (memory ~ the file "
+                          "size); dequantize decodes every weight to the model dtype at load"},
+    )
+
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, ModelDType)
+        _check_choice("gguf_weights", self.gguf_weights, GGUFWeights)
         _check_choice("generation_config", self.generation_config, GenerationConfigSource)
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or None (auto), got {self.device!r}")

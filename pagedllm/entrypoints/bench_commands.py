@@ -209,6 +209,19 @@ def cmd_bench_linear(args: argparse.Namespace) -> None:
            f"(own weights per layer, LM head included), best of 8 interleaved passes.")
 
 
+def cmd_bench_quant(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from pagedllm.bench import quant
+
+    shape = dict(quant.QWEN25_05B, layers=args.layers or quant.QWEN25_05B["layers"])
+    results = quant.run(Path(args.workdir), shape, args.batch_size, args.prompt_len, args.output_len)
+    report(args, quant.format_table(results),
+           f"CPU: {quant.cpu_description()}. Random Qwen2.5-0.5B-shaped model ({shape}) as GGUF; fp32/bf16 are the "
+           f"Q8_0 file dequantized at load. {args.batch_size} sequences, {args.prompt_len}-token prompts, "
+           f"{args.output_len} output tokens (ignore_eos), each run in its own process.")
+
+
 def cmd_bench_roofline(args: argparse.Namespace) -> None:
     from pagedllm.bench import kernels
     from pagedllm.bench.throughput import random_requests
@@ -353,6 +366,14 @@ def _add_kernel_benches(benches: argparse._SubParsersAction) -> None:
                     cmd_bench_linear, builds_engine=False)
     li.add_argument("--model", default=None, help="model whose shapes to use (default: the embedded SmolLM2)")
     li.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16, 32, 48, 64])
+    qu = _add_bench(benches, "quant", "decode speed and memory: packed Q8_0/Q4_0 GGUF weights vs fp32/bf16",
+                    cmd_bench_quant, builds_engine=False)
+    qu.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check (default: 24)")
+    qu.add_argument("--batch-size", type=int, default=4)
+    qu.add_argument("--prompt-len", type=int, default=16)
+    qu.add_argument("--output-len", type=int, default=32)
+    qu.add_argument("--workdir", default="/tmp/pagedllm-bench-quant",
+                    help="where the random GGUF files are written (and reused by later runs)")
     rf = _add_bench(benches, "roofline", "matmul roofline on the model's shapes vs measured decode",
                     cmd_bench_roofline)
     rf.add_argument("--batch-size", type=int, default=64)

@@ -11,7 +11,8 @@ pure-PyTorch path; ``PAGEDLLM_CPU_KERNEL=0`` turns the kernels off.
 
 The module provides: ``paged_decode_attention`` (paged_decode.cpp),
 ``rms_norm``, ``rotary_embedding``, ``silu_and_mul`` (layer_ops.cpp), ``write_kv_cache`` (kv_write.cpp),
-``linear_small_batch`` (small_batch_linear.cpp) and ``argmax_logsumexp``
+``linear_small_batch`` (small_batch_linear.cpp), ``quant_linear`` and
+``quant_dequantize`` (quant_linear.cpp) and ``argmax_logsumexp``
 (sampling_ops.cpp).
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ logger = init_logger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "paged_decode.cpp", "layer_ops.cpp", "kv_write.cpp", "small_batch_linear.cpp",
-            "sampling_ops.cpp"]
+            "sampling_ops.cpp", "quant_linear.cpp"]
 
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]

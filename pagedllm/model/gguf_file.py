@@ -15,35 +15,26 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from transformers import PreTrainedTokenizerFast
 
+from pagedllm.logger import init_logger
 from pagedllm.model.checkpoint import Checkpoint, check_architecture
 from pagedllm.model.gguf_config import GLOBAL_NAMES, GGUFArchitecture, gguf_architecture, gguf_config, metadata
+from pagedllm.model.quantized.packed import DEQUANTIZED_TYPES, PACKED_TYPES, PackedWeight
 
-# The float types and llama.cpp's classic block quantizations. The importance-matrix (IQ*), ternary
-# (TQ*) and FP4 types are left out on purpose: they are rare for these models and untested here.
-SUPPORTED_GGUF_TYPES = frozenset(
-    {
-        GGMLQuantizationType.F32,
-        GGMLQuantizationType.F16,
-        GGMLQuantizationType.BF16,
-        GGMLQuantizationType.Q4_0,
-        GGMLQuantizationType.Q4_1,
-        GGMLQuantizationType.Q5_0,
-        GGMLQuantizationType.Q5_1,
-        GGMLQuantizationType.Q8_0,
-        GGMLQuantizationType.Q2_K,
-        GGMLQuantizationType.Q3_K,
-        GGMLQuantizationType.Q4_K,
-        GGMLQuantizationType.Q5_K,
-        GGMLQuantizationType.Q6_K,
-    }
-)
+logger = init_logger(__name__)
+
+# The float types, the packed ones (kept in their blocks, with a kernel) and the block types only
+# decoded at load. Importance-matrix (IQ*), ternary (TQ*) and FP4 types are left out on purpose:
+# they are rare for these models and untested here.
+_FLOAT_GGUF_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+SUPPORTED_GGUF_TYPES = _FLOAT_GGUF_TYPES | PACKED_TYPES | DEQUANTIZED_TYPES
 
 _GGUF_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GGUF_GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 
 
-def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
-    """Load a llama.cpp GGUF file. Architecture, tensor names and types are checked before dequantizing."""
+def load_gguf(path: Path, dtype: torch.dtype, packed: bool = False) -> Checkpoint:
+    """Load a llama.cpp GGUF file. Architecture, tensor names and types are checked before any
+    tensor is decoded. ``packed``: 2-D weights of a ``PACKED_TYPES`` type stay in their blocks."""
     try:
         reader = GGUFReader(path)
     except (ValueError, KeyError, IndexError) as error:  # what GGUFReader raises on a malformed file
@@ -64,20 +55,7 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     rope_tensors = {_rope_tensor_name(t.name): _dequantize(t, torch.float32) for t in reader.tensors
                     if t.name not in hf_names}
     config = gguf_config(reader, architecture, rope_tensors)
-    state_dict: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        if tensor.name not in hf_names:
-            continue
-        name = hf_names[tensor.name]
-        if layout.norms_stored_plus_one and name.endswith("norm.weight"):
-            weights = (_dequantize(tensor, torch.float32) - 1).to(dtype)
-        else:
-            weights = _dequantize(tensor, dtype)
-        if layout.unpermute_qk and ".q_proj." in name:
-            weights = _unpermute_rope_rows(weights, config.num_attention_heads)
-        elif layout.unpermute_qk and ".k_proj." in name:
-            weights = _unpermute_rope_rows(weights, config.num_key_value_heads)
-        state_dict[name] = weights
+    state_dict = _read_weights(reader, hf_names, layout, config, dtype, packed)
 
     # PreTrainedTokenizerFast builds the tokenizer straight from the metadata. AutoTokenizer would
     # build the same one, but first rebuilds the config through transformers' slow GGUF path (~5 s).
@@ -94,6 +72,34 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
 def _rope_tensor_name(gguf_name: str) -> str:
     """``rope_freqs.weight`` -> ``rope_freqs`` (what GGUF_ARCHITECTURES' rope_tensors list)."""
     return gguf_name.removesuffix(".weight")
+
+
+def _read_weights(reader: GGUFReader, hf_names: dict[str, str], layout: GGUFArchitecture, config,
+                  dtype: torch.dtype, packed: bool) -> dict[str, torch.Tensor | PackedWeight]:
+    """Every named tensor, by Hugging Face name: decoded to ``dtype``, or kept in its blocks."""
+    state_dict: dict[str, torch.Tensor | PackedWeight] = {}
+    dequantized: set[str] = set()  # quantized types decoded at load although packing was asked for
+    for tensor in reader.tensors:
+        if tensor.name not in hf_names:
+            continue
+        name = hf_names[tensor.name]
+        keep_packed = packed and tensor.tensor_type in PACKED_TYPES and len(tensor.shape) == 2  # not biases
+        if keep_packed:
+            weights = PackedWeight.from_gguf(tensor, dtype)
+        elif layout.norms_stored_plus_one and name.endswith("norm.weight"):
+            weights = (_dequantize(tensor, torch.float32) - 1).to(dtype)
+        else:
+            weights = _dequantize(tensor, dtype)
+        if packed and not keep_packed and tensor.tensor_type not in _FLOAT_GGUF_TYPES:
+            dequantized.add(tensor.tensor_type.name)
+        if layout.unpermute_qk and ".q_proj." in name:
+            weights = _unpermute_rope_rows(weights, config.num_attention_heads)
+        elif layout.unpermute_qk and ".k_proj." in name:
+            weights = _unpermute_rope_rows(weights, config.num_key_value_heads)
+        state_dict[name] = weights
+    if dequantized:
+        logger.info("GGUF types without a packed kernel, dequantized at load: %s", ", ".join(sorted(dequantized)))
+    return state_dict
 
 
 def _hf_name(gguf_name: str, architecture: str, layout: GGUFArchitecture) -> str:
@@ -131,12 +137,14 @@ def _dequantize(tensor: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(values).reshape(shape).to(dtype)
 
 
-def _unpermute_rope_rows(weights: torch.Tensor, n_head: int) -> torch.Tensor:
+def _unpermute_rope_rows(weights: torch.Tensor | PackedWeight, n_head: int) -> torch.Tensor | PackedWeight:
     """Undo llama.cpp's q/k row permutation for llama checkpoints.
 
     llama.cpp's converter reorders each head's rows from Hugging Face's rotate-half rope layout to
     its interleaved one: `w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2)`. This is
-    the inverse; it applies to weights and biases alike.
+    the inverse; it applies to weights, biases and packed weights (a permutation of block rows).
     """
+    if isinstance(weights, PackedWeight):
+        return weights.rows(_unpermute_rope_rows(torch.arange(weights.shape[0]), n_head))
     rows, rest = weights.shape[0], weights.shape[1:]
     return weights.reshape(n_head, rows // n_head // 2, 2, *rest).transpose(1, 2).reshape(weights.shape)

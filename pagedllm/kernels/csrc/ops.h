@@ -25,5 +25,9 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_ca
 // small_batch_linear.cpp: x @ weight^T + bias for fp32 with few rows (decode matmuls).
 torch::Tensor linear_small_batch(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
 
+// quant_linear.cpp: matmuls and row lookups over weights kept in packed GGUF blocks.
+torch::Tensor quant_dequantize(torch::Tensor packed, int64_t qtype, int64_t in_features);
+void quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::Tensor out, int64_t small_rows);
+
 // sampling_ops.cpp: greedy token and log-normaliser of each logits row in one read.
 std::tuple<torch::Tensor, torch::Tensor> argmax_logsumexp(torch::Tensor logits);

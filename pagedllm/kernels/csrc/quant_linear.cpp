@@ -1,0 +1,323 @@
+// y = x @ W^T for a weight W kept in llama.cpp's packed GGUF blocks (Q8_0, Q4_0,
+// Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), dequantized tile by tile so that the
+// dense fp32 weight never exists as a whole.
+//
+// Each block decodes exactly as gguf-py's numpy dequantize does (the same
+// products, in the same order), so the dequantized values are that package's
+// up to the compiler fusing ``d * q + m`` into one FMA (one rounding less).
+//
+// Few rows of x (decode): a task dequantizes 4 weight rows into an fp32
+// scratch that stays in L2, then multiplies every row of x by them, so each
+// weight byte is read from memory and decoded once per call. Many rows
+// (prefill): a tile of weight rows is dequantized into fp32 scratch and
+// multiplied by MKL (at::mm), tile after tile.
+//
+// Sums run in another order than a dense fp32 matmul over the dequantized
+// weight, so results agree with it to fp32 rounding, not bit for bit.
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include "lanes.h"
+#endif
+
+namespace {
+
+// GGML type ids (gguf.GGMLQuantizationType values).
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+using BlockDecoder = void (*)(const uint8_t* block, float* out);
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+void decode_q8_0(const uint8_t* b, float* y) {
+  const float d = f16_at(b);
+  const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+  for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(q[j]) * d;
+}
+
+#if defined(__AVX512F__)
+// A Q4 / Q5 block's 32 weights from its 16 nibble bytes (weight j in the low nibble of byte j,
+// weight j + 16 in the high one), 16 added where the fifth-bit masks are set (Q5), minus
+// `offset`, times d, plus m when the type has a min: the scalar decoders' arithmetic, 16 lanes at once.
+template <bool kHasMin>
+inline void decode_nibbles(const uint8_t* qs, __mmask16 fifth_lo, __mmask16 fifth_hi, int offset, float d, float m,
+                           float* y) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m512i sixteen = _mm512_set1_epi32(16), minus = _mm512_set1_epi32(offset);
+  __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble));
+  __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+  lo = _mm512_sub_epi32(_mm512_mask_add_epi32(lo, fifth_lo, lo, sixteen), minus);
+  hi = _mm512_sub_epi32(_mm512_mask_add_epi32(hi, fifth_hi, hi, sixteen), minus);
+  const __m512 dv = _mm512_set1_ps(d);
+  __m512 a = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(lo)), b = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(hi));
+  if constexpr (kHasMin) {
+    a = _mm512_add_ps(a, _mm512_set1_ps(m));
+    b = _mm512_add_ps(b, _mm512_set1_ps(m));
+  }
+  _mm512_storeu_ps(y, a);
+  _mm512_storeu_ps(y + 16, b);
+}
+#endif
+
+// Q4_0 / Q4_1: byte j holds weight j (low nibble) and weight j + 16 (high nibble).
+template <bool kHasMin>
+void decode_q4(const uint8_t* b, float* y) {
+  const float d = f16_at(b), m = kHasMin ? f16_at(b + 2) : 0.0f;
+  const uint8_t* qs = b + (kHasMin ? 4 : 2);
+#if defined(__AVX512F__)
+  decode_nibbles<kHasMin>(qs, 0, 0, kHasMin ? 0 : 8, d, m, y);
+#else
+  for (int j = 0; j < 16; ++j) {
+    if constexpr (kHasMin) {
+      y[j] = d * static_cast<float>(qs[j] & 0x0F) + m;
+      y[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+    } else {
+      y[j] = d * static_cast<float>((qs[j] & 0x0F) - 8);
+      y[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
+    }
+  }
+#endif
+}
+
+// Q5_0 / Q5_1: as Q4, plus a fifth bit per weight in a little-endian uint32 (bit j: weight j).
+template <bool kHasMin>
+void decode_q5(const uint8_t* b, float* y) {
+  const float d = f16_at(b), m = kHasMin ? f16_at(b + 2) : 0.0f;
+  uint32_t qh;
+  std::memcpy(&qh, b + (kHasMin ? 4 : 2), 4);
+  const uint8_t* qs = b + (kHasMin ? 8 : 6);
+#if defined(__AVX512F__)
+  decode_nibbles<kHasMin>(qs, static_cast<__mmask16>(qh & 0xFFFF), static_cast<__mmask16>(qh >> 16),
+                          kHasMin ? 0 : 16, d, m, y);
+#else
+  for (int j = 0; j < 16; ++j) {
+    const int lo = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
+    const int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+    if constexpr (kHasMin) {
+      y[j] = d * static_cast<float>(lo) + m;
+      y[j + 16] = d * static_cast<float>(hi) + m;
+    } else {
+      y[j] = d * static_cast<float>(lo - 16);
+      y[j + 16] = d * static_cast<float>(hi - 16);
+    }
+  }
+#endif
+}
+
+// The 8 six-bit scales and mins of a Q4_K / Q5_K super-block (llama.cpp's get_scale_min_k4).
+inline void k4_scales(const uint8_t* s, int* sc, int* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+  }
+}
+
+// Q4_K / Q5_K: 8 sub-blocks of 32; sub-block 2i + h takes nibble h of qs[32i .. 32i + 31]
+// (and, for Q5_K, bit 2i + h of qh[0 .. 31] as its fifth bit).
+template <bool kFifthBit>
+void decode_k(const uint8_t* b, float* y) {
+  const float d = f16_at(b), dmin = f16_at(b + 2);
+  int sc[8], mn[8];
+  k4_scales(b + 4, sc, mn);
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + (kFifthBit ? 48 : 16);
+  for (int s = 0; s < 8; ++s) {
+    const float ds = d * static_cast<float>(sc[s]), dm = dmin * static_cast<float>(mn[s]);
+    const int shift = 4 * (s & 1);
+    for (int l = 0; l < 32; ++l) {
+      int q = (qs[(s >> 1) * 32 + l] >> shift) & 0x0F;
+      if constexpr (kFifthBit) q |= ((qh[l] >> s) & 1) << 4;
+      y[s * 32 + l] = ds * static_cast<float>(q) - dm;
+    }
+  }
+}
+
+// Q6_K: low nibbles in ql[128], two high bits each in qh[64], an int8 scale per 16 weights.
+// Each half of 128 weights is 4 runs of 32: run r takes nibble r / 2 of ql[64 * half + 32 * (r % 2) + l]
+// and bits 2r, 2r + 1 of qh[32 * half + l]. Loops of fixed shifts, so that they vectorize.
+void decode_q6_k(const uint8_t* b, float* y) {
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = f16_at(b + 208);
+  for (int half = 0; half < 2; ++half) {
+    const uint8_t* ql = b + 64 * half;
+    const uint8_t* qh = b + 128 + 32 * half;
+    for (int run = 0; run < 4; ++run) {
+      const uint8_t* low = ql + 32 * (run & 1);
+      const int low_shift = 4 * (run >> 1), high_shift = 2 * run;
+      float* out = y + 128 * half + 32 * run;
+      const float d0 = d * static_cast<float>(scales[8 * half + 2 * run]);
+      const float d1 = d * static_cast<float>(scales[8 * half + 2 * run + 1]);
+      for (int l = 0; l < 32; ++l) {
+        const int q = (((low[l] >> low_shift) & 0x0F) | (((qh[l] >> high_shift) & 0x03) << 4)) - 32;
+        out[l] = (l < 16 ? d0 : d1) * static_cast<float>(q);
+      }
+    }
+  }
+}
+
+// One packed type: its block geometry (gguf.GGML_QUANT_SIZES) and decoder, all compile-time
+// constants, so that the decoder inlines into the row loop (an indirect call per block of 32
+// weights would cost more than decoding it).
+template <int64_t kBlockSize, int64_t kBlockBytes, BlockDecoder kDecode>
+struct Format {
+  static constexpr int64_t block_size = kBlockSize, block_bytes = kBlockBytes;
+
+  // Rows [begin, end) of the packed weight as fp32, one row of `K` after another into `out`.
+  static void decode_rows(const uint8_t* packed, int64_t row_bytes, int64_t K, int64_t begin, int64_t end,
+                          float* out) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = packed + n * row_bytes;
+      float* y = out + (n - begin) * K;
+      for (int64_t blk = 0; blk < K / kBlockSize; ++blk) kDecode(row + blk * kBlockBytes, y + blk * kBlockSize);
+    }
+  }
+};
+
+// body(Format<...>{}) for the format of GGML type id `qtype`.
+template <typename Body>
+void with_format(int64_t qtype, Body&& body) {
+  switch (qtype) {
+    case Q8_0: return body(Format<32, 34, decode_q8_0>{});
+    case Q4_0: return body(Format<32, 18, decode_q4<false>>{});
+    case Q4_1: return body(Format<32, 20, decode_q4<true>>{});
+    case Q5_0: return body(Format<32, 22, decode_q5<false>>{});
+    case Q5_1: return body(Format<32, 24, decode_q5<true>>{});
+    case Q4_K: return body(Format<256, 144, decode_k<false>>{});
+    case Q5_K: return body(Format<256, 176, decode_k<true>>{});
+    case Q6_K: return body(Format<256, 210, decode_q6_k>{});
+    default: TORCH_CHECK(false, "packed GGUF type id ", qtype, " has no CPU kernel");
+  }
+}
+
+constexpr int64_t kTileRows = 4;  // weight rows decoded per decode-path tile
+
+#if defined(__AVX512F__)
+// y[m, i] = x[m] . w[i] for kGroup (1-4) rows of x and the tile's 4 decoded weight rows (K a
+// multiple of 16): 16 accumulators, one per output, kept in registers by the fixed group size.
+template <int kGroup>
+void multiply_group(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, int64_t rows) {
+  __m512 acc[16];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + K + k), w2 = _mm512_loadu_ps(w + 2 * K + k),
+                 w3 = _mm512_loadu_ps(w + 3 * K + k);
+#pragma GCC unroll 4
+    for (int m = 0; m < kGroup; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
+      acc[4 * m] = _mm512_fmadd_ps(xv, w0, acc[4 * m]);
+      acc[4 * m + 1] = _mm512_fmadd_ps(xv, w1, acc[4 * m + 1]);
+      acc[4 * m + 2] = _mm512_fmadd_ps(xv, w2, acc[4 * m + 2]);
+      acc[4 * m + 3] = _mm512_fmadd_ps(xv, w3, acc[4 * m + 3]);
+    }
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, sum_lanes_of_16(acc));  // lane 4m + i: output (m, i)
+  for (int m = 0; m < kGroup; ++m)
+    for (int64_t i = 0; i < rows; ++i) y[m * ldy + i] = sums[4 * m + i];
+}
+#endif
+
+// y[m, i] = x[m] . w[i] for the tile's 4 decoded weight rows and all M rows of x; only the
+// first `rows` outputs of each row of y are written (the last tile may be partial).
+void multiply_tile(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K, float* y, int64_t ldy,
+                   int64_t rows) {
+#if defined(__AVX512F__)
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) multiply_group<4>(x + m * ldx, ldx, w, K, y + m * ldy, ldy, rows);
+  switch (M - m) {
+    case 3: multiply_group<3>(x + m * ldx, ldx, w, K, y + m * ldy, ldy, rows); break;
+    case 2: multiply_group<2>(x + m * ldx, ldx, w, K, y + m * ldy, ldy, rows); break;
+    case 1: multiply_group<1>(x + m * ldx, ldx, w, K, y + m * ldy, ldy, rows); break;
+    default: break;
+  }
+#else  // portable: the compiler vectorizes the inner sum (-ffast-math lets it reorder)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < rows; ++i) {
+      float total = 0.0f;
+      for (int64_t k = 0; k < K; ++k) total += x[m * ldx + k] * w[i * K + k];
+      y[m * ldy + i] = total;
+    }
+#endif
+}
+
+template <typename F>
+void check_inputs(const torch::Tensor& packed, int64_t in_features) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kByte && packed.is_contiguous(),
+              "packed weight must be contiguous uint8 [out_features, bytes_per_row]");
+  TORCH_CHECK(in_features % F::block_size == 0 && packed.size(1) == in_features / F::block_size * F::block_bytes,
+              "packed weight rows do not hold in_features=", in_features, " weights of this type");
+}
+
+template <typename F>
+void linear(const torch::Tensor& x, const torch::Tensor& packed, torch::Tensor& out, int64_t small_rows) {
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  check_inputs<F>(packed, K);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const int64_t row_bytes = packed.size(1);
+  if (M <= small_rows) {
+    const float* xp = x.data_ptr<float>();
+    float* yp = out.data_ptr<float>();
+    const int64_t num_tiles = (N + kTileRows - 1) / kTileRows;
+    at::parallel_for(0, num_tiles, 4, [&](int64_t begin, int64_t end) {
+      std::vector<float> tile(kTileRows * K, 0.0f);  // rows past N stay zero
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n = t * kTileRows, rows = std::min(kTileRows, N - n);
+        F::decode_rows(pp, row_bytes, K, n, n + rows, tile.data());
+        multiply_tile(xp, x.stride(0), M, tile.data(), K, yp + n, out.stride(0), rows);
+      }
+    });
+    return;
+  }
+  // About 2 MB of fp32 weights per tile: big enough for MKL, small enough to stay in cache.
+  const int64_t tile_rows = std::max<int64_t>(64, (int64_t{1} << 19) / K);
+  auto scratch = torch::empty({std::min(tile_rows, N), K}, torch::kFloat);
+  float* sp = scratch.data_ptr<float>();
+  for (int64_t n = 0; n < N; n += tile_rows) {
+    const int64_t rows = std::min(tile_rows, N - n);
+    at::parallel_for(n, n + rows, 8, [&](int64_t begin, int64_t end) {
+      F::decode_rows(pp, row_bytes, K, begin, end, sp + (begin - n) * K);
+    });
+    auto target = out.narrow(1, n, rows);
+    at::mm_out(target, x, scratch.narrow(0, 0, rows).t());
+  }
+}
+
+}  // namespace
+
+torch::Tensor quant_dequantize(torch::Tensor packed, int64_t qtype, int64_t in_features) {
+  auto out = torch::empty({packed.size(0), in_features}, torch::kFloat);
+  with_format(qtype, [&](auto format) {
+    using F = decltype(format);
+    check_inputs<F>(packed, in_features);
+    const uint8_t* pp = packed.data_ptr<uint8_t>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, packed.size(0), 16, [&](int64_t begin, int64_t end) {
+      F::decode_rows(pp, packed.size(1), in_features, begin, end, op + begin * in_features);
+    });
+  });
+  return out;
+}
+
+void quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::Tensor out, int64_t small_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
+              "quant_linear: x must be fp32 [rows, in_features] with contiguous rows");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat && out.stride(1) == 1 && out.size(0) == x.size(0) &&
+                  out.size(1) == packed.size(0),
+              "quant_linear: out must be an fp32 [rows, out_features] view with contiguous rows");
+  with_format(qtype, [&](auto format) { linear<decltype(format)>(x, packed, out, small_rows); });
+}

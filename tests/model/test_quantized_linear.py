@@ -1,0 +1,116 @@
+"""Packed GGUF weights: decoding and the quantized matmul, C++ and PyTorch paths,
+against `gguf.quants.dequantize` of the same blocks (the oracle).
+
+Tolerances: decoding is exact but for the compiler fusing ``d * q + m`` into one
+FMA (Q4_1, Q5_1 and the K types), so decoded weights agree to 1 fp32 ulp of the
+terms; the matmul sums in another order than a dense matmul, so each output agrees
+with the float64 product to 1e-5 of ``|x| @ |W|^T`` (the size of its terms).
+bf16 inputs and outputs add bf16 rounding of the output (2^-8 relative).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kernels.cpu import load_cpu_kernels
+from pagedllm.model.quantized import modules, packed
+from pagedllm.model.quantized.modules import PackedEmbedding, QuantizedLinear
+from pagedllm.model.quantized.packed import PackedWeight, dequantize_rows
+from tests.model.quantized_blocks import PACKED, random_packed
+
+IN_FEATURES = 512  # whole blocks for every type (32 and 256)
+OUT_FEATURES = 37  # odd: a partial tile of 4 weight rows
+
+
+@pytest.fixture(params=["cpp", "torch"])
+def path(request, monkeypatch) -> str:
+    """Run a test on the C++ kernels, then on the PyTorch fallback."""
+    if request.param == "cpp":
+        if load_cpu_kernels() is None:
+            pytest.skip("the C++ CPU kernels did not build")
+    else:
+        monkeypatch.setattr(modules, "cpu_kernels_for", lambda tensor: None)
+        monkeypatch.setattr(packed, "cpu_kernels_for", lambda tensor: None)
+    return request.param
+
+
+def _assert_matmul_close(actual: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None,
+                         relative: float) -> None:
+    x64, w64 = x.double(), dense.double()
+    expected = x64 @ w64.T + (bias.double() if bias is not None else 0.0)
+    scale = x64.abs() @ w64.abs().T + (bias.double().abs() if bias is not None else 0.0)
+    error = (actual.double() - expected).abs()
+    assert (error <= relative * scale + 1e-6).all(), f"max error {(error / scale).max().item():.3g} of the terms"
+
+
+@pytest.mark.parametrize("qtype", PACKED, ids=lambda t: t.name)
+def test_decoding_matches_gguf(qtype, path):
+    weight, dense = random_packed(qtype, OUT_FEATURES, IN_FEATURES)
+    decoded = dequantize_rows(weight.blocks, qtype, IN_FEATURES)
+    assert decoded.dtype == torch.float32 and decoded.shape == dense.shape
+    torch.testing.assert_close(decoded, dense, rtol=2.0**-23, atol=1e-6)
+    if path == "torch":  # the fallback decodes with gguf itself
+        assert torch.equal(decoded, dense)
+    as_bf16 = PackedWeight(weight.blocks, qtype, weight.shape, torch.bfloat16).dequantize()
+    assert as_bf16.dtype == torch.bfloat16 and torch.equal(as_bf16, decoded.bfloat16())
+
+
+@pytest.mark.parametrize("qtype", PACKED, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 8, 48, 49, 130])  # decode-sized, the threshold, prefill-sized
+def test_matmul_matches_the_dequantized_weight(qtype, rows, path):
+    weight, dense = random_packed(qtype, OUT_FEATURES, IN_FEATURES, seed=rows)
+    layer = QuantizedLinear([weight], bias=True)
+    torch.manual_seed(rows)
+    layer.bias.data.normal_()
+    x = torch.randn(rows, IN_FEATURES)
+    out = layer(x)
+    assert out.shape == (rows, OUT_FEATURES) and out.dtype == torch.float32
+    _assert_matmul_close(out, x, dense, layer.bias.detach(), 1e-5)
+
+
+@pytest.mark.parametrize("rows", [2, 64])
+def test_bf16_activations_round_the_output(rows, path):
+    weight, dense = random_packed(PACKED[0], OUT_FEATURES, IN_FEATURES)
+    x = torch.randn(rows, IN_FEATURES).bfloat16()
+    out = QuantizedLinear([weight], bias=False)(x)
+    assert out.dtype == torch.bfloat16
+    _assert_matmul_close(out, x.float(), dense, None, 2.0**-8)
+
+
+def test_fused_segments_of_different_types(path):
+    """q (Q4_K), k (Q4_K) and v (Q6_K) as in a Llama Q4_K_M file: two segments, one output."""
+    parts = [random_packed(qtype, rows, IN_FEATURES, seed=seed)
+             for seed, (qtype, rows) in enumerate([(PACKED[5], 16), (PACKED[5], 8), (PACKED[7], 8)])]
+    layer = QuantizedLinear.fused([weight for weight, _ in parts], bias=False)
+    assert [qtype.name for qtype in layer.qtypes] == ["Q4_K", "Q6_K"] and layer.out_features == 32
+    dense = torch.cat([d for _, d in parts])
+    for rows in (4, 60):
+        x = torch.randn(rows, IN_FEATURES)
+        _assert_matmul_close(layer(x), x, dense, None, 1e-5)
+
+
+def test_embedding_decodes_the_looked_up_rows(path):
+    weight, dense = random_packed(PACKED[1], OUT_FEATURES, IN_FEATURES, dtype=torch.bfloat16)
+    embedding = PackedEmbedding(weight)
+    ids = torch.tensor([[0, 36], [5, 5]])
+    out = embedding(ids)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 2, IN_FEATURES)
+    torch.testing.assert_close(out, dense[ids].bfloat16(), rtol=0, atol=0)
+    # .to(dtype) reaches the output dtype; the packed blocks stay uint8
+    embedding.to(torch.float32)
+    assert embedding(ids).dtype == torch.float32 and embedding.blocks.dtype == torch.uint8
+    head = embedding.as_linear()
+    assert head.blocks_0.data_ptr() == embedding.blocks.data_ptr()  # tied: shared, not copied
+    x = torch.randn(3, IN_FEATURES)
+    _assert_matmul_close(head(x), x, dense, None, 1e-5)
+
+
+def test_bad_packed_weights_are_rejected():
+    weight, _ = random_packed(PACKED[0], 4, IN_FEATURES)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        PackedWeight(weight.blocks, weight.qtype, (4, 500), torch.float32)
+    with pytest.raises(ValueError, match=r"uint8 \(4, 544\)"):
+        PackedWeight(weight.blocks[:, :-1], weight.qtype, (4, IN_FEATURES), torch.float32)
+    with pytest.raises(ValueError, match="Q2_K is not a packed type"):
+        PackedWeight(weight.blocks, type(weight.qtype).Q2_K, (4, IN_FEATURES), torch.float32)
