@@ -222,7 +222,7 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys)
-        # A released entry (after a swap-in restarts registration) was registered before.
+        # Released entries hold no block to register (after a swap-in restarts from 0).
         for index in range(max(start, self.num_released(request.request_id)), num_full):
             self.block_pool.cache_block(blocks[index], hashes[index])
         self.num_registered_blocks[request.request_id] = num_full
