@@ -35,7 +35,8 @@ def test_triton_decode_matches_the_gather_path_on_cuda(dtype):
     query = torch.randn(len(lens), num_heads, head_dim, device="cuda", dtype=dtype)
     metadata = AttentionMetadata(torch.zeros(0, dtype=torch.long, device="cuda"), len(lens), tables, lens, [])
     got = triton_paged.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.125)
-    expected = TorchPagedAttention._gather_decode(query, LayerKVCache(key_cache, value_cache), metadata, 0.125)
+    empty = torch.zeros(0, num_kv_heads, head_dim, device="cuda", dtype=dtype)
+    expected = TorchPagedAttention().forward(query, empty, empty, LayerKVCache(key_cache, value_cache), metadata, 0.125)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
