@@ -37,10 +37,10 @@ NEW_TOKENS = 24
 
 def check_greedy(llm: LLM, hf_model, prompts: list[list[int]]) -> list:
     """pagedllm's free-running greedy tokens are Hugging Face's (EOS masked by min_tokens in both)."""
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
-        assert_hf_greedy(hf_model, prompt, output.outputs[0].token_ids, eos_masked=hf_model.config.eos_token_id)
+        assert_hf_greedy(hf_model, prompt, output.outputs[0], eos_masked=hf_model.config.eos_token_id)
     return outputs
 
 
