@@ -23,7 +23,7 @@ GEMMA_ARCHS = ["gemma", "gemma2", "gemma3"]  # llama.cpp's names; Hugging Face c
 
 def tiny_gemma_config(arch: str, vocab_size: int, query_pre_attn_scalar: int = 24):
     """A small Gemma whose every difference from Llama is exercised: windows of 8 tokens
-    (crossed by every prompt), soft caps low enough to bend the scores (Gemma 2), a query
+    (crossed by every prompt), soft caps low enough to change tokens and logprobs (Gemma 2), a query
     scale that is not head_dim ** -0.5, and Gemma 3's 5 local : 1 global layer pattern."""
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6,
@@ -32,7 +32,8 @@ def tiny_gemma_config(arch: str, vocab_size: int, query_pre_attn_scalar: int = 2
     if arch == "gemma":
         return GemmaConfig(**common, num_hidden_layers=2)
     if arch == "gemma2":
-        return Gemma2Config(**common, num_hidden_layers=4, sliding_window=8, query_pre_attn_scalar=query_pre_attn_scalar,
+        return Gemma2Config(**common, num_hidden_layers=4, sliding_window=8,
+                            query_pre_attn_scalar=query_pre_attn_scalar,
                             attn_logit_softcapping=0.5, final_logit_softcapping=3.0)
     return Gemma3TextConfig(**common, num_hidden_layers=6, sliding_window=8,
                             query_pre_attn_scalar=query_pre_attn_scalar)
@@ -49,7 +50,8 @@ def tiny_gemma(config) -> PreTrainedModel:
     return model.eval()
 
 
-def assert_hf_greedy(hf_model: PreTrainedModel, prompt: list[int], completion, eos_masked: int | None = None):
+def assert_hf_greedy(hf_model: PreTrainedModel, prompt: list[int], completion, eos_masked: int | None = None,
+                     atol: float = 1e-4) -> None:
     """``completion`` (a pagedllm CompletionOutput, generated greedily after ``prompt`` with
     logprobs=0) is Hugging Face's: each token is the argmax of HF's logits over the prompt and the
     tokens before it (one causal forward gives every step's), and its logprob is HF's (which is
@@ -63,7 +65,7 @@ def assert_hf_greedy(hf_model: PreTrainedModel, prompt: list[int], completion, e
             logits[:, eos_masked] = float("-inf")
     assert tokens == logits.argmax(-1).tolist(), f"prompt of {len(prompt)} tokens"
     ours = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
-    assert torch.allclose(ours, logprobs, atol=1e-4), f"prompt of {len(prompt)} tokens: {(ours - logprobs).abs().max()}"
+    assert torch.allclose(ours, logprobs, atol=atol), f"prompt of {len(prompt)} tokens: {(ours - logprobs).abs().max()}"
 
 
 # --- GGUF, written as llama.cpp's converter writes Gemma ------------------------------------------
