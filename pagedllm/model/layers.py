@@ -55,7 +55,7 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return nn.functional.gelu(gate, approximate="tanh") * up
 
 
-# Hugging Face activation name -> the gated MLP's fused act(gate) * up.
+# Hugging Face activation name -> act(gate) * up over the fused gate|up output.
 GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
 
 

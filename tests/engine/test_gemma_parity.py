@@ -9,6 +9,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.conftest import assert_pool_free
+from tests.distributed.test_tensor_parallel import assert_no_workers_left
 from tests.engine.test_hf_parity import BF16_MAX_NATS, BF16_MEAN_RATIO, check_parity, prompts_for
 from tests.model.test_gemma import GEMMA_ARCHS, assert_hf_greedy, tiny_gemma, tiny_gemma_config
 
@@ -37,10 +38,10 @@ NEW_TOKENS = 24
 
 def check_greedy(llm: LLM, hf_model, prompts: list[list[int]]) -> list:
     """pagedllm's free-running greedy tokens are Hugging Face's (EOS masked by min_tokens in both)."""
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
-        assert_hf_greedy(hf_model, prompt, output.outputs[0].token_ids, eos_masked=hf_model.config.eos_token_id)
+        assert_hf_greedy(hf_model, prompt, output.outputs[0], eos_masked=hf_model.config.eos_token_id)
     return outputs
 
 
@@ -93,3 +94,18 @@ def test_tiny_gemma_bfloat16_close_to_hf(arch, tiny_gemma_dir):
             assert our_error.mean() <= BF16_MEAN_RATIO * hf_error.mean(), (
                 f"prompt of {len(prompt)} tokens: mean error {our_error.mean():.4f} vs HF bf16 {hf_error.mean():.4f}"
             )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_tiny_gemma_on_two_ranks_matches_hf(arch, tiny_gemma_dir):
+    """The generic sharding rules suffice: one KV head per rank, the sandwich norms on
+    all-reduced outputs, q/k norms per head, soft caps elementwise."""
+    folder, hf_model = tiny_gemma_dir(arch)
+    llm = LLM(folder, num_kv_blocks=128, max_num_batched_tokens=16, tensor_parallel_size=2, debug_invariants=True)
+    try:
+        text = prompts_for(llm.get_tokenizer())
+        check_greedy(llm, hf_model, [text[0][:5], text[3][:30], text[4][:90]])
+        assert_pool_free(llm)
+    finally:
+        assert_no_workers_left(llm)

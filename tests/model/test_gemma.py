@@ -23,7 +23,7 @@ GEMMA_ARCHS = ["gemma", "gemma2", "gemma3"]  # llama.cpp's names; Hugging Face c
 
 def tiny_gemma_config(arch: str, vocab_size: int, query_pre_attn_scalar: int = 24):
     """A small Gemma whose every difference from Llama is exercised: windows of 8 tokens
-    (crossed by every prompt), soft caps low enough to bend the scores (Gemma 2), a query
+    (crossed by every prompt), soft caps low enough to change tokens and logprobs (Gemma 2), a query
     scale that is not head_dim ** -0.5, and Gemma 3's 5 local : 1 global layer pattern."""
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6,
@@ -32,8 +32,9 @@ def tiny_gemma_config(arch: str, vocab_size: int, query_pre_attn_scalar: int = 2
     if arch == "gemma":
         return GemmaConfig(**common, num_hidden_layers=2)
     if arch == "gemma2":
-        return Gemma2Config(**common, num_hidden_layers=4, sliding_window=8, query_pre_attn_scalar=query_pre_attn_scalar,
-                            attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+        return Gemma2Config(**common, num_hidden_layers=4, sliding_window=8,
+                            query_pre_attn_scalar=query_pre_attn_scalar,
+                            attn_logit_softcapping=0.5, final_logit_softcapping=3.0)
     return Gemma3TextConfig(**common, num_hidden_layers=6, sliding_window=8,
                             query_pre_attn_scalar=query_pre_attn_scalar)
 
@@ -49,15 +50,22 @@ def tiny_gemma(config) -> PreTrainedModel:
     return model.eval()
 
 
-def assert_hf_greedy(hf_model: PreTrainedModel, prompt: list[int], tokens: list[int], eos_masked: int | None = None):
-    """``tokens``, generated greedily after ``prompt``, are Hugging Face's greedy tokens: each is
-    the argmax of its logits over the prompt and the tokens before it (one causal forward gives
-    every step's). ``eos_masked``: the EOS id that min_tokens kept from being chosen."""
+def assert_hf_greedy(hf_model: PreTrainedModel, prompt: list[int], completion, eos_masked: int | None = None,
+                     atol: float = 1e-4) -> None:
+    """``completion`` (a pagedllm CompletionOutput, generated greedily after ``prompt`` with
+    logprobs=0) is Hugging Face's: each token is the argmax of HF's logits over the prompt and the
+    tokens before it (one causal forward gives every step's), and its logprob is HF's (which is
+    what catches a final soft cap: it never moves the argmax). ``eos_masked``: the EOS id that
+    min_tokens kept from being chosen."""
+    tokens = list(completion.token_ids)
     with torch.inference_mode():
-        logits = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        logits = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+        logprobs = torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens)), tokens]
         if eos_masked is not None:
             logits[:, eos_masked] = float("-inf")
     assert tokens == logits.argmax(-1).tolist(), f"prompt of {len(prompt)} tokens"
+    ours = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
+    assert torch.allclose(ours, logprobs, atol=atol), f"prompt of {len(prompt)} tokens: {(ours - logprobs).abs().max()}"
 
 
 # --- GGUF, written as llama.cpp's converter writes Gemma ------------------------------------------
@@ -148,11 +156,11 @@ def test_tiny_gemma_gguf_generates_what_its_model_does(gemma_gguf):
     arch, model, path = gemma_gguf
     prompts = [[(37 * i + 11 * j) % len(TINY_TOKENS) for j in range(length)] for i, length in enumerate([5, 19, 40])]
     llm = LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=16, debug_invariants=True)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_pool_free(llm)
     for prompt, output in zip(prompts, outputs):
-        assert_hf_greedy(model, prompt, output.outputs[0].token_ids)
+        assert_hf_greedy(model, prompt, output.outputs[0])
 
 
 # --- pieces ---------------------------------------------------------------------------------------
