@@ -31,7 +31,7 @@ from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.distributed.sharding import shard_layout
-from pagedllm.model.layers import GatedMLP
+from pagedllm.model.layers import Embedding, GatedMLP
 from pagedllm.model.llama import Attention, LlamaForCausalLM
 from pagedllm.model.rotary import RotaryEmbedding
 from pagedllm.model.shapes import head_dim_of, sliding_windows_of
@@ -127,7 +127,7 @@ def rotary_per_layer(config: PretrainedConfig, max_position: int) -> list[Rotary
 class GemmaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, max_position: int, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         rotaries = rotary_per_layer(config, max_position)
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, rotaries[i], tp, i)
                                     for i in range(config.num_hidden_layers))

@@ -10,6 +10,8 @@ steps) run through the C++ small-batch linear, PyTorch's otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -59,11 +61,29 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
 
 
+def _skip_init_on_meta(module: nn.Module, reset: Callable[[], None]) -> None:
+    """Random initialisation, except for a model built on the meta device (its weights come
+    from the checkpoint): PyTorch's meta kernels for the random ops import torch._dynamo,
+    and with it Triton, which a CPU engine never needs."""
+    if module.weight.device.type != "meta":
+        reset()
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and names) whose forward is :func:`linear`."""
 
+    def reset_parameters(self) -> None:
+        _skip_init_on_meta(self, super().reset_parameters)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding``, not initialised when built on the meta device."""
+
+    def reset_parameters(self) -> None:
+        _skip_init_on_meta(self, super().reset_parameters)
 
 
 class RMSNorm(nn.Module):

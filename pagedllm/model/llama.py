@@ -18,7 +18,7 @@ from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.distributed.sharding import shard_layout, shard_state_dict
 from pagedllm.model.registry import model_class_for
 from pagedllm.model.shapes import head_dim_of, num_kv_heads_of, sliding_windows_of
-from pagedllm.model.layers import GatedMLP, Linear, RMSNorm, linear
+from pagedllm.model.layers import Embedding, GatedMLP, Linear, RMSNorm, linear
 from pagedllm.model.quantized import QuantizedLinear, install_packed_weights
 from pagedllm.model.rotary import RotaryEmbedding, context_window_of
 
@@ -117,7 +117,7 @@ def _times(x: torch.Tensor, multiplier: float | None) -> torch.Tensor:
 class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, max_position: int, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         # One rotary table shared by all layers (it holds no weights).
         rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
         self.layers = nn.ModuleList(DecoderLayer(config, rotary if uses_rope else None, tp, window)

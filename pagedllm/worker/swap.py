@@ -15,12 +15,14 @@ from pagedllm.attention.kv_cache import LayerKVCache
 
 
 class HostSwapPool:
-    """Per layer, host tensors shaped like each of the device cache's tensors, ``num_blocks`` long."""
+    """Per layer, host tensors shaped like each of the device cache's tensors, ``num_blocks`` long.
+    Left uninitialised: a host block is only read after a swap-out wrote it, and
+    untouched pages cost no memory until a preemption needs them."""
 
     def __init__(self, num_blocks: int, device_caches: list[LayerKVCache]) -> None:
         pin = bool(device_caches) and device_caches[0].key.device.type == "cuda"
         self.caches = [
-            [torch.zeros((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in layer.tensors()]
+            [torch.empty((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in layer.tensors()]
             for layer in device_caches
         ]
 
