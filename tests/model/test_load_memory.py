@@ -36,7 +36,8 @@ def rss_kib():
 before = rss_kib()
 checkpoint = load_checkpoint(sys.argv[1], dtype=torch.bfloat16)
 model = build_model(checkpoint, 2048, torch.device("cpu"), torch.bfloat16)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+# VmHWM, the peak of this address space: ru_maxrss would carry over the forking parent's peak.
+peak = int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM:")).split()[1])
 dtypes = sorted({str(p.dtype) for p in model.parameters()})
 print(json.dumps({"added_bytes": (peak - before) * 1024, "dtypes": dtypes,
                   "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}))
