@@ -10,7 +10,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from tests.conftest import assert_pool_free
 from tests.distributed.test_tensor_parallel import assert_no_workers_left
-from tests.engine.test_hf_parity import BF16_MAX_NATS, BF16_MEAN_RATIO, check_parity, prompts_for
+from tests.engine.test_hf_parity import assert_bf16_close_to_hf, check_parity, prompts_for
 from tests.model.test_gemma import GEMMA_ARCHS, assert_hf_greedy, tiny_gemma, tiny_gemma_config
 
 
@@ -78,22 +78,7 @@ def test_tiny_gemma_bfloat16_close_to_hf(arch, tiny_gemma_dir):
     assert_pool_free(llm)
     hf_bf16 = tiny_gemma(oracle.config).to(torch.bfloat16)
     hf_bf16.load_state_dict(oracle.state_dict())
-    with torch.inference_mode():
-        for prompt, output in zip(prompts, outputs):
-            rows, targets = torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])
-
-            def target_logprobs(model) -> torch.Tensor:
-                logits = model(torch.tensor([prompt])).logits[0].float()
-                return torch.log_softmax(logits, dim=-1)[rows, targets]
-
-            reference = target_logprobs(oracle)
-            ours = torch.tensor([entry[prompt[i + 1]].logprob for i, entry in enumerate(output.prompt_logprobs[1:])])
-            our_error = (ours - reference).abs()
-            hf_error = (target_logprobs(hf_bf16) - reference).abs()
-            assert our_error.max() < BF16_MAX_NATS, f"prompt of {len(prompt)} tokens: {our_error.max():.3f} nats"
-            assert our_error.mean() <= BF16_MEAN_RATIO * hf_error.mean(), (
-                f"prompt of {len(prompt)} tokens: mean error {our_error.mean():.4f} vs HF bf16 {hf_error.mean():.4f}"
-            )
+    assert_bf16_close_to_hf(prompts, outputs, oracle, hf_bf16)
 
 
 @pytest.mark.slow
