@@ -67,6 +67,15 @@ class ScheduledSequence:
     replaced_blocks: list[tuple[int, int]] = field(default_factory=list)
     # Empty for a prefill chunk that stops short of the last known token.
     sample_rows: list[SampleRow] = field(default_factory=list)
+    # Speculative decoding. ``draft_token_ids`` are the last
+    # ``len(draft_token_ids)`` tokens of this step's span: proposed, not known.
+    # The runner feeds them after the sequence's known tokens, verifies them
+    # against its own samples and returns the accepted ones; they never join
+    # its copy of the sequence (the accepted ones come back as
+    # ``new_token_ids`` of the next step). ``num_draft_tokens`` is how many
+    # tokens the runner should propose after this step for the next (0: none).
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
 
 
 @dataclass
