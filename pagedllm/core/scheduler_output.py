@@ -56,7 +56,8 @@ class ScheduledSequence:
     ``new_sequences`` this step): ``new_token_ids`` were appended since it last
     ran, ``new_block_ids`` extend its block table, and ``replaced_blocks`` are
     ``(table index, block id)`` entries a copy-on-write replaced, or that the
-    sliding window released (block id ``NULL_BLOCK_ID``).
+    sliding window released (block id ``NULL_BLOCK_ID``). Applied in the
+    order the fields are listed, after ``truncated_table_length``.
     """
 
     sequence_id: str
@@ -65,6 +66,10 @@ class ScheduledSequence:
     new_token_ids: list[int] = field(default_factory=list)
     new_block_ids: list[int] = field(default_factory=list)
     replaced_blocks: list[tuple[int, int]] = field(default_factory=list)
+    # Not None when a speculative rollback freed the table's tail since the
+    # runner last saw it: cut the table to this many entries first, then
+    # replace and extend as above.
+    truncated_table_length: int | None = None
     # Empty for a prefill chunk that stops short of the last known token.
     sample_rows: list[SampleRow] = field(default_factory=list)
     # Speculative decoding. ``draft_token_ids`` are the last
