@@ -13,6 +13,7 @@ from dataclasses import Field, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pagedllm.core.sliding_window import uniform_sliding_window
+from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.utils import check_block_size
 
 if TYPE_CHECKING:
@@ -149,6 +150,9 @@ class SchedulerConfig:
     # all-sliding Qwen2): blocks that fall out of it are released. None: every
     # block is kept (full attention, or a hybrid of full and sliding layers).
     sliding_window: int | None = None
+    # Speculative decoding: most draft tokens a decoding sequence verifies per
+    # step (0: off). Drafts ride in the step's token budget.
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check_choice("preemption_mode", self.preemption_mode, PreemptionMode)
@@ -256,8 +260,16 @@ class EngineConfig:
                           "size); dequantize decodes every weight to the model dtype at load"},
     )
 
+    speculative_config: dict | None = field(
+        default=None,
+        metadata={"help": "speculative decoding, as vLLM spells it, e.g. '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+                          "(JSON on the command line; None: off)"},
+    )
+
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, ModelDType)
+        SpeculativeConfig.from_option(self.speculative_config)  # validates
         _check_choice("gguf_weights", self.gguf_weights, GGUFWeights)
         _check_choice("generation_config", self.generation_config, GenerationConfigSource)
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -322,7 +334,13 @@ class EngineConfig:
             scheduling_policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             sliding_window=uniform_sliding_window(layer_windows),
+            num_speculative_tokens=spec.num_speculative_tokens if (spec := self.speculative) else 0,
         )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` as a validated ``SpeculativeConfig`` (None: off)."""
+        return SpeculativeConfig.from_option(self.speculative_config)
 
 
 def engine_option_fields() -> dict[str, Field]:

@@ -154,6 +154,10 @@ class ContiguousKVCacheManager:
     def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
         return list(self.req_to_blocks.get(request_id, range(0))[start:])
 
+    def truncate(self, request_id: str, num_tokens: int) -> int:
+        """Nothing to release: the reservation is held whole until the request ends."""
+        return len(self.req_to_blocks.get(request_id, range(0)))
+
     def num_released(self, request_id: str) -> int:
         return 0  # a reservation is held whole until the request ends
 

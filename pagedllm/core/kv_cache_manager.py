@@ -36,7 +36,8 @@ class KVCacheManager:
     - Only a table's last block is ever written, and never while it is shared:
       writing into a block with ``ref_cnt > 1`` first replaces it by a copy.
       Reads never check sharing.
-    - Block tables only grow at the tail while a request lives; a block is
+    - Block tables only grow at the tail while a request lives (``truncate``,
+      a speculative rollback, cuts back only blocks a step just took); a block is
       taken only when the previous last block is full, so a table never holds
       more than ``ceil(num_tokens / block_size)`` entries and waste per request
       is at most ``block_size - 1`` slots. With ``sliding_window`` (every layer
@@ -333,6 +334,17 @@ class KVCacheManager:
             blocks = [entry for entry in swapped if not isinstance(entry, int)]
         if blocks:
             self.block_pool.free_blocks(reversed([block for block in blocks if block is not None]))
+
+    def truncate(self, request_id: str, num_tokens: int) -> int:
+        """Release the table entries past what ``num_tokens`` tokens need, last
+        first: the blocks of rejected draft tokens. They hold no registered
+        (hashed) block, since drafts are never cached; returns the entries kept."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        keep = self.num_blocks_for(num_tokens)
+        if len(blocks) > keep:
+            self.block_pool.free_blocks(reversed(blocks[keep:]))
+            del blocks[keep:]
+        return len(blocks)
 
     def pool_snapshot(self) -> list[dict]:
         """Per physical block, for the live pool view: ``state`` ("used": some

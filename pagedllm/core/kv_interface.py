@@ -120,6 +120,10 @@ class KVCacheManagerProtocol(Protocol):
     def free(self, request_id: str) -> None:
         """Release the request's blocks (tail first) and host blocks."""
 
+    def truncate(self, request_id: str, num_tokens: int) -> int:
+        """Keep only the table entries ``num_tokens`` tokens need (a speculative
+        rollback); returns the entries kept."""
+
     def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
         """Physical block ids of the request's table from entry ``start`` on
         (``NULL_BLOCK_ID`` for released entries)."""

@@ -102,6 +102,9 @@ class Request:
         # Beam search picks the tokens itself, so the scheduler must not append
         # the sampled one.
         self.tokens_chosen_externally = False
+        # Speculative decoding: tokens proposed after the last one, to verify
+        # in the next step (consumed by it; dropped by a preemption).
+        self.draft_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

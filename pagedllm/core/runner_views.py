@@ -17,6 +17,8 @@ class _View:
     num_tokens: int
     num_blocks: int
     num_released: int
+    # Set by a speculative rollback until the next step tells the runner.
+    truncated_to: int | None = None
 
 
 class RunnerViews:
@@ -45,13 +47,31 @@ class RunnerViews:
         released, self._released = self._released, []
         return released
 
-    def add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int, copies: list[BlockCopy]) -> None:
+    def truncate(self, sequence_id: str, num_entries: int) -> None:
+        """A speculative rollback cut the sequence's table to ``num_entries``."""
+        view = self._views.get(sequence_id)
+        if view is not None and num_entries < view.num_blocks:
+            view.num_blocks = num_entries
+            view.truncated_to = num_entries if view.truncated_to is None else min(view.truncated_to, num_entries)
+
+    def add_scheduled(
+        self,
+        output: SchedulerOutput,
+        request: Request,
+        num_new: int,
+        copies: list[BlockCopy],
+        num_draft_tokens: int = 0,
+    ) -> None:
         """Append the request's share of the step to ``output``: the whole
-        sequence if the runner does not hold it, else what changed since."""
+        sequence if the runner does not hold it, else what changed since. The
+        span's last ``len(request.draft_token_ids)`` tokens are drafts to
+        verify; ``num_draft_tokens`` are to be proposed after it."""
         kv = self.kv_cache_manager
         sequence_id = request.request_id
         scheduled = ScheduledSequence(sequence_id, request.num_computed_tokens, num_new,
-                                      sample_rows=sample_rows(request, num_new))
+                                      sample_rows=sample_rows(request, num_new),
+                                      draft_token_ids=request.draft_token_ids,
+                                      num_draft_tokens=num_draft_tokens)
         view = self._views.get(sequence_id)
         if view is None:
             block_ids = kv.get_block_ids(sequence_id)
@@ -62,6 +82,7 @@ class RunnerViews:
             self._views[sequence_id] = _View(request.num_tokens, len(block_ids), kv.num_released(sequence_id))
         else:
             scheduled.new_token_ids = request.all_token_ids[view.num_tokens :]
+            scheduled.truncated_table_length, view.truncated_to = view.truncated_to, None
             scheduled.new_block_ids = kv.get_block_ids(sequence_id, view.num_blocks)
             # The window released entries the runner holds (so its table never
             # names a block it no longer owns), and copy-on-write replaced one.
@@ -80,7 +101,7 @@ def sample_rows(request: Request, num_new: int) -> list[SampleRow]:
     """The rows to sample when ``num_new`` tokens reach the request's last known
     token: one per sample it forks into at this position (ids and seeds are
     decided here, once), one for a sequence whose tokens beam search picks."""
-    if request.num_computed_tokens + num_new < request.num_tokens:
+    if request.num_computed_tokens + num_new - len(request.draft_token_ids) < request.num_tokens:
         return []
     count = 1 if request.tokens_chosen_externally else request.num_pending_samples
     position = request.num_output_tokens

@@ -2,9 +2,8 @@
 
 One mechanism, no phases (as in vLLM v1): every request has ``num_tokens``
 (prompt + generated) and ``num_computed_tokens`` (tokens whose K/V are in the
-pool); each step hands out tokens so that computed catches up with total. A
-fresh prompt, a prefill chunk, a decode step and a recompute after preemption
-are the same thing seen from here.
+pool); each step hands out tokens so that computed catches up with total: a
+fresh prompt, a prefill chunk, a decode step and a recompute are one thing here.
 """
 
 from __future__ import annotations
@@ -18,6 +17,8 @@ from pagedllm.core.kv_interface import BlockCopy, KVCacheManagerProtocol
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner_views import RunnerViews
 from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.core.scheduler_invariants import check_scheduler
+from pagedllm.core.speculation import advance_computed, keep_proposals, num_drafts_to_propose
 from pagedllm.core.waiting_queue import WaitingQueue
 from pagedllm.logger import init_logger
 
@@ -98,6 +99,7 @@ class Scheduler:
         request.status = status
         if status is not RequestStatus.RUNNING:
             self.runner_views.release(request.request_id)
+            request.draft_token_ids = []
         if status.is_finished:
             return
         self._status_counts[status] += 1
@@ -151,7 +153,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            num_pending = request.num_tokens - request.num_computed_tokens
+            num_new = self._chunk(num_pending + len(request.draft_token_ids), budget)
+            # Drafts the budget cuts off are dropped, not deferred.
+            del request.draft_token_ids[max(0, num_new - num_pending) :]
             if num_new == 0:
                 # A beam waiting for its siblings: nothing to compute this step.
                 index += 1
@@ -223,12 +228,11 @@ class Scheduler:
         return num_new, copies
 
     def _recompute_swapped_if_stuck(self, output: SchedulerOutput) -> bool:
-        """When nothing runs (so no block will be freed) and the waiting head
-        does not fit, swapped requests may be what fills the pool: a swapped
-        request keeps its references to blocks it shares (a prefix, a forked
-        parent's tail), and together they can pin more than any one of them
-        needs back. Turn every swapped request into a recompute preemption,
-        releasing those references and its host blocks; returns whether any was."""
+        """When nothing runs and the waiting head does not fit, swapped requests
+        may be what fills the pool (each keeps its references to shared blocks:
+        a prefix, a forked parent's tail). Turn every swapped request into a
+        recompute preemption, releasing those and its host blocks; returns
+        whether any was."""
         if self.running or output.scheduled or not self.num_swapped:
             return False
         for request in self.waiting:
@@ -241,9 +245,13 @@ class Scheduler:
     def _add_scheduled(
         self, output: SchedulerOutput, request: Request, num_new: int, copies: list[BlockCopy]
     ) -> None:
-        self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens + num_new)
+        # Blocks holding draft tokens are never cached: the drafts may be rejected.
+        num_known = request.num_computed_tokens + num_new - len(request.draft_token_ids)
+        self.kv_cache_manager.cache_full_blocks(request, num_known)
         output.block_copies.extend((copy.src, copy.dst) for copy in copies)
-        self.runner_views.add_scheduled(output, request, num_new, copies)
+        samples = num_known >= request.num_tokens
+        num_drafts = num_drafts_to_propose(request, self.config.num_speculative_tokens, samples)
+        self.runner_views.add_scheduled(output, request, num_new, copies, num_drafts)
 
     def _preempt_for_priority(self, output: SchedulerOutput) -> None:
         """Let a strictly more urgent waiting request displace the worst running one
@@ -301,20 +309,27 @@ class Scheduler:
 
     # ---------------------------------------------------------------- update
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> list[Request]:
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: Mapping[str, int],
+        accepted_draft_token_ids: Mapping[str, list[int]] | None = None,
+        proposed_draft_token_ids: Mapping[str, list[int]] | None = None,
+    ) -> list[Request]:
         """Advance the scheduled sequences by the tokens just computed and append
         the sampled ones, keyed by the sample rows ``schedule`` chose: a row
         beyond the first forks the sequence (with that row's id and seed)
-        before anything is appended, so every sample starts from the same
-        tokens. Returns the sequences that got a new token, and the externally
-        driven (beam search) ones that reached a sampling position; those that
-        hit a stop condition are already finished and their blocks freed."""
+        before anything is appended. Accepted drafts come before the sampled
+        token, rejected ones are rolled back (``core/speculation.py``). Returns
+        the sequences that got tokens, and the beam-search ones that reached a
+        sampling position; stopped ones are already finished and freed."""
         advanced = []
         for scheduled in output.scheduled:
             request = self.requests.get(scheduled.sequence_id)
             if request is None:
                 continue  # finished since it was scheduled
-            request.num_computed_tokens += scheduled.num_scheduled_tokens
+            accepted = (accepted_draft_token_ids or {}).get(request.request_id, [])
+            advance_computed(request, scheduled, accepted, self.kv_cache_manager, self.runner_views)
             rows = scheduled.sample_rows
             if not rows:
                 continue
@@ -327,8 +342,12 @@ class Scheduler:
             ]
             self.settle_samples(request)
             for sample, row in zip(samples, rows):
-                self.append_token(sample, sampled_token_ids[row.sequence_id])
+                for token_id in [*accepted, sampled_token_ids[row.sequence_id]]:
+                    if not sample.is_finished:
+                        self.append_token(sample, token_id)
                 advanced.append(sample)
+            if not request.is_finished:
+                keep_proposals(request, (proposed_draft_token_ids or {}).get(request.request_id), self.config.max_model_len)
         return advanced
 
     def append_token(self, request: Request, token_id: int) -> None:
@@ -378,23 +397,4 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` if the scheduler's counts, queues, runner views
         and the KV manager's tables disagree."""
-        running_ids = {rid for rid, r in self.requests.items() if r.status is RequestStatus.RUNNING}
-        self.kv_cache_manager.check_invariants(
-            running={rid: self.requests[rid].num_tokens for rid in running_ids},
-            swapped=[rid for rid, r in self.requests.items() if r.status is RequestStatus.SWAPPED],
-        )
-        if Counter(r.status for r in self.requests.values()) != +self._status_counts:
-            raise RuntimeError(f"status counts {dict(self._status_counts)} disagree with the live requests")
-        if len(self.waiting) != self.num_waiting:
-            raise RuntimeError(f"{len(self.waiting)} requests wait but {self.num_waiting} are counted")
-        running = [r for r in self.running if not r.is_finished]
-        if {r.request_id for r in running} != running_ids or len(running) != len(running_ids):
-            raise RuntimeError("the running list and the RUNNING requests disagree")
-        seats = sum(r.num_pending_samples for r in running)
-        if seats != self.num_seats_in_use or seats > self.config.max_num_seqs:
-            raise RuntimeError(
-                f"running requests hold {seats} places (counted {self.num_seats_in_use}), max_num_seqs "
-                f"{self.config.max_num_seqs}"
-            )
-        if not self.runner_views.held_ids() <= running_ids:
-            raise RuntimeError("the runner still holds sequences that are not running")
+        check_scheduler(self)

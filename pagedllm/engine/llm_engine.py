@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-import weakref
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -80,6 +80,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, num_blocks, block_size, self.device, dtype, self.eos_token_ids, num_swap_blocks,
             kv_cache_dtype, broadcast_step=self.executor.broadcast_step if self.executor is not None else None,
+            speculative_config=config.speculative,
         )
         self.vocab_size = self.model_config.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.eos_token_ids,
@@ -345,14 +346,17 @@ class LLMEngine:
         beam ranking. Finished user requests leave the registry."""
         for request_id, (first, entries) in runner_output.prompt_logprobs.items():
             self.output_processor.store_prompt_logprobs(self.requests[request_id], first, entries)
-        advanced = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        verified = runner_output.verified
+        advanced = self.scheduler.update_from_output(
+            scheduler_output, runner_output.sampled_token_ids,
+            {sequence_id: v.token_ids[:-1] for sequence_id, v in verified.items()}, runner_output.proposed_draft_token_ids,
+        )
         iteration = self.stats_reporter.begin()
-        self.stats_reporter.observe_advanced(iteration, advanced, self.requests)
+        self.stats_reporter.observe_advanced(iteration, advanced, self.requests,
+                                             {sequence_id: len(v.token_ids) for sequence_id, v in verified.items()})
         sampled = [r for r in advanced if not r.tokens_chosen_externally]
         beams = [r for r in advanced if r.tokens_chosen_externally]
-        processed = self.output_processor.process(
-            sampled, runner_output.sampled_logprobs, runner_output.logprobs, self.requests
-        )
+        processed = self.output_processor.process(sampled, runner_output, self.requests)
         for sequence_id in processed.stopped_sequence_ids:
             self.scheduler.finish_request(sequence_id, RequestStatus.FINISHED_STOPPED)
         outputs = processed.outputs + self.beam_search.on_step(beams, runner_output.logprobs, self.requests)

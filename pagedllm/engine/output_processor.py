@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from collections.abc import Mapping
 
@@ -13,12 +14,18 @@ from pagedllm.engine.detokenizer import DetokenizerState, detokenize_incremental
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from pagedllm.worker.model_runner import ModelRunnerOutput
+
 
 @dataclass
 class SequenceState:
     """One generated sequence (one of the n samples)."""
 
     request: Request
+    # Output tokens folded into text and logprobs so far. A stop string cuts
+    # the sequence there, even if a speculative step appended more after it.
+    num_folded: int = 0
     text: str = ""
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] | None = None
@@ -30,7 +37,7 @@ class SequenceState:
         return CompletionOutput(
             index=index,
             text=self.text,
-            token_ids=list(self.request.output_token_ids),
+            token_ids=self.request.output_token_ids[: self.num_folded],
             cumulative_logprob=self.cumulative_logprob,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             finish_reason=self.finish_reason,
@@ -108,15 +115,12 @@ class OutputProcessor:
             state.prompt_logprobs[first : first + len(entries)] = [self.decode_logprobs(e) for e in entries]
 
     def process(
-        self,
-        advanced: list[Request],
-        sampled_logprobs: Mapping[str, float],
-        logprobs: Mapping[str, PositionLogprobs],
-        states: Mapping[str, RequestState],
+        self, advanced: list[Request], runner_output: ModelRunnerOutput, states: Mapping[str, RequestState]
     ) -> ProcessedStep:
         """Fold this step's tokens into the states (``states`` maps user request
         ids to them); one output per user request that advanced (best_of > n
-        requests report only when finished)."""
+        requests report only when finished). A sequence may have advanced by
+        several tokens (speculative decoding): they are folded one by one."""
         now = time.time()
         touched: dict[str, RequestState] = {}
         stopped: list[str] = []
@@ -126,15 +130,12 @@ class OutputProcessor:
                 state.metrics.first_token_time = now
             seq = state.sequences.get(request.sample_index)
             if seq is None:
-                seq = state.sequences[request.sample_index] = SequenceState(request)
+                # A sequence's first step yields one token (drafts come later).
+                seq = state.sequences[request.sample_index] = SequenceState(request, request.num_output_tokens - 1)
                 if request.sampling_params.logprobs is not None:
                     seq.logprobs = []
-            rid = request.request_id
-            seq.cumulative_logprob += sampled_logprobs[rid]
-            if seq.logprobs is not None:
-                seq.logprobs.append(self.decode_logprobs(logprobs[rid]))
-            if self._update_text(seq):
-                stopped.append(rid)
+            if self._fold_step(seq, runner_output):
+                stopped.append(request.request_id)
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
@@ -145,17 +146,37 @@ class OutputProcessor:
             outputs.append(self._request_output(state))
         return ProcessedStep(outputs, stopped)
 
-    def _update_text(self, seq: SequenceState) -> bool:
-        """Detokenize the new token; returns True when the text now matches a
-        stop string (the sequence is then finished with reason "stop")."""
+    def _fold_step(self, seq: SequenceState, runner_output: ModelRunnerOutput) -> bool:
+        """Fold the tokens the sequence gained this step; True when one of them
+        completes a stop string (the rest are dropped)."""
+        request_id = seq.request.request_id
+        verified = runner_output.verified.get(request_id)
+        logprobs = verified.logprobs if verified else [runner_output.sampled_logprobs[request_id]]
+        entries = verified.position_logprobs if verified else [runner_output.logprobs.get(request_id)]
+        output_token_ids = seq.request.output_token_ids
+        for index in range(len(output_token_ids) - seq.num_folded):
+            seq.num_folded += 1
+            seq.cumulative_logprob += logprobs[index]
+            if seq.logprobs is not None:
+                seq.logprobs.append(self.decode_logprobs(entries[index]))
+            done = seq.num_folded == len(output_token_ids)
+            if self._update_text(seq, output_token_ids if done else output_token_ids[: seq.num_folded]):
+                return True
+        return False
+
+    def _update_text(self, seq: SequenceState, token_ids: list[int]) -> bool:
+        """Detokenize the new token (the last of ``token_ids``); returns True
+        when the text now matches a stop string (the sequence is then finished
+        with reason "stop")."""
         request = seq.request
         params = request.sampling_params
-        new_text = detokenize_incrementally(self.tokenizer, request.output_token_ids, seq.detokenizer,
-                                            params.skip_special_tokens)
+        new_text = detokenize_incrementally(self.tokenizer, token_ids, seq.detokenizer, params.skip_special_tokens)
         if seq.stop_reason is not None:
             return False  # already cut at a stop string; later tokens add nothing
         seq.text = seq.detokenizer.text
-        if not request.is_finished and new_text:
+        # The scheduler's stop (EOS, length) belongs to the request's last token.
+        finished = request.is_finished and len(token_ids) == request.num_output_tokens
+        if not finished and new_text:
             for stop in params.stop_strings:
                 # Only a match that ends in the new text is new: search from
                 # where it could begin.
@@ -165,7 +186,7 @@ class OutputProcessor:
                     seq.stop_reason = stop
                     seq.finish_reason = "stop"
                     return True
-        if request.is_finished:
+        if finished:
             seq.finish_reason = request.status.finish_reason
             if seq.stop_reason is None:
                 seq.stop_reason = request.stop_reason

@@ -60,12 +60,15 @@ class StatsReporter:
 
     @staticmethod
     def observe_advanced(iteration: IterationStats, advanced: list[Request],
-                         states: Mapping[str, RequestState | BeamGroup]) -> None:
-        """The sequences that got a token this step, grouped by user request."""
+                         states: Mapping[str, RequestState | BeamGroup],
+                         tokens_yielded: Mapping[str, int] | None = None) -> None:
+        """The sequences that got tokens this step, grouped by user request;
+        ``tokens_yielded``: how many a speculating sequence got (else one)."""
         by_request: dict[str, tuple[int, int]] = {}
         for request in advanced:
             prompt_len, tokens = by_request.get(request.group_id, (len(request.prompt_token_ids), 0))
-            by_request[request.group_id] = (prompt_len, tokens + 1)
+            gained = (tokens_yielded or {}).get(request.request_id, 1)
+            by_request[request.group_id] = (prompt_len, tokens + gained)
         for request_id, (prompt_len, tokens) in by_request.items():
             iteration.observe_tokens(states[request_id].metrics, prompt_len, tokens)
 

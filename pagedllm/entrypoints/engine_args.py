@@ -9,6 +9,7 @@ every command that builds an engine takes all of them.
 from __future__ import annotations
 
 import argparse
+import json
 import types
 from collections.abc import Callable
 from dataclasses import MISSING, Field, fields
@@ -58,7 +59,7 @@ def engine_flags_from_args(args: argparse.Namespace) -> list[str]:
         if isinstance(value, bool):
             flags.append(flag_of(name) if value else flag_of(f"no_{name}"))
         else:
-            flags += [flag_of(name), str(value)]
+            flags += [flag_of(name), json.dumps(value) if isinstance(value, dict) else str(value)]
     return flags
 
 
@@ -73,7 +74,9 @@ def _argument_spec(option: Field, annotation: Any) -> dict[str, Any]:
         spec["action"] = argparse.BooleanOptionalAction
         return spec
     words, kinds = _split_annotation(annotation)
-    if not words and len(kinds) == 1:
+    if kinds == [dict]:
+        spec["type"] = _json_object
+    elif not words and len(kinds) == 1:
         spec["type"] = kinds[0]
     else:
         spec["type"] = _parser_of(words, kinds)
@@ -111,3 +114,14 @@ def _parser_of(words: list[str], kinds: list[type]) -> Callable[[str], Any]:
         raise argparse.ArgumentTypeError(f"expected one of: {expected}; got {text!r}")
 
     return parse
+
+
+def _json_object(text: str) -> dict:
+    """A flag whose value is a JSON object (vLLM's ``--speculative-config``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value

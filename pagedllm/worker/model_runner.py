@@ -16,10 +16,13 @@ from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
 from pagedllm.attention.kv_cache import allocate_layer
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.utils import cdiv
-from pagedllm.core.scheduler_output import NewSequenceData, ScheduledSequence, SchedulerOutput
+from pagedllm.core.scheduler_output import NewSequenceData, SampleRow, ScheduledSequence, SchedulerOutput
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.shapes import head_dim_of
 from pagedllm.outputs import PositionLogprobs
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.rejection import VerifiedTokens
+from pagedllm.spec_decode.speculator import Speculator, closing_token
 from pagedllm.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from pagedllm.worker.sampling.grammar import GrammarBitmask, RowBitmask
 from pagedllm.worker.swap import HostSwapPool
@@ -32,6 +35,11 @@ class ModelRunnerOutput:
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     # request id -> (index in the prompt of the first target token, its logprobs...)
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+    # Speculative decoding: what each verifying sequence yields (accepted
+    # drafts, then its closing token, which is also in the dicts above), and
+    # the drafts proposed for the next step.
+    verified: dict[str, VerifiedTokens] = field(default_factory=dict)
+    proposed_draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Seconds per phase, and in total, of this execute().
     timings: dict[str, float] = field(default_factory=lambda: {"input preparation": 0.0, "forward": 0.0, "sampling": 0.0})
     elapsed_s: float = 0.0
@@ -52,6 +60,8 @@ class CachedSequence:
 
     def apply(self, scheduled: ScheduledSequence) -> None:
         self.output_token_ids.extend(scheduled.new_token_ids)
+        if scheduled.truncated_table_length is not None:
+            del self.block_ids[scheduled.truncated_table_length :]
         for index, block_id in scheduled.replaced_blocks:
             self.block_ids[index] = block_id
         self.block_ids.extend(scheduled.new_block_ids)
@@ -104,6 +114,7 @@ class ModelRunner:
         num_swap_blocks: int = 0,
         kv_cache_dtype: str = "auto",
         broadcast_step: Callable[[StepInputs], None] | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         """``broadcast_step``, on a tensor-parallel driver, sends each step's
         inputs to the other ranks before this rank runs it (they run the same
@@ -122,6 +133,7 @@ class ModelRunner:
         self.swap_pool = HostSwapPool(num_swap_blocks, self.kv_caches)
         self.attention = attention_backend_for(device, block_size, kv_cache_dtype)
         self.sampler = Sampler(eos_token_ids)
+        self.speculator = Speculator(speculative_config, eos_token_ids) if speculative_config else None
         self.sequences: dict[str, CachedSequence] = {}
 
     def _update_sequences(self, scheduler_output: SchedulerOutput) -> None:
@@ -129,6 +141,8 @@ class ModelRunner:
         (in that order: a sequence preempted and resumed in one step is relearnt)."""
         for sequence_id in scheduler_output.released_sequence_ids:
             self.sequences.pop(sequence_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(scheduler_output.released_sequence_ids)
         for data in scheduler_output.new_sequences:
             self.sequences[data.sequence_id] = CachedSequence(data)
         for scheduled in scheduler_output.scheduled:
@@ -203,7 +217,9 @@ class ModelRunner:
             end = start + scheduled.num_scheduled_tokens
             block_ids = sequence.block_ids
             row = len(input_ids)
-            input_ids.extend(sequence.token_ids(start, end))
+            drafts = scheduled.draft_token_ids  # fed after the known tokens, never stored
+            input_ids.extend(sequence.token_ids(start, end - len(drafts)))
+            input_ids.extend(drafts)
             positions.extend(range(start, end))
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
             last_rows.append(len(input_ids) - 1)
@@ -241,18 +257,36 @@ class ModelRunner:
     ) -> None:
         """Sample the rows the scheduler chose, each from its sequence's last
         logits, keyed by the row's sequence id (a sequence about to fork has one
-        row per future sample over the same logits)."""
+        row per future sample over the same logits); verify the drafts of
+        speculating sequences and propose their next ones."""
         rows: list[int] = []
         sample_rows = []
         sequences: list[CachedSequence] = []
+        speculating = []
         for scheduled, last_row in zip(batch.order, batch.last_rows):
             sequence = self.sequences[scheduled.sequence_id]
+            if scheduled.draft_token_ids:
+                speculating.append((scheduled, sequence, last_row))
+                continue
             for sample_row in scheduled.sample_rows:
                 rows.append(last_row)
                 sample_rows.append(sample_row)
                 sequences.append(sequence)
-        if not rows:
-            return
+        if rows:
+            self._sample_rows(rows, sample_rows, sequences, hidden, output, grammar)
+        if self.speculator is not None:
+            self._speculate(batch, speculating, hidden, output)
+
+    def _sample_rows(
+        self,
+        rows: list[int],
+        sample_rows: list[SampleRow],
+        sequences: list[CachedSequence],
+        hidden: torch.Tensor,
+        output: ModelRunnerOutput,
+        grammar: GrammarBitmask | None,
+    ) -> None:
+        """One token per sample row, from the logits of hidden row ``rows[i]``."""
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
         metadata = SamplingMetadata(
             params=[s.sampling_params for s in sequences],
@@ -271,6 +305,31 @@ class ModelRunner:
             output.sampled_logprobs[row.sequence_id] = result.sampled_logprobs[i]
             if result.logprobs[i] is not None:
                 output.logprobs[row.sequence_id] = result.logprobs[i]
+
+    def _speculate(
+        self,
+        batch: _Batch,
+        speculating: list[tuple[ScheduledSequence, CachedSequence, int]],
+        hidden: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Verify the drafts the step carried, then propose drafts for the
+        sequences whose step asked for them."""
+        output.verified = self.speculator.verify(self.model.compute_logits, hidden, speculating)
+        for sequence_id, verified in output.verified.items():
+            token_id, logprob, entry = closing_token(verified)
+            output.sampled_token_ids[sequence_id] = token_id
+            output.sampled_logprobs[sequence_id] = logprob
+            if entry is not None:
+                output.logprobs[sequence_id] = entry
+        yielded = []
+        for scheduled in batch.order:
+            sequence_id = scheduled.sequence_id
+            if scheduled.num_draft_tokens and sequence_id in output.sampled_token_ids:
+                verified = output.verified.get(sequence_id)
+                step_tokens = verified.token_ids if verified else [output.sampled_token_ids[sequence_id]]
+                yielded.append((scheduled, self.sequences[sequence_id], step_tokens))
+        output.proposed_draft_token_ids = self.speculator.propose(yielded)
 
     def _prompt_logprobs(self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
         """Logits at prompt position p score prompt token p + 1 (the first prompt

@@ -48,14 +48,20 @@ def _sample_random(
     logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]
 ) -> torch.Tensor:
     """Temperature, top_k, top_p, min_p, then the exponential race with per-row noise."""
+    probs = target_probs(logits, params)
+    noise = exponential_noise(seeds, positions, logits.shape[1], logits.device)
+    return (probs / noise).argmax(dim=-1)
+
+
+def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution a random row draws from: softmax after temperature,
+    top_k, top_p and min_p (speculative decoding verifies drafts against it)."""
     vocab = logits.shape[1]
     scaled = logits / row_values([p.temperature for p in params], logits)
     scaled = filter_rows(scaled, params, lambda p: 0 < p.top_k < vocab, _apply_top_k)
     scaled = filter_rows(scaled, params, lambda p: p.top_p < 1.0, _apply_top_p)
     scaled = filter_rows(scaled, params, lambda p: p.min_p > 0.0, _apply_min_p)
-    probs = scaled.softmax(dim=-1)
-    noise = _exponential_noise(seeds, positions, vocab, logits.device)
-    return (probs / noise).argmax(dim=-1)
+    return scaled.softmax(dim=-1)
 
 
 def _apply_top_k(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -114,10 +120,12 @@ def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return logits.masked_fill(logits < threshold, -math.inf)
 
 
-def _exponential_noise(
+def exponential_noise(
     seeds: list[int], positions: list[int], vocab: int, device: torch.device
 ) -> torch.Tensor:
-    """[len(seeds), vocab] Exp(1) noise; row i depends only on (seeds[i], positions[i])."""
+    """[len(seeds), vocab] Exp(1) noise; row i depends only on (seeds[i], positions[i]).
+    The sampler draws ``argmax(probs / noise)`` (the exponential race), and
+    speculative decoding reads its acceptance tests from the same noise."""
     noise = torch.empty(len(seeds), vocab, device=device)
     for row, (seed, position) in enumerate(zip(seeds, positions)):
         generator = torch.Generator(device=device)
