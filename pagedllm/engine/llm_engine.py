@@ -1,9 +1,7 @@
 """LLMEngine: add requests, step the batch, collect outputs.
 
-It owns the tokenizer, the scheduler (with the KV cache manager) and the
-model runner, and turns sampled token ids into text, logprobs and finish
-reasons.
-"""
+It owns the tokenizer, the scheduler (with the KV cache manager) and the model
+runner, and turns sampled token ids into text, logprobs and finish reasons."""
 
 from __future__ import annotations
 
@@ -346,14 +344,12 @@ class LLMEngine:
         beam ranking. Finished user requests leave the registry."""
         for request_id, (first, entries) in runner_output.prompt_logprobs.items():
             self.output_processor.store_prompt_logprobs(self.requests[request_id], first, entries)
-        verified = runner_output.verified
         advanced = self.scheduler.update_from_output(
-            scheduler_output, runner_output.sampled_token_ids,
-            {sequence_id: v.token_ids[:-1] for sequence_id, v in verified.items()}, runner_output.proposed_draft_token_ids,
+            scheduler_output, runner_output.sampled_token_ids, runner_output.accepted_draft_token_ids(),
+            runner_output.proposed_draft_token_ids,
         )
         iteration = self.stats_reporter.begin()
-        self.stats_reporter.observe_advanced(iteration, advanced, self.requests,
-                                             {sequence_id: len(v.token_ids) for sequence_id, v in verified.items()})
+        self.stats_reporter.observe_advanced(iteration, advanced, self.requests, runner_output.tokens_yielded())
         sampled = [r for r in advanced if not r.tokens_chosen_externally]
         beams = [r for r in advanced if r.tokens_chosen_externally]
         processed = self.output_processor.process(sampled, runner_output, self.requests)
@@ -392,6 +388,7 @@ class LLMEngine:
             "tensor_parallel_size": self.tp_size,
             # A shared prefix shorter than one block never hits: only full blocks are cached.
             "min_cacheable_prefix_tokens": kv.block_size,
+            **self.runner.speculation_stats(),
         }
 
     def reset_prefix_cache(self) -> int:

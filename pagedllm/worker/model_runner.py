@@ -44,6 +44,13 @@ class ModelRunnerOutput:
     timings: dict[str, float] = field(default_factory=lambda: {"input preparation": 0.0, "forward": 0.0, "sampling": 0.0})
     elapsed_s: float = 0.0
 
+    def accepted_draft_token_ids(self) -> dict[str, list[int]]:
+        return {sequence_id: v.token_ids[:-1] for sequence_id, v in self.verified.items()}
+
+    def tokens_yielded(self) -> dict[str, int]:
+        """Tokens each speculating sequence gained (every other sampled one gained one)."""
+        return {sequence_id: len(v.token_ids) for sequence_id, v in self.verified.items()}
+
 
 class CachedSequence:
     """The runner's copy of one sequence: built from ``NewSequenceData`` and
@@ -147,6 +154,17 @@ class ModelRunner:
             self.sequences[data.sequence_id] = CachedSequence(data)
         for scheduled in scheduler_output.scheduled:
             self.sequences[scheduled.sequence_id].apply(scheduled)
+
+    def speculation_stats(self) -> dict[str, int | float]:
+        """Drafts verified and accepted so far (vLLM's spec_decode counters); empty when off."""
+        speculator = self.speculator
+        if speculator is None:
+            return {}
+        return {
+            "spec_num_draft_tokens": speculator.num_draft_tokens,
+            "spec_num_accepted_tokens": speculator.num_accepted_tokens,
+            "spec_acceptance_rate": speculator.num_accepted_tokens / max(1, speculator.num_draft_tokens),
+        }
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
