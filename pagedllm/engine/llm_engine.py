@@ -32,6 +32,7 @@ from pagedllm.model.loader import checkpoint_dtype, generation_defaults, generat
 from pagedllm.model.shard import load_model_shard
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.draft_model import load_draft_model
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.worker.memory import plan_kv_pool
 from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -63,7 +64,8 @@ class LLMEngine:
         self.model_path = shard.path
         self.scheduler_config = shard.scheduler_config
         self.max_model_len = self.scheduler_config.max_model_len
-        self.pool_plan = plan_kv_pool(config, self.model, self.scheduler_config, self.device)
+        self.draft_model = load_draft_model(config, self.model_config.vocab_size, self.max_model_len, self.device)
+        self.pool_plan = plan_kv_pool(config, self.model, self.scheduler_config, self.device, self.draft_model)
         self.bytes_per_token = self.pool_plan.bytes_per_token
         self.executor = self._start_tensor_parallel()
 
@@ -78,7 +80,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, num_blocks, block_size, self.device, dtype, self.eos_token_ids, num_swap_blocks,
             kv_cache_dtype, broadcast_step=self.executor.broadcast_step if self.executor is not None else None,
-            speculative_config=config.speculative,
+            speculative_config=config.speculative, draft_model=self.draft_model,
         )
         self.vocab_size = self.model_config.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.eos_token_ids,
@@ -100,8 +102,7 @@ class LLMEngine:
         self.default_sampling_params = self._generation_defaults()
         self.stats_reporter = StatsReporter(metrics_context(config, self.pool_plan, self.scheduler_config), self.stats)
         logger.info(self.capacity_line())
-        # The model, tokenizer and pools are long-lived: move them out of the
-        # garbage collector's view so its passes during generation stay short.
+        # Long-lived model, tokenizer and pools leave the collector's view: its passes stay short.
         gc.collect()
         gc.freeze()
 
@@ -109,8 +110,7 @@ class LLMEngine:
 
     def _start_tensor_parallel(self) -> DistributedExecutor | None:
         """Start ranks 1..N-1 (or wait for them, with ``distributed_init_method``);
-        None with one rank. The workers stop when the engine goes away, even
-        without ``shutdown()``."""
+        None with one rank. They stop when the engine goes away, even without ``shutdown()``."""
         if self.tp_size == 1:
             return None
         executor = DistributedExecutor(self.config, self.tp_size, self.device.type)

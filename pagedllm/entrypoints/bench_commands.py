@@ -274,6 +274,18 @@ def cmd_bench_soak(args: argparse.Namespace) -> None:
         raise SystemExit("soak failed: errors or KV blocks still in use after the drain")
 
 
+def cmd_bench_spec(args: argparse.Namespace) -> None:
+    from pagedllm.bench import speculative
+
+    config = args.speculative_config or {"method": "ngram", "num_speculative_tokens": 4}
+    llms = (make_llm(args, speculative_config=None), make_llm(args, speculative_config=config))
+    results = speculative.measure(llms, args.output_len, args.num_mixed, args.rounds, args.seed)
+    report(args, speculative.format_table(results),
+           f"Speculative decoding {config} vs the same engine without it, greedy (identical tokens checked), "
+           f"{args.output_len}-token cap on the repetitive prompts, {args.rounds} round(s), the engines alternating.",
+           llms[0].llm_engine.device)
+
+
 def _add_bench(benches: argparse._SubParsersAction, name: str, help_text: str,
                command: Callable[[argparse.Namespace], object], *, builds_engine: bool = True) -> argparse.ArgumentParser:
     """A `pagedllm bench NAME` parser with the engine flags (when it builds an engine) and --record."""
@@ -301,6 +313,11 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     so.add_argument("--output-len", type=int, default=64)
     so.add_argument("--rounds", type=int, default=4,
                     help="runs of both batches, swapping engines and stepping order (decode steps are summed)")
+    sp = _add_bench(benches, "spec", "speculative decoding (n-gram prompt lookup) vs none: single-request decode on "
+                                     "repetitive real text, and a mixed batch", cmd_bench_spec)
+    sp.add_argument("--output-len", type=int, default=256, help="most tokens per repetitive-workload answer")
+    sp.add_argument("--num-mixed", type=int, default=16, help="requests of the mixed batch")
+    sp.add_argument("--rounds", type=int, default=1, help="times each workload runs on each engine")
     sk = _add_bench(benches, "soak", "a long randomized load with aborts against a server it starts (with these "
                                      "engine flags); fails on any error or a KV block still in use after the drain",
                     cmd_bench_soak)

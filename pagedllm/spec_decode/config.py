@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -21,16 +21,26 @@ class SpeculativeConfig:
       ``num_speculative_tokens`` tokens that followed the most recent match.
       Costs no model; pays off on text that repeats its context (code
       editing, summaries that quote, extraction).
+    - ``method="draft_model"`` (the default when ``model`` is given): a
+      smaller model with the same tokenizer, loaded from the local ``model``
+      path like the target, proposes its ``num_speculative_tokens`` most
+      likely next tokens one after another.
     """
 
-    method: str = "ngram"
+    method: str | None = None  # None: draft_model when `model` is set, else ngram
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    model: str | None = None
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", "draft_model" if self.model is not None else "ngram")
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config: method 'draft_model' needs 'model' (a local checkpoint with the "
+                             "target's tokenizer), and 'model' goes only with it")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

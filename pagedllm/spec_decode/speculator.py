@@ -12,7 +12,7 @@ yield in ``verified``, and the next proposals in ``proposed_draft_token_ids``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -20,9 +20,13 @@ from pagedllm.core.scheduler_output import ScheduledSequence
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.draft_model import DraftModel
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.rejection import VerifiedTokens, verify_drafts
 from pagedllm.worker.sampling.metadata import SamplingMetadata
+
+if TYPE_CHECKING:
+    from pagedllm.worker.model_runner import StepInputs
 
 
 class TokenHistory(Protocol):
@@ -30,26 +34,36 @@ class TokenHistory(Protocol):
 
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    block_ids: list[int]
     sampling_params: SamplingParams
 
 
 class Speculator:
     """Verification and n-gram proposals for the runner.
 
-    Safety rule: ``forget`` every sequence the runner forgets, before the
-    step that may send it again (its history restarts from scratch).
+    Safety rules: ``forget`` every sequence the runner forgets, before the
+    step that may send it again (its history restarts from scratch); with a
+    draft model, ``observe`` every step the target runs.
     """
 
-    def __init__(self, config: SpeculativeConfig, eos_token_ids: list[int]) -> None:
+    def __init__(self, config: SpeculativeConfig, eos_token_ids: list[int], draft: DraftModel | None = None) -> None:
+        if (config.method == "draft_model") != (draft is not None):
+            raise ValueError("a draft_model speculative config needs its DraftModel, and only it")
         self.config = config
         self.eos_token_ids = list(eos_token_ids)
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.draft = draft
         self.num_draft_tokens = 0  # verified drafts, over the speculator's life
         self.num_accepted_tokens = 0
 
+    def observe(self, step: StepInputs) -> None:
+        """The target ran ``step``: the draft model runs it too (its K/V must follow)."""
+        if self.draft is not None:
+            self.draft.observe(step)
+
     def forget(self, sequence_ids: Sequence[str]) -> None:
         for sequence_id in sequence_ids:
-            self.proposer.forget(sequence_id)
+            self.ngram.forget(sequence_id)
 
     def verify(
         self,
@@ -86,12 +100,19 @@ class Speculator:
         """Proposals for ``(scheduled, history, tokens this step yielded)`` items
         whose step asked for some (``num_draft_tokens``); sequences with no
         match get none."""
+        items = [item for item in items if item[0].num_draft_tokens]
+        if self.draft is not None:
+            contexts = [
+                (history.block_ids, len(history.prompt_token_ids) + len(history.output_token_ids) + len(tokens) - 1,
+                 tokens[-1])
+                for _, history, tokens in items
+            ]
+            drafted = self.draft.propose(contexts, [scheduled.num_draft_tokens for scheduled, _, _ in items])
+            return {scheduled.sequence_id: drafts for (scheduled, _, _), drafts in zip(items, drafted)}
         proposals: dict[str, list[int]] = {}
         for scheduled, history, step_tokens in items:
-            if scheduled.num_draft_tokens == 0:
-                continue
             segments = (history.prompt_token_ids, history.output_token_ids, step_tokens)
-            drafts = self.proposer.propose(scheduled.sequence_id, segments, scheduled.num_draft_tokens)
+            drafts = self.ngram.propose(scheduled.sequence_id, segments, scheduled.num_draft_tokens)
             if drafts:
                 proposals[scheduled.sequence_id] = drafts
         return proposals

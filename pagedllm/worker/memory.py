@@ -44,6 +44,8 @@ class PoolPlan:
     dtype: str  # the model's dtype option, e.g. "float32"
     kv_cache_dtype: str
     device_type: str
+    # A speculative draft model's pool, indexed by the same blocks (0: none).
+    draft_bytes_per_token: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +68,9 @@ class PoolPlan:
             line += (f"; that is rank 0, with {self.num_kv_heads} of {self.total_num_kv_heads} KV heads; "
                      f"all {self.tensor_parallel_size} ranks together: {self.total_bytes_per_token} bytes/token, "
                      f"{tokens * self.total_bytes_per_token / 2**20:.1f} MiB")
+        if self.draft_bytes_per_token:
+            line += (f"; the draft model's pool over the same blocks: {self.draft_bytes_per_token} bytes/token, "
+                     f"{tokens * self.draft_bytes_per_token / 2**20:.1f} MiB")
         return line
 
 
@@ -79,13 +84,14 @@ def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, kv_cache_dt
 
 
 def plan_kv_pool(config: EngineConfig, model: LlamaForCausalLM, scheduler_config: SchedulerConfig,
-                 device: torch.device) -> PoolPlan:
+                 device: torch.device, draft_model: LlamaForCausalLM | None = None) -> PoolPlan:
     """Size rank 0's pool from ``config.cache`` for ``model`` (rank 0's shard) on ``device``.
 
     The first rule that is set decides: ``num_kv_blocks``, then
     ``kv_cache_memory``, then ``kv_cache_fraction`` of the memory available
     now, then on CUDA ``gpu_memory_utilization`` (0.9 by default), else on CPU
-    ``DEFAULT_KV_CACHE_MEMORY``. Swap blocks exist only with
+    ``DEFAULT_KV_CACHE_MEMORY``. A speculative ``draft_model`` keeps a pool
+    over the same block ids, so a block costs both models' bytes. Swap blocks exist only with
     ``preemption_mode="swap"`` and the paged layout, ``swap_space`` GiB of them.
 
     Safety rules: call it after the weights are on the device and before any
@@ -105,7 +111,9 @@ def plan_kv_pool(config: EngineConfig, model: LlamaForCausalLM, scheduler_config
     # Per rank (rank 0 holds the most KV heads when they do not split evenly):
     # the budget is per rank, and every rank has the same number of blocks.
     bytes_per_token = kv_bytes_per_token(model.config, dtype, cache.kv_cache_dtype, model.num_kv_heads)
-    bytes_per_block = bytes_per_token * cache.block_size
+    draft_bytes_per_token = 0 if draft_model is None else kv_bytes_per_token(draft_model.config, dtype,
+                                                                             cache.kv_cache_dtype)
+    bytes_per_block = (bytes_per_token + draft_bytes_per_token) * cache.block_size
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
     else:
@@ -133,6 +141,7 @@ def plan_kv_pool(config: EngineConfig, model: LlamaForCausalLM, scheduler_config
         dtype=config.dtype,
         kv_cache_dtype=cache.kv_cache_dtype,
         device_type=device.type,
+        draft_bytes_per_token=draft_bytes_per_token,
     )
 
 

@@ -13,18 +13,18 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
-from pagedllm.attention.kv_cache import allocate_layer
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.utils import cdiv
 from pagedllm.core.scheduler_output import NewSequenceData, SampleRow, ScheduledSequence, SchedulerOutput
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.shapes import head_dim_of
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.draft_model import DraftModel
 from pagedllm.spec_decode.rejection import VerifiedTokens
 from pagedllm.spec_decode.speculator import Speculator, closing_token
 from pagedllm.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from pagedllm.worker.sampling.grammar import GrammarBitmask, RowBitmask
+from pagedllm.worker.block_moves import allocate_caches, move_blocks
 from pagedllm.worker.swap import HostSwapPool
 
 
@@ -122,6 +122,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         broadcast_step: Callable[[StepInputs], None] | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        draft_model: LlamaForCausalLM | None = None,
     ) -> None:
         """``broadcast_step``, on a tensor-parallel driver, sends each step's
         inputs to the other ranks before this rank runs it (they run the same
@@ -130,17 +131,17 @@ class ModelRunner:
         self.broadcast_step = broadcast_step
         self.block_size = block_size
         self.device = device
-        config = model.config
-        num_kv_heads = model.num_kv_heads  # this rank's share under tensor parallelism
-        # Block-major: one block of one layer is one contiguous slab (and its scales another).
-        self.kv_caches = [
-            allocate_layer(num_blocks, block_size, num_kv_heads, head_dim_of(config), dtype, kv_cache_dtype, device)
-            for _ in range(config.num_hidden_layers)
-        ]
+        self.kv_caches = allocate_caches(model, num_blocks, block_size, dtype, kv_cache_dtype, device)
         self.swap_pool = HostSwapPool(num_swap_blocks, self.kv_caches)
         self.attention = attention_backend_for(device, block_size, kv_cache_dtype)
         self.sampler = Sampler(eos_token_ids)
-        self.speculator = Speculator(speculative_config, eos_token_ids) if speculative_config else None
+        self.speculator = None
+        if speculative_config is not None:
+            draft = None if draft_model is None else DraftModel(
+                draft_model, num_blocks, block_size, dtype, kv_cache_dtype, device, num_swap_blocks,
+                speculative_config.num_speculative_tokens,
+            )
+            self.speculator = Speculator(speculative_config, eos_token_ids, draft)
         self.sequences: dict[str, CachedSequence] = {}
 
     def _update_sequences(self, scheduler_output: SchedulerOutput) -> None:
@@ -181,6 +182,8 @@ class ModelRunner:
             self.broadcast_step(step)
         prepared = time.perf_counter()
         hidden = self.run_step(step)
+        if self.speculator is not None:
+            self.speculator.observe(step)
         if batch is not None:
             forwarded = time.perf_counter()
             self._sample(batch, hidden, output, grammar)
@@ -197,25 +200,10 @@ class ModelRunner:
     def run_step(self, step: StepInputs) -> torch.Tensor | None:
         """Move blocks, then run the forward: the part every rank runs. Returns
         the final hidden states (None when the step has no tokens)."""
-        # Order matters: a block swapped out may be reused as a copy or swap-in target.
-        self.swap_pool.swap_out(self.kv_caches, step.swap_out)
-        self._copy_blocks(step.block_copies)
-        self.swap_pool.swap_in(self.kv_caches, step.swap_in)
+        move_blocks(self.kv_caches, self.swap_pool, step.swap_out, step.block_copies, step.swap_in)
         if step.input_ids is None:
             return None
         return self.model(step.input_ids, step.positions, self.kv_caches, step.metadata, self.attention)
-
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole physical blocks, every layer, before anything writes to them.
-        The gather reads all sources before the scatter writes, so the copies of
-        one step never see each other's results."""
-        if not copies:
-            return
-        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
-        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
-        for layer in self.kv_caches:
-            for tensor in layer.tensors():  # K, V and, when quantized, their scales
-                tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     def _prepare(self, scheduler_output: SchedulerOutput) -> _Batch:
         # Single-token spans (decodes, and one-token prompt tails) read the pool
