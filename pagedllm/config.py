@@ -260,6 +260,12 @@ class EngineConfig:
                           "size); dequantize decodes every weight to the model dtype at load"},
     )
 
+    async_scheduling: bool = field(
+        default=False,
+        metadata={"help": "launch the next step's forward before building this step's outputs (detokenizing, "
+                          "stop strings), so that work overlaps the model; a sequence a stop string ends "
+                          "computes one token more, which is dropped"},
+    )
     speculative_config: dict | None = field(
         default=None,
         metadata={"help": "speculative decoding, as vLLM spells it, e.g. '{\"method\": \"ngram\", "

@@ -5,30 +5,31 @@ runner, and turns sampled token ids into text, logprobs and finish reasons."""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import os
 import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from collections.abc import Sequence
 
 import torch
 
 from pagedllm.config import EngineConfig, torch_dtype
-from pagedllm.core.contiguous import ContiguousKVCacheManager
-from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.kv_interface import KVCacheManagerProtocol
-from pagedllm.core.request import RequestStatus
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.engine.counters import engine_stats, kv_pool_snapshot
+from pagedllm.engine.setup import create_kv_cache_manager, eos_token_ids_of, sampling_defaults_of
 from pagedllm.engine.beam_search import BeamGroup, BeamSearchManager, BeamSearchParams
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.logger import init_logger
+from pagedllm.metrics.stats import IterationStats
 from pagedllm.distributed.executor import DistributedExecutor, PoolShape
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.engine.stats_reporter import StatsReporter, metrics_context
-from pagedllm.model.loader import checkpoint_dtype, generation_defaults, generation_eos_token_ids
+from pagedllm.model.loader import checkpoint_dtype
 from pagedllm.model.shard import load_model_shard
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -38,6 +39,24 @@ from pagedllm.worker.memory import plan_kv_pool
 from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = init_logger(__name__)
+
+
+@dataclass
+class _LaunchedStep:
+    """A scheduled step whose forward has started (or, inline, finished)."""
+
+    scheduler_output: SchedulerOutput
+    user_ids: set[str]
+    runner_output: Future[ModelRunnerOutput]
+
+
+@dataclass
+class _AppliedStep:
+    """A step's tokens, applied; what is left to report."""
+
+    sampled: list[Request]  # sequences that advanced by sampled (not beam-picked) tokens
+    beam_outputs: list[RequestOutput]
+    iteration: IterationStats
 
 
 class LLMEngine:
@@ -72,9 +91,10 @@ class LLMEngine:
         kv_cache_dtype = config.cache.kv_cache_dtype
         block_size, num_blocks = self.pool_plan.block_size, self.pool_plan.num_blocks
         num_swap_blocks = self.pool_plan.num_swap_blocks
-        self.kv_cache_manager = self._create_kv_cache_manager(num_blocks, block_size, num_swap_blocks)
+        self.kv_cache_manager = create_kv_cache_manager(config.cache, num_blocks, block_size, num_swap_blocks,
+                                                        self.scheduler_config)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = eos_token_ids_of(self.tokenizer, self.model_config, config, self.model_path)
         if self.executor is not None:
             self.executor.send_pool_shape(PoolShape(num_blocks, num_swap_blocks))
         self.runner = ModelRunner(
@@ -99,7 +119,10 @@ class LLMEngine:
         self.peak_running_per_step = 0  # most sequences in one forward pass
         self.num_batched_tokens = 0  # tokens through the forward, summed over steps
         self.reset_step_timings()
-        self.default_sampling_params = self._generation_defaults()
+        # async_scheduling: the runner's thread, and the step it runs while the last one is reported.
+        self._runner_thread = ThreadPoolExecutor(1, "pagedllm-runner") if config.async_scheduling else None
+        self._in_flight: _LaunchedStep | None = None
+        self.default_sampling_params = sampling_defaults_of(config, self.model_path)
         self.stats_reporter = StatsReporter(metrics_context(config, self.pool_plan, self.scheduler_config), self.stats)
         logger.info(self.capacity_line())
         # Long-lived model, tokenizer and pools leave the collector's view: its passes stay short.
@@ -119,39 +142,6 @@ class LLMEngine:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
         return executor
 
-    def _create_kv_cache_manager(self, num_blocks: int, block_size: int, num_swap_blocks: int) -> KVCacheManagerProtocol:
-        """The block bookkeeping over the planned pool: paged, or the contiguous baseline."""
-        config = self.config
-        if config.cache.kv_layout == "contiguous":
-            reservation = config.cache.contiguous_reservation
-            tokens = {"max_model_len": self.max_model_len, "request": None}.get(reservation, reservation)
-            return ContiguousKVCacheManager(num_blocks, block_size, tokens)
-        return KVCacheManager(num_blocks, block_size, config.cache.enable_block_sharing,
-                              config.cache.enable_prefix_caching, num_swap_blocks,
-                              sliding_window=self.scheduler_config.sliding_window)
-
-    def _eos_token_ids(self) -> list[int]:
-        ids: set[int] = set()
-        for source in (self.tokenizer.eos_token_id, getattr(self.model_config, "eos_token_id", None)):
-            if isinstance(source, int):
-                ids.add(source)
-            elif isinstance(source, (list, tuple)):
-                ids.update(int(t) for t in source)
-        if self.config.generation_config == "auto":
-            ids.update(generation_eos_token_ids(self.model_path))
-        return sorted(ids)
-
-    def _generation_defaults(self) -> dict:
-        """vLLM's ``--generation-config auto``: the checkpoint's sampling
-        defaults for requests that leave a field unset (logged once)."""
-        if self.config.generation_config != "auto":
-            return {}
-        defaults = generation_defaults(self.model_path)
-        if defaults:
-            logger.info("Default sampling parameters from the model's generation_config.json: %s "
-                        "(--generation-config vllm ignores them)", defaults)
-        return defaults
-
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request without SamplingParams runs with (vLLM's ``get_default_sampling_params``)."""
         return SamplingParams(**self.default_sampling_params)
@@ -167,23 +157,7 @@ class LLMEngine:
     def kv_pool_snapshot(self) -> dict:
         """The block pool as data: every block (state, ref count, owners, hashed)
         and the counters a live view shows next to it."""
-        kv = self.kv_cache_manager.stats()
-        return {
-            "num_blocks": kv.num_blocks,
-            "block_size": kv.block_size,
-            "kv_layout": self.config.cache.kv_layout,
-            "blocks": self.kv_cache_manager.pool_snapshot(),
-            "counters": {
-                "blocks_in_use": kv.num_blocks_in_use,
-                "cached_blocks": kv.num_cached_blocks,
-                "free_blocks": kv.num_free_blocks,
-                "usage": kv.usage,
-                "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
-                "num_preemptions": self.scheduler.num_preemptions,
-                "num_running": self.scheduler.num_running,
-                "num_waiting": self.scheduler.num_waiting,
-            },
-        }
+        return kv_pool_snapshot(self)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with one rank). Safe to call twice."""
@@ -274,7 +248,8 @@ class LLMEngine:
         self.structured_output.retain(self.scheduler.requests)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Live requests, or a step in flight (its results must be collected)."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def has_request(self, request_id: str) -> bool:
         """Whether a user request with this id is live (queued, running or being reported)."""
@@ -288,37 +263,67 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one forward pass over the scheduled batch; return the outputs of
-        the requests that produced a token (``finished`` set on their last)."""
+        the requests that produced tokens (``finished`` set on their last).
+
+        With ``async_scheduling`` the next step's forward is launched (on the
+        runner thread) before this step's outputs are built: detokenizing,
+        stop strings and RequestOutputs overlap the model. Everything the next
+        schedule depends on (appended tokens, token-level stops, beam choices,
+        grammar states, drafts) is applied before it; a sequence a stop string
+        ends computes one more token, which is dropped."""
         started = time.perf_counter()
+        launched = self._in_flight or self._launch()
+        self._in_flight = None
+        if launched is None:
+            return []
+        runner_output, waited = self._collect(launched)
+        applied = self._apply(launched.scheduler_output, runner_output)
+        if self._runner_thread is not None and self.scheduler.has_unfinished_requests():
+            self._in_flight = self._launch()  # overlaps the reporting below
+        outputs = self._report(applied, runner_output)
+        timings = self.step_timings
+        inline_s = runner_output.elapsed_s if self._runner_thread is None else 0.0
+        timings["bookkeeping"] += time.perf_counter() - started - waited - inline_s
+        for phase in ("input preparation", "forward", "sampling"):
+            timings[phase] += runner_output.timings[phase]
+        return outputs
+
+    def _launch(self) -> _LaunchedStep | None:
+        """Schedule a step and start its forward (inline without async
+        scheduling); None when nothing was scheduled (its block moves are done)."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             self.runner.execute(scheduler_output)  # block moves owed by preemptions or forks
             if not scheduler_output.preempted_request_ids and self.scheduler.has_unfinished_requests():
                 raise RuntimeError("the scheduler could not schedule any unfinished request (this is a bug)")
             self.stats_reporter.record(self.stats_reporter.begin())
-            return []
+            return None
         user_ids = self._user_ids_of(scheduler_output)
         self._count_step(scheduler_output, user_ids)
-        scheduled_at = time.perf_counter()
+        grammar = self.structured_output.bitmask_for(scheduler_output)
+        if self._runner_thread is not None:
+            return _LaunchedStep(scheduler_output, user_ids,
+                                 self._runner_thread.submit(self.runner.execute, scheduler_output, grammar))
+        result: Future[ModelRunnerOutput] = Future()
         try:
-            grammar = self.structured_output.bitmask_for(scheduler_output)
-            runner_output = self.runner.execute(scheduler_output, grammar)
-            self.structured_output.accept(scheduler_output, runner_output.sampled_token_ids)
+            result.set_result(self.runner.execute(scheduler_output, grammar))
+        except Exception as error:  # raised again, with the clean-up, when collected
+            result.set_exception(error)
+        return _LaunchedStep(scheduler_output, user_ids, result)
+
+    def _collect(self, launched: _LaunchedStep) -> tuple[ModelRunnerOutput, float]:
+        """The step's runner output, and the seconds spent waiting for it."""
+        waiting = time.perf_counter()
+        try:
+            runner_output = launched.runner_output.result()
+            self.structured_output.accept(launched.scheduler_output, runner_output.sampled_token_ids)
         except Exception:
             # The pass may have left K/V half-written: its requests cannot go on,
             # and blocks registered for it in the prefix cache cannot be trusted.
-            self.abort_request(sorted(user_ids))
+            self.abort_request(sorted(launched.user_ids))
             self.kv_cache_manager.reset_prefix_cache()
             raise
-        outputs = self._process_runner_output(scheduler_output, runner_output)
-        self.structured_output.retain(self.scheduler.requests)
-        if self.config.debug_invariants:
-            self.check_invariants()
-        timings = self.step_timings
-        timings["bookkeeping"] += (scheduled_at - started) + (time.perf_counter() - scheduled_at - runner_output.elapsed_s)
-        for phase in ("input preparation", "forward", "sampling"):
-            timings[phase] += runner_output.timings[phase]
-        return outputs
+        return runner_output, time.perf_counter() - waiting
 
     def _user_ids_of(self, scheduler_output: SchedulerOutput) -> set[str]:
         sequences = self.scheduler.requests
@@ -336,12 +341,9 @@ class LLMEngine:
         self.peak_running_per_step = max(self.peak_running_per_step, num_scheduled)
         self.num_batched_tokens += scheduler_output.total_num_scheduled_tokens
 
-    def _process_runner_output(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[RequestOutput]:
-        """Apply the sampled tokens: scheduler first (appends, forks, token-level
-        stops), then text (stop strings, which the engine finishes here), then
-        beam ranking. Finished user requests leave the registry."""
+    def _apply(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> _AppliedStep:
+        """What the next schedule depends on: the scheduler appends the tokens
+        (forks, token-level stops, drafts), beam search picks its hypotheses' tokens."""
         for request_id, (first, entries) in runner_output.prompt_logprobs.items():
             self.output_processor.store_prompt_logprobs(self.requests[request_id], first, entries)
         advanced = self.scheduler.update_from_output(
@@ -350,16 +352,24 @@ class LLMEngine:
         )
         iteration = self.stats_reporter.begin()
         self.stats_reporter.observe_advanced(iteration, advanced, self.requests, runner_output.tokens_yielded())
-        sampled = [r for r in advanced if not r.tokens_chosen_externally]
         beams = [r for r in advanced if r.tokens_chosen_externally]
-        processed = self.output_processor.process(sampled, runner_output, self.requests)
+        beam_outputs = self.beam_search.on_step(beams, runner_output.logprobs, self.requests)
+        self.structured_output.retain(self.scheduler.requests)
+        if self.config.debug_invariants:
+            self.check_invariants()
+        return _AppliedStep([r for r in advanced if not r.tokens_chosen_externally], beam_outputs, iteration)
+
+    def _report(self, applied: _AppliedStep, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """Text, stop strings (the engine finishes those sequences here) and the
+        outputs; finished user requests leave the registry."""
+        processed = self.output_processor.process(applied.sampled, runner_output, self.requests)
         for sequence_id in processed.stopped_sequence_ids:
             self.scheduler.finish_request(sequence_id, RequestStatus.FINISHED_STOPPED)
-        outputs = processed.outputs + self.beam_search.on_step(beams, runner_output.logprobs, self.requests)
+        outputs = processed.outputs + applied.beam_outputs
         for output in outputs:
             if output.finished:
-                self.stats_reporter.observe_output(iteration, output, self.requests.pop(output.request_id))
-        self.stats_reporter.record(iteration)
+                self.stats_reporter.observe_output(applied.iteration, output, self.requests.pop(output.request_id))
+        self.stats_reporter.record(applied.iteration)
         return outputs
 
     # --------------------------------------------------------------- stats
@@ -367,29 +377,7 @@ class LLMEngine:
     def stats(self) -> dict[str, int | float | str]:
         """The public counters of ``LLM.stats()``: the KV manager's
         ``KVCacheStats``, the scheduler's counts and the engine's step totals."""
-        kv = self.kv_cache_manager.stats()
-        scheduler = self.scheduler
-        return {
-            **dataclasses.asdict(kv),
-            "num_blocks_in_use": kv.num_blocks_in_use,
-            "token_capacity": kv.num_blocks * kv.block_size,
-            "bytes_per_token": self.bytes_per_token,
-            "kv_cache_dtype": self.config.cache.kv_cache_dtype,
-            "num_running": scheduler.num_running,
-            "num_waiting": scheduler.num_waiting,
-            "num_preemptions": scheduler.num_preemptions,
-            "num_recomputed_tokens": scheduler.num_recomputed_tokens,
-            "num_swapped": scheduler.num_swapped,
-            "num_steps": self.num_steps,
-            # Sequences in the forward pass, averaged over steps: the achieved batch size.
-            "mean_running_per_step": self.num_scheduled_sequences / max(1, self.num_steps),
-            "peak_running_per_step": self.peak_running_per_step,
-            "num_batched_tokens": self.num_batched_tokens,
-            "tensor_parallel_size": self.tp_size,
-            # A shared prefix shorter than one block never hits: only full blocks are cached.
-            "min_cacheable_prefix_tokens": kv.block_size,
-            **self.runner.speculation_stats(),
-        }
+        return engine_stats(self)
 
     def reset_prefix_cache(self) -> int:
         """Forget all cached blocks no request is using; returns how many."""

@@ -1,0 +1,59 @@
+"""The engine's public counters (``LLM.stats()``) and the live pool view's data,
+read from the KV manager, the scheduler, the runner and the engine's step totals."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import LLMEngine
+
+
+def kv_pool_snapshot(engine: LLMEngine) -> dict:
+    """Every block (state, ref count, owners, hashed) and the counters a live view shows next to it."""
+    kv = engine.kv_cache_manager.stats()
+    return {
+        "num_blocks": kv.num_blocks,
+        "block_size": kv.block_size,
+        "kv_layout": engine.config.cache.kv_layout,
+        "blocks": engine.kv_cache_manager.pool_snapshot(),
+        "counters": {
+            "blocks_in_use": kv.num_blocks_in_use,
+            "cached_blocks": kv.num_cached_blocks,
+            "free_blocks": kv.num_free_blocks,
+            "usage": kv.usage,
+            "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
+            "num_preemptions": engine.scheduler.num_preemptions,
+            "num_running": engine.scheduler.num_running,
+            "num_waiting": engine.scheduler.num_waiting,
+        },
+    }
+
+
+def engine_stats(engine: LLMEngine) -> dict[str, int | float | str]:
+    """The KV manager's ``KVCacheStats``, the scheduler's counts, the engine's
+    step totals and, with speculative decoding, its counters."""
+    kv = engine.kv_cache_manager.stats()
+    scheduler = engine.scheduler
+    return {
+        **dataclasses.asdict(kv),
+        "num_blocks_in_use": kv.num_blocks_in_use,
+        "token_capacity": kv.num_blocks * kv.block_size,
+        "bytes_per_token": engine.bytes_per_token,
+        "kv_cache_dtype": engine.config.cache.kv_cache_dtype,
+        "num_running": scheduler.num_running,
+        "num_waiting": scheduler.num_waiting,
+        "num_preemptions": scheduler.num_preemptions,
+        "num_recomputed_tokens": scheduler.num_recomputed_tokens,
+        "num_swapped": scheduler.num_swapped,
+        "num_steps": engine.num_steps,
+        # Sequences in the forward pass, averaged over steps: the achieved batch size.
+        "mean_running_per_step": engine.num_scheduled_sequences / max(1, engine.num_steps),
+        "peak_running_per_step": engine.peak_running_per_step,
+        "num_batched_tokens": engine.num_batched_tokens,
+        "tensor_parallel_size": engine.tp_size,
+        # A shared prefix shorter than one block never hits: only full blocks are cached.
+        "min_cacheable_prefix_tokens": kv.block_size,
+        **engine.runner.speculation_stats(),
+    }

@@ -1,0 +1,53 @@
+"""What the engine derives from its config and the loaded checkpoint at start-up:
+the KV cache manager over the planned pool, the EOS ids, the sampling defaults."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedllm.core.contiguous import ContiguousKVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_interface import KVCacheManagerProtocol
+from pagedllm.logger import init_logger
+from pagedllm.model.loader import generation_defaults, generation_eos_token_ids
+
+logger = init_logger(__name__)
+
+
+def create_kv_cache_manager(cache: CacheConfig, num_blocks: int, block_size: int, num_swap_blocks: int,
+                            scheduler_config: SchedulerConfig) -> KVCacheManagerProtocol:
+    """The block bookkeeping over the planned pool: paged, or the contiguous baseline."""
+    if cache.kv_layout == "contiguous":
+        reservation = cache.contiguous_reservation
+        tokens = {"max_model_len": scheduler_config.max_model_len, "request": None}.get(reservation, reservation)
+        return ContiguousKVCacheManager(num_blocks, block_size, tokens)
+    return KVCacheManager(num_blocks, block_size, cache.enable_block_sharing, cache.enable_prefix_caching,
+                          num_swap_blocks, sliding_window=scheduler_config.sliding_window)
+
+
+def eos_token_ids_of(tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig, config: EngineConfig,
+                     model_path: str) -> list[int]:
+    """The tokenizer's and the model config's EOS ids, and with ``generation_config="auto"``
+    those of the checkpoint's generation_config.json."""
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(model_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(t) for t in source)
+    if config.generation_config == "auto":
+        ids.update(generation_eos_token_ids(model_path))
+    return sorted(ids)
+
+
+def sampling_defaults_of(config: EngineConfig, model_path: str) -> dict:
+    """vLLM's ``--generation-config auto``: the checkpoint's sampling defaults
+    for requests that leave a field unset (logged once)."""
+    if config.generation_config != "auto":
+        return {}
+    defaults = generation_defaults(model_path)
+    if defaults:
+        logger.info("Default sampling parameters from the model's generation_config.json: %s "
+                    "(--generation-config vllm ignores them)", defaults)
+    return defaults
