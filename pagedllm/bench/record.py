@@ -4,9 +4,14 @@ bookkeeping-only benches stay light."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import shlex
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def append_result(path: str, argv: list[str] | None, preamble: str, table: str) -> None:
@@ -15,3 +20,13 @@ def append_result(path: str, argv: list[str] | None, preamble: str, table: str) 
     command = "pagedllm " + " ".join(shlex.quote(word) for word in words)
     with open(path, "a", encoding="utf-8") as f:
         f.write(f"\n### {datetime.date.today().isoformat()}: `{command}`\n\n{preamble}\n\n{table}\n")
+
+
+def report(args: argparse.Namespace, table: str, setup: str, device: torch.device | None = None) -> None:
+    """Print a bench's table; with --record also append it to that file, after
+    the machine it ran on and ``setup`` (what was measured, how)."""
+    from pagedllm.bench.throughput import machine_description
+
+    print(table)
+    if args.record:
+        append_result(args.record, args.argv, f"Machine: {machine_description(device)}. {setup}", table)

@@ -1,5 +1,6 @@
-"""`pagedllm bench spec`: speculative decoding (n-gram prompt lookup) against
-the same engine without it, in the same run.
+"""`pagedllm bench spec`: speculative decoding (n-gram prompt lookup by
+default, or the ``--speculative-config`` given) against the same engine
+without it, in the same run.
 
 Two workloads:
 
@@ -77,13 +78,13 @@ class WorkloadResult:
     num_requests: int
     mode: str
     plain: SpecTally
-    ngram: SpecTally
+    speculative: SpecTally
     num_draft_tokens: int
     num_accepted_tokens: int
 
     @property
     def speedup(self) -> float:
-        return self.ngram.tokens_per_s / self.plain.tokens_per_s
+        return self.speculative.tokens_per_s / self.plain.tokens_per_s
 
     @property
     def acceptance(self) -> float:
@@ -103,24 +104,24 @@ def _timed_generate(llm, prompts: list, params: list[SamplingParams], tally: Spe
 
 def _compare(llms: tuple, batches: list[tuple[list, list[SamplingParams]]], workload: str, mode: str) -> WorkloadResult:
     """Run every batch on both engines, alternating which goes first."""
-    plain_llm, ngram_llm = llms
-    before = ngram_llm.stats()
-    plain, ngram = SpecTally(), SpecTally()
+    plain_llm, speculative_llm = llms
+    before = speculative_llm.stats()
+    plain, speculative = SpecTally(), SpecTally()
     for index, (prompts, params) in enumerate(batches):
-        order = [(plain_llm, plain), (ngram_llm, ngram)]
+        order = [(plain_llm, plain), (speculative_llm, speculative)]
         results = [_timed_generate(llm, prompts, params, tally) for llm, tally in (order if index % 2 == 0 else order[::-1])]
         if results[0] != results[1]:
             raise RuntimeError(f"{workload}: greedy output differs with speculative decoding (this is a bug)")
-    after = ngram_llm.stats()
+    after = speculative_llm.stats()
     return WorkloadResult(
-        workload, sum(len(p) for p, _ in batches), mode, plain, ngram,
+        workload, sum(len(p) for p, _ in batches), mode, plain, speculative,
         after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"],
         after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"],
     )
 
 
 def measure(llms: tuple, output_len: int, num_mixed: int, rounds: int, seed: int) -> list[WorkloadResult]:
-    """``llms``: (plain engine, n-gram engine) over the same model."""
+    """``llms``: (plain engine, speculative engine) over the same model."""
     for llm in llms:
         warm_up(llm)
     prompts = repetitive_prompts(llms[0].get_tokenizer())
@@ -136,15 +137,15 @@ def measure(llms: tuple, output_len: int, num_mixed: int, rounds: int, seed: int
 
 def format_table(results: list[WorkloadResult]) -> str:
     rows = [
-        "| workload | requests | how | output tokens | plain tok/s | n-gram tok/s | speed-up | acceptance | "
-        "tokens/step plain, n-gram |",
+        "| workload | requests | how | output tokens | plain tok/s | speculative tok/s | speed-up | acceptance | "
+        "tokens/step plain, speculative |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         rows.append(
-            f"| {r.workload} | {r.num_requests} | {r.mode} | {r.ngram.output_tokens} | {r.plain.tokens_per_s:.1f} | "
-            f"{r.ngram.tokens_per_s:.1f} | {r.speedup:.2f}x | {r.acceptance:.0%} "
+            f"| {r.workload} | {r.num_requests} | {r.mode} | {r.speculative.output_tokens} | {r.plain.tokens_per_s:.1f} | "
+            f"{r.speculative.tokens_per_s:.1f} | {r.speedup:.2f}x | {r.acceptance:.0%} "
             f"({r.num_accepted_tokens}/{r.num_draft_tokens}) | "
-            f"{r.plain.output_tokens / max(1, r.plain.steps):.2f}, {r.ngram.output_tokens / max(1, r.ngram.steps):.2f} |"
+            f"{r.plain.output_tokens / max(1, r.plain.steps):.2f}, {r.speculative.output_tokens / max(1, r.speculative.steps):.2f} |"
         )
     return "\n".join(rows)

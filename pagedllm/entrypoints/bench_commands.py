@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedllm.config import torch_dtype
+from pagedllm.bench.record import report
+from pagedllm.entrypoints.bench_decode import add_decode_benches
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_flags_from_args, make_llm
 from pagedllm.entrypoints.llm import LLM
 
@@ -21,18 +23,7 @@ if TYPE_CHECKING:
 
     from pagedllm.bench.throughput import BenchRequest, BenchResult
 
-_BASELINES = ("none", "hf", "contiguous", "kv-auto", "tp1")
-
-
-def report(args: argparse.Namespace, table: str, setup: str, device: torch.device | None = None) -> None:
-    """Print a bench's table; with --record also append it to that file, after
-    the machine it ran on and ``setup`` (what was measured, how)."""
-    from pagedllm.bench.record import append_result
-    from pagedllm.bench.throughput import machine_description
-
-    print(table)
-    if args.record:
-        append_result(args.record, args.argv, f"Machine: {machine_description(device)}. {setup}", table)
+_BASELINES = ("none", "hf", "contiguous", "kv-auto", "tp1", "sync")
 
 
 @dataclass
@@ -53,6 +44,8 @@ def _check_baseline(args: argparse.Namespace) -> None:
         raise ValueError("--baseline tp1 compares tensor parallelism with one rank: pass --tensor-parallel-size")
     if args.baseline == "kv-auto" and args.kv_cache_dtype == "auto":
         raise ValueError("--baseline kv-auto compares a quantized pool with the auto one: pass --kv-cache-dtype")
+    if args.baseline == "sync" and not args.async_scheduling:
+        raise ValueError("--baseline sync compares overlapped steps with synchronous ones: pass --async-scheduling")
 
 
 def _throughput_requests(args: argparse.Namespace, vocab_size: int) -> list[BenchRequest]:
@@ -66,6 +59,8 @@ def _throughput_requests(args: argparse.Namespace, vocab_size: int) -> list[Benc
 
 
 def _pagedllm_label(args: argparse.Namespace) -> str:
+    if args.async_scheduling:
+        return "pagedllm (async scheduling)"
     if args.tensor_parallel_size > 1:
         return f"pagedllm ({args.tensor_parallel_size} ranks)"
     storage = args.kv_layout if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
@@ -100,6 +95,8 @@ def _run_baseline(args: argparse.Namespace, requests: list[BenchRequest],
 
     if args.baseline == "tp1":
         return [bench.run_pagedllm(make_llm(args, tensor_parallel_size=1), requests, "pagedllm (1 rank)")], []
+    if args.baseline == "sync":
+        return [bench.run_pagedllm(make_llm(args, async_scheduling=False), requests, "pagedllm (synchronous steps)")], []
     if args.baseline == "contiguous":
         return [bench.run_pagedllm(make_llm(args, kv_layout="contiguous"), requests, "pagedllm (contiguous KV)")], []
     if args.baseline == "kv-auto":
@@ -246,20 +243,6 @@ def cmd_bench_roofline(args: argparse.Namespace) -> None:
                         f"{args.decode_tokens} matmul passes and {args.decode_tokens} decode steps, interleaved.")
 
 
-def cmd_bench_structured(args: argparse.Namespace) -> None:
-    from pagedllm.bench import structured
-
-    # Two engines stepping in turn; prefix caching off so every round prefills its own prompts.
-    llms = tuple(make_llm(args, enable_prefix_caching=False) for _ in range(2))
-    free, guided = structured.measure(llms, args.num_prompts, args.input_len, args.output_len,
-                                      args.num_guided, args.rounds, args.seed)
-    report(args, structured.format_table(free, guided, args.num_prompts),
-           f"{args.num_prompts} random {args.input_len}-token prompts, {args.output_len} greedy tokens each, on two "
-           f"engines stepping in turn: all rows free, and {args.num_guided} rows guided by a JSON schema (a list of "
-           f"at least {args.output_len} records); decode steps of {args.rounds} rounds (each engine runs each batch).",
-           llms[0].llm_engine.device)
-
-
 def cmd_bench_soak(args: argparse.Namespace) -> None:
     from pagedllm.bench import soak
 
@@ -272,18 +255,6 @@ def cmd_bench_soak(args: argparse.Namespace) -> None:
         print(f"error: {sample}")
     if result.errors or result.blocks_in_use_after_drain != 0:
         raise SystemExit("soak failed: errors or KV blocks still in use after the drain")
-
-
-def cmd_bench_spec(args: argparse.Namespace) -> None:
-    from pagedllm.bench import speculative
-
-    config = args.speculative_config or {"method": "ngram", "num_speculative_tokens": 4}
-    llms = (make_llm(args, speculative_config=None), make_llm(args, speculative_config=config))
-    results = speculative.measure(llms, args.output_len, args.num_mixed, args.rounds, args.seed)
-    report(args, speculative.format_table(results),
-           f"Speculative decoding {config} vs the same engine without it, greedy (identical tokens checked), "
-           f"{args.output_len}-token cap on the repetitive prompts, {args.rounds} round(s), the engines alternating.",
-           llms[0].llm_engine.device)
 
 
 def _add_bench(benches: argparse._SubParsersAction, name: str, help_text: str,
@@ -305,19 +276,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     _add_throughput_parser(benches)
     _add_kv_pool_benches(benches)
     _add_kernel_benches(benches)
-    so = _add_bench(benches, "structured", "decode throughput of a batch with guided (JSON schema) rows vs all free",
-                    cmd_bench_structured)
-    so.add_argument("--num-prompts", type=int, default=32)
-    so.add_argument("--num-guided", type=int, default=4, help="rows of the batch under a JSON schema")
-    so.add_argument("--input-len", type=int, default=64)
-    so.add_argument("--output-len", type=int, default=64)
-    so.add_argument("--rounds", type=int, default=4,
-                    help="runs of both batches, swapping engines and stepping order (decode steps are summed)")
-    sp = _add_bench(benches, "spec", "speculative decoding (n-gram prompt lookup) vs none: single-request decode on "
-                                     "repetitive real text, and a mixed batch", cmd_bench_spec)
-    sp.add_argument("--output-len", type=int, default=256, help="most tokens per repetitive-workload answer")
-    sp.add_argument("--num-mixed", type=int, default=16, help="requests of the mixed batch")
-    sp.add_argument("--rounds", type=int, default=1, help="times each workload runs on each engine")
+    add_decode_benches(benches, _add_bench)
     sk = _add_bench(benches, "soak", "a long randomized load with aborts against a server it starts (with these "
                                      "engine flags); fails on any error or a KV block still in use after the drain",
                     cmd_bench_soak)
@@ -347,7 +306,7 @@ def _add_throughput_parser(benches: argparse._SubParsersAction) -> None:
                     help="hf: transformers generate; contiguous: this engine with one max_model_len reservation per "
                          "request; kv-auto: this engine with an unquantized pool of the same memory "
                          "(with --kv-cache-dtype int8 or fp8_e4m3); tp1: this engine on one rank "
-                         "(with --tensor-parallel-size N)")
+                         "(with --tensor-parallel-size N); sync: this engine without --async-scheduling")
     tp.add_argument("--plot", default=None, metavar="DIR",
                     help="also replay the workload (untimed) and write DIR/kv_pool.png: the pool at its fullest")
     tp.add_argument("--hf-batch-size", type=int, nargs="+", default=[8],
