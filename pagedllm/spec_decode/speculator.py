@@ -34,7 +34,6 @@ class TokenHistory(Protocol):
 
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    block_ids: list[int]
     sampling_params: SamplingParams
 
 
@@ -95,22 +94,21 @@ class Speculator:
         return {scheduled.sequence_id: result for (scheduled, _, _), result in zip(items, results)}
 
     def propose(
-        self, items: list[tuple[ScheduledSequence, TokenHistory, list[int]]]
+        self, items: list[tuple[ScheduledSequence, TokenHistory, list[int], list[int]]]
     ) -> dict[str, list[int]]:
-        """Proposals for ``(scheduled, history, tokens this step yielded)`` items
-        whose step asked for some (``num_draft_tokens``); sequences with no
-        match get none."""
+        """Proposals for ``(scheduled, history, tokens this step yielded, block
+        table)`` items whose step asked for some (``num_draft_tokens``);
+        sequences with no match get none."""
         items = [item for item in items if item[0].num_draft_tokens]
         if self.draft is not None:
             contexts = [
-                (history.block_ids, len(history.prompt_token_ids) + len(history.output_token_ids) + len(tokens) - 1,
-                 tokens[-1])
-                for _, history, tokens in items
+                (block_ids, len(history.prompt_token_ids) + len(history.output_token_ids) + len(tokens) - 1, tokens[-1])
+                for _, history, tokens, block_ids in items
             ]
-            drafted = self.draft.propose(contexts, [scheduled.num_draft_tokens for scheduled, _, _ in items])
-            return {scheduled.sequence_id: drafts for (scheduled, _, _), drafts in zip(items, drafted)}
+            drafted = self.draft.propose(contexts, [item[0].num_draft_tokens for item in items])
+            return {item[0].sequence_id: drafts for item, drafts in zip(items, drafted)}
         proposals: dict[str, list[int]] = {}
-        for scheduled, history, step_tokens in items:
+        for scheduled, history, step_tokens, _ in items:
             segments = (history.prompt_token_ids, history.output_token_ids, step_tokens)
             drafts = self.ngram.propose(scheduled.sequence_id, segments, scheduled.num_draft_tokens)
             if drafts:

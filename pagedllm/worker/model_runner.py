@@ -334,7 +334,8 @@ class ModelRunner:
             if scheduled.num_draft_tokens and sequence_id in output.sampled_token_ids:
                 verified = output.verified.get(sequence_id)
                 step_tokens = verified.token_ids if verified else [output.sampled_token_ids[sequence_id]]
-                yielded.append((scheduled, self.sequences[sequence_id], step_tokens))
+                sequence = self.sequences[sequence_id]
+                yielded.append((scheduled, sequence, step_tokens, sequence.block_ids))
         output.proposed_draft_token_ids = self.speculator.propose(yielded)
 
     def _prompt_logprobs(self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
