@@ -13,14 +13,14 @@ from fastapi.testclient import TestClient
 
 from pagedllm import LLM
 from pagedllm.config import CacheConfig, EngineConfig, engine_option_fields
-from pagedllm.entrypoints import bench_commands, cli, engine_args
+from pagedllm.entrypoints import bench_commands, bench_decode, cli, engine_args
 from pagedllm.entrypoints.cli import build_parser, main
 from tests.conftest import assert_pool_free
 
 # Every command that builds an engine, with the arguments it needs besides the flags.
 ENGINE_COMMANDS = [
     ["run"], ["generate", "Hello"], ["serve"],
-    *(["bench", name] for name in ("throughput", "sharing", "prefix", "preemption", "roofline", "soak")),
+    *(["bench", name] for name in ("throughput", "sharing", "prefix", "preemption", "roofline", "soak", "spec")),
 ]
 
 
@@ -34,7 +34,7 @@ def pool_is_free_after_each_command(monkeypatch):
         made.append(real_make_llm(args, **overrides))
         return made[-1]
 
-    for module in (cli, bench_commands):
+    for module in (cli, bench_commands, bench_decode):
         monkeypatch.setattr(module, "make_llm", recording_make_llm)
     yield
     for llm in made:
@@ -229,6 +229,28 @@ def test_bench_throughput_against_contiguous_kv(tiny_model_dir, capsys):
     # 32 blocks hold 4 reservations of 128 tokens but all 8 paged requests (2 blocks each).
     assert float(paged[8]) > float(contiguous[8])
     assert float(contiguous[8]) <= 4
+
+
+def table_rows(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith("| workload") and not line.startswith("|---")]
+
+
+def test_bench_spec_compares_speculation_with_the_plain_engine(tiny_model_dir, tmp_path, capsys):
+    record = tmp_path / "bench.md"
+    main(["bench", "spec", "--model", tiny_model_dir("llama"), "--output-len", "12", "--num-mixed", "4",
+          "--num-kv-blocks", "512", "--record", str(record)])
+    (repetitive, mixed) = table_rows(capsys.readouterr().out)
+    assert repetitive[0].startswith("repetitive") and repetitive[1] == "12" and mixed[1] == "4"
+    assert float(repetitive[4]) > 0 and float(repetitive[5]) > 0 and repetitive[6].endswith("x")
+    assert "speculative decoding" in record.read_text().lower()
+
+
+def test_bench_throughput_async_against_synchronous_steps(tiny_model_dir, capsys):
+    main(["bench", "throughput", "--model", tiny_model_dir("llama"), "--num-prompts", "6", "--input-len", "16",
+          "--output-len", "10", "--async-scheduling", "--baseline", "sync", "--num-kv-blocks", "64"])
+    out = capsys.readouterr().out
+    assert "| pagedllm (async scheduling) |" in out and "| pagedllm (synchronous steps) |" in out
 
 
 def test_bench_throughput_int8_kv_against_auto_at_the_same_memory(tiny_model_dir, capsys):
