@@ -1,0 +1,91 @@
+"""Per-step host costs of the engine, for BENCHMARKS.md and scripts/gpu_check.sh.
+
+``mixed``: the throughput bench's mixed workload through ``run_pagedllm``;
+prints milliseconds per step of each phase (the engine's ``step_timings``).
+``decode``: N sequences all decoding (short prompts, long outputs); prints the
+mean wall time of a decode-only step (synchronized on CUDA), eager and, on
+CUDA, with graphs, and checks that both give the same greedy tokens.
+
+    PYTHONPATH=. python scripts/step_times.py mixed --num-prompts 64
+    PYTHONPATH=. python scripts/step_times.py decode --num-seqs 256 --device cuda --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.bench.throughput import mixed_requests, run_pagedllm, warm_up
+
+
+def mixed(args: argparse.Namespace) -> None:
+    # Only set when asked, so the script also measures checkouts without the option.
+    llm = LLM(device=args.device, dtype=args.dtype, **({"enforce_eager": True} if args.enforce_eager else {}))
+    engine = llm.llm_engine
+    requests = mixed_requests(args.num_prompts, engine.vocab_size, seed=0)
+    warm_up(llm)  # counts the warm-up's steps: run_pagedllm warms up again before it times
+    warm_up_steps = engine.num_steps
+    steps_before = engine.num_steps
+    result = run_pagedllm(llm, requests)
+    steps = engine.num_steps - steps_before - warm_up_steps
+    split = ", ".join(f"{name} {1000 * s / steps:.3f} ms" for name, s in engine.step_timings.items())
+    print(f"mixed {args.num_prompts}: {result.output_tokens} output tokens in {result.elapsed_s:.1f} s, "
+          f"{steps} steps; per step: {split}")
+
+
+def decode_step_ms(llm: LLM, num_seqs: int, num_steps: int) -> tuple[float, list[list[int]]]:
+    """Mean wall ms of ``num_steps`` decode-only steps with ``num_seqs`` running, and the greedy tokens."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=num_steps + 8, ignore_eos=True)
+    for i in range(num_seqs):
+        engine.add_request(f"r{i}", {"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(8)]}, params)
+    while engine.scheduler.num_waiting or engine.num_steps == 0:  # prefills
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    sync()
+    started = time.perf_counter()
+    for _ in range(num_steps):
+        engine.step()
+    sync()
+    elapsed = time.perf_counter() - started
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output.outputs[0].token_ids
+    return 1000 * elapsed / num_steps, [outputs[f"r{i}"] for i in range(num_seqs)]
+
+
+def decode(args: argparse.Namespace) -> None:
+    modes = [True, False] if args.device == "cuda" else [True]
+    tokens = {}
+    for eager in modes:
+        memory = {"gpu_memory_utilization": 0.5} if args.device == "cuda" else {}
+        llm = LLM(device=args.device, dtype=args.dtype, enforce_eager=eager, max_num_seqs=args.num_seqs, **memory)
+        ms, tokens[eager] = decode_step_ms(llm, args.num_seqs, args.num_steps)
+        print(f"decode step at {args.num_seqs} sequences ({'eager' if eager else 'CUDA graphs'}): {ms:.2f} ms")
+        del llm
+    if len(tokens) == 2 and tokens[True] != tokens[False]:
+        raise SystemExit("greedy tokens differ between CUDA graphs and eager")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["mixed", "decode"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--num-steps", type=int, default=20)
+    args = parser.parse_args()
+    mixed(args) if args.what == "mixed" else decode(args)
+
+
+if __name__ == "__main__":
+    main()
