@@ -98,7 +98,7 @@ class ModelRunner:
         num_kv_heads = model.num_kv_heads  # this rank's share under tensor parallelism
         self.attention = attention_backend_for(device, block_size, kv_cache_dtype)
         no_graphs = why_no_graphs(model, device, self.attention) if cuda_graphs else "enforce_eager"
-        if cuda_graphs and no_graphs:
+        if cuda_graphs and no_graphs and device.type == "cuda":  # CPU users never asked for graphs
             logger.info("Decode steps run eagerly: %s", no_graphs)
         # Block-major: one block of one layer is one contiguous slab (and its scales another).
         # With graphs, one block past the scheduler's pool takes the padded rows' writes.
