@@ -5,20 +5,25 @@ prints milliseconds per step of each phase (the engine's ``step_timings``).
 ``decode``: N sequences all decoding (short prompts, long outputs); prints the
 mean wall time of a decode-only step (synchronized on CUDA), eager and, on
 CUDA, with graphs, and checks that both give the same greedy tokens.
+``prepare``: the runner's input preparation alone, N sequences decoding (no model).
 
     PYTHONPATH=. python scripts/step_times.py mixed --num-prompts 64
     PYTHONPATH=. python scripts/step_times.py decode --num-seqs 256 --device cuda --dtype bfloat16
+    PYTHONPATH=. python scripts/step_times.py prepare --num-seqs 256 --num-steps 50
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from types import SimpleNamespace
 
 import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.throughput import mixed_requests, run_pagedllm, warm_up
+from pagedllm.core.scheduler_output import NewSequenceData, ScheduledSequence, SchedulerOutput
+from pagedllm.worker.model_runner import ModelRunner
 
 
 def mixed(args: argparse.Namespace) -> None:
@@ -80,9 +85,35 @@ def decode(args: argparse.Namespace) -> None:
         raise SystemExit("greedy tokens differ between CUDA graphs and eager")
 
 
+def prepare(args: argparse.Namespace) -> None:
+    """The runner's input preparation alone (diffs applied, inputs built), for
+    ``num_seqs`` sequences decoding with 200-token contexts: no model runs."""
+    config = SimpleNamespace(num_hidden_layers=1, head_dim=8)
+    block_size, context = 16, 200
+    # Each sequence owns 16 blocks: contexts up to 256 tokens, so at most 56 steps.
+    runner = ModelRunner(SimpleNamespace(config=config, num_kv_heads=1), args.num_seqs * 16, block_size,
+                         torch.device("cpu"), torch.float32, [])
+    ids = [f"s{i}" for i in range(args.num_seqs)]
+    tables = {sid: list(range(i * 16, i * 16 + 13)) for i, sid in enumerate(ids)}
+    runner._update_sequences(SchedulerOutput(new_sequences=[
+        NewSequenceData(sid, list(range(1, context + 1)), [], tables[sid], SamplingParams()) for sid in ids]))
+    elapsed = 0.0
+    for step in range(args.num_steps):
+        position = context + step
+        output = SchedulerOutput(scheduled=[
+            ScheduledSequence(sid, position, 1, new_token_ids=[position % 1000 + 1],
+                              new_block_ids=[tables[sid][0] + position // block_size] if position % block_size == 0 else [])
+            for sid in ids])
+        started = time.perf_counter()
+        runner._update_sequences(output)
+        runner._prepare(output)
+        elapsed += time.perf_counter() - started
+    print(f"input preparation at {args.num_seqs} decoding sequences: {1000 * elapsed / args.num_steps:.3f} ms/step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["mixed", "decode"])
+    parser.add_argument("what", choices=["mixed", "decode", "prepare"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--enforce-eager", action="store_true")
@@ -90,7 +121,7 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--num-steps", type=int, default=20)
     args = parser.parse_args()
-    mixed(args) if args.what == "mixed" else decode(args)
+    {"mixed": mixed, "decode": decode, "prepare": prepare}[args.what](args)
 
 
 if __name__ == "__main__":

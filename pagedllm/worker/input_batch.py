@@ -28,9 +28,11 @@ from pagedllm.utils import cdiv
 
 class CachedSequence:
     """What the sampler reads of one sequence (python lists, as the sampling
-    code wants them) and the batch row holding its tokens and block table."""
+    code wants them), its batch row, and how many tokens and table entries the
+    row holds (python ints: per-sequence numpy scalar updates cost more than
+    the whole vectorized gather)."""
 
-    __slots__ = ("prompt_token_ids", "output_token_ids", "sampling_params", "row")
+    __slots__ = ("prompt_token_ids", "output_token_ids", "sampling_params", "row", "num_tokens", "num_blocks")
 
     def __init__(self, data: NewSequenceData, row: int) -> None:
         # The lists are the runner's own (NewSequenceData's safety rule): no copy.
@@ -38,6 +40,8 @@ class CachedSequence:
         self.output_token_ids = data.output_token_ids
         self.sampling_params: SamplingParams = data.sampling_params
         self.row = row
+        self.num_tokens = len(data.prompt_token_ids) + len(data.output_token_ids)  # drafts excluded
+        self.num_blocks = 0
 
 
 @dataclass
@@ -61,8 +65,6 @@ class InputBatch:
         self.block_size = block_size
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)
         self.block_table = np.zeros((max_num_seqs, cdiv(max_model_len, block_size)), dtype=np.int64)
-        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)  # known tokens per row (drafts excluded)
-        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)  # table entries per row
         self.sequences: dict[str, CachedSequence] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))  # popped from the end: low rows first
 
@@ -73,93 +75,100 @@ class InputBatch:
         if data.sequence_id in self.sequences:
             self.release(data.sequence_id)
         if not self._free_rows:
-            self._grow(rows=2 * len(self.num_tokens))
-        row = self._free_rows.pop()
-        sequence = CachedSequence(data, row)
+            self._grow(rows=2 * self.token_ids.shape[0])
+        sequence = CachedSequence(data, self._free_rows.pop())
         self.sequences[data.sequence_id] = sequence
-        self._set_tokens(row, 0, data.prompt_token_ids)
-        self._set_tokens(row, len(data.prompt_token_ids), data.output_token_ids)
-        self.num_tokens[row] = len(data.prompt_token_ids) + len(data.output_token_ids)
-        self._append_blocks(row, data.block_ids)
+        self._reserve_tokens(sequence.num_tokens)
+        self.token_ids[sequence.row, : len(data.prompt_token_ids)] = data.prompt_token_ids
+        self.token_ids[sequence.row, len(data.prompt_token_ids) : sequence.num_tokens] = data.output_token_ids
+        self._append_blocks(sequence, data.block_ids)
         return sequence
 
     def release(self, sequence_id: str) -> None:
         """Forget a sequence (unknown ids are ignored: it may never have run)."""
         sequence = self.sequences.pop(sequence_id, None)
-        if sequence is None:
-            return
-        row = sequence.row
-        self.block_table[row, : self.num_blocks[row]] = 0
-        self.num_blocks[row] = 0
-        self.num_tokens[row] = 0
-        self._free_rows.append(row)
+        if sequence is not None:
+            self.block_table[sequence.row, : sequence.num_blocks] = 0
+            self._free_rows.append(sequence.row)
 
-    def apply(self, scheduled: ScheduledSequence) -> CachedSequence:
-        """Advance a held sequence by one step's diff: truncate its table
-        (speculative rollback), append its new tokens, replace and extend
-        its table entries. Its drafts are written past its known tokens."""
-        sequence = self.sequences[scheduled.sequence_id]
-        row = sequence.row
-        if scheduled.new_token_ids:
-            sequence.output_token_ids.extend(scheduled.new_token_ids)
-            self._set_tokens(row, int(self.num_tokens[row]), scheduled.new_token_ids)
-            self.num_tokens[row] += len(scheduled.new_token_ids)
+    def apply(self, step: list[ScheduledSequence]) -> None:
+        """Advance held sequences by one step's diffs: truncate each table
+        (speculative rollback), append new tokens, replace and extend table
+        entries, write drafts past the known tokens. The step's tokens are
+        written in one vectorized assignment."""
+        rows: list[int] = []
+        positions: list[int] = []
+        tokens: list[int] = []
+        for scheduled in step:
+            sequence = self.sequences[scheduled.sequence_id]
+            new = scheduled.new_token_ids
+            if new:
+                sequence.output_token_ids.extend(new)
+                rows += [sequence.row] * len(new)
+                positions += range(sequence.num_tokens, sequence.num_tokens + len(new))
+                tokens += new
+                sequence.num_tokens += len(new)
+            if scheduled.truncated_table_length is not None:
+                self._truncate(sequence, scheduled)
+            for index, block_id in scheduled.replaced_blocks:
+                self.block_table[sequence.row, index] = block_id
+            if scheduled.new_block_ids:
+                self._append_blocks(sequence, scheduled.new_block_ids)
+            if scheduled.draft_token_ids:
+                self._check_drafts(sequence, scheduled)
+                rows += [sequence.row] * len(scheduled.draft_token_ids)
+                positions += range(sequence.num_tokens, sequence.num_tokens + len(scheduled.draft_token_ids))
+                tokens += scheduled.draft_token_ids
+        if tokens:
+            self._reserve_tokens(max(positions) + 1)
+            self.token_ids[rows, positions] = tokens
+
+    def _truncate(self, sequence: CachedSequence, scheduled: ScheduledSequence) -> None:
         length = scheduled.truncated_table_length
-        if length is not None:
-            if not 0 <= length <= self.num_blocks[row]:
-                raise ValueError(f"truncated_table_length {length} of {scheduled.sequence_id} must be within "
-                                 f"its table of {self.num_blocks[row]} entries")
-            self.block_table[row, length : self.num_blocks[row]] = 0
-            self.num_blocks[row] = length
-        for index, block_id in scheduled.replaced_blocks:
-            self.block_table[row, index] = block_id
-        self._append_blocks(row, scheduled.new_block_ids)
-        if scheduled.draft_token_ids:
-            self._write_drafts(scheduled, row)
-        return sequence
+        if not 0 <= length <= sequence.num_blocks:
+            raise ValueError(f"truncated_table_length {length} of {scheduled.sequence_id} must be within "
+                             f"its table of {sequence.num_blocks} entries")
+        self.block_table[sequence.row, length : sequence.num_blocks] = 0
+        sequence.num_blocks = length
 
-    def _write_drafts(self, scheduled: ScheduledSequence, row: int) -> None:
-        drafts = scheduled.draft_token_ids
-        first = scheduled.num_computed_tokens + scheduled.num_scheduled_tokens - len(drafts)
-        if first != self.num_tokens[row] or len(drafts) >= scheduled.num_scheduled_tokens:
+    @staticmethod
+    def _check_drafts(sequence: CachedSequence, scheduled: ScheduledSequence) -> None:
+        num_drafts = len(scheduled.draft_token_ids)
+        first = scheduled.num_computed_tokens + scheduled.num_scheduled_tokens - num_drafts
+        if first != sequence.num_tokens or num_drafts >= scheduled.num_scheduled_tokens:
             raise ValueError(f"the drafts of {scheduled.sequence_id} must directly follow its "
-                             f"{self.num_tokens[row]} known tokens within a span of more than "
-                             f"{len(drafts)} tokens, got span [{scheduled.num_computed_tokens}, "
+                             f"{sequence.num_tokens} known tokens within a span of more than "
+                             f"{num_drafts} tokens, got span [{scheduled.num_computed_tokens}, "
                              f"{scheduled.num_computed_tokens + scheduled.num_scheduled_tokens})")
-        self._set_tokens(row, first, drafts)
 
-    def _set_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
-        end = start + len(token_ids)
-        if end > self.token_ids.shape[1]:
-            self._grow(tokens=end)
-        self.token_ids[row, start:end] = token_ids
+    def _reserve_tokens(self, num_tokens: int) -> None:
+        if num_tokens > self.token_ids.shape[1]:
+            self._grow(tokens=num_tokens)
 
-    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
-        start = int(self.num_blocks[row])
-        end = start + len(block_ids)
+    def _append_blocks(self, sequence: CachedSequence, block_ids: list[int]) -> None:
+        end = sequence.num_blocks + len(block_ids)
         if end > self.block_table.shape[1]:
             self._grow(blocks=end)
-        self.block_table[row, start:end] = block_ids
-        self.num_blocks[row] = end
+        self.block_table[sequence.row, sequence.num_blocks : end] = block_ids
+        sequence.num_blocks = end
 
     def _grow(self, rows: int = 0, tokens: int = 0, blocks: int = 0) -> None:
         """Reallocate to at least these sizes (doubling, so growth is rare)."""
-        old_rows = len(self.num_tokens)
+        old_rows, old_tokens = self.token_ids.shape
+        old_blocks = self.block_table.shape[1]
         new_rows = max(rows, old_rows)
-        new_tokens = max(tokens, 2 * self.token_ids.shape[1]) if tokens else self.token_ids.shape[1]
-        new_blocks = max(blocks, 2 * self.block_table.shape[1]) if blocks else self.block_table.shape[1]
+        new_tokens = max(tokens, 2 * old_tokens) if tokens > old_tokens else old_tokens
+        new_blocks = max(blocks, 2 * old_blocks) if blocks > old_blocks else old_blocks
         self.token_ids = _resized(self.token_ids, new_rows, new_tokens)
         self.block_table = _resized(self.block_table, new_rows, new_blocks)
-        self.num_tokens = _resized(self.num_tokens, new_rows)
-        self.num_blocks = _resized(self.num_blocks, new_rows)
         self._free_rows[:0] = range(new_rows - 1, old_rows - 1, -1)
 
     # ------------------------------------------------------------ the step
 
     def block_ids(self, sequence_id: str) -> list[int]:
         """A held sequence's block table."""
-        row = self.sequences[sequence_id].row
-        return self.block_table[row, : self.num_blocks[row]].tolist()
+        sequence = self.sequences[sequence_id]
+        return self.block_table[sequence.row, : sequence.num_blocks].tolist()
 
     def gather(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> StepArrays:
         """The inputs of spans ``[starts[i], starts[i] + counts[i])`` of ``rows[i]``,

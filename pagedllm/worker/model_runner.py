@@ -133,8 +133,7 @@ class ModelRunner:
             self.batch.release(sequence_id)
         for data in scheduler_output.new_sequences:
             self.batch.add(data)
-        for scheduled in scheduler_output.scheduled:
-            self.batch.apply(scheduled)
+        self.batch.apply(scheduler_output.scheduled)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:

@@ -37,8 +37,8 @@ def test_diffs_and_gather_match_the_full_state():
     batch = InputBatch(max_num_seqs=2, max_model_len=8, block_size=BLOCK_SIZE)
     batch.add(new_sequence("a", [1, 2, 3, 4, 5], [7, 3]))
     batch.add(new_sequence("b", [9, 8], [5], outputs=[6]))
-    batch.apply(ScheduledSequence("a", 5, 1, new_token_ids=[11], new_block_ids=[]))
-    batch.apply(ScheduledSequence("b", 1, 2, replaced_blocks=[(0, 12)]))
+    batch.apply([ScheduledSequence("a", 5, 1, new_token_ids=[11], new_block_ids=[])])
+    batch.apply([ScheduledSequence("b", 1, 2, replaced_blocks=[(0, 12)])])
     assert batch.sequences["a"].output_token_ids == [11]
     assert batch.block_ids("b") == [12]
 
@@ -57,29 +57,29 @@ def test_truncation_and_drafts():
     batch = InputBatch(max_num_seqs=1, max_model_len=16, block_size=BLOCK_SIZE)
     batch.add(new_sequence("s", [1, 2, 3, 4, 5, 6], [10, 11, 12]))
     # Drafts 40, 41 follow the known tokens 1..6 and 7 (appended this step).
-    batch.apply(ScheduledSequence("s", 6, 3, new_token_ids=[7], draft_token_ids=[40, 41]))
+    batch.apply([ScheduledSequence("s", 6, 3, new_token_ids=[7], draft_token_ids=[40, 41])])
     arrays = gather(batch, [("s", 6, 3)])
     assert arrays.input_ids.tolist() == [7, 40, 41]
     assert arrays.positions.tolist() == [6, 7, 8]
     assert arrays.slot_mapping.tolist() == [11 * 4 + 2, 11 * 4 + 3, 12 * 4 + 0]
     # Drafts never join the history: one was accepted (8), the table rolls back to 2 entries
     # and gets a fresh third block.
-    batch.apply(ScheduledSequence("s", 8, 1, new_token_ids=[40, 8], new_block_ids=[20], truncated_table_length=2))
+    batch.apply([ScheduledSequence("s", 8, 1, new_token_ids=[40, 8], new_block_ids=[20], truncated_table_length=2)])
     assert batch.sequences["s"].output_token_ids == [7, 40, 8]
     assert batch.block_ids("s") == [10, 11, 20]
     arrays = gather(batch, [("s", 8, 1)])
     assert arrays.input_ids.tolist() == [8] and arrays.slot_mapping.tolist() == [20 * 4]
     # A truncation past the table or drafts that skip known tokens are refused.
     with pytest.raises(ValueError, match="truncated_table_length"):
-        batch.apply(ScheduledSequence("s", 9, 1, truncated_table_length=4))
+        batch.apply([ScheduledSequence("s", 9, 1, truncated_table_length=4)])
     with pytest.raises(ValueError, match="drafts"):
-        batch.apply(ScheduledSequence("s", 5, 3, draft_token_ids=[1, 2]))
+        batch.apply([ScheduledSequence("s", 5, 3, draft_token_ids=[1, 2])])
 
 
 def test_released_rows_are_reused_clean_and_the_batch_grows():
     batch = InputBatch(max_num_seqs=1, max_model_len=4, block_size=BLOCK_SIZE)
     batch.add(new_sequence("a", [1, 2, 3], [5]))
-    batch.apply(ScheduledSequence("a", 3, 1, new_block_ids=[6, 7]))
+    batch.apply([ScheduledSequence("a", 3, 1, new_block_ids=[6, 7])])
     batch.release("a")
     batch.add(new_sequence("b", [4], [8]))
     # The reused row carries no entry of a's table past b's own.
@@ -107,6 +107,7 @@ def test_random_diffs_match_a_list_model():
             sid = rng.choice(sorted(model))
             del model[sid]
             batch.release(sid)
+        diffs = []
         for sid, (tokens, table) in sorted(model.items()):
             new = [rng.randrange(1000) for _ in range(rng.randint(0, 2))]
             tokens.extend(new)
@@ -118,12 +119,17 @@ def test_random_diffs_match_a_list_model():
                 table[i] = block
             added = [rng.randrange(1, 99) for _ in range(max(0, -(-len(tokens) // BLOCK_SIZE) - len(table)))]
             table.extend(added)
-            batch.apply(ScheduledSequence(sid, 0, 1, new_token_ids=new, new_block_ids=added,
-                                          replaced_blocks=replaced, truncated_table_length=cut))
-            start = rng.randrange(len(tokens))
-            arrays = gather(batch, [(sid, start, len(tokens) - start)])
-            ids, positions, slots = expected_inputs(tokens, table, start, len(tokens) - start)
-            assert arrays.input_ids.tolist() == ids and arrays.positions.tolist() == positions
-            assert arrays.slot_mapping.tolist() == slots
+            diffs.append(ScheduledSequence(sid, 0, 1, new_token_ids=new, new_block_ids=added,
+                                           replaced_blocks=replaced, truncated_table_length=cut))
+        batch.apply(diffs)  # one step: every sequence's tokens land in one vectorized write
+        spans = [(sid, start, len(tokens) - start)
+                 for sid, (tokens, _) in sorted(model.items()) for start in [rng.randrange(len(tokens))]]
+        arrays = gather(batch, spans) if spans else None
+        expected = [expected_inputs(model[sid][0], model[sid][1], start, count) for sid, start, count in spans]
+        for sid, (tokens, table) in model.items():
             assert batch.block_ids(sid) == table
             assert batch.sequences[sid].output_token_ids == tokens[len(batch.sequences[sid].prompt_token_ids):]
+        if arrays is not None:
+            assert arrays.input_ids.tolist() == [t for ids, _, _ in expected for t in ids]
+            assert arrays.positions.tolist() == [p for _, positions, _ in expected for p in positions]
+            assert arrays.slot_mapping.tolist() == [s for _, _, slots in expected for s in slots]
