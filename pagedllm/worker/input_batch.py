@@ -95,7 +95,11 @@ class InputBatch:
         """Advance held sequences by one step's diffs: truncate each table
         (speculative rollback), append new tokens, replace and extend table
         entries, write drafts past the known tokens. The step's tokens are
-        written in one vectorized assignment."""
+        written in one vectorized assignment. A truncation or drafts that do
+        not fit a sequence raise ``ValueError`` before anything changes."""
+        for scheduled in step:
+            if scheduled.truncated_table_length is not None or scheduled.draft_token_ids:
+                self._check(scheduled)
         rows: list[int] = []
         positions: list[int] = []
         tokens: list[int] = []
@@ -108,14 +112,15 @@ class InputBatch:
                 positions += range(sequence.num_tokens, sequence.num_tokens + len(new))
                 tokens += new
                 sequence.num_tokens += len(new)
-            if scheduled.truncated_table_length is not None:
-                self._truncate(sequence, scheduled)
+            length = scheduled.truncated_table_length
+            if length is not None:
+                self.block_table[sequence.row, length : sequence.num_blocks] = 0
+                sequence.num_blocks = length
             for index, block_id in scheduled.replaced_blocks:
                 self.block_table[sequence.row, index] = block_id
             if scheduled.new_block_ids:
                 self._append_blocks(sequence, scheduled.new_block_ids)
             if scheduled.draft_token_ids:
-                self._check_drafts(sequence, scheduled)
                 rows += [sequence.row] * len(scheduled.draft_token_ids)
                 positions += range(sequence.num_tokens, sequence.num_tokens + len(scheduled.draft_token_ids))
                 tokens += scheduled.draft_token_ids
@@ -123,21 +128,20 @@ class InputBatch:
             self._reserve_tokens(max(positions) + 1)
             self.token_ids[rows, positions] = tokens
 
-    def _truncate(self, sequence: CachedSequence, scheduled: ScheduledSequence) -> None:
+    def _check(self, scheduled: ScheduledSequence) -> None:
+        """A truncation within the held table, drafts right after the known
+        tokens (this step's included) in a span longer than the drafts."""
+        sequence = self.sequences[scheduled.sequence_id]
         length = scheduled.truncated_table_length
-        if not 0 <= length <= sequence.num_blocks:
+        if length is not None and not 0 <= length <= sequence.num_blocks:
             raise ValueError(f"truncated_table_length {length} of {scheduled.sequence_id} must be within "
                              f"its table of {sequence.num_blocks} entries")
-        self.block_table[sequence.row, length : sequence.num_blocks] = 0
-        sequence.num_blocks = length
-
-    @staticmethod
-    def _check_drafts(sequence: CachedSequence, scheduled: ScheduledSequence) -> None:
+        num_known = sequence.num_tokens + len(scheduled.new_token_ids)
         num_drafts = len(scheduled.draft_token_ids)
         first = scheduled.num_computed_tokens + scheduled.num_scheduled_tokens - num_drafts
-        if first != sequence.num_tokens or num_drafts >= scheduled.num_scheduled_tokens:
+        if num_drafts and (first != num_known or num_drafts >= scheduled.num_scheduled_tokens):
             raise ValueError(f"the drafts of {scheduled.sequence_id} must directly follow its "
-                             f"{sequence.num_tokens} known tokens within a span of more than "
+                             f"{num_known} known tokens within a span of more than "
                              f"{num_drafts} tokens, got span [{scheduled.num_computed_tokens}, "
                              f"{scheduled.num_computed_tokens + scheduled.num_scheduled_tokens})")
 

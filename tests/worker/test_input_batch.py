@@ -73,7 +73,11 @@ def test_truncation_and_drafts():
     with pytest.raises(ValueError, match="truncated_table_length"):
         batch.apply([ScheduledSequence("s", 9, 1, truncated_table_length=4)])
     with pytest.raises(ValueError, match="drafts"):
-        batch.apply([ScheduledSequence("s", 5, 3, draft_token_ids=[1, 2])])
+        batch.apply([ScheduledSequence("s", 9, 1, new_token_ids=[9]),
+                     ScheduledSequence("s", 5, 3, draft_token_ids=[1, 2])])
+    # A refused step changes nothing, not even the diffs listed before the bad one.
+    assert batch.sequences["s"].output_token_ids == [7, 40, 8]
+    assert batch.block_ids("s") == [10, 11, 20]
 
 
 def test_released_rows_are_reused_clean_and_the_batch_grows():
