@@ -233,6 +233,11 @@ class EngineConfig:
     debug_invariants: bool = field(
         default=False, metadata={"help": "check every block-manager invariant after every step (slow)"}
     )
+    enforce_eager: bool = field(
+        default=False,
+        metadata={"help": "never use CUDA graphs: decode steps run eagerly too (on CUDA they are otherwise "
+                          "captured at start-up for batch sizes 1, 2, 4, ... up to max_num_seqs)"},
+    )
     # Tensor parallelism runs over torch.distributed (gloo on CPU, NCCL on GPU).
     tensor_parallel_size: int = field(
         default=1, metadata={"help": "ranks to split attention heads and MLP over"}

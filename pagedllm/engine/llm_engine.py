@@ -101,6 +101,8 @@ class LLMEngine:
             self.model, num_blocks, block_size, self.device, dtype, self.eos_token_ids, num_swap_blocks,
             kv_cache_dtype, broadcast_step=self.executor.broadcast_step if self.executor is not None else None,
             speculative_config=config.speculative, draft_model=self.draft_model,
+            max_num_seqs=self.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
+            cuda_graphs=not config.enforce_eager and self.tp_size == 1,
         )
         self.vocab_size = self.model_config.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.eos_token_ids,

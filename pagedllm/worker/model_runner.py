@@ -10,22 +10,27 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
 from pagedllm.attention.selector import attention_backend_for
-from pagedllm.utils import cdiv
-from pagedllm.core.scheduler_output import NewSequenceData, SampleRow, ScheduledSequence, SchedulerOutput
+from pagedllm.core.scheduler_output import SampleRow, ScheduledSequence, SchedulerOutput
+from pagedllm.logger import init_logger
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.draft_model import DraftModel
 from pagedllm.spec_decode.rejection import VerifiedTokens
 from pagedllm.spec_decode.speculator import Speculator, closing_token
+from pagedllm.worker.block_moves import allocate_caches, move_blocks
+from pagedllm.worker.cuda_graphs import DecodeGraphs, why_no_graphs
+from pagedllm.worker.input_batch import CachedSequence, InputBatch
 from pagedllm.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from pagedllm.worker.sampling.grammar import GrammarBitmask, RowBitmask
-from pagedllm.worker.block_moves import allocate_caches, move_blocks
 from pagedllm.worker.swap import HostSwapPool
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -35,12 +40,12 @@ class ModelRunnerOutput:
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     # request id -> (index in the prompt of the first target token, its logprobs...)
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+    # Seconds per phase, and in total, of this execute().
     # Speculative decoding: what each verifying sequence yields (accepted
     # drafts, then its closing token, which is also in the dicts above), and
     # the drafts proposed for the next step.
     verified: dict[str, VerifiedTokens] = field(default_factory=dict)
     proposed_draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # Seconds per phase, and in total, of this execute().
     timings: dict[str, float] = field(default_factory=lambda: {"input preparation": 0.0, "forward": 0.0, "sampling": 0.0})
     elapsed_s: float = 0.0
 
@@ -50,37 +55,6 @@ class ModelRunnerOutput:
     def tokens_yielded(self) -> dict[str, int]:
         """Tokens each speculating sequence gained (every other sampled one gained one)."""
         return {sequence_id: len(v.token_ids) for sequence_id, v in self.verified.items()}
-
-
-class CachedSequence:
-    """The runner's copy of one sequence: built from ``NewSequenceData`` and
-    advanced by each step's diffs, so no step reads the scheduler's objects."""
-
-    __slots__ = ("prompt_token_ids", "output_token_ids", "block_ids", "sampling_params")
-
-    def __init__(self, data: NewSequenceData) -> None:
-        # The lists are the runner's own (NewSequenceData's safety rule): no copy.
-        self.prompt_token_ids = data.prompt_token_ids  # never changes
-        self.output_token_ids = data.output_token_ids
-        self.block_ids = data.block_ids
-        self.sampling_params = data.sampling_params
-
-    def apply(self, scheduled: ScheduledSequence) -> None:
-        self.output_token_ids.extend(scheduled.new_token_ids)
-        if scheduled.truncated_table_length is not None:
-            del self.block_ids[scheduled.truncated_table_length :]
-        for index, block_id in scheduled.replaced_blocks:
-            self.block_ids[index] = block_id
-        self.block_ids.extend(scheduled.new_block_ids)
-
-    def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens ``[start, end)`` of prompt + output, without joining the two."""
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
 
 @dataclass
@@ -121,19 +95,32 @@ class ModelRunner:
         num_swap_blocks: int = 0,
         kv_cache_dtype: str = "auto",
         broadcast_step: Callable[[StepInputs], None] | None = None,
+        max_num_seqs: int = 256,
+        max_model_len: int = 2048,
+        cuda_graphs: bool = False,
         speculative_config: SpeculativeConfig | None = None,
         draft_model: LlamaForCausalLM | None = None,
     ) -> None:
         """``broadcast_step``, on a tensor-parallel driver, sends each step's
         inputs to the other ranks before this rank runs it (they run the same
-        forward, whose all-reduces need every rank)."""
+        forward, whose all-reduces need every rank). ``max_num_seqs`` and
+        ``max_model_len`` size the persistent input batch (it grows past them);
+        ``cuda_graphs`` captures decode steps where the device and model allow
+        (``pagedllm.worker.cuda_graphs``; off: ``enforce_eager``). With
+        ``speculative_config`` it verifies and proposes drafts (``draft_model``:
+        the loaded draft of a ``draft_model`` config)."""
         self.model = model
         self.broadcast_step = broadcast_step
         self.block_size = block_size
         self.device = device
-        self.kv_caches = allocate_caches(model, num_blocks, block_size, dtype, kv_cache_dtype, device)
-        self.swap_pool = HostSwapPool(num_swap_blocks, self.kv_caches)
         self.attention = attention_backend_for(device, block_size, kv_cache_dtype)
+        no_graphs = why_no_graphs(model, device, self.attention) if cuda_graphs else "enforce_eager"
+        if cuda_graphs and no_graphs and device.type == "cuda":  # CPU users never asked for graphs
+            logger.info("Decode steps run eagerly: %s", no_graphs)
+        # With graphs, one block past the scheduler's pool takes the padded rows' writes.
+        self.kv_caches = allocate_caches(model, num_blocks + (not no_graphs), block_size, dtype, kv_cache_dtype,
+                                         device)
+        self.swap_pool = HostSwapPool(num_swap_blocks, self.kv_caches)
         self.sampler = Sampler(eos_token_ids)
         self.speculator = None
         if speculative_config is not None:
@@ -142,19 +129,33 @@ class ModelRunner:
                 speculative_config.num_speculative_tokens,
             )
             self.speculator = Speculator(speculative_config, eos_token_ids, draft)
-        self.sequences: dict[str, CachedSequence] = {}
+        self.batch = InputBatch(max_num_seqs, max_model_len, block_size)
+        # Sequence id -> what the sampler reads of it (prompt, outputs, params) and its batch row.
+        self.sequences: dict[str, CachedSequence] = self.batch.sequences
+        self.decode_graphs = None if no_graphs else self._capture_graphs(max_num_seqs, max_model_len, num_blocks)
+
+    @torch.inference_mode()
+    def _capture_graphs(self, max_num_seqs: int, max_model_len: int, pad_block: int) -> DecodeGraphs | None:
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.attention, max_num_seqs, max_model_len,
+                              self.block_size, pad_block)
+        try:
+            graphs.capture()
+        except RuntimeError as error:  # an op of this model that cannot be captured
+            logger.warning("CUDA graph capture failed (%s); decode steps run eagerly "
+                           "(enforce_eager skips the attempt)", error)
+            return None
+        return graphs
 
     def _update_sequences(self, scheduler_output: SchedulerOutput) -> None:
         """Forget released sequences, learn new ones, then apply the step's diffs
         (in that order: a sequence preempted and resumed in one step is relearnt)."""
         for sequence_id in scheduler_output.released_sequence_ids:
-            self.sequences.pop(sequence_id, None)
+            self.batch.release(sequence_id)
         if self.speculator is not None:
             self.speculator.forget(scheduler_output.released_sequence_ids)
         for data in scheduler_output.new_sequences:
-            self.sequences[data.sequence_id] = CachedSequence(data)
-        for scheduled in scheduler_output.scheduled:
-            self.sequences[scheduled.sequence_id].apply(scheduled)
+            self.batch.add(data)
+        self.batch.apply(scheduler_output.scheduled)
 
     def speculation_stats(self) -> dict[str, int | float]:
         """Drafts verified and accepted so far (vLLM's spec_decode counters); empty when off."""
@@ -203,60 +204,52 @@ class ModelRunner:
         move_blocks(self.kv_caches, self.swap_pool, step.swap_out, step.block_copies, step.swap_in)
         if step.input_ids is None:
             return None
+        if self.decode_graphs is not None and self.decode_graphs.fits(step.input_ids.shape[0], step.metadata):
+            return self.decode_graphs.run(step.input_ids, step.positions, step.metadata)
         return self.model(step.input_ids, step.positions, self.kv_caches, step.metadata, self.attention)
 
     def _prepare(self, scheduler_output: SchedulerOutput) -> _Batch:
-        # Single-token spans (decodes, and one-token prompt tails) read the pool
-        # in one batched gather; longer spans go through the prefill path.
+        """Gather the step's inputs from the persistent batch. Single-token spans
+        (decodes, and one-token prompt tails) come first and read the pool in one
+        batched gather; longer spans (prefill chunks, drafts) go through the
+        prefill path."""
         order = sorted(scheduler_output.scheduled, key=lambda s: s.num_scheduled_tokens != 1)
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        last_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSpan] = []
-        for scheduled in order:
-            sequence = self.sequences[scheduled.sequence_id]
-            start = scheduled.num_computed_tokens
-            end = start + scheduled.num_scheduled_tokens
-            block_ids = sequence.block_ids
-            row = len(input_ids)
-            drafts = scheduled.draft_token_ids  # fed after the known tokens, never stored
-            input_ids.extend(sequence.token_ids(start, end - len(drafts)))
-            input_ids.extend(drafts)
-            positions.extend(range(start, end))
-            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            last_rows.append(len(input_ids) - 1)
-            if scheduled.num_scheduled_tokens == 1:
-                decode_tables.append(block_ids[: cdiv(end, bs)])
-                decode_lens.append(end)
-            else:
-                prefills.append(
-                    PrefillSpan(
-                        query_start=row,
-                        query_len=end - start,
-                        context_len=end,
-                        block_table=torch.tensor(block_ids[: cdiv(end, bs)], dtype=torch.long, device=self.device),
-                    )
-                )
-        width = max((len(t) for t in decode_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in decode_tables]
+        spans = np.array(
+            [(self.sequences[s.sequence_id].row, s.num_computed_tokens, s.num_scheduled_tokens) for s in order],
+            dtype=np.int64,
+        ).reshape(len(order), 3)
+        rows, counts = spans[:, 0], spans[:, 2]
+        arrays = self.batch.gather(rows, spans[:, 1], counts)
+        num_decodes = int(np.count_nonzero(counts == 1))
+        width = int(arrays.num_blocks[:num_decodes].max(initial=0))
+        prefills = [
+            PrefillSpan(
+                query_start=int(arrays.last_rows[i] - counts[i] + 1),
+                query_len=int(counts[i]),
+                context_len=int(arrays.context_lens[i]),
+                block_table=self._tensor(self.batch.block_table[rows[i], : arrays.num_blocks[i]].copy()),
+            )
+            for i in range(num_decodes, len(order))
+        ]
         metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_decodes=len(decode_tables),
-            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=self.device).view(len(padded), width),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=self.device),
+            slot_mapping=self._tensor(arrays.slot_mapping),
+            num_decodes=num_decodes,
+            decode_block_tables=self._tensor(self.batch.decode_tables(rows[:num_decodes], width)),
+            decode_context_lens=self._tensor(arrays.context_lens[:num_decodes].copy()),
             prefills=prefills,
         )
         return _Batch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            input_ids=self._tensor(arrays.input_ids),
+            positions=self._tensor(arrays.positions),
             metadata=metadata,
             order=order,
-            last_rows=last_rows,
+            last_rows=arrays.last_rows.tolist(),
         )
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        """A step's int64 array on the device (shared, not copied, on the CPU:
+        callers hand over arrays no later step writes)."""
+        return torch.from_numpy(array).to(self.device)
 
     def _sample(
         self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput, grammar: GrammarBitmask | None
@@ -334,8 +327,8 @@ class ModelRunner:
             if scheduled.num_draft_tokens and sequence_id in output.sampled_token_ids:
                 verified = output.verified.get(sequence_id)
                 step_tokens = verified.token_ids if verified else [output.sampled_token_ids[sequence_id]]
-                sequence = self.sequences[sequence_id]
-                yielded.append((scheduled, sequence, step_tokens, sequence.block_ids))
+                block_ids = self.batch.block_ids(sequence_id)
+                yielded.append((scheduled, self.sequences[sequence_id], step_tokens, block_ids))
         output.proposed_draft_token_ids = self.speculator.propose(yielded)
 
     def _prompt_logprobs(self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
