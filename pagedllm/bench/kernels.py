@@ -84,17 +84,17 @@ def format_attention(rows: list[dict]) -> str:
 
 
 @torch.inference_mode()
-def linear_rows(config, batches: list[int], repeats: int = 8) -> list[dict]:
-    """Per batch size: ms for every fp32 projection of one decode step (each
-    layer with its own weights, streamed from memory as in the engine), through
-    PyTorch's matmul and through the C++ small-batch kernel, interleaved so
-    both see the same machine load."""
+def linear_rows(config, batches: list[int], repeats: int = 8, dtype: torch.dtype = torch.float32) -> list[dict]:
+    """Per batch size: ms for every projection of one decode step in ``dtype``
+    (fp32 or bf16; each layer with its own weights, streamed from memory as in
+    the engine), through PyTorch's matmul (MKL / oneDNN) and through the C++
+    small-batch kernel, interleaved so both see the same machine load."""
     kernel = load_cpu_kernels()
-    weights = [(fan_in, torch.randn(fan_out, fan_in))
+    weights = [(fan_in, torch.randn(fan_out, fan_in, dtype=dtype))
                for fan_in, fan_out, count in projection_shapes(config) for _ in range(count)]
     rows = []
     for batch in batches:
-        inputs = {fan_in: torch.randn(batch, fan_in) for fan_in, _ in weights}
+        inputs = {fan_in: torch.randn(batch, fan_in, dtype=dtype) for fan_in, _ in weights}
         passes = {"pytorch_ms": F.linear}
         if kernel is not None:
             passes["small_batch_ms"] = kernel.linear_small_batch
@@ -107,7 +107,7 @@ def linear_rows(config, batches: list[int], repeats: int = 8) -> list[dict]:
 
 
 def format_linear(rows: list[dict]) -> str:
-    lines = ["| rows | PyTorch / MKL (ms) | C++ small-batch (ms) | speed-up |", "|---|---|---|---|"]
+    lines = ["| rows | PyTorch (ms) | C++ small-batch (ms) | speed-up |", "|---|---|---|---|"]
     for r in rows:
         small = r.get("small_batch_ms")
         cells = ("-", "-") if small is None else (f"{small:.1f}", f"{r['pytorch_ms'] / small:.2f}x")

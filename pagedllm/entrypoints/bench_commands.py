@@ -201,8 +201,8 @@ def cmd_bench_linear(args: argparse.Namespace) -> None:
     from pagedllm.model.loader import load_checkpoint
 
     config = load_checkpoint(args.model).config
-    report(args, kernels.format_linear(kernels.linear_rows(config, args.batch)),
-           f"Every fp32 projection of one decode step of {args.model or 'SmolLM2-135M-Instruct (embedded)'} "
+    report(args, kernels.format_linear(kernels.linear_rows(config, args.batch, dtype=torch_dtype(args.dtype))),
+           f"Every {args.dtype} projection of one decode step of {args.model or 'SmolLM2-135M-Instruct (embedded)'} "
            f"(own weights per layer, LM head included), best of 8 interleaved passes.")
 
 
@@ -338,10 +338,11 @@ def _add_kernel_benches(benches: argparse._SubParsersAction) -> None:
                     builds_engine=False)
     at.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     at.add_argument("--context", type=int, nargs="+", default=[128, 512, 1024, 4096])
-    li = _add_bench(benches, "linear", "fp32 decode matmuls: the C++ small-batch kernel vs PyTorch (MKL)",
+    li = _add_bench(benches, "linear", "decode matmuls: the C++ small-batch kernel vs PyTorch (MKL / oneDNN)",
                     cmd_bench_linear, builds_engine=False)
     li.add_argument("--model", default=None, help="model whose shapes to use (default: the embedded SmolLM2)")
     li.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16, 32, 48, 64])
+    li.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     qu = _add_bench(benches, "quant", "decode speed and memory: packed Q8_0/Q4_0 GGUF weights vs fp32/bf16",
                     cmd_bench_quant, builds_engine=False)
     qu.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check (default: 24)")

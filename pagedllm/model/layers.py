@@ -4,12 +4,15 @@ embedding is in ``rotary.py``).
 On CPU, RMSNorm (with the residual add), the rotary embedding and the gated
 MLP's silu(gate) * up each run as one fused C++ op (``pagedllm.kernels``) when the kernels built; the PyTorch
 code next to them is the fallback and the reference, and both round to the
-storage dtype where Hugging Face does. fp32 matmuls over a few rows (decode
-steps) run through the C++ small-batch linear, PyTorch's otherwise.
+storage dtype where Hugging Face does. fp32 and bf16 matmuls over a few rows
+(decode steps) run through the C++ small-batch linear, PyTorch's otherwise; larger
+bf16 matmuls on a CPU without native bf16 arithmetic run in fp32 (see
+``linear``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -19,23 +22,37 @@ from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.kernels.cpu import cpu_kernels_for
 
 
-# Up to this many rows an fp32 matmul is a decode step's, bound by streaming the
-# weights, and the C++ small-batch kernel beats MKL on SmolLM2's shapes (1.7-2x at
-# 4-8 rows, 1.2-1.5x at 16, 1.0-1.2x at 32-48, behind from 64: `pagedllm bench
-# linear`); larger batches and prefill go to MKL.
+# Up to this many rows a matmul is a decode step's, bound by streaming the
+# weights, and the C++ small-batch kernel beats MKL on SmolLM2's shapes (fp32: 1.7-2x
+# at 4-8 rows, 1.2-1.5x at 16, 1.0-1.2x at 32-48, behind from 64: `pagedllm bench
+# linear`; bf16 on a CPU without AVX-512 BF16: 2-3x oneDNN at 8-48 rows); larger
+# batches and prefill go to MKL / oneDNN.
 SMALL_BATCH_ROWS = 48
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``nn.functional.linear``, through the C++ small-batch kernel for fp32
-    inputs of at most ``SMALL_BATCH_ROWS`` rows on CPU. That kernel sums in
-    another order than MKL, so results agree to fp32 rounding."""
-    if (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS
-            and x.stride(1) == 1 and weight.is_contiguous()):
+    """``nn.functional.linear``, through the C++ small-batch kernel for fp32 or bf16
+    inputs of at most ``SMALL_BATCH_ROWS`` rows on CPU. Larger bf16 matmuls on a
+    CPU without AVX-512 BF16 or AMX (where oneDNN emulates bf16, 2-4x slower than
+    fp32) widen to fp32, multiply, and round once. Both sum in fp32 and round
+    to bf16 once, as oneDNN does, but in another order: results agree to fp32
+    rounding of the sums, not bit for bit."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_cpu:
+        return nn.functional.linear(x, weight, bias)
+    if x.shape[0] <= SMALL_BATCH_ROWS and x.stride(1) == 1 and weight.is_contiguous():
         kernels = cpu_kernels_for(x)
         if kernels is not None:
             return kernels.linear_small_batch(x, weight, bias)
+    if x.dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        wide_bias = None if bias is None else bias.float()
+        return nn.functional.linear(x.float(), weight.float(), wide_bias).to(torch.bfloat16)
     return nn.functional.linear(x, weight, bias)
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN multiplies bf16 in hardware here (AVX-512 BF16 or AMX)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

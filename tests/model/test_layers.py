@@ -1,8 +1,8 @@
 """The decoder's linear layer and gated-MLP activation.
 
-fp32 decode-sized matmuls go through the C++ small-batch kernel, whose results
-must be those of a float64 reference to fp32 rounding, for every shape
-remainder the tile loop has to handle. ``silu_and_mul`` runs in one C++ pass:
+fp32 and bf16 decode-sized matmuls go through the C++ small-batch kernel, whose
+results must be those of a float64 reference to fp32 rounding (bf16: then one
+rounding to bf16), for every shape remainder the tile loop has to handle. ``silu_and_mul`` runs in one C++ pass:
 bit-identical to PyTorch's silu-then-mul in bf16 (it rounds where they do),
 equal to fp32 rounding in fp32."""
 
@@ -31,6 +31,30 @@ def test_small_batch_linear_matches_float64(rows, out_features, in_features, wit
     torch.testing.assert_close(out.double(), _reference(x, weight, bias), rtol=0, atol=2e-4 * in_features**0.5)
 
 
+# Rows on both sides of SMALL_BATCH_ROWS: the C++ kernel below it, PyTorch (in fp32
+# where the CPU has no native bf16) above it.
+@pytest.mark.parametrize("rows", [1, 3, 4, 13, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 130])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (7, 19), (256, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_linear_rounds_an_fp32_sum_once(rows, out_features, in_features, with_bias):
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16() if with_bias else None
+    out = linear(x, weight, bias)
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    # The exact sum, rounded once to bf16 (half an ulp: 2**-9 relative), plus fp32 summation error.
+    exact = _reference(x, weight, bias)
+    torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=2e-4 * in_features**0.5)
+
+
+def test_bf16_kernel_reads_strided_rows():
+    wide = torch.randn(6, 200).bfloat16()
+    weight = torch.randn(40, 128).bfloat16()
+    torch.testing.assert_close(linear(wide[:, 8:136], weight), linear(wide[:, 8:136].contiguous(), weight),
+                               rtol=0, atol=0)
+
+
 def test_small_batch_linear_reads_strided_rows():
     # A row-strided view (a slice of a wider activation) is read in place.
     wide = torch.randn(6, 200)
@@ -51,8 +75,10 @@ def test_kernel_rejects_mismatched_shapes_with_a_message():
     kernels = load_cpu_kernels()
     if kernels is None:
         pytest.skip("the C++ kernels did not build on this machine")
-    with pytest.raises(RuntimeError, match="weight must be contiguous fp32"):
+    with pytest.raises(RuntimeError, match="weight must be contiguous"):
         kernels.linear_small_batch(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(RuntimeError, match="of x's dtype"):
+        kernels.linear_small_batch(torch.randn(2, 8).bfloat16(), torch.randn(4, 8))
     with pytest.raises(RuntimeError, match="x must be fp32"):
         kernels.linear_small_batch(torch.randn(2, 8).double(), torch.randn(4, 8))
 

@@ -7,7 +7,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [rows, 2 * width] gate|up output (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "Rotate query and key in place (NeoX layout, CPU)");
   m.def("write_kv_cache", &write_kv_cache, "Copy each token's K/V rows to its pool slot (CPU)");
-  m.def("linear_small_batch", &linear_small_batch, "fp32 x @ weight^T + bias for few rows of x (CPU)",
+  m.def("linear_small_batch", &linear_small_batch, "fp32 or bf16 x @ weight^T + bias for few rows of x (CPU)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("quant_dequantize", &quant_dequantize, "Packed GGUF rows [rows, bytes] as fp32 [rows, in_features] (CPU)");
   m.def("quant_linear", &quant_linear, "out = x @ W^T for a packed GGUF weight W, written into out (CPU)");

@@ -22,7 +22,7 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
                     torch::Tensor slot_mapping);
 
-// small_batch_linear.cpp: x @ weight^T + bias for fp32 with few rows (decode matmuls).
+// small_batch_linear.cpp: x @ weight^T + bias for fp32 or bf16 with few rows (decode matmuls).
 torch::Tensor linear_small_batch(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
 
 // quant_linear.cpp: matmuls and row lookups over weights kept in packed GGUF blocks.

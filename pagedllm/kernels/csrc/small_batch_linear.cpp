@@ -1,5 +1,5 @@
-// y = x @ weight^T + bias for fp32 with few rows of x: the matmuls of a decode
-// step, where every row is one sequence's token.
+// y = x @ weight^T + bias for fp32 or bf16 with few rows of x: the matmuls of a
+// decode step, where every row is one sequence's token.
 //
 // Why not MKL: at 1-32 rows a decode step's matmuls are bound by streaming the
 // weights from DRAM (SmolLM2's fp32 weights are 4x the L2 and larger than the
@@ -16,7 +16,15 @@
 // all 16 at the end. The 4 weight rows stay in L1 while further groups of 4
 // input rows reuse them. Summation order differs from MKL's, so results agree
 // with torch.nn.functional.linear to fp32 rounding, not bit for bit.
+//
+// bf16: the weights are widened to fp32 as they are loaded (a shift: exact) and
+// every sum runs in fp32; x is widened once up front and y rounded to bf16 once
+// at the end, as oneDNN's bf16 matmul accumulates in fp32 and rounds once. On a
+// CPU without AVX-512 BF16 or AMX, oneDNN emulates bf16 and runs 2-4x slower than
+// fp32 at decode sizes; here a bf16 call streams half the bytes of an fp32 one.
 #include <ATen/Parallel.h>
+
+#include "dtype.h"
 
 #include "ops.h"
 
@@ -41,6 +49,16 @@ struct RowSums {
   __m512 w0 = _mm512_setzero_ps(), w1 = _mm512_setzero_ps(), w2 = _mm512_setzero_ps(), w3 = _mm512_setzero_ps();
 };
 
+// 16 weights (fewer under ``mask``) as fp32: bf16 widens by a 16-bit shift, which is exact.
+__attribute__((always_inline)) inline __m512 load_weights(const float* w, __mmask16 mask) {
+  return _mm512_maskz_loadu_ps(mask, w);
+}
+
+__attribute__((always_inline)) inline __m512 load_weights(const c10::BFloat16* w, __mmask16 mask) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(mask, w);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 __attribute__((always_inline)) inline void accumulate(RowSums& sums, const float* x, __mmask16 mask, __m512 w0,
                                                       __m512 w1, __m512 w2, __m512 w3) {
   const __m512 xv = _mm512_maskz_loadu_ps(mask, x);
@@ -53,9 +71,9 @@ __attribute__((always_inline)) inline void accumulate(RowSums& sums, const float
 // y[m, i] = x[m] . w[i] + bias[i] for i < 4, m < kInputRows; x rows are ldx
 // apart, y rows ldy apart. ``prefetch`` (may be null) is the first weight row
 // of a later tile, fetched one cache line per row per step of K.
-template <int kInputRows>
-inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y, int64_t ldy,
-                 const float* prefetch) {
+template <int kInputRows, typename W>
+inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, const float* bias, float* y, int64_t ldy,
+                 const W* prefetch) {
   static_assert(kTileRows == 4 && kInputRows >= 1 && kInputRows <= 4, "a tile is 4 weight rows x 1-4 input rows");
   RowSums r0, r1, r2, r3;
   const __mmask16 tail = static_cast<__mmask16>((1u << (K % 16)) - 1);
@@ -63,8 +81,8 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, const f
     const __mmask16 mask = k + 16 <= K ? static_cast<__mmask16>(0xFFFF) : tail;
     if (prefetch != nullptr)
       for (int i = 0; i < kTileRows; ++i) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * K + k), _MM_HINT_T0);
-    const __m512 w0 = _mm512_maskz_loadu_ps(mask, w + k), w1 = _mm512_maskz_loadu_ps(mask, w + K + k),
-                 w2 = _mm512_maskz_loadu_ps(mask, w + 2 * K + k), w3 = _mm512_maskz_loadu_ps(mask, w + 3 * K + k);
+    const __m512 w0 = load_weights(w + k, mask), w1 = load_weights(w + K + k, mask),
+                 w2 = load_weights(w + 2 * K + k, mask), w3 = load_weights(w + 3 * K + k, mask);
     accumulate(r0, x + k, mask, w0, w1, w2, w3);
     if constexpr (kInputRows > 1) accumulate(r1, x + ldx + k, mask, w0, w1, w2, w3);
     if constexpr (kInputRows > 2) accumulate(r2, x + 2 * ldx + k, mask, w0, w1, w2, w3);
@@ -79,8 +97,9 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, const f
 }
 
 // All input rows against one tile of weight rows, four input rows at a time.
-inline void tile_all_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K, const float* bias,
-                          float* y, int64_t ldy, const float* prefetch) {
+template <typename W>
+inline void tile_all_rows(const float* x, int64_t ldx, int64_t M, const W* w, int64_t K, const float* bias,
+                          float* y, int64_t ldy, const W* prefetch) {
   int64_t m = 0;
   // Prefetch once, in the first pass: later passes find this tile in L1.
   for (; m + 4 <= M; m += 4, prefetch = nullptr) tile<4>(x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, prefetch);
@@ -92,31 +111,17 @@ inline void tile_all_rows(const float* x, int64_t ldx, int64_t M, const float* w
   }
 }
 
-}  // namespace
-#endif
-
-torch::Tensor linear_small_batch(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
-              "linear_small_batch: x must be fp32 [rows, in_features] with contiguous rows");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat && weight.is_contiguous() &&
-                  weight.size(1) == x.size(1),
-              "linear_small_batch: weight must be contiguous fp32 [out_features, in_features]");
-  if (bias.has_value())
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == weight.size(0),
-                "linear_small_batch: bias must be contiguous fp32 [out_features]");
-#if defined(__AVX512F__)
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  auto y = torch::empty({M, N}, x.options());
+// y = x @ w^T + bias over fp32 x, bias and y, with fp32 or bf16 weights w.
+template <typename W>
+void small_batch_matmul(const torch::Tensor& x, const W* wp, int64_t N, const float* bp, torch::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), num_tiles = N / kTileRows;
   const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const int64_t ldx = x.stride(0), num_tiles = N / kTileRows;
   at::parallel_for(0, num_tiles, kTileGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * kTileRows;
       // Only this task's own tiles: another thread streams the rest.
-      const float* prefetch = t + kPrefetchTiles < end ? wp + (n + kPrefetchTiles * kTileRows) * K : nullptr;
+      const W* prefetch = t + kPrefetchTiles < end ? wp + (n + kPrefetchTiles * kTileRows) * K : nullptr;
       tile_all_rows(xp, ldx, M, wp + n * K, K, bp != nullptr ? bp + n : nullptr, yp + n, N, prefetch);
     }
   });
@@ -124,10 +129,38 @@ torch::Tensor linear_small_batch(torch::Tensor x, torch::Tensor weight, std::opt
   for (int64_t n = num_tiles * kTileRows; n < N; ++n)
     for (int64_t m = 0; m < M; ++m) {
       float total = bp != nullptr ? bp[n] : 0.0f;
-      for (int64_t k = 0; k < K; ++k) total += xp[m * ldx + k] * wp[n * K + k];
+      for (int64_t k = 0; k < K; ++k) total += xp[m * ldx + k] * load(wp[n * K + k]);
       yp[m * N + n] = total;
     }
-  return y;
+}
+
+}  // namespace
+#endif
+
+torch::Tensor linear_small_batch(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (dtype == torch::kFloat || dtype == torch::kBFloat16) && x.stride(1) == 1,
+              "linear_small_batch: x must be fp32 or bf16 [rows, in_features] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == dtype && weight.is_contiguous() &&
+                  weight.size(1) == x.size(1),
+              "linear_small_batch: weight must be contiguous [out_features, in_features] of x's dtype");
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == weight.size(0),
+                "linear_small_batch: bias must be contiguous [out_features] of x's dtype");
+#if defined(__AVX512F__)
+  const int64_t N = weight.size(0);
+  // bf16: x and bias widened once (a few rows), sums in fp32, y rounded once at the end.
+  const torch::Tensor x32 = dtype == torch::kFloat ? x : x.to(torch::kFloat);
+  const std::optional<torch::Tensor> bias32 =
+      bias.has_value() ? std::optional<torch::Tensor>(bias->to(torch::kFloat)) : std::nullopt;
+  const float* bp = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
+  auto y = torch::empty({x.size(0), N}, x32.options());
+  if (dtype == torch::kFloat) {
+    small_batch_matmul(x32, weight.data_ptr<float>(), N, bp, y);
+    return y;
+  }
+  small_batch_matmul(x32, weight.data_ptr<c10::BFloat16>(), N, bp, y);
+  return y.to(torch::kBFloat16);
 #else
   // Without AVX-512 the tile above does not exist: PyTorch's matmul is the kernel.
   return at::linear(x, weight, bias);
