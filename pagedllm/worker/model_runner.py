@@ -209,19 +209,24 @@ class ModelRunner:
         return self.model(step.input_ids, step.positions, self.kv_caches, step.metadata, self.attention)
 
     def _prepare(self, scheduler_output: SchedulerOutput) -> _Batch:
-        """Gather the step's inputs from the persistent batch. Single-token spans
-        (decodes, and one-token prompt tails) come first and read the pool in one
-        batched gather; longer spans (prefill chunks, drafts) go through the
-        prefill path."""
-        order = sorted(scheduler_output.scheduled, key=lambda s: s.num_scheduled_tokens != 1)
+        """Gather the step's inputs from the persistent batch. Decode rows come
+        first and read the pool in one batched gather: single-token spans
+        (decodes, one-token prompt tails) and the spans of draft tokens, one
+        row per token with the context up to it (the pool holds the whole
+        span's K/V before any row reads, so row j sees the drafts before it).
+        Prefill chunks go through the prefill path."""
+        order = sorted(scheduler_output.scheduled, key=lambda s: s.num_scheduled_tokens != 1 and not s.draft_token_ids)
         spans = np.array(
             [(self.sequences[s.sequence_id].row, s.num_computed_tokens, s.num_scheduled_tokens) for s in order],
             dtype=np.int64,
         ).reshape(len(order), 3)
         rows, counts = spans[:, 0], spans[:, 2]
         arrays = self.batch.gather(rows, spans[:, 1], counts)
-        num_decodes = int(np.count_nonzero(counts == 1))
-        width = int(arrays.num_blocks[:num_decodes].max(initial=0))
+        num_decode_spans = sum(1 for s in order if s.num_scheduled_tokens == 1 or s.draft_token_ids)
+        num_decodes = int(counts[:num_decode_spans].sum())
+        decode_context_lens = arrays.positions[:num_decodes] + 1
+        width = -(-int(decode_context_lens.max(initial=0)) // self.block_size)
+        decode_rows = np.repeat(rows[:num_decode_spans], counts[:num_decode_spans])
         prefills = [
             PrefillSpan(
                 query_start=int(arrays.last_rows[i] - counts[i] + 1),
@@ -229,13 +234,13 @@ class ModelRunner:
                 context_len=int(arrays.context_lens[i]),
                 block_table=self._tensor(self.batch.block_table[rows[i], : arrays.num_blocks[i]].copy()),
             )
-            for i in range(num_decodes, len(order))
+            for i in range(num_decode_spans, len(order))
         ]
         metadata = AttentionMetadata(
             slot_mapping=self._tensor(arrays.slot_mapping),
             num_decodes=num_decodes,
-            decode_block_tables=self._tensor(self.batch.decode_tables(rows[:num_decodes], width)),
-            decode_context_lens=self._tensor(arrays.context_lens[:num_decodes].copy()),
+            decode_block_tables=self._tensor(self.batch.decode_tables(decode_rows, width)),
+            decode_context_lens=self._tensor(decode_context_lens),
             prefills=prefills,
         )
         return _Batch(

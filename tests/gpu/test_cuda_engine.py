@@ -59,3 +59,18 @@ def test_pool_is_sized_by_gpu_memory_utilization():
     # Weights, the pool and this step's activations all fit in the fraction asked for.
     assert torch.cuda.max_memory_allocated() <= 0.3 * total
     assert_pool_free(llm)
+
+
+def test_speculation_and_async_scheduling_change_nothing_on_cuda():
+    from pagedllm.bench.speculative import repetitive_prompts
+
+    plain = LLM(device="cuda", num_kv_blocks=1024)
+    prompts = repetitive_prompts(plain.get_tokenizer())
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    fast = LLM(device="cuda", num_kv_blocks=1024, async_scheduling=True, debug_invariants=True,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)] == expected
+    assert fast.stats()["spec_num_accepted_tokens"] > 0
+    assert_pool_free(fast)
+    assert_pool_free(plain)
