@@ -88,9 +88,8 @@ class LLMEngine:
         self.bytes_per_token = self.pool_plan.bytes_per_token
         self.executor = self._start_tensor_parallel()
 
-        kv_cache_dtype = config.cache.kv_cache_dtype
-        block_size, num_blocks = self.pool_plan.block_size, self.pool_plan.num_blocks
-        num_swap_blocks = self.pool_plan.num_swap_blocks
+        plan = self.pool_plan
+        block_size, num_blocks, num_swap_blocks = plan.block_size, plan.num_blocks, plan.num_swap_blocks
         self.kv_cache_manager = create_kv_cache_manager(config.cache, num_blocks, block_size, num_swap_blocks,
                                                         self.scheduler_config)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
@@ -99,7 +98,7 @@ class LLMEngine:
             self.executor.send_pool_shape(PoolShape(num_blocks, num_swap_blocks))
         self.runner = ModelRunner(
             self.model, num_blocks, block_size, self.device, dtype, self.eos_token_ids, num_swap_blocks,
-            kv_cache_dtype, broadcast_step=self.executor.broadcast_step if self.executor is not None else None,
+            config.cache.kv_cache_dtype, broadcast_step=self.executor.broadcast_step if self.executor is not None else None,
             speculative_config=config.speculative, draft_model=self.draft_model,
             max_num_seqs=self.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
             cuda_graphs=not config.enforce_eager and self.tp_size == 1,
@@ -116,8 +115,7 @@ class LLMEngine:
         # beam searches by their ranking state (both carry the request's metrics).
         self.requests: dict[str, RequestState | BeamGroup] = {}
         self._request_counter = 0
-        self.num_steps = 0
-        self.num_scheduled_sequences = 0
+        self.num_steps = self.num_scheduled_sequences = 0
         self.peak_running_per_step = 0  # most sequences in one forward pass
         self.num_batched_tokens = 0  # tokens through the forward, summed over steps
         self.reset_step_timings()
