@@ -319,16 +319,16 @@ class Scheduler:
         """Advance the scheduled sequences by the tokens just computed and append
         the sampled ones, keyed by the sample rows ``schedule`` chose: a row
         beyond the first forks the sequence (with that row's id and seed)
-        before anything is appended. Accepted drafts come before the sampled
-        token, rejected ones are rolled back (``core/speculation.py``). Returns
-        the sequences that got tokens, and the beam-search ones that reached a
-        sampling position; stopped ones are already finished and freed."""
+        before anything is appended; accepted drafts come before the sampled
+        token, rejected ones are rolled back (``core/speculation.py``). Returns the
+        sequences that got tokens and beam ones at a sampling position (stopped ones freed)."""
         advanced = []
+        accepted_by_id, proposed_by_id = accepted_draft_token_ids or {}, proposed_draft_token_ids or {}
         for scheduled in output.scheduled:
             request = self.requests.get(scheduled.sequence_id)
             if request is None:
                 continue  # finished since it was scheduled
-            accepted = (accepted_draft_token_ids or {}).get(request.request_id, [])
+            accepted = accepted_by_id.get(request.request_id, [])
             advance_computed(request, scheduled, accepted, self.kv_cache_manager, self.runner_views)
             rows = scheduled.sample_rows
             if not rows:
@@ -347,7 +347,7 @@ class Scheduler:
                         self.append_token(sample, token_id)
                 advanced.append(sample)
             if not request.is_finished:
-                keep_proposals(request, (proposed_draft_token_ids or {}).get(request.request_id), self.config.max_model_len)
+                keep_proposals(request, proposed_by_id.get(request.request_id), self.config.max_model_len)
         return advanced
 
     def append_token(self, request: Request, token_id: int) -> None:

@@ -118,7 +118,8 @@ class DraftModel:
             metadata = AttentionMetadata(
                 slot_mapping=self._tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, now)]),
                 num_decodes=len(contexts),
-                decode_block_tables=self._tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables]),
+                # Every extended table reaches past the last position, so none needs padding.
+                decode_block_tables=self._tensor([t[:width] for t in tables]),
                 decode_context_lens=self._tensor([p + 1 for p in now]),
                 prefills=[],
             )

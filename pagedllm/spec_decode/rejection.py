@@ -132,9 +132,8 @@ def _fill_logprobs(
     wanted = [i for i, row in enumerate(rows) if metadata.params[row].logprobs is not None]
     entries: list[PositionLogprobs | None] = [None] * len(rows)
     if wanted:
-        computed = position_logprobs(
-            take_rows(log_probs, wanted), token_index[wanted].squeeze(1), [metadata.params[rows[i]].logprobs for i in wanted]
-        )
+        num_top = [metadata.params[rows[i]].logprobs for i in wanted]
+        computed = position_logprobs(take_rows(log_probs, wanted), token_index[wanted].squeeze(1), num_top)
         for i, entry in zip(wanted, computed):
             entries[i] = entry
             values[i] = entry[tokens[i]].logprob

@@ -50,7 +50,8 @@ class Speculator:
             raise ValueError("a draft_model speculative config needs its DraftModel, and only it")
         self.config = config
         self.eos_token_ids = list(eos_token_ids)
-        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        # One proposer: the draft model, or prompt lookup.
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if draft is None else None
         self.draft = draft
         self.num_draft_tokens = 0  # verified drafts, over the speculator's life
         self.num_accepted_tokens = 0
@@ -61,8 +62,9 @@ class Speculator:
             self.draft.observe(step)
 
     def forget(self, sequence_ids: Sequence[str]) -> None:
-        for sequence_id in sequence_ids:
-            self.ngram.forget(sequence_id)
+        if self.ngram is not None:
+            for sequence_id in sequence_ids:
+                self.ngram.forget(sequence_id)
 
     def verify(
         self,
@@ -85,7 +87,8 @@ class Speculator:
                 metadata.seeds.append(sample_row.seed)
                 metadata.output_positions.append(sample_row.output_position + j)
                 metadata.prompt_token_ids.append(history.prompt_token_ids)
-                metadata.output_token_ids.append(history.output_token_ids + drafts[:j] if j else history.output_token_ids)
+                # Row j follows drafts[:j]: penalties and min_tokens must see them.
+                metadata.output_token_ids.append(history.output_token_ids + drafts[:j])
         logits = compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
         drafts = [scheduled.draft_token_ids for scheduled, _, _ in items]
         results = verify_drafts(logits, metadata, drafts, self.eos_token_ids)
@@ -100,7 +103,7 @@ class Speculator:
         table)`` items whose step asked for some (``num_draft_tokens``);
         sequences with no match get none."""
         items = [item for item in items if item[0].num_draft_tokens]
-        if self.draft is not None:
+        if self.ngram is None:
             contexts = [
                 (block_ids, len(history.prompt_token_ids) + len(history.output_token_ids) + len(tokens) - 1, tokens[-1])
                 for _, history, tokens, block_ids in items

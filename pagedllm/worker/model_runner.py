@@ -215,14 +215,17 @@ class ModelRunner:
         row per token with the context up to it (the pool holds the whole
         span's K/V before any row reads, so row j sees the drafts before it).
         Prefill chunks go through the prefill path."""
-        order = sorted(scheduler_output.scheduled, key=lambda s: s.num_scheduled_tokens != 1 and not s.draft_token_ids)
+        def is_decode(s: ScheduledSequence) -> bool:
+            return s.num_scheduled_tokens == 1 or bool(s.draft_token_ids)
+
+        order = sorted(scheduler_output.scheduled, key=lambda s: not is_decode(s))
         spans = np.array(
             [(self.sequences[s.sequence_id].row, s.num_computed_tokens, s.num_scheduled_tokens) for s in order],
             dtype=np.int64,
         ).reshape(len(order), 3)
         rows, counts = spans[:, 0], spans[:, 2]
         arrays = self.batch.gather(rows, spans[:, 1], counts)
-        num_decode_spans = sum(1 for s in order if s.num_scheduled_tokens == 1 or s.draft_token_ids)
+        num_decode_spans = sum(map(is_decode, order))
         num_decodes = int(counts[:num_decode_spans].sum())
         decode_context_lens = arrays.positions[:num_decodes] + 1
         width = -(-int(decode_context_lens.max(initial=0)) // self.block_size)
