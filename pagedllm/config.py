@@ -27,6 +27,12 @@ ModelDType = Literal["auto", "float32", "bfloat16", "float16"]
 # Where requests' default sampling settings come from: auto (the checkpoint's
 # generation_config.json, as vLLM) or vllm (vLLM's neutral defaults; the file is ignored).
 GenerationConfigSource = Literal["auto", "vllm"]
+# generation_config.json keys -> the SamplingParams fields they default (vLLM's --generation-config auto,
+# and the keys --override-generation-config takes).
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+}
 KVCacheDType = Literal["auto", "int8", "fp8_e4m3"]
 KVLayout = Literal["paged", "contiguous"]
 ContiguousReservation = Literal["max_model_len", "request"]
@@ -258,6 +264,13 @@ class EngineConfig:
                           "them unset; vllm: ignore the file"},
     )
 
+    override_generation_config: dict | None = field(
+        default=None,
+        metadata={"help": "sampling defaults over generation_config.json's (with --generation-config vllm: "
+                          "the only ones), in its key names, as vLLM's flag: '{\"max_new_tokens\": 512}' caps "
+                          "the output of requests that set no max_tokens (JSON on the command line)"},
+    )
+
     gguf_weights: GGUFWeights = field(
         default="packed",
         metadata={"help": "GGUF files: packed keeps Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights in their "
@@ -283,6 +296,7 @@ class EngineConfig:
         SpeculativeConfig.from_option(self.speculative_config)  # validates
         _check_choice("gguf_weights", self.gguf_weights, GGUFWeights)
         _check_choice("generation_config", self.generation_config, GenerationConfigSource)
+        sampling_overrides(self.override_generation_config)  # validates
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or None (auto), got {self.device!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
@@ -352,6 +366,21 @@ class EngineConfig:
     def speculative(self) -> SpeculativeConfig | None:
         """``speculative_config`` as a validated ``SpeculativeConfig`` (None: off)."""
         return SpeculativeConfig.from_option(self.speculative_config)
+
+
+def sampling_overrides(override: dict | None) -> dict[str, Any]:
+    """``override_generation_config`` as SamplingParams fields; ``ValueError``
+    for a key it does not take or a value SamplingParams refuses."""
+    from pagedllm.sampling_params import SamplingParams
+
+    override = override or {}
+    unknown = sorted(set(override) - set(GENERATION_CONFIG_FIELDS))
+    if unknown:
+        raise ValueError(f"override_generation_config: unknown keys {unknown}; it takes "
+                         f"{sorted(GENERATION_CONFIG_FIELDS)}")
+    fields_ = {GENERATION_CONFIG_FIELDS[key]: value for key, value in override.items()}
+    SamplingParams(**fields_)  # raises ValueError naming a bad value
+    return fields_
 
 
 def engine_option_fields() -> dict[str, Field]:

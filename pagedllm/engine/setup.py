@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig, sampling_overrides
 from pagedllm.core.contiguous import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_interface import KVCacheManagerProtocol
@@ -43,11 +43,11 @@ def eos_token_ids_of(tokenizer: PreTrainedTokenizerBase, model_config: Pretraine
 
 def sampling_defaults_of(config: EngineConfig, model_path: str) -> dict:
     """vLLM's ``--generation-config auto``: the checkpoint's sampling defaults
-    for requests that leave a field unset (logged once)."""
-    if config.generation_config != "auto":
-        return {}
-    defaults = generation_defaults(model_path)
+    for requests that leave a field unset (logged once), under
+    ``--override-generation-config``'s."""
+    defaults = generation_defaults(model_path) if config.generation_config == "auto" else {}
+    defaults.update(sampling_overrides(config.override_generation_config))
     if defaults:
-        logger.info("Default sampling parameters from the model's generation_config.json: %s "
-                    "(--generation-config vllm ignores them)", defaults)
+        logger.info("Default sampling parameters (generation_config.json unless --generation-config vllm, "
+                    "then --override-generation-config): %s", defaults)
     return defaults

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.config import GENERATION_CONFIG_FIELDS
 from pagedllm.model.checkpoint import WHAT_TO_PASS, Checkpoint
 from pagedllm.model.gguf_file import SUPPORTED_GGUF_TYPES, load_gguf
 from pagedllm.model.hf_folder import load_hf_folder
@@ -80,15 +81,6 @@ def load_checkpoint(model: str | None = None, dtype: torch.dtype = torch.float32
     raise ValueError(f"cannot load {str(path)!r}: it is neither a .gguf file nor a folder; {WHAT_TO_PASS}")
 
 
-# generation_config.json keys -> the SamplingParams fields they default (vLLM's --generation-config auto).
-GENERATION_CONFIG_FIELDS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
 # transformers' GenerationConfig defaults: vLLM applies only the values that differ from them
 # (a file's top_k 50 is transformers' default, not the model creator's advice).
 _TRANSFORMERS_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}

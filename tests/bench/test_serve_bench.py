@@ -27,6 +27,7 @@ from pagedllm.bench.throughput import BenchRequest
 
 MODEL_ID = "fake-model"
 MAX_TOKENS_LIMIT = 50
+HOLD_TIMEOUT_S = 5.0
 TOKEN_GAP_S = 0.01
 
 
@@ -36,6 +37,10 @@ class ServerLog:
     auth_headers: list[str | None] = field(default_factory=list)
     in_flight: int = 0
     peak_in_flight: int = 0
+    # A stream's first token waits (up to HOLD_TIMEOUT_S) until this many streams have been
+    # in flight at once, so a short request cannot end before the last one starts on a
+    # slow machine; a client that sends one at a time still shows a peak of 1.
+    hold_until_peak: int = 0
 
 
 def make_fake_app(log: ServerLog) -> FastAPI:
@@ -63,6 +68,9 @@ def make_fake_app(log: ServerLog) -> FastAPI:
         async def events():
             log.in_flight += 1
             log.peak_in_flight = max(log.peak_in_flight, log.in_flight)
+            held_until = time.monotonic() + HOLD_TIMEOUT_S
+            while log.peak_in_flight < log.hold_until_peak and time.monotonic() < held_until:
+                await asyncio.sleep(0.005)
             try:
                 for _ in range(n):
                     await asyncio.sleep(TOKEN_GAP_S)
@@ -119,6 +127,7 @@ def server(fake_server):
     log.bodies.clear()
     log.auth_headers.clear()
     log.peak_in_flight = 0
+    log.hold_until_peak = 0
     return base_url, log
 
 
@@ -129,6 +138,7 @@ def requests_of(max_tokens: list[int], prompt_len: int = 5) -> list[BenchRequest
 def test_all_at_once_streams_every_token_and_sends_concurrently(server):
     base_url, log = server
     asked = [3, 5, 8, 10, 4, 6, 9, 7]
+    log.hold_until_peak = len(asked)
     result = serve.run_serve_benchmark(base_url, requests_of(asked), float("inf"), api_key="sekret")
 
     assert result.num_requests == len(asked) and result.num_failed == 0 and result.errors == []

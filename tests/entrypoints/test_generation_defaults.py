@@ -4,6 +4,7 @@ default sampling settings, offline and over HTTP, on tiny checkpoints."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -12,6 +13,7 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.openai.api_server import ServerState, build_app
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tests.conftest import assert_pool_free
@@ -76,6 +78,21 @@ def test_generation_config_sets_the_defaults_of_generate(greedy_three_tokens, ca
     assert_pool_free(llm)
     ignored = LLM(greedy_three_tokens, num_kv_blocks=32, generation_config="vllm")
     assert ignored.get_default_sampling_params() == SamplingParams()
+    # --override-generation-config: over the file's values, and the only ones with generation_config="vllm"
+    overridden = LLM(greedy_three_tokens, num_kv_blocks=32, override_generation_config={"max_new_tokens": 7})
+    assert overridden.llm_engine.default_sampling_params == {"temperature": 0.0, "top_k": 5, "max_tokens": 7}
+    alone = LLM(greedy_three_tokens, num_kv_blocks=32, generation_config="vllm",
+                override_generation_config={"max_new_tokens": 7})
+    assert alone.get_default_sampling_params() == SamplingParams(max_tokens=7)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ({"max_tokens": 7}, "unknown keys ['max_tokens']"),  # generation_config.json's name is max_new_tokens
+    ({"max_new_tokens": 0}, "SamplingParams.max_tokens must be an integer >= 1"),
+])
+def test_override_generation_config_is_checked_before_loading(override, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig.from_options(override_generation_config=override)
 
 
 def test_request_fields_left_unset_take_the_defaults():

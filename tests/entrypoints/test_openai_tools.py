@@ -100,7 +100,9 @@ def test_continue_final_message_and_chat_template_kwargs(served):
      "last message to be the assistant's"),
     ({"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs",
      "never reads enable_thinking"),
-    ({"messages": HISTORY[:1] + [{"role": "tool", "content": "22 C"}]}, "messages", "tool_call_id"),
+    # the request schema types each role's message, so the 400 names the missing field itself
+    ({"messages": HISTORY[:1] + [{"role": "tool", "content": "22 C"}]}, "messages.1.tool.tool_call_id",
+     "Field required"),
     ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name",
      "pattern"),
 ])

@@ -149,9 +149,10 @@ def test_top_k_never_leaves_the_top_k() -> None:
     assert set(tokens) == top5
 
 
-def test_tiny_top_p_is_argmax() -> None:
+@pytest.mark.parametrize("top_p", [1e-6, 5e-324])  # 5e-324: the smallest double, 0 in float32
+def test_tiny_top_p_is_argmax(top_p: float) -> None:
     logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(5))
-    params = [SamplingParams(temperature=1.0, top_p=1e-6)] * 64
+    params = [SamplingParams(temperature=1.0, top_p=top_p)] * 64
     out = Sampler([EOS])(logits, make_metadata(params))
     assert out.sampled_token_ids == logits.argmax(dim=-1).tolist()
 

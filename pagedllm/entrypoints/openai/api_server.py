@@ -4,7 +4,8 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE
 streaming), GET /v1/models, GET /health (503 while the model loads, until the
 engine loop runs and after it died), GET /version, POST /tokenize, POST /detokenize,
 POST /reset_prefix_cache, GET /metrics (Prometheus). Errors use OpenAI's JSON
-shape ``{"error": {"message", "type", "param", "code"}}``.
+shape ``{"error": {"message", "type", "param", "code"}}``; /openapi.json documents
+each route's statuses and content types (``openapi_doc``).
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import pagedllm
 from pagedllm.logger import init_logger
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from pagedllm.entrypoints.openai.errors import APIError, error_body, install_error_handlers
+from pagedllm.entrypoints.openai.errors import APIError, error_body, error_responses, install_error_handlers
+from pagedllm.entrypoints.openai.limits import check_limits
+from pagedllm.entrypoints.openai.openapi_doc import install_openapi
 from pagedllm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from pagedllm.entrypoints.openai.serving_chat import add_chat_route, chat_prompt
 from pagedllm.entrypoints.openai.serving_completion import add_completion_route
@@ -60,6 +63,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
     install_error_handlers(app)
+    install_openapi(app, state)
 
     @app.middleware("http")
     async def refuse_while_loading(request: Request, call_next):
@@ -114,29 +118,30 @@ def _tenant_dependency(state: ServerState) -> TenantDependency:
 def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
     """Health, version, metrics, the model list and the block pool (its page, its JSON, its reset)."""
 
-    @app.get("/health")
-    async def health() -> Response:
+    @app.get("/health", responses=error_responses(503))
+    async def health() -> dict[str, str]:
         if not state.is_ready:
             raise APIError(503, state.not_ready_reason(), "server_error", code="engine_not_ready")
-        return Response(status_code=200)
+        return {"status": "ok"}
 
     @app.get("/version")
     async def version() -> dict:
         return {"version": pagedllm.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(503),
+             description="Prometheus text exposition format")
     async def metrics() -> Response:
         registry = state.engine.stats_reporter.prometheus.registry
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401, 503))
     async def models(tenant: str | None = Depends(tenant_of)) -> dict:
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": 0, "owned_by": "pagedllm",
             "max_model_len": state.engine.max_model_len,
         } for name in state.model_names]}
 
-    @app.get("/dashboard")
+    @app.get("/dashboard", response_class=HTMLResponse, responses=error_responses(401, 503))
     async def dashboard(request: Request) -> Response:
         """The live block-pool page. Under --api-key the key comes as ``?key=``
         (a browser cannot set the header on a page load); the page sends it on."""
@@ -145,18 +150,18 @@ def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependen
                            code="invalid_api_key")
         return HTMLResponse(_DASHBOARD.read_text(encoding="utf-8"))
 
-    @app.get("/v1/kv_pool")
+    @app.get("/v1/kv_pool", responses=error_responses(401, 503))
     async def kv_pool(tenant: str | None = Depends(tenant_of)) -> dict:
         """The live block pool (see ``LLM.kv_pool_snapshot``)."""
         return state.engine.kv_pool_snapshot()
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", responses=error_responses(401, 503))
     async def reset_prefix_cache(tenant: str | None = Depends(tenant_of)) -> dict:
         return {"dropped_blocks": state.engine.reset_prefix_cache()}
 
 
 def _add_token_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=error_responses(400, 401, 404, 503))
     async def tokenize(body: TokenizeRequest, tenant: str | None = Depends(tenant_of)) -> dict:
         check_model(state, body.model)
         tokenizer = state.engine.get_tokenizer()
@@ -168,12 +173,10 @@ def _add_token_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepende
             raise APIError(400, "pass either prompt or messages", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=error_responses(400, 401, 404, 503))
     async def detokenize(body: DetokenizeRequest, tenant: str | None = Depends(tenant_of)) -> dict:
         check_model(state, body.model)
-        vocab = state.engine.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        check_limits(state.engine, body)
         return {"prompt": state.engine.get_tokenizer().decode(body.tokens)}
 
 

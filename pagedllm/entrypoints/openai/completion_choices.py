@@ -18,6 +18,16 @@ from typing import Any
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 
 
+# JSON has no -inf: a token the sampling rules excluded (allowed_token_ids, a
+# grammar) gets vLLM's floor instead, which any client reads as "impossible".
+LOWEST_LOGPROB = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    """``value`` as a JSON number (-inf and NaN become ``LOWEST_LOGPROB``)."""
+    return value if value > LOWEST_LOGPROB else LOWEST_LOGPROB
+
+
 @dataclass(frozen=True)
 class CompletionOptions:
     """What a completions request asks of its choices beyond the generated text."""
@@ -103,13 +113,13 @@ class CompletionChoices:
                 body["tokens"].append(token)
                 body["text_offset"].append(at)
                 at += len(token)
-                body["token_logprobs"].append(chosen.logprob if chosen is not None else None)
+                body["token_logprobs"].append(json_logprob(chosen.logprob) if chosen is not None else None)
                 if entry is None:
                     body["top_logprobs"].append(None)
                     continue
                 top = sorted((kv for kv in entry.items() if kv[0] != token_id), key=lambda kv: kv[1].rank or 0)
                 listed = [(token_id, chosen), *top[:num_top]]
-                body["top_logprobs"].append({self._token(t, lp): lp.logprob for t, lp in listed})
+                body["top_logprobs"].append({self._token(t, lp): json_logprob(lp.logprob) for t, lp in listed})
         return body
 
     def prompt_logprobs(self, output: RequestOutput) -> list[dict | None] | None:
@@ -117,7 +127,7 @@ class CompletionChoices:
         if output.prompt_logprobs is None:
             return None
         return [None if entry is None else {
-            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for t, lp in entry.items()
+            str(t): {"logprob": json_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token} for t, lp in entry.items()
         } for entry in output.prompt_logprobs]
 
     def _token(self, token_id: int, logprob: Logprob | None) -> str:

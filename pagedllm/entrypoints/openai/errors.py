@@ -9,6 +9,7 @@ from collections.abc import Container
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
@@ -17,6 +18,33 @@ class APIError(Exception):
                  param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the server answers, for the OpenAPI document."""
+
+    error: ErrorDetail
+
+
+# What each error status means, for the OpenAPI document (``error_responses``).
+_ERROR_STATUS_MEANINGS = {
+    400: "the request is malformed or breaks a rule; `param` names the field to change",
+    401: "missing or wrong API key (only when the server runs with --api-key or --api-keys-file)",
+    404: "the request's `model` is not served here",
+    503: "the model is still loading, or the engine loop died",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict]:
+    """FastAPI ``responses=`` for these error statuses, each in OpenAI's error shape."""
+    return {status: {"model": ErrorResponse, "description": _ERROR_STATUS_MEANINGS[status]} for status in statuses}
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -65,4 +93,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code)
+        # exc.headers carries what the status needs, e.g. a 405's Allow (RFC 9110).
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code,
+                            headers=exc.headers)

@@ -2,7 +2,10 @@
 
 Field names follow OpenAI plus vLLM's extras (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``cache_salt``,
-``priority``, ...). A known field of the wrong type is a 400. Nothing is dropped
+``priority``, ...). A known field of the wrong type is a 400: types are strict
+(``StrictModel``), so ``true`` or ``1.0`` is no integer and ``1`` no boolean.
+The bounds that do not depend on the engine are ``Field`` constraints here (in
+the OpenAPI document too); those from the engine's limits are in ``limits``. Nothing is dropped
 silently: a field of OpenAI's or vLLM's API that pagedllm does not implement is a
 400 naming it (``UNIMPLEMENTED_FIELDS``) unless it has its harmless default, and a
 truly unknown field is ignored and logged once per name, as vLLM does.
@@ -11,9 +14,9 @@ truly unknown field is ignored and logged once per name, as vLLM does.
 from __future__ import annotations
 
 import functools
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from pagedllm.entrypoints.openai.errors import RequestFieldError
@@ -66,11 +69,28 @@ def _unimplemented_field_error(model_name: str, field_name: str, value: Any) -> 
     return ValidationError.from_exception_data(model_name, [InitErrorDetails(type=error, loc=(field_name,), input=value)])
 
 
-class StreamOptions(BaseModel):
+class StrictModel(BaseModel):
+    """A request object: no coercion between JSON types (a float or a bool is
+    not an integer), as the OpenAPI document's types say."""
+
+    model_config = ConfigDict(strict=True)
+
+
+# A 64-bit seed (torch.Generator's range, as vLLM bounds it).
+_SEED = Field(default=None, ge=-(2**63), le=2**63 - 1)
+TokenId = Annotated[int, Field(ge=0)]  # the vocabulary's size is the maximum (``limits``)
+# logit_bias keys: JSON object keys are strings, parsed as token ids.
+TokenIdKey = Annotated[int, Strict(False)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+T = TypeVar("T")
+NonEmptyList = Annotated[list[T], Field(min_length=1)]
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(StrictModel):
     """OpenAI's ``response_format.json_schema``. The schema is always enforced
     exactly (``strict`` is accepted; false does not loosen anything)."""
 
@@ -82,14 +102,14 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(StrictModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsRequest(BaseModel):
+class StructuredOutputsRequest(StrictModel):
     """vLLM's ``structured_outputs`` object: exactly one constraint."""
 
     model_config = ConfigDict(extra="forbid")
@@ -108,7 +128,7 @@ STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_jso
 GUIDED_DECODING_BACKENDS = ("xgrammar", "auto")
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(StrictModel):
     model_config = ConfigDict(extra="ignore")
     # A request model overrides this to give a field another harmless value.
     unimplemented_fields: ClassVar[dict[str, tuple[Any, ...]]] = UNIMPLEMENTED_FIELDS
@@ -131,33 +151,34 @@ class _SamplingFields(BaseModel):
         return data
 
     model: str | None = None
-    n: int = 1
-    best_of: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int = Field(default=1, ge=1)
+    best_of: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    seed: int | None = _SEED
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     priority: int = 0
     # OpenAI's logit_bias (JSON keys are strings: pydantic makes them token ids) and vLLM's token rules
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[TokenIdKey, float] | None = None
+    allowed_token_ids: NonEmptyList[TokenId] | None = None
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
+    # -1: as many as the context allows
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | Literal[-1] | None = None
     # Structured output (guided decoding): OpenAI's response_format, vLLM's
     # structured_outputs object and its older guided_* fields; at most one.
     response_format: ResponseFormat | None = None
@@ -252,15 +273,15 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     unimplemented_fields: ClassVar[dict[str, tuple[Any, ...]]] = {**UNIMPLEMENTED_FIELDS, "add_special_tokens": (True,)}
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: NonEmptyStr | NonEmptyList[NonEmptyStr] | NonEmptyList[TokenId] | NonEmptyList[NonEmptyList[TokenId]]
     # 0 only with echo: the prompt comes back and nothing is generated.
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: int | None = Field(default=16, ge=0)
+    logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     # Fill-in-the-middle: the text after the completion (needs a model with FIM tokens).
     suffix: str | None = None
     # vLLM's extras: prompt logprobs per choice, and tokens shown as "token_id:<id>" in logprobs.
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     return_tokens_as_token_ids: bool = False
 
 
@@ -268,57 +289,79 @@ class CompletionRequest(_SamplingFields):
 _FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(StrictModel):
     name: str
     arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string; a dict is taken as is
 
 
-class ToolCall(BaseModel):
+class ToolCall(StrictModel):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    """A message as the client sends it; ``chat_utils.conversation_for_template``
-    checks its content and turns it into what the chat template reads."""
+class TextPart(StrictModel):
+    """The one kind of content part a text model reads."""
+
+    type: Literal["text"]
+    text: str
+
+
+class _Message(StrictModel):
+    """A message as the client sends it, one model per role (so the OpenAPI
+    document states which fields each role takes); ``chat_utils.conversation_for_template``
+    turns it into what the chat template reads."""
 
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # the call a role "tool" message answers
 
 
-class FunctionDefinition(BaseModel):
+class PlainMessage(_Message):
+    role: Literal["system", "developer", "user"]
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    tool_calls: list[ToolCall] | None = None  # its earlier calls
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    tool_call_id: str  # the call it answers
+
+
+ChatMessage = Annotated[PlainMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+
+
+class FunctionDefinition(StrictModel):
     name: str = Field(pattern=_FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ChatTool(BaseModel):
+class ChatTool(StrictModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(StrictModel):
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
     # Tools and chat templates (pagedllm/entrypoints/chat_utils.py, openai/tool_parsers/)
     tools: list[ChatTool] | None = None
@@ -329,10 +372,10 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     # With messages: the chat request's template fields, so the count matches its prompt.
     add_generation_prompt: bool = True
@@ -342,6 +385,6 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(StrictModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.entrypoints.openai.completion_choices import CompletionChoices, CompletionOptions
+from pagedllm.entrypoints.openai.completion_choices import CompletionChoices, CompletionOptions, json_logprob
 from pagedllm.entrypoints.openai.chat_output import ChatOutput
 from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallRecord
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -129,5 +129,5 @@ class ResponseBuilder:
             entries.append((chosen, top))
         def item(token_id, lp):
             text = lp.decoded_token if lp.decoded_token is not None else self.tokenizer.decode([token_id])
-            return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+            return {"token": text, "logprob": json_logprob(lp.logprob), "bytes": list(text.encode())}
         return {"content": [{**item(*chosen), "top_logprobs": [item(*t) for t in top]} for chosen, top in entries]}

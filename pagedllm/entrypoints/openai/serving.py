@@ -12,12 +12,23 @@ from fastapi.responses import StreamingResponse
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.entrypoints.openai.completion_choices import CompletionOptions
-from pagedllm.entrypoints.openai.errors import bad_request
+from pagedllm.entrypoints.openai.errors import bad_request, error_responses
 from pagedllm.entrypoints.openai.responses import ResponseBuilder
 from pagedllm.entrypoints.openai.state import ServerState
 from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallRecord
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+
+# One server-sent event of a stream (the schema applies to each event, as OpenAPI 3.2's itemSchema).
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a chunk as JSON; the last event's is [DONE]"}}}
+# The answers of the generation routes: JSON, or SSE events with ``"stream": true``.
+GENERATION_RESPONSES = {
+    200: {"description": "the whole response (JSON), or with `stream` true its chunks as server-sent events",
+          "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
+    **error_responses(400, 401, 404, 503),
+}
 
 
 async def serve(state: ServerState, kind: str, prompts: list[PromptType], params: SamplingParams,

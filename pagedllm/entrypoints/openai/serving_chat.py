@@ -9,10 +9,11 @@ from fastapi import Depends, FastAPI
 
 from pagedllm.entrypoints.chat_utils import ChatRenderOptions, render_chat
 from pagedllm.entrypoints.openai.errors import APIError, bad_request
+from pagedllm.entrypoints.openai.limits import check_limits
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, NamedToolChoice, TokenizeRequest,
 )
-from pagedllm.entrypoints.openai.serving import serve
+from pagedllm.entrypoints.openai.serving import GENERATION_RESPONSES, serve
 from pagedllm.entrypoints.openai.structured_outputs import check_structured_outputs
 from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
 from pagedllm.entrypoints.openai.tool_parsers import ToolPlan, plan_tool_choice
@@ -21,23 +22,22 @@ from pagedllm.structured_output import StructuredOutputError
 
 
 def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, tenant: str | None = Depends(tenant_of)):
         check_model(state, body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        max_logprobs = state.engine.config.max_logprobs
-        if body.logprobs and (body.top_logprobs or 0) > max_logprobs:
-            raise APIError(400, f"top_logprobs must be <= {max_logprobs} (the server's --max-logprobs), "
-                                f"got {body.top_logprobs}", param="top_logprobs")
+        check_limits(state.engine, body)
         try:
             prompt = chat_prompt(state, body)
             tools = _tools(body)
             choice = body.tool_choice
             plan = plan_tool_choice(tools, choice.model_dump() if isinstance(choice, NamedToolChoice) else choice,
                                     body.parallel_tool_calls)
-            logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs,
+            top_logprobs = 0 if body.top_logprobs is None else body.top_logprobs
+            # max_completion_tokens (OpenAI's newer name) wins; "is None", since a 0 must not fall through
+            max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+            params = body.sampling_params(max_tokens, top_logprobs if body.logprobs else None,
                                           defaults=state.engine.default_sampling_params)
             check_structured_outputs(state.engine, body, params)
             params = _with_tool_grammar(state, params, plan)

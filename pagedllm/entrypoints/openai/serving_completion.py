@@ -9,8 +9,9 @@ from fastapi import Depends, FastAPI
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.entrypoints.openai.completion_choices import CompletionOptions
 from pagedllm.entrypoints.openai.errors import APIError, bad_request
+from pagedllm.entrypoints.openai.limits import check_limits
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
-from pagedllm.entrypoints.openai.serving import serve
+from pagedllm.entrypoints.openai.serving import GENERATION_RESPONSES, serve
 from pagedllm.entrypoints.openai.structured_outputs import check_structured_outputs
 from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
 
@@ -20,9 +21,10 @@ FIM_TOKENS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), ("<|fim_prefix|>
 
 
 def add_completion_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, tenant: str | None = Depends(tenant_of)):
         check_model(state, body.model)
+        check_limits(state.engine, body)
         echo_only = body.max_tokens == 0
         if echo_only and not body.echo:
             raise APIError(400, "max_tokens 0 is only allowed with echo=true (it returns the prompt alone); "

@@ -105,7 +105,8 @@ def _top_p_cutoff(
     """
     probs = (sorted_logits - log_normalizer).exp()
     cumulative = probs.cumsum(dim=-1)
-    prefix_length = (cumulative - probs < top_p).sum(dim=-1, keepdim=True)
+    # clamp: a top_p below float32's smallest value (5e-324 from JSON) rounds to 0, and the rule would keep nothing
+    prefix_length = (cumulative - probs < top_p).sum(dim=-1, keepdim=True).clamp_(min=1)
     return sorted_logits.gather(1, prefix_length - 1), cumulative[:, -1] >= top_p[:, 0]
 
 

@@ -1,0 +1,150 @@
+"""Schemathesis, a third-party fuzzer, against the server's own /openapi.json:
+a live server (uvicorn in a thread) on a tiny random model, every operation,
+every check (no 5xx, documented statuses, content types and response schemas,
+invalid bodies refused, valid ones accepted unless a rule between fields
+refuses them, 405s with Allow). Settings and hooks: schemathesis.toml and
+schemathesis_hooks.py beside this file (the longer run in docs/security.md
+uses the same)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import schemathesis
+import uvicorn
+from schemathesis.engine import Status, events, from_schema
+
+from pagedllm import LLM
+from pagedllm.bench.server_process import free_port
+from pagedllm.entrypoints.openai.api_server import ServerState, build_app
+from tests.conftest import assert_pool_free
+from tests.entrypoints import schemathesis_hooks
+
+CONFIG = Path(__file__).with_name("schemathesis.toml")
+# The server's limits, kept small so that the bounds the fuzzer draws from stay cheap to run.
+ENGINE = dict(num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
+              override_generation_config={"max_new_tokens": schemathesis_hooks.LONGEST})
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_llama) -> Iterator[tuple[str, LLM]]:
+    """(base URL, LLM) of a server listening on 127.0.0.1; when it stops, its pool must be all free."""
+    llm = LLM(tiny_llama, **ENGINE)
+    port = free_port()
+    app = build_app(ServerState(engine=llm.llm_engine, served_model_name="tiny"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while not server.started:
+        assert time.time() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    yield base, llm
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}  # no fuzzed request killed the engine loop
+    server.should_exit = True
+    thread.join(timeout=60)
+    assert_pool_free(llm)
+
+
+def run_schemathesis(base: str) -> tuple[int, int, list[str]]:
+    """Run schemathesis's engine (the phases and checks of `schemathesis run`) against
+    ``base``; return the test cases, the checks run and the problems found."""
+    schema = load_schema(base)
+    cases = checks = 0
+    problems: list[str] = []
+    for event in from_schema(schema).execute():
+        if isinstance(event, events.ScenarioFinished):
+            cases += len(event.recorder.cases)
+            for case_id, nodes in event.recorder.checks.items():
+                checks += len(nodes)
+                problems += [f"{event.recorder.label}: {node.name}: {node.failure_info.failure.title} "
+                             f"({event.recorder.cases[case_id].value.body!r})"
+                             for node in nodes if node.failure_info is not None]
+            if event.status == Status.ERROR:
+                problems.append(f"{event.recorder.label}: error")
+        elif isinstance(event, (events.NonFatalError, events.FatalError)):
+            problems.append(repr(event))
+    return cases, checks, problems
+
+
+def load_schema(base: str):
+    return schemathesis.openapi.from_url(f"{base}/openapi.json", config=schemathesis.Config.from_path(CONFIG))
+
+
+def test_the_server_passes_every_schemathesis_check(live_server):
+    base, _ = live_server
+    cases, checks, problems = run_schemathesis(base)
+    assert not problems, "\n".join(problems[:20])
+    assert cases > 200 and checks > cases  # every operation was exercised, each case by several checks
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/tokenize", {"messages": []}, "messages"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{}]}]}, "messages.0.user.content.str"),
+    ("/tokenize", {"messages": [{"role": "tool"}]}, "messages.0.tool.tool_call_id"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "tool_call_id": "c"}], "max_completion_tokens": False},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "priority": 0.0}, "priority"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 0.0}, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "stream": 1}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "n": 5}, "n"),  # over --max-num-seqs
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 257}, "max_tokens"),  # over --max-model-len
+    ("/v1/completions", {"prompt": [49152]}, "prompt"),  # outside the vocabulary
+])
+def test_bad_bodies_are_a_400_naming_the_field(live_server, path, body, param):
+    base, _ = live_server
+    response = httpx.post(f"{base}{path}", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"].startswith(param), error
+
+
+def test_a_chat_without_max_tokens_stops_at_the_servers_default(live_server):
+    base, _ = live_server
+    body = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    usage = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()["usage"]
+    assert usage["completion_tokens"] == schemathesis_hooks.LONGEST  # --override-generation-config max_new_tokens
+
+
+def test_the_openapi_document_tells_what_the_server_does(live_server):
+    base, llm = live_server
+    document = httpx.get(f"{base}/openapi.json").json()
+    operations = [op for path in document["paths"].values() for op in path.values()]
+    assert not [op for op in operations if "422" in op["responses"]]
+    chat = document["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert {"400", "401", "404", "503"} <= set(chat)
+    assert chat["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+    assert set(chat["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert chat["200"]["content"]["text/event-stream"]["schema"]["properties"]["data"]["type"] == "string"
+    assert set(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert set(document["paths"]["/dashboard"]["get"]["responses"]["200"]["content"]) == {"text/html"}
+    fields = document["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert fields["n"]["maximum"] == ENGINE["max_num_seqs"] and fields["n"]["minimum"] == 1
+    assert fields["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 0, "maximum": ENGINE["max_model_len"]}
+    assert fields["priority"]["maximum"] == fields["priority"]["minimum"] == 0  # fcfs: no priorities
+    health = httpx.get(f"{base}/health")
+    assert health.json() == {"status": "ok"} and health.headers["content-type"] == "application/json"
+    wrong_method = httpx.post(f"{base}/health")
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "GET"
+    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True,
+                              "top_logprobs": 2, "allowed_token_ids": [7]}),  # the others' logprobs: -inf
+])
+def test_these_answers_pass_every_check(live_server, path, body):
+    """Streams (each event against the documented event schema) and a -inf logprob, which
+    generated bodies rarely reach."""
+    base, _ = live_server
+    case = load_schema(base)[path]["POST"].Case(body=body, media_type="application/json")
+    assert case.call_and_validate().status_code == 200
