@@ -13,6 +13,12 @@ of all beams, the best ``W`` that did not finish keep running, finished ones
 among the top ``W`` enter a bounded list of ``W`` hypotheses scored
 ``sum_logprobs / generated_len ** length_penalty``, and the search stops by
 HF's ``early_stopping`` rule.
+
+Two ways of ignoring EOS, because Hugging Face and vLLM mean different things:
+``min_tokens`` is HF's ``min_new_tokens`` (EOS's logprob is -inf, not
+renormalised, until that many tokens exist: no hypothesis ends early), and
+``ignore_eos`` is vLLM's (EOS is an ordinary token: a hypothesis may generate
+it and go on, as HF does with ``eos_token_id=None``). See docs/differential.md.
 """
 
 from __future__ import annotations
@@ -30,23 +36,32 @@ _NEG_INF = -1.0e9
 
 @dataclass
 class BeamSearchParams:
-    """vLLM's ``BeamSearchParams`` plus HF's ``early_stopping`` (True, False or "never")."""
+    """vLLM's ``BeamSearchParams`` plus HF's ``early_stopping`` (True, False or
+    "never") and ``min_tokens`` (HF's ``min_new_tokens``: EOS is forbidden
+    before that many tokens). ``ignore_eos`` is vLLM's: EOS is an ordinary token."""
 
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"BeamSearchParams.beam_width must be an integer >= 1, got {self.beam_width!r}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"BeamSearchParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check_count("beam_width", self.beam_width, 1)
+        _check_count("max_tokens", self.max_tokens, 1)
+        _check_count("min_tokens", self.min_tokens, 0, self.max_tokens)
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(
                 f"BeamSearchParams.early_stopping must be True, False or 'never', got {self.early_stopping!r}"
             )
+
+
+def _check_count(name: str, value: object, low: int, high: int | None = None) -> None:
+    """A ValueError naming the field unless ``value`` is an int in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"in [{low}, max_tokens]" if high is not None else f">= {low}"
+        raise ValueError(f"BeamSearchParams.{name} must be an integer {bound}, got {value!r}")
 
 
 @dataclass
@@ -112,17 +127,22 @@ class BeamGroup:
         the finished list and the stopping state."""
         width = self.params.beam_width
         generated = requests[next(iter(self.running))].num_output_tokens + 1  # length after this step
+        # HF's min_new_tokens: EOS's logprob is -inf while fewer than min_tokens exist.
+        forbidden = set(self.eos_token_ids) if generated <= self.params.min_tokens else set()
         candidates = sorted(
             (
                 (cum + entry.logprob, parent, token)
                 for parent, cum in self.running.items()
                 for token, entry in logprobs[parent].items()
+                if token not in forbidden
             ),
             key=lambda c: c[0],
             reverse=True,
         )[: self.num_candidates]
         at_max_length = generated >= self.params.max_tokens
-        hits = [at_max_length or (not self.params.ignore_eos and t in self.eos_token_ids) for _, _, t in candidates]
+        # Under ignore_eos an EOS is an ordinary token: it ends no hypothesis.
+        ending = set() if self.params.ignore_eos else set(self.eos_token_ids)
+        hits = [at_max_length or t in ending for _, _, t in candidates]
 
         next_running = [c for c, hit in zip(candidates, hits) if not hit][:width]
         all_full = len(self.finished) == width
@@ -131,7 +151,7 @@ class BeamGroup:
             if hit and accepting:
                 tokens = requests[parent].output_token_ids + [token]
                 self.finished.append(
-                    _Hypothesis(self._length_score(score, generated), tokens, score, token in self.eos_token_ids)
+                    _Hypothesis(self._length_score(score, generated), tokens, score, token in ending)
                 )
         self.finished = sorted(self.finished, key=lambda h: h.score, reverse=True)[:width]
 

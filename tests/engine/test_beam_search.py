@@ -89,3 +89,5 @@ def test_bad_beam_params_are_value_errors():
         BeamSearchParams(beam_width=0, max_tokens=4)
     with pytest.raises(ValueError, match="early_stopping"):
         BeamSearchParams(beam_width=2, max_tokens=4, early_stopping="sometimes")
+    with pytest.raises(ValueError, match="min_tokens"):
+        BeamSearchParams(beam_width=2, max_tokens=4, min_tokens=5)

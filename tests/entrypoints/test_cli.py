@@ -188,6 +188,17 @@ def test_bench_sharing_reports_the_saving(tiny_model_dir, tmp_path, capsys):
     assert "beam width 2" in record.read_text()
 
 
+def test_bench_differential_runs_selected_beam_cases(tiny_model_dir, tmp_path, capsys):
+    record = tmp_path / "BENCH.md"
+    main([
+        "bench", "differential", "--model", tiny_model_dir("llama"), "--cases", "beam", "--only", "W=2 ",
+        "--num-prompts", "2", "--max-tokens", "4", "--num-kv-blocks", "64", "--record", str(record),
+    ])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| beam W=2 ")]
+    assert len(rows) == 2 and all("| 2 | 100.0% | 100.0% |" in row for row in rows)
+    assert "beam W=2 ignore_eos" in record.read_text()
+
+
 def test_bench_prefix_compares_caching_on_and_off(tiny_model_dir, capsys):
     main([
         "bench", "prefix", "--model", tiny_model_dir("llama"), "--num-prompts", "4", "--system-len", "64",
