@@ -13,6 +13,20 @@ largest value), and the same token ids at the same positions always give the
 same bytes, so a block found by prefix caching holds exactly what a recompute
 would write. The cost is one fp32 per (token, KV head): 4 bytes per
 ``head_dim`` bytes of int8.
+
+Before int8 quantization, each K and V vector is rotated by an orthonormal Hadamard
+matrix H (``hadamard_rotate``; QuaRot's trick, applied to the KV cache). A
+model's keys carry a few outlier channels many times larger than the rest; a
+per-vector scale fitted to the outlier leaves the other channels a handful of
+int8 steps. H spreads every channel over all of them, so the vector's maximum
+is near its root-mean-square and every channel keeps its precision. H is fixed
+and applied to each vector alone, so the rule above still holds. Attention is
+unchanged by it: q . k = (qH) . (kH), and the weighted sum of the rotated
+values is the rotated output, so a decode kernel reads the stored int8 as it
+is, given ``qH``, and its output is rotated back (H is its own inverse).
+fp8 is not rotated: e4m3 keeps a relative precision per value, so an outlier
+costs the other channels nothing, and rotating would spread the outlier's own
+error over every channel (measured: 3.5x the error of unrotated e4m3).
 """
 
 from __future__ import annotations
@@ -24,7 +38,7 @@ import torch
 from pagedllm.config import KV_CACHE_DTYPES
 from pagedllm.kernels.cpu import cpu_kernels_for
 
-__all__ = ["KV_CACHE_DTYPES", "LayerKVCache", "allocate_layer", "dequantize", "quantize"]
+__all__ = ["KV_CACHE_DTYPES", "LayerKVCache", "allocate_layer", "dequantize", "hadamard_rotate", "quantize"]
 
 # Largest magnitude each stored type represents: a vector's absolute maximum maps to it.
 _QUANT_MAX = {"int8": 127.0, "fp8_e4m3": 448.0}
@@ -53,6 +67,11 @@ class LayerKVCache:
     def quantized(self) -> bool:
         return self.kv_cache_dtype != "auto"
 
+    @property
+    def rotated(self) -> bool:
+        """Whether K/V are stored Hadamard-rotated (int8; see the module docstring)."""
+        return self.kv_cache_dtype == "int8"
+
     def tensors(self) -> list[torch.Tensor]:
         scales = [self.key_scale, self.value_scale] if self.quantized else []
         return [self.key, self.value, *scales]
@@ -75,11 +94,21 @@ class LayerKVCache:
             return key, value
         held = []
         for source, stored, scales in ((key, self.key, self.key_scale), (value, self.value, self.value_scale)):
-            quantized, scale = quantize(source, self.kv_cache_dtype)
+            quantized, scale = quantize(self.in_storage_basis(source.float()), self.kv_cache_dtype)
             stored.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, quantized)
             scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, scale)
-            held.append(dequantize(quantized, scale, self.kv_cache_dtype, source.dtype) if read_back else source)
+            held.append(self._unrotated(quantized, scale, source.dtype) if read_back else source)
         return held[0], held[1]
+
+    def in_storage_basis(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., head_dim] vectors in the basis the pool stores: a query before a
+        decode kernel reads the pool, and that kernel's output back (H is its
+        own inverse). ``x`` itself when the pool is not rotated."""
+        return hadamard_rotate(x.float()).to(x.dtype) if self.rotated else x
+
+    def _unrotated(self, stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Stored vectors and their scales -> the values they hold, in the model's basis."""
+        return self.in_storage_basis(dequantize(stored, scale, self.kv_cache_dtype, torch.float32)).to(dtype)
 
     def gather(self, block_tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[batch, max_blocks] block ids -> K and V as
@@ -95,7 +124,7 @@ class LayerKVCache:
         flat = block_tables.reshape(-1)
         gathered = stored.index_select(0, flat)
         if self.quantized:
-            gathered = dequantize(gathered, scales.index_select(0, flat), self.kv_cache_dtype, dtype)
+            gathered = self._unrotated(gathered, scales.index_select(0, flat), dtype)
         return gathered.view(batch, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
@@ -103,6 +132,25 @@ def _heads_contiguous(rows: torch.Tensor) -> bool:
     """Each token's [kv_heads, head_dim] values are one run of memory (rows may be
     strided, as slices of the fused qkv output): what the C++ cache write copies."""
     return rows.dim() == 3 and rows.stride(2) == 1 and rows.stride(1) == rows.shape[2]
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """[..., d] vectors times the orthonormal Hadamard matrix H (symmetric, its own
+    inverse), by the fast Walsh-Hadamard transform: log2(n) rounds of pairwise
+    sums and differences. Elementwise, so each vector's result never depends on
+    what else is in the batch (a matmul's summation order can). For a ``d`` that
+    is not a power of two, H is block-diagonal: an n x n Hadamard per run of n
+    channels, n the largest power of two dividing ``d``."""
+    d = x.shape[-1]
+    n = d & -d
+    lead = x.shape[:-1]
+    y = x.reshape(*lead, d // n, n)
+    half = 1
+    while half < n:
+        pairs = y.reshape(*lead, d // n, n // (2 * half), 2, half)
+        y = torch.stack((pairs[..., 0, :] + pairs[..., 1, :], pairs[..., 0, :] - pairs[..., 1, :]), dim=-2)
+        half *= 2
+    return y.reshape(x.shape) * n**-0.5
 
 
 def quantize(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:

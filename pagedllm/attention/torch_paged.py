@@ -35,7 +35,9 @@ class TorchPagedAttention:
     ``(query, kv_cache, block_tables, context_lens, scale, sliding_window,
     logits_soft_cap)``, reads no table entry before the window's first block, must accept
     tensors on the device the pool lives on and the pool's storage type
-    (the selector only picks kernels that do), and must accept a query whose
+    (the selector only picks kernels that do), reads a quantized pool's values
+    as stored (it is given the query in the pool's rotated basis, and its
+    output is rotated back), and must accept a query whose
     rows are strided (a view into the fused qkv output) as long as each row's
     heads and dims are packed.
     """
@@ -75,8 +77,12 @@ class TorchPagedAttention:
 
     def _decode(self, query, kv_cache: LayerKVCache, metadata: AttentionMetadata, layer: _LayerOptions) -> torch.Tensor:
         if self.decode_kernel is not None:
-            return self.decode_kernel(query, kv_cache, metadata.decode_block_tables, metadata.decode_context_lens,
-                                      layer.scale, layer.sliding_window, layer.logits_soft_cap)
+            # A quantized pool stores K/V rotated (see ``kv_cache``): the kernel
+            # reads them as stored, given the query in that basis.
+            out = self.decode_kernel(kv_cache.in_storage_basis(query), kv_cache, metadata.decode_block_tables,
+                                     metadata.decode_context_lens, layer.scale, layer.sliding_window,
+                                     layer.logits_soft_cap)
+            return kv_cache.in_storage_basis(out)
         return self._gather_decode(query, kv_cache, metadata, layer)
 
     @staticmethod

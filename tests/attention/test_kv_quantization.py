@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionMetadata
-from pagedllm.attention.kv_cache import allocate_layer, dequantize, quantize
+from pagedllm.attention.kv_cache import allocate_layer, dequantize, hadamard_rotate, quantize
 from pagedllm.attention.selector import cpu_decode, triton_decode
 from pagedllm.attention.torch_paged import TorchPagedAttention, _LayerOptions
 from pagedllm.kernels.cpu import load_cpu_kernels
@@ -38,6 +38,52 @@ def test_round_trip_error_is_bounded_per_vector(kv_cache_dtype):
         assert ((back - x).abs() <= tolerance * 1.0001).all()
     zeros, zero_scale = quantize(torch.zeros(3, NUM_KV_HEADS, HEAD_DIM), kv_cache_dtype)
     assert (zero_scale > 0).all() and (dequantize(zeros, zero_scale, kv_cache_dtype, torch.float32) == 0).all()
+
+
+def _hadamard(n: int) -> torch.Tensor:
+    """Sylvester's n x n Hadamard matrix, orthonormal."""
+    matrix = torch.ones(1, 1)
+    while matrix.shape[0] < n:
+        matrix = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]]), matrix)
+    return matrix / n**0.5
+
+
+@pytest.mark.parametrize("head_dim,block", [(64, 64), (128, 128), (96, 32), (80, 16)])
+def test_hadamard_rotation_is_orthonormal_self_inverse_and_per_vector(head_dim, block):
+    """The fast transform equals x @ H (block-diagonal H of the largest power of
+    two dividing head_dim), undoes itself, and a vector rotated alone gives the
+    same bits as within a batch (what keeps prefix caching exact)."""
+    torch.manual_seed(3)
+    x = torch.randn(7, NUM_KV_HEADS, head_dim)
+    matrix = torch.block_diag(*[_hadamard(block)] * (head_dim // block))
+    torch.testing.assert_close(hadamard_rotate(x), x @ matrix, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hadamard_rotate(hadamard_rotate(x)), x, atol=1e-5, rtol=1e-5)
+    assert torch.equal(hadamard_rotate(x[4:5]), hadamard_rotate(x)[4:5])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_int8_rotation_keeps_precision_beside_an_outlier_channel(kv_cache_dtype):
+    """Keys with one channel 30x the others (as real models' keys have): int8
+    quantized as they are, the scale fits the outlier and the other channels lose
+    most of their bits; the int8 pool rotates first, so its error is several
+    times smaller. e4m3's precision is relative, so its pool does not rotate."""
+    torch.manual_seed(4)
+    x = torch.randn(64, NUM_KV_HEADS, HEAD_DIM)
+    x[..., 5] *= 30
+    pool = allocate_layer(4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, kv_cache_dtype, torch.device("cpu"))
+    slots = torch.arange(64)
+    stored_k, _ = pool.write(x, x, slots, read_back=True)
+    gathered_k, _ = pool.gather(torch.arange(4)[None], torch.float32)
+    assert torch.equal(gathered_k[0].transpose(0, 1), stored_k)  # read back = what a later read sees
+    plain = dequantize(*quantize(x, kv_cache_dtype), kv_cache_dtype, torch.float32)
+    inliers = torch.ones(HEAD_DIM, dtype=torch.bool)
+    inliers[5] = False
+    pool_error = (stored_k - x)[..., inliers].abs().mean()
+    plain_error = (plain - x)[..., inliers].abs().mean()
+    if kv_cache_dtype == "int8":
+        assert pool_error < plain_error / 3, (pool_error, plain_error)
+    else:
+        assert torch.equal(stored_k, plain)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
