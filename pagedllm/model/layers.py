@@ -25,7 +25,9 @@ from pagedllm.kernels.cpu import cpu_kernels_for
 # Up to this many rows a matmul is a decode step's, bound by streaming the
 # weights, and the C++ small-batch kernel beats MKL on SmolLM2's shapes (fp32: 1.7-2x
 # at 4-8 rows, 1.2-1.5x at 16, 1.0-1.2x at 32-48, behind from 64: `pagedllm bench
-# linear`; bf16 on a CPU without AVX-512 BF16: 2-3x oneDNN at 8-48 rows); larger
+# linear`; bf16 on a CPU without AVX-512 BF16: 2-3x oneDNN at 8-48 rows; bf16 with
+# AVX-512 BF16, where the kernel multiplies with VDPBF16PS, on an AMD EPYC Zen 4:
+# 1.3-1.5x oneDNN's native bf16 at 1-20 rows, 1.1x at 32, even at 48); larger
 # batches and prefill go to MKL / oneDNN.
 SMALL_BATCH_ROWS = 48
 
