@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.attention.kv_cache import LayerKVCache
 
-# (query, layer cache, block_tables, context_lens, scale, sliding_window, logits_soft_cap) -> output
+# (query, layer cache, block_tables, context_lens, scale, sliding_window, logits_soft_cap, tail_slots) -> output
 DecodeKernel = Callable[
-    [torch.Tensor, LayerKVCache, torch.Tensor, torch.Tensor, float, int | None, float | None], torch.Tensor
+    [torch.Tensor, LayerKVCache, torch.Tensor, torch.Tensor, float, int | None, float | None, torch.Tensor | None],
+    torch.Tensor,
 ]
 
 
@@ -33,7 +34,10 @@ class TorchPagedAttention:
     decodes read K/V straight through the block tables instead of gathering a
     padded copy; prefill spans always use PyTorch's SDPA. The kernel takes
     ``(query, kv_cache, block_tables, context_lens, scale, sliding_window,
-    logits_soft_cap)``, reads no table entry before the window's first block, must accept
+    logits_soft_cap, tail_slots)``, reads no table entry before the window's first block,
+    reads row i's last block from tail slot ``tail_slots[i]`` when that is >= 0
+    (``tail_slots`` None: no tails; the selector only gives pools with tails to
+    kernels that read them), must accept
     tensors on the device the pool lives on and the pool's storage type
     (the selector only picks kernels that do), reads a quantized pool's values
     as stored (it is given the query in the pool's rotated basis, and its
@@ -62,31 +66,41 @@ class TorchPagedAttention:
         # own fresh K/V come back rounded exactly as stored, so a prefix-cache hit
         # (which reads them from the pool) gives the same result as a recompute.
         # Decodes read only the pool, so a pure decode step needs nothing back.
-        key, value = kv_cache.write(key, value, metadata.slot_mapping, read_back=bool(metadata.prefills))
+        tails = metadata.reads_tails(kv_cache)
+        fresh_key, fresh_value = key, value
+        key, value = kv_cache.write(key, value, metadata.slot_mapping, read_back=bool(metadata.prefills),
+                                    tail_rows=metadata.tail_write_rows if tails else None,
+                                    tail_slots=metadata.tail_write_slots if tails else None)
+        tail_slots = metadata.decode_tail_slots if tails else None
         num_decodes = metadata.num_decodes
         if not metadata.prefills:
             # A pure decode step: the decode output is the whole output, no copy.
-            return self._decode(query, kv_cache, metadata, layer)
+            return self._decode(query, kv_cache, metadata, layer, tail_slots)
         output = torch.empty_like(query)
         if num_decodes:
-            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, layer)
+            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, layer, tail_slots)
         for span in metadata.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
-            output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, layer)
+            # With tails, a span's own keys in its queries' blocks are read as a tail holds them.
+            fresh = (kv_cache.as_tail_holds(fresh_key[rows]), kv_cache.as_tail_holds(fresh_value[rows])) \
+                if tails else None
+            output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, layer, fresh)
         return output
 
-    def _decode(self, query, kv_cache: LayerKVCache, metadata: AttentionMetadata, layer: _LayerOptions) -> torch.Tensor:
+    def _decode(self, query, kv_cache: LayerKVCache, metadata: AttentionMetadata, layer: _LayerOptions,
+                tail_slots: torch.Tensor | None = None) -> torch.Tensor:
         if self.decode_kernel is not None:
-            # A quantized pool stores K/V rotated (see ``kv_cache``): the kernel
-            # reads them as stored, given the query in that basis.
+            # A quantized pool stores K/V rotated (see ``kv_cache``; its tails too):
+            # the kernel reads them as stored, given the query in that basis.
             out = self.decode_kernel(kv_cache.in_storage_basis(query), kv_cache, metadata.decode_block_tables,
                                      metadata.decode_context_lens, layer.scale, layer.sliding_window,
-                                     layer.logits_soft_cap)
+                                     layer.logits_soft_cap, tail_slots)
             return kv_cache.in_storage_basis(out)
-        return self._gather_decode(query, kv_cache, metadata, layer)
+        return self._gather_decode(query, kv_cache, metadata, layer, tail_slots)
 
     @staticmethod
-    def _gather_decode(query, kv_cache: LayerKVCache, metadata: AttentionMetadata, layer: _LayerOptions) -> torch.Tensor:
+    def _gather_decode(query, kv_cache: LayerKVCache, metadata: AttentionMetadata, layer: _LayerOptions,
+                       tail_slots: torch.Tensor | None = None) -> torch.Tensor:
         tables = metadata.decode_block_tables
         context_lens = metadata.decode_context_lens[:, None]
         first = torch.zeros_like(context_lens)  # each row's first table entry read
@@ -100,6 +114,15 @@ class TorchPagedAttention:
             index = first + torch.arange(span, device=tables.device)
             tables = tables.gather(1, index.clamp(max=max(tables.shape[1] - 1, 0)))
         keys, values = kv_cache.gather(tables, query.dtype)
+        if tail_slots is not None:
+            # A row with a tail reads its own block from it (tokens past it are masked below).
+            rows = (tail_slots >= 0).nonzero().squeeze(1)
+            if rows.numel():
+                tail_keys, tail_values = kv_cache.gather_tails(tail_slots[rows], query.dtype)
+                start = ((context_lens[rows, 0] - 1) // block_size - first[rows, 0]) * block_size
+                index = start[:, None] + torch.arange(block_size, device=query.device)
+                keys[rows[:, None], :, index] = tail_keys  # both [n, block_size, kv_heads, dim]
+                values[rows[:, None], :, index] = tail_values
         positions = first * block_size + torch.arange(keys.shape[2], device=query.device)
         # [batch, 1, 1, keys]: key j is visible iff j < context_len (and in the window).
         mask = positions < context_lens
@@ -108,7 +131,10 @@ class TorchPagedAttention:
         return _attend(query.unsqueeze(2), keys, values, mask[:, None, None, :], layer).squeeze(2)
 
     @staticmethod
-    def _prefill(query, key, value, kv_cache: LayerKVCache, span, layer: _LayerOptions) -> torch.Tensor:
+    def _prefill(query, key, value, kv_cache: LayerKVCache, span, layer: _LayerOptions,
+                 fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One span; ``fresh``: its own K/V as a tail holds them, when the pool's
+        tails apply (``kv_cache``'s reading rule), else None."""
         q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
         # Query i sits at position first + i and sees keys up to it (and in the window).
         first = span.context_len - span.query_len
@@ -122,14 +148,14 @@ class TorchPagedAttention:
                 key_start = max(0, first - layer.sliding_window + 1) // block_size * block_size
             k, v = kv_cache.gather(span.block_table[key_start // block_size :].unsqueeze(0), query.dtype)
             k, v = k[:, :, : span.context_len - key_start], v[:, :, : span.context_len - key_start]
-        if span.context_len == span.query_len and layer.is_plain:
+        if fresh is None and span.context_len == span.query_len and layer.is_plain:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale, enable_gqa=True)
         else:
             q_pos = torch.arange(first, span.context_len, device=query.device)[:, None]
             k_pos = torch.arange(key_start, span.context_len, device=query.device)[None, :]
-            mask = k_pos <= q_pos
-            if layer.sliding_window is not None:
-                mask &= k_pos > q_pos - layer.sliding_window
+            mask = _visible(q_pos, k_pos, layer)
+            if fresh is not None:
+                k, v, mask = _with_tail_keys(k, v, mask, q_pos, k_pos, fresh, kv_cache, span, layer)
             out = _attend(q, k, v, mask, layer)
         return out.squeeze(0).transpose(0, 1)
 
@@ -145,6 +171,44 @@ class _LayerOptions:
     @property
     def is_plain(self) -> bool:
         return self.sliding_window is None and self.logits_soft_cap is None
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, layer: _LayerOptions) -> torch.Tensor:
+    """[queries, keys]: causal, and within the layer's window."""
+    mask = k_pos <= q_pos
+    if layer.sliding_window is not None:
+        mask &= k_pos > q_pos - layer.sliding_window
+    return mask
+
+
+def _with_tail_keys(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                    fresh: tuple[torch.Tensor, torch.Tensor], kv_cache: LayerKVCache, span,
+                    layer: _LayerOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prefill span's keys under the tail reading rule (``kv_cache``): a query
+    at p, unless p is its block's last position, reads the keys of its own
+    block at full precision. Those keys are appended after the pool's (the
+    span's own, as a tail holds them, after the first block's earlier tokens
+    from its tail slot) and the mask picks, per (query, key), exactly one of the
+    two copies, so one softmax covers them all."""
+    block_size = kv_cache.key.shape[1]
+    first = span.context_len - span.query_len
+    full_keys, full_values = fresh  # [query_len, kv_heads, dim]
+    full_start = first
+    if first % block_size and span.tail_slot >= 0:
+        earlier = first % block_size
+        slot = torch.tensor([span.tail_slot], dtype=torch.long, device=k.device)
+        tail_keys, tail_values = kv_cache.gather_tails(slot, k.dtype)
+        full_keys = torch.cat((tail_keys[0, :earlier], full_keys))
+        full_values = torch.cat((tail_values[0, :earlier], full_values))
+        full_start -= earlier
+    f_pos = torch.arange(full_start, span.context_len, device=k.device)[None, :]
+    reads_full = q_pos % block_size != block_size - 1  # [queries, 1]
+    q_block = q_pos // block_size
+    full_mask = reads_full & (f_pos // block_size == q_block) & _visible(q_pos, f_pos, layer)
+    mask = mask & ~(reads_full & (k_pos // block_size == q_block) & (k_pos >= full_start))
+    k = torch.cat((k, full_keys.transpose(0, 1).unsqueeze(0)), dim=2)
+    v = torch.cat((v, full_values.transpose(0, 1).unsqueeze(0)), dim=2)
+    return k, v, torch.cat((mask, full_mask), dim=1)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
