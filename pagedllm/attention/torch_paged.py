@@ -67,6 +67,9 @@ class TorchPagedAttention:
         # (which reads them from the pool) gives the same result as a recompute.
         # Decodes read only the pool, so a pure decode step needs nothing back.
         tails = metadata.reads_tails(kv_cache)
+        # A span's earlier tokens in its first block, read before this step's tail
+        # writes: a span that leaves that block hands its slot on to its last one.
+        earlier = [self._earlier_tail(kv_cache, span, query.dtype) for span in metadata.prefills] if tails else None
         fresh_key, fresh_value = key, value
         key, value = kv_cache.write(key, value, metadata.slot_mapping, read_back=bool(metadata.prefills),
                                     tail_rows=metadata.tail_write_rows if tails else None,
@@ -79,13 +82,30 @@ class TorchPagedAttention:
         output = torch.empty_like(query)
         if num_decodes:
             output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, layer, tail_slots)
-        for span in metadata.prefills:
+        for i, span in enumerate(metadata.prefills):
             rows = slice(span.query_start, span.query_start + span.query_len)
-            # With tails, a span's own keys in its queries' blocks are read as a tail holds them.
-            fresh = (kv_cache.as_tail_holds(fresh_key[rows]), kv_cache.as_tail_holds(fresh_value[rows])) \
-                if tails else None
-            output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, layer, fresh)
+            full = None
+            if tails:
+                # The full-precision keys its queries may read: the earlier ones, then
+                # the span's own as a tail holds them.
+                earlier_key, earlier_value = earlier[i]
+                full = (torch.cat((earlier_key, kv_cache.as_tail_holds(fresh_key[rows]))),
+                        torch.cat((earlier_value, kv_cache.as_tail_holds(fresh_value[rows]))))
+            output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, layer, full)
         return output
+
+    @staticmethod
+    def _earlier_tail(kv_cache: LayerKVCache, span, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, kv_heads, dim] K and V of the n = first % block_size tokens of the
+        span's first block before it, from its tail slot (none without one)."""
+        block_size = kv_cache.key.shape[1]
+        n = (span.context_len - span.query_len) % block_size if span.tail_slot >= 0 else 0
+        if not n:
+            empty = kv_cache.key.new_empty((0, *kv_cache.key.shape[2:]), dtype=dtype)
+            return empty, empty
+        slot = torch.tensor([span.tail_slot], dtype=torch.long, device=kv_cache.key.device)
+        keys, values = kv_cache.gather_tails(slot, dtype)
+        return keys[0, :n], values[0, :n]
 
     def _decode(self, query, kv_cache: LayerKVCache, metadata: AttentionMetadata, layer: _LayerOptions,
                 tail_slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,9 +152,10 @@ class TorchPagedAttention:
 
     @staticmethod
     def _prefill(query, key, value, kv_cache: LayerKVCache, span, layer: _LayerOptions,
-                 fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """One span; ``fresh``: its own K/V as a tail holds them, when the pool's
-        tails apply (``kv_cache``'s reading rule), else None."""
+                 full: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One span; ``full``: when the pool's tails apply (``kv_cache``'s reading
+        rule), the full-precision K/V of its first block's earlier tokens and of
+        its own, else None."""
         q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
         # Query i sits at position first + i and sees keys up to it (and in the window).
         first = span.context_len - span.query_len
@@ -148,14 +169,14 @@ class TorchPagedAttention:
                 key_start = max(0, first - layer.sliding_window + 1) // block_size * block_size
             k, v = kv_cache.gather(span.block_table[key_start // block_size :].unsqueeze(0), query.dtype)
             k, v = k[:, :, : span.context_len - key_start], v[:, :, : span.context_len - key_start]
-        if fresh is None and span.context_len == span.query_len and layer.is_plain:
+        if full is None and span.context_len == span.query_len and layer.is_plain:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale, enable_gqa=True)
         else:
             q_pos = torch.arange(first, span.context_len, device=query.device)[:, None]
             k_pos = torch.arange(key_start, span.context_len, device=query.device)[None, :]
             mask = _visible(q_pos, k_pos, layer)
-            if fresh is not None:
-                k, v, mask = _with_tail_keys(k, v, mask, q_pos, k_pos, fresh, kv_cache, span, layer)
+            if full is not None:
+                k, v, mask = _with_tail_keys(k, v, mask, q_pos, k_pos, full, kv_cache, span, layer)
             out = _attend(q, k, v, mask, layer)
         return out.squeeze(0).transpose(0, 1)
 
@@ -182,25 +203,16 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, layer: _LayerOptions) -> 
 
 
 def _with_tail_keys(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                    fresh: tuple[torch.Tensor, torch.Tensor], kv_cache: LayerKVCache, span,
+                    full: tuple[torch.Tensor, torch.Tensor], kv_cache: LayerKVCache, span,
                     layer: _LayerOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A prefill span's keys under the tail reading rule (``kv_cache``): a query
     at p, unless p is its block's last position, reads the keys of its own
-    block at full precision. Those keys are appended after the pool's (the
-    span's own, as a tail holds them, after the first block's earlier tokens
-    from its tail slot) and the mask picks, per (query, key), exactly one of the
-    two copies, so one softmax covers them all."""
+    block at full precision. Those keys (``full``: [n, kv_heads, dim], the
+    span's last n positions) are appended after the pool's, and the mask picks,
+    per (query, key), exactly one of the two copies, so one softmax covers them."""
     block_size = kv_cache.key.shape[1]
-    first = span.context_len - span.query_len
-    full_keys, full_values = fresh  # [query_len, kv_heads, dim]
-    full_start = first
-    if first % block_size and span.tail_slot >= 0:
-        earlier = first % block_size
-        slot = torch.tensor([span.tail_slot], dtype=torch.long, device=k.device)
-        tail_keys, tail_values = kv_cache.gather_tails(slot, k.dtype)
-        full_keys = torch.cat((tail_keys[0, :earlier], full_keys))
-        full_values = torch.cat((tail_values[0, :earlier], full_values))
-        full_start -= earlier
+    full_keys, full_values = full
+    full_start = span.context_len - full_keys.shape[0]
     f_pos = torch.arange(full_start, span.context_len, device=k.device)[None, :]
     reads_full = q_pos % block_size != block_size - 1  # [queries, 1]
     q_block = q_pos // block_size
