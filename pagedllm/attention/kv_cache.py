@@ -123,15 +123,17 @@ class LayerKVCache:
             self.value.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
             return key, value
         held = []
-        for source, stored, scales in ((key, self.key, self.key_scale), (value, self.value, self.value_scale)):
+        writes_tails = self.has_tails and tail_rows is not None and tail_rows.numel() > 0
+        for source, stored, scales, tail in ((key, self.key, self.key_scale, self.tail_key),
+                                             (value, self.value, self.value_scale, self.tail_value)):
             rotated = self.in_storage_basis(source.float())
             quantized, scale = quantize(rotated, self.kv_cache_dtype)
             stored.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, quantized)
             scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, scale)
+            if writes_tails:
+                # The tail holds the rotated values in the model's dtype (``as_tail_holds``).
+                tail.view(-1, num_kv_heads, head_dim).index_copy_(0, tail_slots, rotated[tail_rows].to(tail.dtype))
             held.append(self._unrotated(quantized, scale, source.dtype) if read_back else source)
-        if self.has_tails and tail_rows is not None and tail_rows.numel():
-            for source, tail in ((key, self.tail_key), (value, self.tail_value)):
-                tail.view(-1, num_kv_heads, head_dim).index_copy_(0, tail_slots, self.in_storage_basis(source[tail_rows]))
         return held[0], held[1]
 
     def as_tail_holds(self, x: torch.Tensor) -> torch.Tensor:

@@ -286,7 +286,8 @@ class ModelRunner:
         for scheduled in scheduler_output.scheduled:
             sequence = self.sequences[scheduled.sequence_id]
             sequence.num_computed = sequence.num_written = scheduled.num_computed_tokens
-        keep = [self.batch.block_table[s.row, s.num_computed // block_size : -(-s.num_written // block_size)]
+        keep = [self.batch.block_table[s.row, s.num_computed // block_size :
+                                       min(-(-s.num_written // block_size), s.num_blocks)]
                 for s in self.sequences.values()]
         tails.release_all_but(np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64))
         for scheduled in scheduler_output.scheduled:
