@@ -169,15 +169,14 @@ class TorchPagedAttention:
                 key_start = max(0, first - layer.sliding_window + 1) // block_size * block_size
             k, v = kv_cache.gather(span.block_table[key_start // block_size :].unsqueeze(0), query.dtype)
             k, v = k[:, :, : span.context_len - key_start], v[:, :, : span.context_len - key_start]
-        if full is None and span.context_len == span.query_len and layer.is_plain:
+        if full is not None:
+            out = _attend_with_tails(q, k, v, key_start, full, kv_cache.key.shape[1], span, layer)
+        elif span.context_len == span.query_len and layer.is_plain:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale, enable_gqa=True)
         else:
             q_pos = torch.arange(first, span.context_len, device=query.device)[:, None]
             k_pos = torch.arange(key_start, span.context_len, device=query.device)[None, :]
-            mask = _visible(q_pos, k_pos, layer)
-            if full is not None:
-                k, v, mask = _with_tail_keys(k, v, mask, q_pos, k_pos, full, kv_cache, span, layer)
-            out = _attend(q, k, v, mask, layer)
+            out = _attend(q, k, v, _visible(q_pos, k_pos, layer), layer)
         return out.squeeze(0).transpose(0, 1)
 
 
@@ -202,25 +201,45 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, layer: _LayerOptions) -> 
     return mask
 
 
-def _with_tail_keys(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                    full: tuple[torch.Tensor, torch.Tensor], kv_cache: LayerKVCache, span,
-                    layer: _LayerOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A prefill span's keys under the tail reading rule (``kv_cache``): a query
-    at p, unless p is its block's last position, reads the keys of its own
-    block at full precision. Those keys (``full``: [n, kv_heads, dim], the
-    span's last n positions) are appended after the pool's, and the mask picks,
-    per (query, key), exactly one of the two copies, so one softmax covers them."""
-    block_size = kv_cache.key.shape[1]
-    full_keys, full_values = full
-    full_start = span.context_len - full_keys.shape[0]
-    f_pos = torch.arange(full_start, span.context_len, device=k.device)[None, :]
-    reads_full = q_pos % block_size != block_size - 1  # [queries, 1]
-    q_block = q_pos // block_size
-    full_mask = reads_full & (f_pos // block_size == q_block) & _visible(q_pos, f_pos, layer)
-    mask = mask & ~(reads_full & (k_pos // block_size == q_block) & (k_pos >= full_start))
-    k = torch.cat((k, full_keys.transpose(0, 1).unsqueeze(0)), dim=2)
-    v = torch.cat((v, full_values.transpose(0, 1).unsqueeze(0)), dim=2)
-    return k, v, torch.cat((mask, full_mask), dim=1)
+# Queries per attention call of a prefill under the tail rule: a call reads the int8 keys up
+# to its last query and the full-precision keys of its own blocks, so a span costs about a
+# causal attention plus this many keys per query, not twice its keys for every query.
+_TAIL_QUERY_CHUNK = 128
+
+
+def _attend_with_tails(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_start: int,
+                       full: tuple[torch.Tensor, torch.Tensor], block_size: int, span,
+                       layer: _LayerOptions) -> torch.Tensor:
+    """A prefill span's attention under the tail reading rule (``kv_cache``): a
+    query at p, unless p is its block's last position, reads the keys of its
+    own block at full precision, every other key as int8. ``k``/``v``: the
+    int8 keys from ``key_start``; ``full``: [n, kv_heads, dim] full-precision
+    K/V of the span's last n positions. Each block-aligned run of queries
+    attends to its int8 keys and its blocks' full-precision keys side by side,
+    the mask choosing exactly one copy of each key per query."""
+    full_start = span.context_len - full[0].shape[0]
+    full_keys, full_values = (t.transpose(0, 1).unsqueeze(0) for t in full)
+    first = span.context_len - span.query_len
+    chunk = max(1, _TAIL_QUERY_CHUNK // block_size) * block_size
+    device = q.device
+    outputs = []
+    start = first
+    while start < span.context_len:
+        end = min(span.context_len, (start // chunk + 1) * chunk)
+        q_pos = torch.arange(start, end, device=device)[:, None]
+        k_pos = torch.arange(key_start, end, device=device)[None, :]
+        full_from = max(full_start, start // block_size * block_size)
+        f_pos = torch.arange(full_from, end, device=device)[None, :]
+        reads_full = q_pos % block_size != block_size - 1
+        q_block = q_pos // block_size
+        mask = _visible(q_pos, k_pos, layer) & ~(reads_full & (k_pos // block_size == q_block) & (k_pos >= full_start))
+        full_mask = reads_full & (f_pos // block_size == q_block) & _visible(q_pos, f_pos, layer)
+        keys = torch.cat((k[:, :, : end - key_start], full_keys[:, :, full_from - full_start : end - full_start]), 2)
+        values = torch.cat((v[:, :, : end - key_start], full_values[:, :, full_from - full_start : end - full_start]), 2)
+        outputs.append(_attend(q[:, :, start - first : end - first], keys, values, torch.cat((mask, full_mask), 1),
+                               layer))
+        start = end
+    return torch.cat(outputs, dim=2)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

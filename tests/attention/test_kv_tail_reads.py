@@ -124,38 +124,52 @@ def _prefill_step(attention, pool, query, k, v, table, start, end, slot_of_block
                              sliding_window=window, logits_soft_cap=soft_cap)
 
 
+def _scattered(n: int) -> tuple[list[int], dict[int, int]]:
+    """A table for n tokens of scattered blocks (2 spare), and a tail slot per table index."""
+    num_blocks = -(-n // BLOCK_SIZE)
+    rng = random.Random(n)
+    table = rng.sample(range(num_blocks + 2), num_blocks)
+    slots = rng.sample(range(num_blocks), num_blocks)
+    return table, dict(enumerate(slots))
+
+
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (6, None), (None, 5.0)])
-@pytest.mark.parametrize("chunks", [[13], [2, 11], [5, 3, 5], [4, 9]])
+@pytest.mark.parametrize("chunks", [[13], [2, 11], [5, 3, 5], [4, 9], [300], [130, 170], [3, 297]])
 def test_prefill_follows_the_rule_whatever_the_chunking(chunks, window, soft_cap):
+    """Spans of up to 300 queries cover several of the prefill's query runs
+    (``_TAIL_QUERY_CHUNK``), starting and ending mid-block."""
     torch.manual_seed(4)
     n = sum(chunks)
-    table = [5, 0, 3, 1]  # 13 tokens in 4 blocks of 4, scattered
-    slot_of_block = {0: 2, 1: 0, 2: 3, 3: 1}  # table index -> tail slot
+    table, slot_of_block = _scattered(n)
+    num_blocks = len(table) + 2
     query = torch.randn(n, NUM_HEADS, HEAD_DIM)
     k = torch.randn(n, NUM_KV_HEADS, HEAD_DIM)
     v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM)
-    pool = allocate_layer(6, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "int8", CPU, num_tail_slots=4)
+
+    def pool(tails: bool):
+        return allocate_layer(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "int8", CPU,
+                              num_tail_slots=len(table) if tails else 0)
+
+    chunked = pool(True)
     attention = TorchPagedAttention()
     outputs, start = [], 0
     for size in chunks:
-        outputs.append(_prefill_step(attention, pool, query, k, v, table, start, start + size, slot_of_block,
+        outputs.append(_prefill_step(attention, chunked, query, k, v, table, start, start + size, slot_of_block,
                                      soft_cap, window))
         start += size
     got = torch.cat(outputs)
-    int8_k, int8_v = stored_int8(pool, table, n)
-    for p in range(n):
-        if soft_cap is None:
+    int8_k, int8_v = stored_int8(chunked, table, n)
+    if soft_cap is None:
+        for p in range(n):
             expected = reference(query[p], p, k, v, int8_k, int8_v, window)
             torch.testing.assert_close(got[p], expected, atol=1e-4, rtol=1e-4)
     # Whatever the chunking, the same bits up to summation order.
-    whole = allocate_layer(6, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "int8", CPU, num_tail_slots=4)
-    once = _prefill_step(attention, whole, query, k, v, table, 0, n, slot_of_block, soft_cap, window)
+    once = _prefill_step(attention, pool(True), query, k, v, table, 0, n, slot_of_block, soft_cap, window)
     torch.testing.assert_close(got, once, atol=1e-5, rtol=1e-5)
     # Positions that read a full-precision key differ from int8-only reading, the others not.
-    plain = allocate_layer(6, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "int8", CPU)
-    int8_only = _prefill_step(attention, plain, query, k, v, table, 0, n, slot_of_block, soft_cap, window)
+    int8_only = _prefill_step(attention, pool(False), query, k, v, table, 0, n, slot_of_block, soft_cap, window)
     for p in range(n):
-        differs = (got[p] - int8_only[p]).abs().max() > 1e-4
+        differs = (got[p] - int8_only[p]).abs().max() > 1e-5
         assert differs == (p % BLOCK_SIZE != BLOCK_SIZE - 1), p
 
 
