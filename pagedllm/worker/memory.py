@@ -195,7 +195,8 @@ def _gpu_utilization_budget(model: LlamaForCausalLM, scheduler_config: Scheduler
     step of ``model`` (one rank: it does not join other ranks' all-reduces)."""
     utilization = cache.gpu_memory_utilization or CacheConfig.DEFAULT_GPU_MEMORY_UTILIZATION
     kv_shape = (model.num_kv_heads, head_dim_of(model.config))
-    attention = attention_backend_for(device, cache.block_size, cache.kv_cache_dtype)
+    attention = attention_backend_for(device, cache.block_size, cache.kv_cache_dtype,
+                                      tails=cache.kv_cache_dtype == "int8")
     weights_bytes = torch.cuda.memory_allocated(device)
     peak = cuda_peak_activation_bytes(
         lambda: run_dummy_step(model, attention, scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs,
@@ -239,10 +240,13 @@ def run_dummy_step(model, attention, num_tokens: int, num_logit_rows: int, block
                    kv_shape: tuple[int, int], dtype: torch.dtype, kv_cache_dtype: str, device: torch.device) -> None:
     """One forward pass of ``num_tokens`` fresh prompt tokens (the largest step
     the scheduler builds) into a throwaway pool just big enough for them, then
-    the logits of ``num_logit_rows`` rows (the most sampled in one step)."""
+    the logits of ``num_logit_rows`` rows (the most sampled in one step). An
+    int8 pool gets its full-precision tails, so the prefill measured is the one
+    the engine runs (``kv_cache``'s reading rule)."""
     num_blocks = -(-num_tokens // block_size)
+    tails = kv_cache_dtype == "int8"
     kv_caches = [
-        allocate_layer(num_blocks, block_size, *kv_shape, dtype, kv_cache_dtype, device)
+        allocate_layer(num_blocks, block_size, *kv_shape, dtype, kv_cache_dtype, device, num_tail_slots=int(tails))
         for _ in range(model.config.num_hidden_layers)
     ]
     metadata = AttentionMetadata(
@@ -252,6 +256,12 @@ def run_dummy_step(model, attention, num_tokens: int, num_logit_rows: int, block
         decode_context_lens=torch.zeros(0, dtype=torch.long, device=device),
         prefills=[PrefillSpan(0, num_tokens, num_tokens, torch.arange(num_blocks, device=device))],
     )
+    if tails:
+        # The last block's tokens also go to tail slot 0 (a full last block writes none).
+        last = (num_tokens - 1) // block_size * block_size if num_tokens % block_size else num_tokens
+        metadata.tail_write_rows = torch.arange(last, num_tokens, device=device)
+        metadata.tail_write_slots = metadata.tail_write_rows - last
+        metadata.decode_tail_slots = torch.zeros(0, dtype=torch.long, device=device)
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     hidden = model(input_ids, torch.arange(num_tokens, device=device), kv_caches, metadata, attention)
     model.compute_logits(hidden[: min(num_logit_rows, num_tokens)].contiguous()).float().log_softmax(-1)

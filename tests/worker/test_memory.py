@@ -137,9 +137,11 @@ def test_gpu_memory_utilization_is_refused_on_cpu(tiny_llama):
         LLM(tiny_llama, gpu_memory_utilization=0.0)
 
 
-def test_dummy_step_writes_every_token_into_its_throwaway_pool(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_dummy_step_writes_every_token_into_its_throwaway_pool(tiny_llama, monkeypatch, kv_cache_dtype):
     """The profiling step is a real forward of the largest step: it must store
-    K/V for all of its tokens (so the attention path it measures is the real one)."""
+    K/V for all of its tokens (so the attention path it measures is the real
+    one), and with int8 its still-filling last block's into a tail too."""
     llm = LLM(tiny_llama, num_kv_blocks=8, device="cpu")
     model = llm.llm_engine.model
     config = llm.llm_engine.model_config
@@ -150,12 +152,18 @@ def test_dummy_step_writes_every_token_into_its_throwaway_pool(tiny_llama, monke
         return layers[-1]
 
     monkeypatch.setattr(memory, "allocate_layer", recording_allocate)
-    run_dummy_step(model, attention_backend_for(torch.device("cpu"), 16), num_tokens=40, num_logit_rows=8,
-                   block_size=16, kv_shape=(config.num_key_value_heads, head_dim_of(config)),
-                   dtype=torch.float32, kv_cache_dtype="auto", device=torch.device("cpu"))
+    tails = kv_cache_dtype == "int8"
+    run_dummy_step(model, attention_backend_for(torch.device("cpu"), 16, kv_cache_dtype, tails=tails), num_tokens=40,
+                   num_logit_rows=8, block_size=16, kv_shape=(config.num_key_value_heads, head_dim_of(config)),
+                   dtype=torch.float32, kv_cache_dtype=kv_cache_dtype, device=torch.device("cpu"))
     assert len(layers) == config.num_hidden_layers
     for layer in layers:
         for pool in (layer.key, layer.value):
             assert pool.shape[:2] == (3, 16)
             written = pool.view(48, -1).abs().sum(-1) > 0
             assert written[:40].all() and not written[40:].any()
+        assert layer.has_tails == tails
+        if tails:
+            # Tokens 32-39 are the last block's: the tail's first 8 positions.
+            written = layer.tail_key.view(16, -1).abs().sum(-1) > 0
+            assert written[:8].all() and not written[8:].any()
