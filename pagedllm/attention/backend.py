@@ -25,6 +25,9 @@ class PrefillSpan:
     query_len: int
     context_len: int
     block_table: torch.Tensor  # [num_blocks_of_this_sequence] int64
+    # With full-precision tails (``kv_cache``): the tail slot holding the tokens of
+    # the span's first block before the span (-1: none, or the span starts a block).
+    tail_slot: int = -1
 
 
 @dataclass
@@ -40,6 +43,19 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
     decode_context_lens: torch.Tensor  # [num_decodes] int64, including the new token
     prefills: list[PrefillSpan]
+    # Full-precision tails of an int8 pool (``kv_cache``'s reading rule; None: no
+    # tails, every key is read from the pool as stored). Tokens ``tail_write_rows``
+    # also go to tail positions ``tail_write_slots`` (tail slot * block_size +
+    # offset); decode row i reads its own block from tail slot
+    # ``decode_tail_slots[i]`` (-1: from the pool, as at a block's last position).
+    tail_write_rows: torch.Tensor | None = None
+    tail_write_slots: torch.Tensor | None = None
+    decode_tail_slots: torch.Tensor | None = None
+
+    def reads_tails(self, kv_cache: LayerKVCache) -> bool:
+        """Whether this step applies the tail reading rule to ``kv_cache`` (a
+        speculative draft's pool has no tails even when the target's has)."""
+        return kv_cache.has_tails and self.tail_write_rows is not None
 
 
 class AttentionBackend(Protocol):

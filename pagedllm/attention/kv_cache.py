@@ -27,6 +27,25 @@ is, given ``qH``, and its output is rotated back (H is its own inverse).
 fp8 is not rotated: e4m3 keeps a relative precision per value, so an outlier
 costs the other channels nothing, and rotating would spread the outlier's own
 error over every channel (measured: 3.5x the error of unrotated e4m3).
+
+Full-precision tails (int8 only, issue 23). Besides the int8 pool, the runner
+keeps each sequence's still-filling last block in full precision: a small tail
+pool ``tail_key`` / ``tail_value`` of ``[num_tail_slots, block_size,
+num_kv_heads, head_dim]`` in the model's dtype, in the rotated basis (so a
+decode kernel reads a tail with the same rotated query as the int8 blocks).
+Every token still goes to the int8 pool as above (a block that fills needs no
+conversion; prefix caching, copy-on-write and swap see only int8 blocks); a
+token in a block that will not be full after it is *also* written to its
+block's tail slot (``worker.tail_slots`` decides which slot). The reading
+rule: a query at position p reads key j <= p at full precision iff j and p
+are in the same block and p is not that block's last position
+(``p % block_size != block_size - 1``); every other key is read from the
+int8 pool. The rule depends on positions alone, so results do not depend on
+chunking, batching, or whether a prefix came from the cache: a full block is
+only ever read as int8, and the one token of a full block that a full
+prefix-cache hit recomputes sits at the block's last position. A tail slot
+whose block lost its earlier tokens' tail (a swapped-in block) is filled with
+those tokens' int8 values, so they read exactly as stored.
 """
 
 from __future__ import annotations
@@ -62,6 +81,10 @@ class LayerKVCache:
     kv_cache_dtype: str = "auto"
     key_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] fp32 when quantized
     value_scale: torch.Tensor | None = None
+    # int8 only: [num_tail_slots, block_size, num_kv_heads, head_dim] in the model's
+    # dtype, rotated; indexed by tail slot, not block (not in ``tensors()``).
+    tail_key: torch.Tensor | None = None
+    tail_value: torch.Tensor | None = None
 
     @property
     def quantized(self) -> bool:
@@ -76,13 +99,20 @@ class LayerKVCache:
         scales = [self.key_scale, self.value_scale] if self.quantized else []
         return [self.key, self.value, *scales]
 
+    @property
+    def has_tails(self) -> bool:
+        return self.tail_key is not None
+
     def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
-              read_back: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              read_back: bool = False, tail_rows: torch.Tensor | None = None,
+              tail_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Store token i's K/V ([tokens, kv_heads, head_dim]) at pool slot
-        ``slot_mapping[i]`` (block * block_size + offset). Returns K and V as
-        the pool now holds them: the inputs themselves, or, with ``read_back``
-        on a quantized pool, their dequantized values (otherwise the inputs,
-        which the caller then must not read as stored values)."""
+        ``slot_mapping[i]`` (block * block_size + offset), and with tails, token
+        ``tail_rows[j]`` also at tail position ``tail_slots[j]`` (tail slot *
+        block_size + offset). Returns K and V as the pool now holds them: the
+        inputs themselves, or, with ``read_back`` on a quantized pool, their
+        dequantized values (otherwise the inputs, which the caller then must not
+        read as stored values)."""
         num_kv_heads, head_dim = self.key.shape[2], self.key.shape[3]
         if not self.quantized:
             kernels = cpu_kernels_for(key)
@@ -93,12 +123,45 @@ class LayerKVCache:
             self.value.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
             return key, value
         held = []
-        for source, stored, scales in ((key, self.key, self.key_scale), (value, self.value, self.value_scale)):
-            quantized, scale = quantize(self.in_storage_basis(source.float()), self.kv_cache_dtype)
+        writes_tails = self.has_tails and tail_rows is not None and tail_rows.numel() > 0
+        for source, stored, scales, tail in ((key, self.key, self.key_scale, self.tail_key),
+                                             (value, self.value, self.value_scale, self.tail_value)):
+            rotated = self.in_storage_basis(source.float())
+            quantized, scale = quantize(rotated, self.kv_cache_dtype)
             stored.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, quantized)
             scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, scale)
+            if writes_tails:
+                # The tail holds the rotated values in the model's dtype (``as_tail_holds``).
+                tail.view(-1, num_kv_heads, head_dim).index_copy_(0, tail_slots, rotated[tail_rows].to(tail.dtype))
             held.append(self._unrotated(quantized, scale, source.dtype) if read_back else source)
         return held[0], held[1]
+
+    def as_tail_holds(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., head_dim] fresh K or V -> their values as a tail would give them
+        back (stored rotated in ``x``'s dtype, read unrotated): what a prefill
+        reads at full precision for its own tokens, bit for bit what a later
+        chunk reads from the tail."""
+        return self.in_storage_basis(self.in_storage_basis(x))
+
+    def gather_tails(self, tail_slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n] tail slots -> their K and V as [n, block_size, num_kv_heads, head_dim]
+        in the model's basis."""
+        return tuple(self.in_storage_basis(t.index_select(0, tail_slots)).to(dtype)
+                     for t in (self.tail_key, self.tail_value))
+
+    def fill_tails(self, blocks: torch.Tensor, tail_slots: torch.Tensor) -> None:
+        """Tail slot ``tail_slots[i]`` := block ``blocks[i]``'s int8 values (rotated
+        basis): a slot given to a block whose earlier tokens have no tail reads
+        them exactly as the pool stores them."""
+        for stored, scales, tail in ((self.key, self.key_scale, self.tail_key),
+                                     (self.value, self.value_scale, self.tail_value)):
+            values = dequantize(stored.index_select(0, blocks), scales.index_select(0, blocks), "int8", tail.dtype)
+            tail.index_copy_(0, tail_slots, values)
+
+    def copy_tails(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Tail slot ``dst[i]`` := tail slot ``src[i]`` (all sources read first)."""
+        for tail in (self.tail_key, self.tail_value):
+            tail.index_copy_(0, dst, tail.index_select(0, src))
 
     def in_storage_basis(self, x: torch.Tensor) -> torch.Tensor:
         """[..., head_dim] vectors in the basis the pool stores: a query before a
@@ -172,19 +235,25 @@ def dequantize(stored: torch.Tensor, scale: torch.Tensor, kv_cache_dtype: str, d
 
 
 def allocate_layer(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                   kv_cache_dtype: str, device: torch.device) -> LayerKVCache:
-    """A zeroed layer cache for ``num_blocks`` blocks."""
+                   kv_cache_dtype: str, device: torch.device, num_tail_slots: int = 0) -> LayerKVCache:
+    """A zeroed layer cache for ``num_blocks`` blocks (and, for int8 with
+    ``num_tail_slots`` > 0, that many full-precision tail slots)."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     if kv_cache_dtype == "auto":
         return LayerKVCache(torch.zeros(shape, dtype=dtype, device=device),
                             torch.zeros(shape, dtype=dtype, device=device))
+    if num_tail_slots and kv_cache_dtype != "int8":
+        raise ValueError(f"full-precision tails are for int8 pools, not {kv_cache_dtype}")
     storage = _STORAGE_DTYPE[kv_cache_dtype]
+    tail_shape = (num_tail_slots, *shape[1:])
     return LayerKVCache(
         torch.zeros(shape, dtype=storage, device=device),
         torch.zeros(shape, dtype=storage, device=device),
         kv_cache_dtype,
         torch.ones(shape[:3], dtype=torch.float32, device=device),
         torch.ones(shape[:3], dtype=torch.float32, device=device),
+        torch.zeros(tail_shape, dtype=dtype, device=device) if num_tail_slots else None,
+        torch.zeros(tail_shape, dtype=dtype, device=device) if num_tail_slots else None,
     )
 
 
@@ -193,3 +262,4 @@ def kv_bytes_per_token_per_kv_head(head_dim: int, dtype: torch.dtype, kv_cache_d
     if kv_cache_dtype == "auto":
         return 2 * head_dim * torch.empty((), dtype=dtype).element_size()
     return 2 * (head_dim + 4)  # 1-byte values + one fp32 scale, for K and for V
+

@@ -3,9 +3,10 @@
 CPU: the compiled C++ kernel (``pagedllm.kernels.cpu``), for pools in the
 model's dtype or int8. CUDA: the Triton kernel (``pagedllm.kernels.triton_paged``)
 when Triton is installed and the block size is a power of two, for the same
-storage types. Anything else (fp8 pools, ``PAGEDLLM_CPU_KERNEL=0`` on CPU, no
-Triton): None, and the backend gathers through PyTorch, which runs on any
-device and storage type.
+storage types, except an int8 pool with full-precision tails (``kv_cache``),
+which the Triton kernel does not read (the C++ kernel does). Anything else
+(fp8 pools, ``PAGEDLLM_CPU_KERNEL=0`` on CPU, no Triton): None, and the
+backend gathers through PyTorch, which runs on any device and storage type.
 """
 
 from __future__ import annotations
@@ -21,30 +22,39 @@ from pagedllm.kernels.triton_paged import triton_paged_decode_available
 _KERNEL_KV_CACHE_DTYPES = ("auto", "int8")
 
 
-def paged_decode_kernel_for(device: torch.device, block_size: int, kv_cache_dtype: str = "auto") -> DecodeKernel | None:
+def paged_decode_kernel_for(device: torch.device, block_size: int, kv_cache_dtype: str = "auto",
+                            tails: bool = False) -> DecodeKernel | None:
+    """``tails``: the pools have full-precision tails (int8 only)."""
     if kv_cache_dtype not in _KERNEL_KV_CACHE_DTYPES:
         return None
     if device.type == "cpu":
         return cpu_decode if load_cpu_kernels() is not None else None
-    if device.type == "cuda" and triton_paged_decode_available() and block_size & (block_size - 1) == 0:
+    if device.type == "cuda" and triton_paged_decode_available() and block_size & (block_size - 1) == 0 \
+            and not tails:
         return triton_decode
     return None
 
 
 def cpu_decode(query, kv_cache: LayerKVCache, block_tables, context_lens, scale,
-               sliding_window: int | None = None, logits_soft_cap: float | None = None):
+               sliding_window: int | None = None, logits_soft_cap: float | None = None,
+               tail_slots: torch.Tensor | None = None):
     """The C++ kernel over a layer cache (it must have built: see ``load_cpu_kernels``)."""
+    tails = (kv_cache.tail_key, kv_cache.tail_value, tail_slots) if tail_slots is not None else (None, None, None)
     return load_cpu_kernels().paged_decode_attention(query, kv_cache.key, kv_cache.value, kv_cache.key_scale,
                                                      kv_cache.value_scale, block_tables, context_lens, scale,
-                                                     sliding_window or 0, logits_soft_cap or 0.0)
+                                                     sliding_window or 0, logits_soft_cap or 0.0, *tails)
 
 
 def triton_decode(query, kv_cache: LayerKVCache, block_tables, context_lens, scale,
-                  sliding_window: int | None = None, logits_soft_cap: float | None = None):
-    """The Triton kernel over a layer cache."""
+                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                  tail_slots: torch.Tensor | None = None):
+    """The Triton kernel over a layer cache (one without tails: see the module doc)."""
+    if tail_slots is not None:
+        raise ValueError("the Triton decode kernel does not read full-precision tails")
     return triton_paged_decode(query, kv_cache.key, kv_cache.value, block_tables, context_lens, scale,
                                kv_cache.key_scale, kv_cache.value_scale, sliding_window, logits_soft_cap)
 
 
-def attention_backend_for(device: torch.device, block_size: int, kv_cache_dtype: str = "auto") -> TorchPagedAttention:
-    return TorchPagedAttention(paged_decode_kernel_for(device, block_size, kv_cache_dtype))
+def attention_backend_for(device: torch.device, block_size: int, kv_cache_dtype: str = "auto",
+                          tails: bool = False) -> TorchPagedAttention:
+    return TorchPagedAttention(paged_decode_kernel_for(device, block_size, kv_cache_dtype, tails))

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.attention.kv_cache import LayerKVCache
 
-# (query, layer cache, block_tables, context_lens, scale, sliding_window, logits_soft_cap) -> output
+# (query, layer cache, block_tables, context_lens, scale, sliding_window, logits_soft_cap, tail_slots) -> output
 DecodeKernel = Callable[
-    [torch.Tensor, LayerKVCache, torch.Tensor, torch.Tensor, float, int | None, float | None], torch.Tensor
+    [torch.Tensor, LayerKVCache, torch.Tensor, torch.Tensor, float, int | None, float | None, torch.Tensor | None],
+    torch.Tensor,
 ]
 
 
@@ -33,7 +34,10 @@ class TorchPagedAttention:
     decodes read K/V straight through the block tables instead of gathering a
     padded copy; prefill spans always use PyTorch's SDPA. The kernel takes
     ``(query, kv_cache, block_tables, context_lens, scale, sliding_window,
-    logits_soft_cap)``, reads no table entry before the window's first block, must accept
+    logits_soft_cap, tail_slots)``, reads no table entry before the window's first block,
+    reads row i's last block from tail slot ``tail_slots[i]`` when that is >= 0
+    (``tail_slots`` None: no tails; the selector only gives pools with tails to
+    kernels that read them), must accept
     tensors on the device the pool lives on and the pool's storage type
     (the selector only picks kernels that do), reads a quantized pool's values
     as stored (it is given the query in the pool's rotated basis, and its
@@ -62,31 +66,61 @@ class TorchPagedAttention:
         # own fresh K/V come back rounded exactly as stored, so a prefix-cache hit
         # (which reads them from the pool) gives the same result as a recompute.
         # Decodes read only the pool, so a pure decode step needs nothing back.
-        key, value = kv_cache.write(key, value, metadata.slot_mapping, read_back=bool(metadata.prefills))
+        tails = metadata.reads_tails(kv_cache)
+        # A span's earlier tokens in its first block, read before this step's tail
+        # writes: a span that leaves that block hands its slot on to its last one.
+        earlier = [self._earlier_tail(kv_cache, span, query.dtype) for span in metadata.prefills] if tails else None
+        fresh_key, fresh_value = key, value
+        key, value = kv_cache.write(key, value, metadata.slot_mapping, read_back=bool(metadata.prefills),
+                                    tail_rows=metadata.tail_write_rows if tails else None,
+                                    tail_slots=metadata.tail_write_slots if tails else None)
+        tail_slots = metadata.decode_tail_slots if tails else None
         num_decodes = metadata.num_decodes
         if not metadata.prefills:
             # A pure decode step: the decode output is the whole output, no copy.
-            return self._decode(query, kv_cache, metadata, layer)
+            return self._decode(query, kv_cache, metadata, layer, tail_slots)
         output = torch.empty_like(query)
         if num_decodes:
-            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, layer)
-        for span in metadata.prefills:
+            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, layer, tail_slots)
+        for i, span in enumerate(metadata.prefills):
             rows = slice(span.query_start, span.query_start + span.query_len)
-            output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, layer)
+            full = None
+            if tails:
+                # The full-precision keys its queries may read: the earlier ones, then
+                # the span's own as a tail holds them.
+                earlier_key, earlier_value = earlier[i]
+                full = (torch.cat((earlier_key, kv_cache.as_tail_holds(fresh_key[rows]))),
+                        torch.cat((earlier_value, kv_cache.as_tail_holds(fresh_value[rows]))))
+            output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, layer, full)
         return output
 
-    def _decode(self, query, kv_cache: LayerKVCache, metadata: AttentionMetadata, layer: _LayerOptions) -> torch.Tensor:
+    @staticmethod
+    def _earlier_tail(kv_cache: LayerKVCache, span, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, kv_heads, dim] K and V of the n = first % block_size tokens of the
+        span's first block before it, from its tail slot (none without one)."""
+        block_size = kv_cache.key.shape[1]
+        n = (span.context_len - span.query_len) % block_size if span.tail_slot >= 0 else 0
+        if not n:
+            empty = kv_cache.key.new_empty((0, *kv_cache.key.shape[2:]), dtype=dtype)
+            return empty, empty
+        slot = torch.tensor([span.tail_slot], dtype=torch.long, device=kv_cache.key.device)
+        keys, values = kv_cache.gather_tails(slot, dtype)
+        return keys[0, :n], values[0, :n]
+
+    def _decode(self, query, kv_cache: LayerKVCache, metadata: AttentionMetadata, layer: _LayerOptions,
+                tail_slots: torch.Tensor | None = None) -> torch.Tensor:
         if self.decode_kernel is not None:
-            # A quantized pool stores K/V rotated (see ``kv_cache``): the kernel
-            # reads them as stored, given the query in that basis.
+            # A quantized pool stores K/V rotated (see ``kv_cache``; its tails too):
+            # the kernel reads them as stored, given the query in that basis.
             out = self.decode_kernel(kv_cache.in_storage_basis(query), kv_cache, metadata.decode_block_tables,
                                      metadata.decode_context_lens, layer.scale, layer.sliding_window,
-                                     layer.logits_soft_cap)
+                                     layer.logits_soft_cap, tail_slots)
             return kv_cache.in_storage_basis(out)
-        return self._gather_decode(query, kv_cache, metadata, layer)
+        return self._gather_decode(query, kv_cache, metadata, layer, tail_slots)
 
     @staticmethod
-    def _gather_decode(query, kv_cache: LayerKVCache, metadata: AttentionMetadata, layer: _LayerOptions) -> torch.Tensor:
+    def _gather_decode(query, kv_cache: LayerKVCache, metadata: AttentionMetadata, layer: _LayerOptions,
+                       tail_slots: torch.Tensor | None = None) -> torch.Tensor:
         tables = metadata.decode_block_tables
         context_lens = metadata.decode_context_lens[:, None]
         first = torch.zeros_like(context_lens)  # each row's first table entry read
@@ -100,6 +134,15 @@ class TorchPagedAttention:
             index = first + torch.arange(span, device=tables.device)
             tables = tables.gather(1, index.clamp(max=max(tables.shape[1] - 1, 0)))
         keys, values = kv_cache.gather(tables, query.dtype)
+        if tail_slots is not None:
+            # A row with a tail reads its own block from it (tokens past it are masked below).
+            rows = (tail_slots >= 0).nonzero().squeeze(1)
+            if rows.numel():
+                tail_keys, tail_values = kv_cache.gather_tails(tail_slots[rows], query.dtype)
+                start = ((context_lens[rows, 0] - 1) // block_size - first[rows, 0]) * block_size
+                index = start[:, None] + torch.arange(block_size, device=query.device)
+                keys[rows[:, None], :, index] = tail_keys  # both [n, block_size, kv_heads, dim]
+                values[rows[:, None], :, index] = tail_values
         positions = first * block_size + torch.arange(keys.shape[2], device=query.device)
         # [batch, 1, 1, keys]: key j is visible iff j < context_len (and in the window).
         mask = positions < context_lens
@@ -108,7 +151,11 @@ class TorchPagedAttention:
         return _attend(query.unsqueeze(2), keys, values, mask[:, None, None, :], layer).squeeze(2)
 
     @staticmethod
-    def _prefill(query, key, value, kv_cache: LayerKVCache, span, layer: _LayerOptions) -> torch.Tensor:
+    def _prefill(query, key, value, kv_cache: LayerKVCache, span, layer: _LayerOptions,
+                 full: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One span; ``full``: when the pool's tails apply (``kv_cache``'s reading
+        rule), the full-precision K/V of its first block's earlier tokens and of
+        its own, else None."""
         q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
         # Query i sits at position first + i and sees keys up to it (and in the window).
         first = span.context_len - span.query_len
@@ -122,15 +169,14 @@ class TorchPagedAttention:
                 key_start = max(0, first - layer.sliding_window + 1) // block_size * block_size
             k, v = kv_cache.gather(span.block_table[key_start // block_size :].unsqueeze(0), query.dtype)
             k, v = k[:, :, : span.context_len - key_start], v[:, :, : span.context_len - key_start]
-        if span.context_len == span.query_len and layer.is_plain:
+        if full is not None:
+            out = _attend_with_tails(q, k, v, key_start, full, kv_cache.key.shape[1], span, layer)
+        elif span.context_len == span.query_len and layer.is_plain:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale, enable_gqa=True)
         else:
             q_pos = torch.arange(first, span.context_len, device=query.device)[:, None]
             k_pos = torch.arange(key_start, span.context_len, device=query.device)[None, :]
-            mask = k_pos <= q_pos
-            if layer.sliding_window is not None:
-                mask &= k_pos > q_pos - layer.sliding_window
-            out = _attend(q, k, v, mask, layer)
+            out = _attend(q, k, v, _visible(q_pos, k_pos, layer), layer)
         return out.squeeze(0).transpose(0, 1)
 
 
@@ -145,6 +191,55 @@ class _LayerOptions:
     @property
     def is_plain(self) -> bool:
         return self.sliding_window is None and self.logits_soft_cap is None
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, layer: _LayerOptions) -> torch.Tensor:
+    """[queries, keys]: causal, and within the layer's window."""
+    mask = k_pos <= q_pos
+    if layer.sliding_window is not None:
+        mask &= k_pos > q_pos - layer.sliding_window
+    return mask
+
+
+# Queries per attention call of a prefill under the tail rule: a call reads the int8 keys up
+# to its last query and the full-precision keys of its own blocks, so a span costs about a
+# causal attention plus this many keys per query, not twice its keys for every query.
+_TAIL_QUERY_CHUNK = 128
+
+
+def _attend_with_tails(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_start: int,
+                       full: tuple[torch.Tensor, torch.Tensor], block_size: int, span,
+                       layer: _LayerOptions) -> torch.Tensor:
+    """A prefill span's attention under the tail reading rule (``kv_cache``): a
+    query at p, unless p is its block's last position, reads the keys of its
+    own block at full precision, every other key as int8. ``k``/``v``: the
+    int8 keys from ``key_start``; ``full``: [n, kv_heads, dim] full-precision
+    K/V of the span's last n positions. Each block-aligned run of queries
+    attends to its int8 keys and its blocks' full-precision keys side by side,
+    the mask choosing exactly one copy of each key per query."""
+    full_start = span.context_len - full[0].shape[0]
+    full_keys, full_values = (t.transpose(0, 1).unsqueeze(0) for t in full)
+    first = span.context_len - span.query_len
+    chunk = max(1, _TAIL_QUERY_CHUNK // block_size) * block_size
+    device = q.device
+    outputs = []
+    start = first
+    while start < span.context_len:
+        end = min(span.context_len, (start // chunk + 1) * chunk)
+        q_pos = torch.arange(start, end, device=device)[:, None]
+        k_pos = torch.arange(key_start, end, device=device)[None, :]
+        full_from = max(full_start, start // block_size * block_size)
+        f_pos = torch.arange(full_from, end, device=device)[None, :]
+        reads_full = q_pos % block_size != block_size - 1
+        q_block = q_pos // block_size
+        mask = _visible(q_pos, k_pos, layer) & ~(reads_full & (k_pos // block_size == q_block) & (k_pos >= full_start))
+        full_mask = reads_full & (f_pos // block_size == q_block) & _visible(q_pos, f_pos, layer)
+        keys = torch.cat((k[:, :, : end - key_start], full_keys[:, :, full_from - full_start : end - full_start]), 2)
+        values = torch.cat((v[:, :, : end - key_start], full_values[:, :, full_from - full_start : end - full_start]), 2)
+        outputs.append(_attend(q[:, :, start - first : end - first], keys, values, torch.cat((mask, full_mask), 1),
+                               layer))
+        start = end
+    return torch.cat(outputs, dim=2)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -30,6 +30,7 @@ class PoolShape:
 
     num_blocks: int
     num_swap_blocks: int
+    num_tail_slots: int = 0  # int8 pools' full-precision tails (``pagedllm.worker.tail_slots``)
 
 
 def _free_port() -> int:

@@ -46,7 +46,7 @@ def worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, 
         shape: PoolShape = _receive(PoolShape)
         runner = ModelRunner(shard.model, shape.num_blocks, config.cache.block_size, device, torch_dtype(config.dtype),
                              eos_token_ids=[], num_swap_blocks=shape.num_swap_blocks,
-                             kv_cache_dtype=config.cache.kv_cache_dtype)
+                             kv_cache_dtype=config.cache.kv_cache_dtype, num_tail_slots=shape.num_tail_slots)
         while (step := _receive()) is not None:
             runner.run_step(step)
     finally:

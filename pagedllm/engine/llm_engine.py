@@ -95,13 +95,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.eos_token_ids = eos_token_ids_of(self.tokenizer, self.model_config, config, self.model_path)
         if self.executor is not None:
-            self.executor.send_pool_shape(PoolShape(num_blocks, num_swap_blocks))
+            self.executor.send_pool_shape(PoolShape(num_blocks, num_swap_blocks, plan.num_tail_slots))
         self.runner = ModelRunner(
             self.model, num_blocks, block_size, self.device, dtype, self.eos_token_ids, num_swap_blocks,
             config.cache.kv_cache_dtype, broadcast_step=self.executor.broadcast_step if self.executor is not None else None,
             speculative_config=config.speculative, draft_model=self.draft_model,
             max_num_seqs=self.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
-            cuda_graphs=not config.enforce_eager and self.tp_size == 1,
+            cuda_graphs=not config.enforce_eager and self.tp_size == 1, num_tail_slots=plan.num_tail_slots,
         )
         self.vocab_size = self.model_config.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.eos_token_ids,

@@ -6,6 +6,8 @@ indexed by the same block ids, so both must perform every copy and swap.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from pagedllm.attention.kv_cache import LayerKVCache, allocate_layer
@@ -15,12 +17,14 @@ from pagedllm.worker.swap import HostSwapPool
 
 
 def allocate_caches(model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                    kv_cache_dtype: str, device: torch.device) -> list[LayerKVCache]:
+                    kv_cache_dtype: str, device: torch.device, num_tail_slots: int = 0) -> list[LayerKVCache]:
     """One block-major layer cache per layer of ``model`` (its share of KV
-    heads under tensor parallelism): one block of one layer is one slab."""
+    heads under tensor parallelism): one block of one layer is one slab; with
+    ``num_tail_slots`` (int8), each layer's full-precision tails."""
     config = model.config
     return [
-        allocate_layer(num_blocks, block_size, model.num_kv_heads, head_dim_of(config), dtype, kv_cache_dtype, device)
+        allocate_layer(num_blocks, block_size, model.num_kv_heads, head_dim_of(config), dtype, kv_cache_dtype, device,
+                       num_tail_slots)
         for _ in range(config.num_hidden_layers)
     ]
 
@@ -51,3 +55,35 @@ def copy_blocks(kv_caches: list[LayerKVCache], copies: list[tuple[int, int]]) ->
     for layer in kv_caches:
         for tensor in layer.tensors():  # K, V and, when quantized, their scales
             tensor.index_copy_(0, dst, tensor.index_select(0, src))
+
+
+@dataclass
+class TailMoves:
+    """One step's tail slot moves for int8 pools with tails (``pagedllm.worker.tail_slots``)."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (tail slot, host block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src slot, dst slot)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, tail slot)
+    fills: list[tuple[int, int]] = field(default_factory=list)  # (block, tail slot): from its int8 values
+
+
+def move_tails(kv_caches: list[LayerKVCache], swap_pool: HostSwapPool, moves: TailMoves) -> None:
+    """After the block moves, every layer, in this order: tails out to the host
+    (before a freed slot is reused), slot copies (all sources read first),
+    tails back in, then fills, which read a block as this step's block moves
+    left it."""
+    swap_pool.swap_out_tails(kv_caches, moves.swap_out)
+    _per_layer(kv_caches, moves.copies, LayerKVCache.copy_tails)
+    swap_pool.swap_in_tails(kv_caches, moves.swap_in)
+    _per_layer(kv_caches, moves.fills, LayerKVCache.fill_tails)
+
+
+def _per_layer(kv_caches: list[LayerKVCache], pairs: list[tuple[int, int]], move) -> None:
+    """``move(layer, firsts, seconds)`` of ``pairs`` as index tensors, every layer."""
+    if not pairs:
+        return
+    device = kv_caches[0].key.device
+    firsts = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device)
+    seconds = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device)
+    for layer in kv_caches:
+        move(layer, firsts, seconds)

@@ -50,7 +50,8 @@ def why_no_graphs(model: torch.nn.Module, device: torch.device, attention: Torch
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {device.type}"
     if attention.decode_kernel is None:
-        return "CUDA graphs need the paged decode kernel (Triton, a power-of-two block size, an auto or int8 pool)"
+        return ("CUDA graphs need the paged decode kernel (Triton, a power-of-two block size, an auto pool or "
+                "int8 without full-precision tails)")
     if any(isinstance(m, RotaryEmbedding) and m.threshold is not None for m in model.modules()):
         return "this model's rope depends on sequence length, which a captured graph cannot follow"
     return None

@@ -32,7 +32,8 @@ class CachedSequence:
     row holds (python ints: per-sequence numpy scalar updates cost more than
     the whole vectorized gather)."""
 
-    __slots__ = ("prompt_token_ids", "output_token_ids", "sampling_params", "row", "num_tokens", "num_blocks")
+    __slots__ = ("prompt_token_ids", "output_token_ids", "sampling_params", "row", "num_tokens", "num_blocks",
+                 "num_computed", "num_written")
 
     def __init__(self, data: NewSequenceData, row: int) -> None:
         # The lists are the runner's own (NewSequenceData's safety rule): no copy.
@@ -42,6 +43,10 @@ class CachedSequence:
         self.row = row
         self.num_tokens = len(data.prompt_token_ids) + len(data.output_token_ids)  # drafts excluded
         self.num_blocks = 0
+        # Tokens in the pool before, and written by, the latest step that
+        # scheduled it, drafts included (the runner keeps its tails by them:
+        # ``pagedllm.worker.tail_slots``).
+        self.num_computed = self.num_written = 0
 
 
 @dataclass

@@ -22,6 +22,7 @@ from pagedllm.attention.selector import attention_backend_for
 from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig, torch_dtype
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
+from pagedllm.utils import cdiv
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -46,6 +47,9 @@ class PoolPlan:
     device_type: str
     # A speculative draft model's pool, indexed by the same blocks (0: none).
     draft_bytes_per_token: int = 0
+    # int8: full-precision tails of still-filling blocks (``pagedllm.worker.tail_slots``).
+    num_tail_slots: int = 0
+    tail_bytes_per_slot: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +72,9 @@ class PoolPlan:
             line += (f"; that is rank 0, with {self.num_kv_heads} of {self.total_num_kv_heads} KV heads; "
                      f"all {self.tensor_parallel_size} ranks together: {self.total_bytes_per_token} bytes/token, "
                      f"{tokens * self.total_bytes_per_token / 2**20:.1f} MiB")
+        if self.num_tail_slots:
+            line += (f"; plus full-precision tails for {self.num_tail_slots} still-filling blocks "
+                     f"({self.num_tail_slots * self.tail_bytes_per_slot / 2**20:.1f} MiB)")
         if self.draft_bytes_per_token:
             line += (f"; the draft model's pool over the same blocks: {self.draft_bytes_per_token} bytes/token, "
                      f"{tokens * self.draft_bytes_per_token / 2**20:.1f} MiB")
@@ -81,6 +88,15 @@ def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, kv_cache_dt
     num_kv_heads = num_kv_heads or num_kv_heads_of(config)
     per_head = kv_bytes_per_token_per_kv_head(head_dim_of(config), dtype, kv_cache_dtype)
     return config.num_hidden_layers * num_kv_heads * per_head
+
+
+def num_tail_slots_for(max_num_seqs: int, block_size: int, num_speculative_tokens: int) -> int:
+    """Tail slots for int8 pools: one per sequence for the block it is filling,
+    plus those one step's draft tokens can reach past it. A prefill chunk that
+    leaves one partial block for another holds two for that step; the pool is
+    not sized for every sequence doing so at once (a block that finds no slot
+    reads as int8: ``pagedllm.worker.tail_slots``)."""
+    return max_num_seqs * (1 + cdiv(num_speculative_tokens, block_size))
 
 
 def plan_kv_pool(config: EngineConfig, model: LlamaForCausalLM, scheduler_config: SchedulerConfig,
@@ -114,6 +130,13 @@ def plan_kv_pool(config: EngineConfig, model: LlamaForCausalLM, scheduler_config
     draft_bytes_per_token = 0 if draft_model is None else kv_bytes_per_token(draft_model.config, dtype,
                                                                              cache.kv_cache_dtype)
     bytes_per_block = (bytes_per_token + draft_bytes_per_token) * cache.block_size
+    num_tail_slots = tail_bytes_per_slot = 0
+    if cache.kv_cache_dtype == "int8":
+        # Beside the pool, not out of its budget (it is sized in blocks): the
+        # capacity line reports both. Never more slots than blocks.
+        num_spec = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+        num_tail_slots = num_tail_slots_for(scheduler_config.max_num_seqs, cache.block_size, num_spec)
+        tail_bytes_per_slot = kv_bytes_per_token(model.config, dtype, "auto", model.num_kv_heads) * cache.block_size
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
     else:
@@ -142,6 +165,8 @@ def plan_kv_pool(config: EngineConfig, model: LlamaForCausalLM, scheduler_config
         kv_cache_dtype=cache.kv_cache_dtype,
         device_type=device.type,
         draft_bytes_per_token=draft_bytes_per_token,
+        num_tail_slots=min(num_tail_slots, num_blocks),
+        tail_bytes_per_slot=tail_bytes_per_slot,
     )
 
 
@@ -170,7 +195,8 @@ def _gpu_utilization_budget(model: LlamaForCausalLM, scheduler_config: Scheduler
     step of ``model`` (one rank: it does not join other ranks' all-reduces)."""
     utilization = cache.gpu_memory_utilization or CacheConfig.DEFAULT_GPU_MEMORY_UTILIZATION
     kv_shape = (model.num_kv_heads, head_dim_of(model.config))
-    attention = attention_backend_for(device, cache.block_size, cache.kv_cache_dtype)
+    attention = attention_backend_for(device, cache.block_size, cache.kv_cache_dtype,
+                                      tails=cache.kv_cache_dtype == "int8")
     weights_bytes = torch.cuda.memory_allocated(device)
     peak = cuda_peak_activation_bytes(
         lambda: run_dummy_step(model, attention, scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs,
@@ -214,10 +240,13 @@ def run_dummy_step(model, attention, num_tokens: int, num_logit_rows: int, block
                    kv_shape: tuple[int, int], dtype: torch.dtype, kv_cache_dtype: str, device: torch.device) -> None:
     """One forward pass of ``num_tokens`` fresh prompt tokens (the largest step
     the scheduler builds) into a throwaway pool just big enough for them, then
-    the logits of ``num_logit_rows`` rows (the most sampled in one step)."""
+    the logits of ``num_logit_rows`` rows (the most sampled in one step). An
+    int8 pool gets its full-precision tails, so the prefill measured is the one
+    the engine runs (``kv_cache``'s reading rule)."""
     num_blocks = -(-num_tokens // block_size)
+    tails = kv_cache_dtype == "int8"
     kv_caches = [
-        allocate_layer(num_blocks, block_size, *kv_shape, dtype, kv_cache_dtype, device)
+        allocate_layer(num_blocks, block_size, *kv_shape, dtype, kv_cache_dtype, device, num_tail_slots=int(tails))
         for _ in range(model.config.num_hidden_layers)
     ]
     metadata = AttentionMetadata(
@@ -227,6 +256,12 @@ def run_dummy_step(model, attention, num_tokens: int, num_logit_rows: int, block
         decode_context_lens=torch.zeros(0, dtype=torch.long, device=device),
         prefills=[PrefillSpan(0, num_tokens, num_tokens, torch.arange(num_blocks, device=device))],
     )
+    if tails:
+        # The last block's tokens also go to tail slot 0 (a full last block writes none).
+        last = (num_tokens - 1) // block_size * block_size if num_tokens % block_size else num_tokens
+        metadata.tail_write_rows = torch.arange(last, num_tokens, device=device)
+        metadata.tail_write_slots = metadata.tail_write_rows - last
+        metadata.decode_tail_slots = torch.zeros(0, dtype=torch.long, device=device)
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     hidden = model(input_ids, torch.arange(num_tokens, device=device), kv_caches, metadata, attention)
     model.compute_logits(hidden[: min(num_logit_rows, num_tokens)].contiguous()).float().log_softmax(-1)

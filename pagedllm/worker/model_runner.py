@@ -23,12 +23,13 @@ from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.draft_model import DraftModel
 from pagedllm.spec_decode.rejection import VerifiedTokens
 from pagedllm.spec_decode.speculator import Speculator, closing_token
-from pagedllm.worker.block_moves import allocate_caches, move_blocks
+from pagedllm.worker.block_moves import TailMoves, allocate_caches, move_blocks, move_tails
 from pagedllm.worker.cuda_graphs import DecodeGraphs, why_no_graphs
 from pagedllm.worker.input_batch import CachedSequence, InputBatch
 from pagedllm.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from pagedllm.worker.sampling.grammar import GrammarBitmask, RowBitmask
 from pagedllm.worker.swap import HostSwapPool
+from pagedllm.worker.tail_slots import TailSlots
 
 logger = init_logger(__name__)
 
@@ -66,6 +67,8 @@ class _Batch:
     metadata: AttentionMetadata
     order: list[ScheduledSequence]  # decodes first, then prefill spans
     last_rows: list[int]  # row of each scheduled sequence's last token, in `order`
+    host_positions: np.ndarray  # positions and slot_mapping as host arrays
+    host_slots: np.ndarray
 
 
 @dataclass
@@ -78,6 +81,11 @@ class StepInputs:
     swap_out: list[tuple[int, int]]
     block_copies: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
+    # int8 pools with full-precision tails (``pagedllm.worker.tail_slots``), after
+    # the block moves, in this order: tails out to the host (slot, host block),
+    # slot copies (src slot, dst slot), tails back in (host block, slot), then
+    # slots filled from a block's int8 values (block, slot).
+    tail_moves: TailMoves | None = None
     input_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     metadata: AttentionMetadata | None = None
@@ -100,6 +108,7 @@ class ModelRunner:
         cuda_graphs: bool = False,
         speculative_config: SpeculativeConfig | None = None,
         draft_model: LlamaForCausalLM | None = None,
+        num_tail_slots: int = 0,
     ) -> None:
         """``broadcast_step``, on a tensor-parallel driver, sends each step's
         inputs to the other ranks before this rank runs it (they run the same
@@ -108,18 +117,21 @@ class ModelRunner:
         ``cuda_graphs`` captures decode steps where the device and model allow
         (``pagedllm.worker.cuda_graphs``; off: ``enforce_eager``). With
         ``speculative_config`` it verifies and proposes drafts (``draft_model``:
-        the loaded draft of a ``draft_model`` config)."""
+        the loaded draft of a ``draft_model`` config). ``num_tail_slots`` > 0
+        (int8 pools): keep still-filling blocks also in full precision
+        (``pagedllm.worker.tail_slots``)."""
         self.model = model
         self.broadcast_step = broadcast_step
         self.block_size = block_size
         self.device = device
-        self.attention = attention_backend_for(device, block_size, kv_cache_dtype)
+        self.attention = attention_backend_for(device, block_size, kv_cache_dtype, tails=num_tail_slots > 0)
         no_graphs = why_no_graphs(model, device, self.attention) if cuda_graphs else "enforce_eager"
         if cuda_graphs and no_graphs and device.type == "cuda":  # CPU users never asked for graphs
             logger.info("Decode steps run eagerly: %s", no_graphs)
         # With graphs, one block past the scheduler's pool takes the padded rows' writes.
         self.kv_caches = allocate_caches(model, num_blocks + (not no_graphs), block_size, dtype, kv_cache_dtype,
-                                         device)
+                                         device, num_tail_slots)
+        self.tail_slots = TailSlots(num_blocks + (not no_graphs), num_tail_slots) if num_tail_slots else None
         self.swap_pool = HostSwapPool(num_swap_blocks, self.kv_caches)
         self.sampler = Sampler(eos_token_ids)
         self.speculator = None
@@ -177,6 +189,8 @@ class ModelRunner:
         self._update_sequences(scheduler_output)
         batch = None if scheduler_output.is_empty else self._prepare(scheduler_output)
         step = StepInputs(scheduler_output.swap_out, scheduler_output.block_copies, scheduler_output.swap_in)
+        if self.tail_slots is not None:
+            step.tail_moves = self._plan_tails(scheduler_output, batch)
         if batch is not None:
             step.input_ids, step.positions, step.metadata = batch.input_ids, batch.positions, batch.metadata
         if self.broadcast_step is not None:
@@ -202,6 +216,8 @@ class ModelRunner:
         """Move blocks, then run the forward: the part every rank runs. Returns
         the final hidden states (None when the step has no tokens)."""
         move_blocks(self.kv_caches, self.swap_pool, step.swap_out, step.block_copies, step.swap_in)
+        if step.tail_moves is not None:
+            move_tails(self.kv_caches, self.swap_pool, step.tail_moves)
         if step.input_ids is None:
             return None
         if self.decode_graphs is not None and self.decode_graphs.fits(step.input_ids.shape[0], step.metadata):
@@ -252,7 +268,61 @@ class ModelRunner:
             metadata=metadata,
             order=order,
             last_rows=arrays.last_rows.tolist(),
+            host_positions=arrays.positions,
+            host_slots=arrays.slot_mapping,
         )
+
+    def _plan_tails(self, scheduler_output: SchedulerOutput, batch: _Batch | None) -> TailMoves:
+        """This step's tail slot decisions (the rules are ``pagedllm.worker.tail_slots``'):
+        follow the block moves, release by committed state, give the blocks this
+        step writes a slot, and put each token's tail write and each reader's
+        slot in the batch's metadata. Returns the step's tail moves."""
+        tails, block_size = self.tail_slots, self.block_size
+        moves = TailMoves(tails.swap_out(scheduler_output.swap_out), tails.copy(scheduler_output.block_copies),
+                          tails.swap_in(scheduler_output.swap_in))
+        # Kept: each sequence's blocks from its committed length's block to its last
+        # token written; for one scheduled now the committed length is exact, so
+        # only the block it ends in (when that is not full).
+        for scheduled in scheduler_output.scheduled:
+            sequence = self.sequences[scheduled.sequence_id]
+            sequence.num_computed = sequence.num_written = scheduled.num_computed_tokens
+        keep = [self.batch.block_table[s.row, s.num_computed // block_size :
+                                       min(-(-s.num_written // block_size), s.num_blocks)]
+                for s in self.sequences.values()]
+        tails.release_all_but(np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64))
+        for scheduled in scheduler_output.scheduled:
+            self.sequences[scheduled.sequence_id].num_written += scheduled.num_scheduled_tokens
+        if batch is None:
+            return moves
+        metadata = batch.metadata
+        positions = batch.host_positions
+        blocks, offsets = batch.host_slots // block_size, positions % block_size
+        # Each token's span end (context length after this step); decode rows are their own span.
+        ends = positions + 1
+        for span in metadata.prefills:
+            ends[span.query_start : span.query_start + span.query_len] = span.context_len
+        is_decode = np.arange(len(positions)) < metadata.num_decodes
+        in_last_block = (positions // block_size == (ends - 1) // block_size) & (ends % block_size != 0)
+        writes = (offsets != block_size - 1) & (is_decode | in_last_block)
+        # A span that starts mid-block reads that block's tail; one that leaves it
+        # for another partial block hands the slot on (read before written: the
+        # backend reads a span's earlier tokens before this step's tail writes).
+        for span in metadata.prefills:
+            first_block = blocks[span.query_start]
+            if (span.context_len - span.query_len) % block_size:
+                span.tail_slot = int(tails.slot_of[first_block])
+            last_block = blocks[span.query_start + span.query_len - 1]
+            if span.tail_slot >= 0 and last_block != first_block and span.context_len % block_size:
+                tails.hand_over(first_block, last_block)
+        moves.fills = tails.ensure(blocks[writes])
+        tail_of_token = tails.slot_of[blocks]
+        written = np.flatnonzero(writes & (tail_of_token >= 0))
+        metadata.tail_write_rows = self._tensor(written)
+        metadata.tail_write_slots = self._tensor(tail_of_token[written] * block_size + offsets[written])
+        decodes = slice(0, metadata.num_decodes)
+        metadata.decode_tail_slots = self._tensor(
+            np.where(offsets[decodes] != block_size - 1, tail_of_token[decodes], -1))
+        return moves
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         """A step's int64 array on the device (shared, not copied, on the CPU:

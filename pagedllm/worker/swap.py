@@ -4,7 +4,8 @@ On a GPU it is pinned host memory; on a CPU-only machine it is a separate
 preallocated host pool, so the copies and the accounting are the same real
 mechanics either way. Every block-major tensor of a layer cache is mirrored
 (K, V and, for a quantized pool, their scales), so a block's scales are
-swapped with it.
+swapped with it. An int8 pool's full-precision tail of a swapped block is
+kept beside it, by host block, until it is swapped back in.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class HostSwapPool:
             [torch.empty((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in layer.tensors()]
             for layer in device_caches
         ]
+        # Host block -> per layer (K, V) of the tail that went out with it.
+        self.tails: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def swap_out(self, device_caches: list[LayerKVCache], pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks: ``pairs`` of (device block, host block)."""
@@ -46,3 +49,16 @@ class HostSwapPool:
         for layer, host_tensors in zip(device_caches, self.caches):
             for device_tensor, host_tensor in zip(layer.tensors(), host_tensors):
                 device_tensor.index_copy_(0, dst, host_tensor.index_select(0, src).to(device, non_blocking=True))
+
+    def swap_out_tails(self, device_caches: list[LayerKVCache], pairs: list[tuple[int, int]]) -> None:
+        """Copy tail slots to the host: ``pairs`` of (tail slot, host block)."""
+        for slot, host in pairs:
+            self.tails[host] = [(layer.tail_key[slot].cpu().clone(), layer.tail_value[slot].cpu().clone())
+                                for layer in device_caches]
+
+    def swap_in_tails(self, device_caches: list[LayerKVCache], pairs: list[tuple[int, int]]) -> None:
+        """Copy tails back into slots: ``pairs`` of (host block, tail slot)."""
+        for host, slot in pairs:
+            for layer, (key, value) in zip(device_caches, self.tails.pop(host)):
+                layer.tail_key[slot].copy_(key)
+                layer.tail_value[slot].copy_(value)

@@ -67,22 +67,26 @@ def test_tensor_parallel_size_that_leaves_a_rank_empty_is_refused(tiny_llama):
         LLM(tiny_llama, tensor_parallel_size=0)
 
 
-@pytest.mark.parametrize("preemption_mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
-def test_two_ranks_give_the_tokens_of_one(tiny_llama, preemption_mode):
+@pytest.mark.parametrize("preemption_mode,kv_cache_dtype", [
+    ("recompute", "auto"), ("recompute", "int8"), pytest.param("swap", "auto", marks=pytest.mark.slow),
+    pytest.param("swap", "int8", marks=pytest.mark.slow),
+])
+def test_two_ranks_give_the_tokens_of_one(tiny_llama, preemption_mode, kv_cache_dtype):
     """A 12-block pool forces preemption; prompts share a 32-token prefix (prefix
     cache hits) and n=2 forks copy blocks on write: every path's block moves
-    reach the worker too."""
+    reach the worker too (with int8, the full-precision tails' moves as well)."""
     prefix = [(17 * j) % 3000 + 200 for j in range(32)]
     prompts = [{"prompt_token_ids": prefix + [(29 * i + 7 * j) % 3000 + 300 for j in range(10 + 6 * i)]}
                for i in range(5)]
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
               SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)]
     batch_params = [params[i % 2] for i in range(5)]
-    single = LLM(tiny_llama, num_kv_blocks=12, block_size=8, preemption_mode=preemption_mode, debug_invariants=True)
+    single = LLM(tiny_llama, num_kv_blocks=12, block_size=8, preemption_mode=preemption_mode, debug_invariants=True,
+                 kv_cache_dtype=kv_cache_dtype)
     expected = token_ids(single.generate(prompts, batch_params, use_tqdm=False))
     expected_again = token_ids(single.generate(prompts, batch_params, use_tqdm=False))
     tp = LLM(tiny_llama, num_kv_blocks=12, block_size=8, preemption_mode=preemption_mode, debug_invariants=True,
-             tensor_parallel_size=2)
+             tensor_parallel_size=2, kv_cache_dtype=kv_cache_dtype)
     try:
         assert token_ids(tp.generate(prompts, batch_params, use_tqdm=False)) == expected
         assert token_ids(tp.generate(prompts, batch_params, use_tqdm=False)) == expected_again  # cache hits

@@ -88,6 +88,27 @@ def test_bytes_per_token_int8_against_the_model_dtype():
     assert "int8 KV with per-token scales) on cpu; 3.20x the tokens of a float32 pool" in int8.capacity_line()
 
 
+@pytest.mark.parametrize(("max_num_seqs", "speculative", "num_kv_blocks", "expected_slots"), [
+    (8, None, 100, 8),  # one per sequence
+    (8, {"method": "ngram", "num_speculative_tokens": 4}, 100, 16),  # and one for drafts past a block
+    (8, {"method": "ngram", "num_speculative_tokens": 20}, 100, 24),
+    (256, None, 100, 100),  # never more than blocks
+])
+def test_int8_tails_are_planned_per_sequence_beside_the_pool(max_num_seqs, speculative, num_kv_blocks,
+                                                            expected_slots):
+    config = EngineConfig(cache=CacheConfig(num_kv_blocks=num_kv_blocks, kv_cache_dtype="int8"),
+                          speculative_config=speculative)
+    planned = plan_kv_pool(config, tiny_model(), SchedulerConfig(max_model_len=64, max_num_seqs=max_num_seqs), CPU)
+    # A slot is one block of K and V in the model's dtype: 16 tokens x 512 bytes for the tiny model.
+    assert (planned.num_blocks, planned.num_tail_slots, planned.tail_bytes_per_slot) == (
+        num_kv_blocks, expected_slots, 16 * TINY_FP32_BYTES_PER_TOKEN)
+    assert planned.capacity_line().endswith(
+        f"; plus full-precision tails for {expected_slots} still-filling blocks "
+        f"({expected_slots * 16 * TINY_FP32_BYTES_PER_TOKEN / 2**20:.1f} MiB)")
+    for kv_cache_dtype in ("auto", "fp8_e4m3"):
+        assert plan(num_kv_blocks=8, kv_cache_dtype=kv_cache_dtype).num_tail_slots == 0
+
+
 def test_a_rank_plans_with_its_own_kv_heads():
     """Two ranks split the 2 KV heads: the budget buys blocks of rank 0's half."""
     planned = plan(world_size=2, kv_cache_memory=100 * 256 * 16)
@@ -116,9 +137,11 @@ def test_gpu_memory_utilization_is_refused_on_cpu(tiny_llama):
         LLM(tiny_llama, gpu_memory_utilization=0.0)
 
 
-def test_dummy_step_writes_every_token_into_its_throwaway_pool(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_dummy_step_writes_every_token_into_its_throwaway_pool(tiny_llama, monkeypatch, kv_cache_dtype):
     """The profiling step is a real forward of the largest step: it must store
-    K/V for all of its tokens (so the attention path it measures is the real one)."""
+    K/V for all of its tokens (so the attention path it measures is the real
+    one), and with int8 its still-filling last block's into a tail too."""
     llm = LLM(tiny_llama, num_kv_blocks=8, device="cpu")
     model = llm.llm_engine.model
     config = llm.llm_engine.model_config
@@ -129,12 +152,18 @@ def test_dummy_step_writes_every_token_into_its_throwaway_pool(tiny_llama, monke
         return layers[-1]
 
     monkeypatch.setattr(memory, "allocate_layer", recording_allocate)
-    run_dummy_step(model, attention_backend_for(torch.device("cpu"), 16), num_tokens=40, num_logit_rows=8,
-                   block_size=16, kv_shape=(config.num_key_value_heads, head_dim_of(config)),
-                   dtype=torch.float32, kv_cache_dtype="auto", device=torch.device("cpu"))
+    tails = kv_cache_dtype == "int8"
+    run_dummy_step(model, attention_backend_for(torch.device("cpu"), 16, kv_cache_dtype, tails=tails), num_tokens=40,
+                   num_logit_rows=8, block_size=16, kv_shape=(config.num_key_value_heads, head_dim_of(config)),
+                   dtype=torch.float32, kv_cache_dtype=kv_cache_dtype, device=torch.device("cpu"))
     assert len(layers) == config.num_hidden_layers
     for layer in layers:
         for pool in (layer.key, layer.value):
             assert pool.shape[:2] == (3, 16)
             written = pool.view(48, -1).abs().sum(-1) > 0
             assert written[:40].all() and not written[40:].any()
+        assert layer.has_tails == tails
+        if tails:
+            # Tokens 32-39 are the last block's: the tail's first 8 positions.
+            written = layer.tail_key.view(16, -1).abs().sum(-1) > 0
+            assert written[:8].all() and not written[8:].any()

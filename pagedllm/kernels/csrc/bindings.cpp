@@ -1,7 +1,11 @@
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", py::arg("query"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("key_scale"), py::arg("value_scale"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("sliding_window"),
+        py::arg("logits_soft_cap"), py::arg("tail_key") = py::none(), py::arg("tail_value") = py::none(),
+        py::arg("tail_slots") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding the residual in place first (CPU)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [rows, 2 * width] gate|up output (CPU)");

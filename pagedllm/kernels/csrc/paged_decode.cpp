@@ -273,6 +273,57 @@ GroupedBlockFn<cache_t> grouped_block_fn(int64_t block_size, int64_t group, bool
 }
 #endif
 
+// The generic path over one block: n tokens of K/V (cache_t, with per-token
+// scales when key_scales / value_scales are not null, pointing at the block's
+// first token read), for all rows = H_kv * group query heads; updates each
+// row's running max, sum and weighted value sum. k_next / v_next: the next
+// block to fetch meanwhile (null: none), block_lines of it.
+template <typename cache_t, int64_t kHeadDim>
+void attend_block(const float* q, const cache_t* k_block, const cache_t* v_block, const float* key_scales,
+                  const float* value_scales, int64_t n, int64_t rows, int64_t group, int64_t num_kv_heads,
+                  int64_t head_dim, int64_t block_size, float soft_cap, const char* k_next, const char* v_next,
+                  int64_t block_lines, Scratch& s, Partial part) {
+  const int64_t token_stride = num_kv_heads * head_dim;
+  for (int64_t r = 0; r < rows; ++r) {
+    prefetch_share(k_next, 0, block_lines, r, rows);
+    float* scores = s.scores.data() + r * block_size;
+    score_tokens(q + r * head_dim, k_block + (r / group) * head_dim, token_stride, n, head_dim, scores);
+    if (key_scales != nullptr) {
+      const float* token_scales = key_scales + r / group;
+      for (int64_t t = 0; t < n; ++t) scores[t] *= token_scales[t * num_kv_heads];
+    }
+    if (soft_cap > 0.0f) {
+      for (int64_t t = 0; t < n; ++t) scores[t] = soft_cap * std::tanh(scores[t] / soft_cap);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* scores = s.scores.data() + r * block_size;
+    float block_max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : block_max)
+    for (int64_t t = 0; t < n; ++t) block_max = scores[t] > block_max ? scores[t] : block_max;  // vectorizes
+    const float new_max = std::max(part.max[r], block_max);
+    // exp(-inf) = 0 on the first block, so the empty running sums stay empty.
+    const float correction = fast_exp(part.max[r] - new_max);
+    float block_sum = 0.0f;
+    for (int64_t t = 0; t < n; ++t) {
+      scores[t] = fast_exp(scores[t] - new_max);
+      block_sum += scores[t];
+    }
+    part.sum[r] = part.sum[r] * correction + block_sum;
+    part.max[r] = new_max;
+    if (correction != 1.0f) {
+      float* acc = part.acc + r * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    prefetch_share(v_next, 0, block_lines, r, rows);
+    accumulate_values<cache_t, kHeadDim>(s.scores.data() + r * block_size, v_block + (r / group) * head_dim,
+                                         token_stride, n, value_scales, num_kv_heads, r / group,
+                                         part.acc + r * head_dim, head_dim);
+  }
+}
+
 // One task: all H query heads of one sequence over the blocks [block_begin,
 // block_end) of its table. Taking every KV head at once makes each block one
 // contiguous read (block_size * H_kv * D elements). The task leaves its
@@ -284,10 +335,13 @@ GroupedBlockFn<cache_t> grouped_block_fn(int64_t block_size, int64_t group, bool
 // none), fetched during this task's last block: at short contexts a
 // sequence's first block would otherwise be a cold miss every time.
 // Tokens before ``first_token`` (the sliding window's start, else 0) are skipped;
-// ``soft_cap`` > 0 caps the scores.
+// ``soft_cap`` > 0 caps the scores. With ``tail_slot`` >= 0 the sequence's last
+// block (the one holding context_len - 1) is read from that slot of the
+// full-precision tails (scalar_t, no scales, the same layout as a block).
 template <typename scalar_t, typename cache_t, int64_t kHeadDim>
 void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t* value_cache,
-                 const float* key_scale, const float* value_scale,
+                 const float* key_scale, const float* value_scale, const scalar_t* tail_key,
+                 const scalar_t* tail_value, int64_t tail_slot,
                  const int64_t* table, int64_t block_begin, int64_t block_end, int64_t first_token, int64_t context_len,
                  int64_t block_size, int64_t num_kv_heads, int64_t runtime_head_dim, int64_t group, float scale,
                  float soft_cap, int64_t after, Scratch& s, Partial part) {
@@ -303,6 +357,7 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
   for (int64_t i = 0; i < rows * head_dim; ++i) s.q[i] = load(query[i]) * scale;
 
   const int64_t block_lines = (block_size * token_stride * static_cast<int64_t>(sizeof(cache_t)) + 63) / 64;
+  const int64_t tail_block = tail_slot >= 0 ? (context_len - 1) / block_size : -1;
 #if defined(__AVX512F__)
   const GroupedBlockFn<cache_t> grouped =
       grouped_block_fn<cache_t, kHeadDim>(block_size, group, key_scale != nullptr, soft_cap > 0.0f);
@@ -312,8 +367,6 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
     const int64_t skipped = std::max<int64_t>(0, first_token - b * block_size);
     const int64_t first_slot = table[b] * block_size + skipped;
     const int64_t n = std::min(block_size, context_len - b * block_size) - skipped;
-    const cache_t* k_block = key_cache + first_slot * token_stride;
-    const cache_t* v_block = value_cache + first_slot * token_stride;
     const char* k_next = nullptr;
     const char* v_next = nullptr;
     const int64_t next_block = b + 1 < block_end ? table[b + 1] : after;
@@ -322,6 +375,17 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
       k_next = reinterpret_cast<const char*>(key_cache + next_slot * token_stride);
       v_next = reinterpret_cast<const char*>(value_cache + next_slot * token_stride);
     }
+    if (b == tail_block) {
+      // Always the task's last block: nothing of this sequence after it to fetch.
+      const int64_t first_tail = tail_slot * block_size + skipped;
+      attend_block<scalar_t, kHeadDim>(s.q.data(), tail_key + first_tail * token_stride,
+                                       tail_value + first_tail * token_stride, nullptr, nullptr, n, rows, group,
+                                       num_kv_heads, head_dim, block_size, soft_cap, k_next, v_next, block_lines, s,
+                                       part);
+      continue;
+    }
+    const cache_t* k_block = key_cache + first_slot * token_stride;
+    const cache_t* v_block = value_cache + first_slot * token_stride;
 #if defined(__AVX512F__)
     if (grouped != nullptr) {
       // Each KV head's call fetches an equal share of the next block's lines.
@@ -334,45 +398,11 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
       continue;
     }
 #endif
-    for (int64_t r = 0; r < rows; ++r) {
-      prefetch_share(k_next, 0, block_lines, r, rows);
-      float* scores = s.scores.data() + r * block_size;
-      score_tokens(s.q.data() + r * head_dim, k_block + (r / group) * head_dim, token_stride, n, head_dim, scores);
-      if (key_scale != nullptr) {
-        const float* token_scales = key_scale + first_slot * num_kv_heads + r / group;
-        for (int64_t t = 0; t < n; ++t) scores[t] *= token_scales[t * num_kv_heads];
-      }
-      if (soft_cap > 0.0f) {
-        for (int64_t t = 0; t < n; ++t) scores[t] = soft_cap * std::tanh(scores[t] / soft_cap);
-      }
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      float* scores = s.scores.data() + r * block_size;
-      float block_max = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : block_max)
-      for (int64_t t = 0; t < n; ++t) block_max = scores[t] > block_max ? scores[t] : block_max;  // vectorizes
-      const float new_max = std::max(part.max[r], block_max);
-      // exp(-inf) = 0 on the first block, so the empty running sums stay empty.
-      const float correction = fast_exp(part.max[r] - new_max);
-      float block_sum = 0.0f;
-      for (int64_t t = 0; t < n; ++t) {
-        scores[t] = fast_exp(scores[t] - new_max);
-        block_sum += scores[t];
-      }
-      part.sum[r] = part.sum[r] * correction + block_sum;
-      part.max[r] = new_max;
-      if (correction != 1.0f) {
-        float* acc = part.acc + r * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
-      }
-    }
-    const float* block_value_scales = value_scale != nullptr ? value_scale + first_slot * num_kv_heads : nullptr;
-    for (int64_t r = 0; r < rows; ++r) {
-      prefetch_share(v_next, 0, block_lines, r, rows);
-      accumulate_values<cache_t, kHeadDim>(s.scores.data() + r * block_size, v_block + (r / group) * head_dim,
-                                           token_stride, n, block_value_scales, num_kv_heads, r / group,
-                                           part.acc + r * head_dim, head_dim);
-    }
+    attend_block<cache_t, kHeadDim>(s.q.data(), k_block, v_block,
+                                    key_scale != nullptr ? key_scale + first_slot * num_kv_heads : nullptr,
+                                    value_scale != nullptr ? value_scale + first_slot * num_kv_heads : nullptr, n,
+                                    rows, group, num_kv_heads, head_dim, block_size, soft_cap, k_next, v_next,
+                                    block_lines, s, part);
   }
 }
 
@@ -410,7 +440,8 @@ void combine(const Partial* parts, int64_t num_parts, int64_t rows, int64_t head
 // Run every task of one call with queries of scalar_t and caches of cache_t.
 template <typename scalar_t, typename cache_t>
 void run_decode(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                const float* key_scale, const float* value_scale, const int64_t* bt, const int64_t* cl,
+                const float* key_scale, const float* value_scale, const scalar_t* tail_key,
+                const scalar_t* tail_value, const int64_t* tail_slots, const int64_t* bt, const int64_t* cl,
                 int64_t max_blocks, int64_t parts_per_seq, int64_t blocks_per_part, double scale,
                 int64_t sliding_window, double soft_cap, std::vector<Partial>& parts, torch::Tensor& out) {
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
@@ -443,7 +474,8 @@ void run_decode(const torch::Tensor& query, const torch::Tensor& key_cache, cons
         const auto [next_begin, next_end] = task_blocks(task + 1);
         if (next_begin < next_end) after = bt[(task + 1) / parts_per_seq * max_blocks + next_begin];
       }
-      run_task(q + b * query_stride, kc, vc, key_scale, value_scale, bt + b * max_blocks, block_begin, block_end,
+      run_task(q + b * query_stride, kc, vc, key_scale, value_scale, tail_key, tail_value,
+               tail_slots != nullptr ? tail_slots[b] : -1, bt + b * max_blocks, block_begin, block_end,
                first_token(b), cl[b], block_size, num_kv_heads, head_dim, group, static_cast<float>(scale),
                static_cast<float>(soft_cap), after, scratch, parts[task]);
       // One partition per sequence (the usual decode batch): finish it here,
@@ -464,7 +496,9 @@ void run_decode(const torch::Tensor& query, const torch::Tensor& key_cache, cons
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      std::optional<torch::Tensor> key_scale, std::optional<torch::Tensor> value_scale,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     int64_t sliding_window, double logits_soft_cap) {
+                                     int64_t sliding_window, double logits_soft_cap,
+                                     std::optional<torch::Tensor> tail_key, std::optional<torch::Tensor> tail_value,
+                                     std::optional<torch::Tensor> tail_slots) {
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "paged_decode_attention needs contiguous caches");
   // The query may be a row-strided view (the q part of the fused qkv output):
   // only its heads and dims must be packed, which saves a copy per layer.
@@ -488,6 +522,23 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   }
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = key_cache.size(2);
+  const bool tails = tail_slots.has_value();
+  TORCH_CHECK(!tails || (quantized && tail_key.has_value() && tail_value.has_value()),
+              "paged_decode_attention: tail slots need an int8 pool and its tails");
+  torch::Tensor slots;
+  if (tails) {
+    for (const auto& tail : {tail_key.value(), tail_value.value()})
+      TORCH_CHECK(tail.scalar_type() == query.scalar_type() && tail.is_contiguous() && tail.dim() == 4 &&
+                      tail.size(1) == key_cache.size(1) && tail.size(2) == num_kv_heads && tail.size(3) == head_dim,
+                  "paged_decode_attention: tails must be contiguous [slots, block_size, num_kv_heads, head_dim] "
+                  "in the query's dtype");
+    slots = tail_slots.value().contiguous();
+    TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.numel() == batch,
+                "paged_decode_attention: tail_slots must be int64, one per query row");
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b)
+      TORCH_CHECK(slot[b] < tail_key.value().size(0), "paged_decode_attention: tail slot out of range");
+  }
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
@@ -515,10 +566,14 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   const int64_t* cl = lens.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     if (quantized)
-      run_decode<scalar_t, int8_t>(query, key_cache, value_cache, k_scale, v_scale, bt, cl, max_blocks, parts_per_seq,
+      run_decode<scalar_t, int8_t>(query, key_cache, value_cache, k_scale, v_scale,
+                                   tails ? tail_key.value().data_ptr<scalar_t>() : nullptr,
+                                   tails ? tail_value.value().data_ptr<scalar_t>() : nullptr,
+                                   tails ? slots.data_ptr<int64_t>() : nullptr, bt, cl, max_blocks, parts_per_seq,
                                    blocks_per_part, scale, sliding_window, logits_soft_cap, parts, out);
     else
-      run_decode<scalar_t, scalar_t>(query, key_cache, value_cache, nullptr, nullptr, bt, cl, max_blocks,
+      run_decode<scalar_t, scalar_t>(query, key_cache, value_cache, nullptr, nullptr, nullptr, nullptr, nullptr, bt,
+                                     cl, max_blocks,
                                      parts_per_seq, blocks_per_part, scale, sliding_window, logits_soft_cap, parts, out);
   });
   return out;
