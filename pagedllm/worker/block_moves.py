@@ -47,14 +47,12 @@ def copy_blocks(kv_caches: list[LayerKVCache], copies: list[tuple[int, int]]) ->
     """Copy whole physical blocks ``(src, dst)``, every layer. The gather reads
     all sources before the scatter writes, so the copies of one step never see
     each other's results."""
-    if not copies:
-        return
-    device = kv_caches[0].key.device
-    src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=device)
-    dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=device)
-    for layer in kv_caches:
-        for tensor in layer.tensors():  # K, V and, when quantized, their scales
-            tensor.index_copy_(0, dst, tensor.index_select(0, src))
+    _per_layer(kv_caches, copies, _copy_layer_blocks)
+
+
+def _copy_layer_blocks(layer: LayerKVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
+    for tensor in layer.tensors():  # K, V and, when quantized, their scales
+        tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
 
 @dataclass
