@@ -69,6 +69,7 @@ def advance_computed(
 
 
 def keep_proposals(request: Request, proposed_token_ids: list[int] | None, max_model_len: int) -> None:
-    """Hold the drafts the runner proposed for the request's next step, as many as it can use."""
-    if proposed_token_ids:
-        request.draft_token_ids = proposed_token_ids[: draft_room(request, max_model_len)]
+    """Hold the drafts the runner proposed for the request's next step, as many
+    as it can use; none when it proposed none (the step's own drafts are spent:
+    scheduled again they would sit at the wrong positions and be rejected)."""
+    request.draft_token_ids = proposed_token_ids[: draft_room(request, max_model_len)] if proposed_token_ids else []

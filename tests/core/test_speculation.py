@@ -100,6 +100,21 @@ def test_drafts_ride_in_the_span_and_a_rejection_frees_the_tail():
     assert req.num_tokens == 13 and req.num_computed_tokens == 12
 
 
+def test_a_step_the_runner_proposes_nothing_for_carries_no_drafts():
+    """A step's drafts are spent once verified: a sequence the runner proposes
+    nothing for (no match, or drafts withheld) decodes one token next step."""
+    scheduler, _ = make()
+    runner = MirroredRunner()
+    scheduler.add_request(request("a", [1, 2, 3, 4, 5]))
+    step(scheduler, runner, accept=lambda sid, d: 0)  # prefill; proposes [7, 7, 7]
+    out = step(scheduler, runner, accept=lambda sid, d: 1, propose=lambda sid: [])
+    assert out.scheduled[0].draft_token_ids == [7, 7, 7]
+    assert scheduler.requests["a"].draft_token_ids == []
+    out = step(scheduler, runner, accept=lambda sid, d: 0, propose=lambda sid: [])
+    (s,) = out.scheduled
+    assert s.draft_token_ids == [] and s.num_scheduled_tokens == 1
+
+
 def test_drafts_stop_at_max_tokens_and_are_cut_by_the_budget():
     scheduler, kv = make(max_num_batched_tokens=3)
     runner = MirroredRunner()
