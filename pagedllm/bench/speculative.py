@@ -9,9 +9,17 @@ Two workloads:
   read locally with ``inspect``, so the workload is fixed for a Python
   version) and quote passages of a given text, through the model's chat
   template. Timed one request at a time: single-request decode speed.
+- ``open-ended``: chat questions whose answers copy nothing from the
+  prompt, one request at a time: lookups match only where the answer repeats
+  itself, so this is what speculation costs when it has (almost) nothing to
+  offer.
 - ``mixed``: the throughput bench's mixed random-token requests, decoded as
-  one batch: the lookups rarely match, which shows what speculation costs
-  when it has nothing to offer.
+  one batch (SmolLM2 loops on random tokens, so its lookups do match).
+
+Speed is reported twice: end to end (prefill included, which speculation
+cannot shorten) and decode only, from each request's first token to its last
+(``RequestMetrics.first_token_time`` .. ``last_token_time``), the
+"single-request decode speed" speculation is meant to raise.
 
 Both engines decode greedily, so they must produce identical tokens (checked:
 a mismatch is an error, not a figure). They run in turn, request by request
@@ -43,6 +51,16 @@ EDIT_TASKS = (
     (shlex.split, "Rename the argument `s` to `command` everywhere in this function and return it"),
 )
 QUOTE_SOURCES = (difflib, textwrap, shlex, fractions)
+OPEN_QUESTIONS = (
+    "Why is the sky blue? Answer in a short paragraph.",
+    "Write a haiku about autumn leaves.",
+    "Give three tips for getting better sleep.",
+    "What is the difference between a list and a tuple in Python?",
+    "Suggest a name for a bakery that sells only bread made with rye.",
+    "Explain in two sentences how a bicycle stays upright.",
+    "What should I pack for a weekend hike in the mountains?",
+    "Describe the taste of a ripe mango to someone who has never had one.",
+)
 
 
 def repetitive_prompts(tokenizer) -> list[str]:
@@ -53,6 +71,15 @@ def repetitive_prompts(tokenizer) -> list[str]:
     for module in QUOTE_SOURCES:
         text = inspect.getdoc(module)
         messages.append(f"Here is a text:\n\n{text}\n\nQuote its first three sentences exactly.")
+    return _chat_prompts(tokenizer, messages)
+
+
+def open_ended_prompts(tokenizer) -> list[str]:
+    """Chat prompts whose answers do not copy what they are given."""
+    return _chat_prompts(tokenizer, OPEN_QUESTIONS)
+
+
+def _chat_prompts(tokenizer, messages) -> list[str]:
     return [
         tokenizer.apply_chat_template([{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True)
         for m in messages
@@ -66,10 +93,17 @@ class SpecTally:
     output_tokens: int = 0
     seconds: float = 0.0
     steps: int = 0
+    # Tokens after each request's first and the time from its first token to its last.
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
 @dataclass
@@ -87,6 +121,10 @@ class WorkloadResult:
         return self.speculative.tokens_per_s / self.plain.tokens_per_s
 
     @property
+    def decode_speedup(self) -> float:
+        return self.speculative.decode_tokens_per_s / self.plain.decode_tokens_per_s
+
+    @property
     def acceptance(self) -> float:
         return self.num_accepted_tokens / max(1, self.num_draft_tokens)
 
@@ -99,6 +137,10 @@ def _timed_generate(llm, prompts: list, params: list[SamplingParams], tally: Spe
     tally.steps += llm.llm_engine.num_steps - steps_before
     tokens = [o.outputs[0].token_ids for o in outputs]
     tally.output_tokens += sum(len(t) for t in tokens)
+    for output in outputs:
+        metrics = output.metrics
+        tally.decode_tokens += len(output.outputs[0].token_ids) - 1
+        tally.decode_seconds += metrics.last_token_time - metrics.first_token_time
     return tokens
 
 
@@ -128,6 +170,8 @@ def measure(llms: tuple, output_len: int, num_mixed: int, rounds: int, seed: int
     greedy = SamplingParams(temperature=0.0, max_tokens=output_len)
     single = [([prompt], [greedy]) for prompt in prompts] * rounds
     results = [_compare(llms, single, "repetitive (code edits, quotes)", "one request at a time")]
+    open_ended = [([prompt], [greedy]) for prompt in open_ended_prompts(llms[0].get_tokenizer())] * rounds
+    results.append(_compare(llms, open_ended, "open-ended (chat questions)", "one request at a time"))
     requests = mixed_requests(num_mixed, llms[0].llm_engine.vocab_size, seed)
     batch = ([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
              [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests])
@@ -137,14 +181,15 @@ def measure(llms: tuple, output_len: int, num_mixed: int, rounds: int, seed: int
 
 def format_table(results: list[WorkloadResult]) -> str:
     rows = [
-        "| workload | requests | how | output tokens | plain tok/s | speculative tok/s | speed-up | acceptance | "
-        "tokens/step plain, speculative |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | requests | how | output tokens | plain tok/s | speculative tok/s | speed-up | "
+        "decode tok/s plain, speculative | decode speed-up | acceptance | tokens/step plain, speculative |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         rows.append(
             f"| {r.workload} | {r.num_requests} | {r.mode} | {r.speculative.output_tokens} | {r.plain.tokens_per_s:.1f} | "
-            f"{r.speculative.tokens_per_s:.1f} | {r.speedup:.2f}x | {r.acceptance:.0%} "
+            f"{r.speculative.tokens_per_s:.1f} | {r.speedup:.2f}x | {r.plain.decode_tokens_per_s:.1f}, "
+            f"{r.speculative.decode_tokens_per_s:.1f} | {r.decode_speedup:.2f}x | {r.acceptance:.0%} "
             f"({r.num_accepted_tokens}/{r.num_draft_tokens}) | "
             f"{r.plain.output_tokens / max(1, r.plain.steps):.2f}, {r.speculative.output_tokens / max(1, r.speculative.steps):.2f} |"
         )

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 METHODS = ("ngram", "draft_model")
+DRAFT_POLICIES = ("adaptive", "always")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,12 @@ class SpeculativeConfig:
       smaller model with the same tokenizer, loaded from the local ``model``
       path like the target, proposes its ``num_speculative_tokens`` most
       likely next tokens one after another.
+
+    ``draft_policy`` (pagedllm's, not vLLM's; n-gram only): ``"adaptive"``
+    (the default) proposes a lookup only where the sequence's recent
+    acceptance pays for the extra verification rows at this machine's
+    measured cost per row (``pagedllm.spec_decode.draft_policy``);
+    ``"always"`` proposes every match, as vLLM does.
     """
 
     method: str | None = None  # None: draft_model when `model` is set, else ngram
@@ -32,6 +39,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None
+    draft_policy: str = "adaptive"
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -41,6 +49,9 @@ class SpeculativeConfig:
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("speculative_config: method 'draft_model' needs 'model' (a local checkpoint with the "
                              "target's tokenizer), and 'model' goes only with it")
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise ValueError(f"speculative_config draft_policy must be one of {', '.join(DRAFT_POLICIES)}, "
+                             f"got {self.draft_policy!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

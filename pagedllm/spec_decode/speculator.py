@@ -20,6 +20,7 @@ from pagedllm.core.scheduler_output import ScheduledSequence
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.draft_policy import DraftPolicy
 from pagedllm.spec_decode.draft_model import DraftModel
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.rejection import VerifiedTokens, verify_drafts
@@ -53,6 +54,8 @@ class Speculator:
         # One proposer: the draft model, or prompt lookup.
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if draft is None else None
         self.draft = draft
+        adaptive = self.ngram is not None and config.draft_policy == "adaptive"
+        self.policy = DraftPolicy(config.num_speculative_tokens) if adaptive else None
         self.num_draft_tokens = 0  # verified drafts, over the speculator's life
         self.num_accepted_tokens = 0
 
@@ -65,6 +68,18 @@ class Speculator:
         if self.ngram is not None:
             for sequence_id in sequence_ids:
                 self.ngram.forget(sequence_id)
+        if self.policy is not None:
+            for sequence_id in sequence_ids:
+                self.policy.forget(sequence_id)
+
+    def record_step(self, scheduled: Sequence[ScheduledSequence], seconds: float) -> None:
+        """The runner's ``execute`` of ``scheduled`` took ``seconds``: decode
+        steps (every span its last token plus its drafts) teach the draft
+        policy what a row costs."""
+        if self.policy is None or not scheduled:
+            return
+        if all(s.num_scheduled_tokens == 1 + len(s.draft_token_ids) for s in scheduled):
+            self.policy.record_step(sum(s.num_scheduled_tokens for s in scheduled), seconds)
 
     def verify(
         self,
@@ -94,14 +109,20 @@ class Speculator:
         results = verify_drafts(logits, metadata, drafts, self.eos_token_ids)
         self.num_draft_tokens += sum(len(d) for d in drafts)
         self.num_accepted_tokens += sum(r.num_accepted for r in results)
+        if self.policy is not None:
+            for (scheduled, _, _), result in zip(items, results):
+                self.policy.record_verification(scheduled.sequence_id, result.num_accepted)
         return {scheduled.sequence_id: result for (scheduled, _, _), result in zip(items, results)}
 
     def propose(
-        self, items: list[tuple[ScheduledSequence, TokenHistory, list[int], list[int]]]
+        self, items: list[tuple[ScheduledSequence, TokenHistory, list[int], list[int]]], step_rows: int,
+        step_sequences: int,
     ) -> dict[str, list[int]]:
         """Proposals for ``(scheduled, history, tokens this step yielded, block
         table)`` items whose step asked for some (``num_draft_tokens``);
-        sequences with no match get none."""
+        sequences with no match, or whose drafts would not pay for their rows
+        (the adaptive policy; ``step_rows`` and ``step_sequences`` describe
+        this step), get none."""
         items = [item for item in items if item[0].num_draft_tokens]
         if self.ngram is None:
             contexts = [
@@ -114,7 +135,8 @@ class Speculator:
         for scheduled, history, step_tokens, _ in items:
             segments = (history.prompt_token_ids, history.output_token_ids, step_tokens)
             drafts = self.ngram.propose(scheduled.sequence_id, segments, scheduled.num_draft_tokens)
-            if drafts:
+            if drafts and (self.policy is None or self.policy.should_draft(
+                    scheduled.sequence_id, len(drafts), step_rows, step_sequences)):
                 proposals[scheduled.sequence_id] = drafts
         return proposals
 

@@ -209,6 +209,8 @@ class ModelRunner:
                 "sampling": time.perf_counter() - forwarded,
             }
         output.elapsed_s = time.perf_counter() - started
+        if self.speculator is not None:
+            self.speculator.record_step(scheduler_output.scheduled, output.elapsed_s)
         return output
 
     @torch.inference_mode()
@@ -407,7 +409,8 @@ class ModelRunner:
                 step_tokens = verified.token_ids if verified else [output.sampled_token_ids[sequence_id]]
                 block_ids = self.batch.block_ids(sequence_id)
                 yielded.append((scheduled, self.sequences[sequence_id], step_tokens, block_ids))
-        output.proposed_draft_token_ids = self.speculator.propose(yielded)
+        step_rows = sum(scheduled.num_scheduled_tokens for scheduled in batch.order)
+        output.proposed_draft_token_ids = self.speculator.propose(yielded, step_rows, len(batch.order))
 
     def _prompt_logprobs(self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
         """Logits at prompt position p score prompt token p + 1 (the first prompt

@@ -12,7 +12,10 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.cli import build_parser
 from tests.conftest import assert_pool_free
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# "always": every match is drafted, so the paths under test (rollback, preemption of
+# drafted sequences) run whatever this machine's row cost makes the adaptive policy do.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "draft_policy": "always"}
 
 
 def repetitive_prompts(num: int, seed: int = 0) -> list[dict]:
@@ -48,6 +51,18 @@ def test_greedy_output_is_unchanged_and_drafts_are_accepted(tiny_llama, referenc
     assert stats["spec_num_accepted_tokens"] > 0 and stats["spec_num_draft_tokens"] > stats["spec_num_accepted_tokens"]
     # Fewer steps than tokens: some steps yielded several.
     assert stats["num_steps"] < sum(len(o.outputs[0].token_ids) for o in got)
+    assert_pool_free(llm)
+
+
+def test_the_adaptive_draft_policy_keeps_greedy_output(tiny_llama, reference):
+    """The default policy withholds drafts where they do not pay; which ones
+    depends on this machine's timings, the output never does."""
+    prompts = repetitive_prompts(8, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    adaptive = {key: value for key, value in NGRAM.items() if key != "draft_policy"}
+    llm = LLM(tiny_llama, num_kv_blocks=512, speculative_config=adaptive, debug_invariants=True)
+    assert token_ids(llm.generate(prompts, params)) == token_ids(reference.generate(prompts, params))
+    assert llm.stats()["spec_num_draft_tokens"] > 0  # the first drafts go out before any cost is known
     assert_pool_free(llm)
 
 

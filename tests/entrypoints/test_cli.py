@@ -251,9 +251,14 @@ def test_bench_spec_compares_speculation_with_the_plain_engine(tiny_model_dir, t
     record = tmp_path / "bench.md"
     main(["bench", "spec", "--model", tiny_model_dir("llama"), "--output-len", "12", "--num-mixed", "4",
           "--num-kv-blocks", "512", "--record", str(record)])
-    (repetitive, mixed) = table_rows(capsys.readouterr().out)
+    (repetitive, open_ended, mixed) = table_rows(capsys.readouterr().out)
     assert repetitive[0].startswith("repetitive") and repetitive[1] == "12" and mixed[1] == "4"
+    assert open_ended[0].startswith("open-ended") and open_ended[1] == "8"
     assert float(repetitive[4]) > 0 and float(repetitive[5]) > 0 and repetitive[6].endswith("x")
+    # Decode-only speed (first token to last, prefill left out) and its ratio.
+    plain_decode, speculative_decode = (float(v) for v in repetitive[7].split(","))
+    assert plain_decode > 0 and speculative_decode > 0
+    assert abs(float(repetitive[8].rstrip("x")) - speculative_decode / plain_decode) < 0.02
     assert "speculative decoding" in record.read_text().lower()
 
 
