@@ -116,7 +116,7 @@ inline void tile(const X* x, int64_t ldx, const W* w, int64_t K, const float* bi
   for (int64_t k = 0; k < K; k += kStep) {  // whole steps of K, then a masked partial one
     const auto mask = k + kStep <= K ? whole : tail;
     if (prefetch != nullptr)  // one cache line per weight row per step (a step is 64 bytes of either type)
-      for (int i = 0; i < kTileRows; ++i) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * K + k), _MM_HINT_T0);
+      for (int i = 0; i < kTileRows; ++i) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * K + k), _MM_HINT_T1);
     const auto w0 = Steps::weights(w + k, mask), w1 = Steps::weights(w + K + k, mask),
                w2 = Steps::weights(w + 2 * K + k, mask), w3 = Steps::weights(w + 3 * K + k, mask);
     accumulate<Steps>(r0, x + k, mask, w0, w1, w2, w3);
