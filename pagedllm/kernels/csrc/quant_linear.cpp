@@ -302,7 +302,7 @@ void fused_group(const uint8_t* const* w, int64_t block_bytes, const uint8_t* ah
   const int64_t blocks = K / 32, lines_per_block = ((ahead_bytes + 63) / 64 + blocks - 1) / blocks;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     for (int64_t line = blk * lines_per_block; line < (blk + 1) * lines_per_block; ++line)
-      __builtin_prefetch(ahead + line * 64);
+      __builtin_prefetch(ahead + line * 64, 0, 2);  // into L2 (T1): L1 has too few miss buffers
     __m512 lo[4], hi[4];
     for (int i = 0; i < 4; ++i) kRegisters(w[i] + blk * block_bytes, lo[i], hi[i]);
     for (int half = 0; half < 2; ++half) {  // weights 0-15 then 16-31: multiply_group's k order
