@@ -1,4 +1,4 @@
-"""Which paged decode kernel runs on which device and pool storage.
+"""Which paged decode kernel (and prefill kernel) runs on which device, pool storage and dtype.
 
 CPU: the compiled C++ kernel (``pagedllm.kernels.cpu``), for pools in the
 model's dtype or int8. CUDA: the Triton kernel (``pagedllm.kernels.triton_paged``)
@@ -7,6 +7,10 @@ storage types, except an int8 pool with full-precision tails (``kv_cache``),
 which the Triton kernel does not read (the C++ kernel does). Anything else
 (fp8 pools, ``PAGEDLLM_CPU_KERNEL=0`` on CPU, no Triton): None, and the
 backend gathers through PyTorch, which runs on any device and storage type.
+
+Prefill spans: the C++ bf16 kernel (``prefill_attention.cpp``) for bf16 models on
+CPU, where PyTorch's SDPA is no faster in bf16 than in fp32; PyTorch's SDPA
+everywhere else (fp32 CPU, CUDA).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.kv_cache import LayerKVCache
-from pagedllm.attention.torch_paged import DecodeKernel, TorchPagedAttention
+from pagedllm.attention.torch_paged import DecodeKernel, PrefillKernel, TorchPagedAttention
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.kernels.triton_paged import paged_decode_attention as triton_paged_decode
 from pagedllm.kernels.triton_paged import triton_paged_decode_available
@@ -55,6 +59,20 @@ def triton_decode(query, kv_cache: LayerKVCache, block_tables, context_lens, sca
                                kv_cache.key_scale, kv_cache.value_scale, sliding_window, logits_soft_cap)
 
 
+def prefill_kernel_for(device: torch.device, dtype: torch.dtype | None) -> PrefillKernel | None:
+    """``dtype``: the model's activations (None: unknown, PyTorch's SDPA)."""
+    if device.type == "cpu" and dtype == torch.bfloat16 and load_cpu_kernels() is not None:
+        return cpu_prefill
+    return None
+
+
+def cpu_prefill(query, key, value, scale: float, query_offset: int):
+    """The C++ causal prefill kernel (it must have built: see ``load_cpu_kernels``)."""
+    return load_cpu_kernels().prefill_attention(query, key, value, scale, query_offset)
+
+
 def attention_backend_for(device: torch.device, block_size: int, kv_cache_dtype: str = "auto",
-                          tails: bool = False) -> TorchPagedAttention:
-    return TorchPagedAttention(paged_decode_kernel_for(device, block_size, kv_cache_dtype, tails))
+                          tails: bool = False, dtype: torch.dtype | None = None) -> TorchPagedAttention:
+    """``dtype``: the model's activations, which pick the prefill kernel."""
+    return TorchPagedAttention(paged_decode_kernel_for(device, block_size, kv_cache_dtype, tails),
+                               prefill_kernel_for(device, dtype))

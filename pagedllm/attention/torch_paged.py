@@ -25,6 +25,10 @@ DecodeKernel = Callable[
     torch.Tensor,
 ]
 
+# (query [queries, heads, dim], key, value [keys, kv_heads, dim], scale, query_offset) -> [queries, heads, dim]:
+# causal attention where query i sees keys j <= i + query_offset.
+PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor]
+
 
 class TorchPagedAttention:
     """The CPU / portable :class:`~pagedllm.attention.backend.AttentionBackend`.
@@ -32,7 +36,7 @@ class TorchPagedAttention:
     With a ``decode_kernel`` (the C++ CPU kernel or the Triton GPU kernel,
     chosen by :func:`pagedllm.attention.selector.paged_decode_kernel_for`)
     decodes read K/V straight through the block tables instead of gathering a
-    padded copy; prefill spans always use PyTorch's SDPA. The kernel takes
+    padded copy. The kernel takes
     ``(query, kv_cache, block_tables, context_lens, scale, sliding_window,
     logits_soft_cap, tail_slots)``, reads no table entry before the window's first block,
     reads row i's last block from tail slot ``tail_slots[i]`` when that is >= 0
@@ -44,10 +48,21 @@ class TorchPagedAttention:
     output is rotated back), and must accept a query whose
     rows are strided (a view into the fused qkv output) as long as each row's
     heads and dims are packed.
+
+    Prefill spans use PyTorch's SDPA, or a ``prefill_kernel`` (the selector's
+    :func:`~pagedllm.attention.selector.prefill_kernel_for`) for the spans of
+    plain causal layers (no window, no soft cap) that read no full-precision
+    tails. It takes ``(query, key, value, scale, query_offset)``, query
+    [queries, heads, dim] and key/value [keys, kv_heads, dim] whose rows may be
+    strided as long as each row's dims are packed, in the dtype the selector
+    chose it for, and returns [queries, heads, dim] where query i attends to
+    keys j <= i + query_offset.
     """
 
-    def __init__(self, decode_kernel: DecodeKernel | None = None) -> None:
+    def __init__(self, decode_kernel: DecodeKernel | None = None,
+                 prefill_kernel: PrefillKernel | None = None) -> None:
         self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel
 
     def forward(
         self,
@@ -150,15 +165,19 @@ class TorchPagedAttention:
             mask &= positions >= context_lens - window
         return _attend(query.unsqueeze(2), keys, values, mask[:, None, None, :], layer).squeeze(2)
 
-    @staticmethod
-    def _prefill(query, key, value, kv_cache: LayerKVCache, span, layer: _LayerOptions,
+    def _prefill(self, query, key, value, kv_cache: LayerKVCache, span, layer: _LayerOptions,
                  full: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One span; ``full``: when the pool's tails apply (``kv_cache``'s reading
         rule), the full-precision K/V of its first block's earlier tokens and of
         its own, else None."""
-        q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
         # Query i sits at position first + i and sees keys up to it (and in the window).
         first = span.context_len - span.query_len
+        if self.prefill_kernel is not None and layer.is_plain and full is None:
+            if first:  # earlier tokens: the span's keys are the pool's, from position 0
+                gathered = kv_cache.gather(span.block_table.unsqueeze(0), query.dtype)
+                key, value = (t[0, :, : span.context_len].transpose(0, 1) for t in gathered)
+            return self.prefill_kernel(query, key, value, layer.scale, first)
+        q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
         key_start = 0  # position of the first key read
         if span.context_len == span.query_len:
             k = key.transpose(0, 1).unsqueeze(0)

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from pagedllm.bench.throughput import BenchRequest, BenchResult
 
-_BASELINES = ("none", "hf", "contiguous", "kv-auto", "tp1", "sync")
+_BASELINES = ("none", "hf", "contiguous", "kv-auto", "tp1", "sync", "fp32")
 
 
 @dataclass
@@ -44,6 +44,9 @@ def _check_baseline(args: argparse.Namespace) -> None:
         raise ValueError("--baseline tp1 compares tensor parallelism with one rank: pass --tensor-parallel-size")
     if args.baseline == "kv-auto" and args.kv_cache_dtype == "auto":
         raise ValueError("--baseline kv-auto compares a quantized pool with the auto one: pass --kv-cache-dtype")
+    if args.baseline == "fp32" and args.dtype in ("auto", "float32"):
+        raise ValueError("--baseline fp32 compares a lower-precision dtype with fp32: pass --dtype bfloat16 "
+                         "(or float16)")
     if args.baseline == "sync" and not args.async_scheduling:
         raise ValueError("--baseline sync compares overlapped steps with synchronous ones: pass --async-scheduling")
 
@@ -63,6 +66,8 @@ def _pagedllm_label(args: argparse.Namespace) -> str:
         return "pagedllm (async scheduling)"
     if args.tensor_parallel_size > 1:
         return f"pagedllm ({args.tensor_parallel_size} ranks)"
+    if args.baseline == "fp32":
+        return f"pagedllm ({args.dtype})"
     storage = args.kv_layout if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     return f"pagedllm ({storage} KV)"
 
@@ -97,6 +102,8 @@ def _run_baseline(args: argparse.Namespace, requests: list[BenchRequest],
         return [bench.run_pagedllm(make_llm(args, tensor_parallel_size=1), requests, "pagedllm (1 rank)")], []
     if args.baseline == "sync":
         return [bench.run_pagedllm(make_llm(args, async_scheduling=False), requests, "pagedllm (synchronous steps)")], []
+    if args.baseline == "fp32":
+        return [bench.run_pagedllm(make_llm(args, dtype="float32"), requests, "pagedllm (float32)")], []
     if args.baseline == "contiguous":
         return [bench.run_pagedllm(make_llm(args, kv_layout="contiguous"), requests, "pagedllm (contiguous KV)")], []
     if args.baseline == "kv-auto":
@@ -306,7 +313,8 @@ def _add_throughput_parser(benches: argparse._SubParsersAction) -> None:
                     help="hf: transformers generate; contiguous: this engine with one max_model_len reservation per "
                          "request; kv-auto: this engine with an unquantized pool of the same memory "
                          "(with --kv-cache-dtype int8 or fp8_e4m3); tp1: this engine on one rank "
-                         "(with --tensor-parallel-size N); sync: this engine without --async-scheduling")
+                         "(with --tensor-parallel-size N); sync: this engine without --async-scheduling; fp32: this engine "
+                         "in float32 (with --dtype bfloat16 or float16)")
     tp.add_argument("--plot", default=None, metavar="DIR",
                     help="also replay the workload (untimed) and write DIR/kv_pool.png: the pool at its fullest")
     tp.add_argument("--hf-batch-size", type=int, nargs="+", default=[8],

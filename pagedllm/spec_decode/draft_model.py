@@ -84,7 +84,7 @@ class DraftModel:
         num_scratch = PROPOSAL_BATCH * self.scratch_per_sequence
         self.kv_caches = allocate_caches(model, num_blocks + num_scratch, block_size, dtype, kv_cache_dtype, device)
         self.swap_pool = HostSwapPool(num_swap_blocks, self.kv_caches)
-        self.attention = attention_backend_for(device, block_size, kv_cache_dtype)
+        self.attention = attention_backend_for(device, block_size, kv_cache_dtype, dtype=dtype)
 
     def observe(self, step: StepInputs) -> None:
         """The target's step, on the draft's pool."""

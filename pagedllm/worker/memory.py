@@ -196,7 +196,7 @@ def _gpu_utilization_budget(model: LlamaForCausalLM, scheduler_config: Scheduler
     utilization = cache.gpu_memory_utilization or CacheConfig.DEFAULT_GPU_MEMORY_UTILIZATION
     kv_shape = (model.num_kv_heads, head_dim_of(model.config))
     attention = attention_backend_for(device, cache.block_size, cache.kv_cache_dtype,
-                                      tails=cache.kv_cache_dtype == "int8")
+                                      tails=cache.kv_cache_dtype == "int8", dtype=dtype)
     weights_bytes = torch.cuda.memory_allocated(device)
     peak = cuda_peak_activation_bytes(
         lambda: run_dummy_step(model, attention, scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs,

@@ -124,7 +124,8 @@ class ModelRunner:
         self.broadcast_step = broadcast_step
         self.block_size = block_size
         self.device = device
-        self.attention = attention_backend_for(device, block_size, kv_cache_dtype, tails=num_tail_slots > 0)
+        self.attention = attention_backend_for(device, block_size, kv_cache_dtype, tails=num_tail_slots > 0,
+                                               dtype=dtype)
         no_graphs = why_no_graphs(model, device, self.attention) if cuda_graphs else "enforce_eager"
         if cuda_graphs and no_graphs and device.type == "cuda":  # CPU users never asked for graphs
             logger.info("Decode steps run eagerly: %s", no_graphs)

@@ -10,7 +10,7 @@ import torch
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
 from pagedllm.attention.kv_cache import LayerKVCache
 from tests.attention.test_torch_paged import (
-    HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, SCALE, backend, decode_only_metadata, random_tables, slots_of,
+    HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, SCALE, backend, decode_only_metadata, prefill_step, random_tables, slots_of,
 )
 
 __all__ = ["backend"]  # the fixture, imported for its parametrisation over backends
@@ -52,16 +52,7 @@ def test_options_match_dense_attention(backend, options, block_size):
     expected = [dense_reference(*seq, **options) for seq in seqs]
 
     def prefill(parts):
-        """parts: (sequence, first, end) runs of prompt tokens, one step."""
-        spans, slots, start = [], [], 0
-        for i, first, end in parts:
-            spans.append(PrefillSpan(start, end - first, end, torch.tensor(tables[i])))
-            slots += slots_of(tables[i], range(first, end), block_size)
-            start += end - first
-        q, k, v = (torch.cat([seqs[i][j][a:b] for i, a, b in parts]) for j in range(3))
-        meta = AttentionMetadata(torch.tensor(slots), 0, torch.zeros(0, 0, dtype=torch.long),
-                                 torch.zeros(0, dtype=torch.long), spans)
-        return backend.forward(q, k, v, cache, meta, SCALE, **options)
+        return prefill_step(backend, cache, tables, seqs, parts, block_size, SCALE, **options)
 
     # Step 1: a fresh chunk of each prompt; step 2: the rest of sequence 0's prompt reads step 1's from the pool.
     out = prefill([(0, 0, chunk), (1, 0, lens[1] - 1)])

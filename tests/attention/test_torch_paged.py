@@ -60,6 +60,20 @@ def random_tables(lengths, block_size, rng):
 def slots_of(table, positions, block_size):
     return [table[p // block_size] * block_size + p % block_size for p in positions]
 
+def prefill_step(backend, cache, tables, seqs, parts, block_size, scale, **options):
+    """One step of prefill spans through ``backend``; parts: (sequence, first, end) runs of
+    prompt tokens, taken from seqs[sequence] = (q, k, v)."""
+    spans, slots, start = [], [], 0
+    for i, first, end in parts:
+        spans.append(PrefillSpan(start, end - first, end, torch.tensor(tables[i])))
+        slots += slots_of(tables[i], range(first, end), block_size)
+        start += end - first
+    q, k, v = (torch.cat([seqs[i][j][a:b] for i, a, b in parts]) for j in range(3))
+    meta = AttentionMetadata(torch.tensor(slots), 0, torch.zeros(0, 0, dtype=torch.long),
+                             torch.zeros(0, dtype=torch.long), spans)
+    return backend.forward(q, k, v, cache, meta, scale, **options)
+
+
 def decode_only_metadata(tables, lens):
     """A step of decodes only: each sequence's table padded to the widest, nothing to write."""
     width = max(len(t) for t in tables)

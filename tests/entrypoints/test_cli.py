@@ -286,18 +286,41 @@ def test_bench_throughput_int8_kv_against_auto_at_the_same_memory(tiny_model_dir
     assert int(auto[7]) >= int(int8[7])
 
 
+def pagedllm_rows(lines: list[str]) -> dict[str, list[str]]:
+    """The cells of a bench table's pagedllm rows, by engine label."""
+    return {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")]
+            for line in lines if line.startswith("| pagedllm"))}
+
+
 def test_bench_throughput_two_ranks_against_one(tiny_model_dir, capsys):
     main([
         "bench", "throughput", "--model", tiny_model_dir("llama"), "--num-prompts", "4", "--input-len", "16",
         "--output-len", "8", "--tensor-parallel-size", "2", "--baseline", "tp1", "--num-kv-blocks", "32",
     ])
     lines = capsys.readouterr().out.splitlines()
-    rows = {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")]
-            for line in lines if line.startswith("| pagedllm"))}
+    rows = pagedllm_rows(lines)
     assert rows["pagedllm (2 ranks)"][1:4] == rows["pagedllm (1 rank)"][1:4] == ["4", "64", "32"]
     traffic = next(line for line in lines if line.startswith("tensor parallel (2 ranks)"))
     # The tiny model: 2 layers, hidden 64, fp32.
     assert "all-reduce payload 1.0 KiB per token (2 x 2 layers x 64 x 4 bytes)" in traffic
+
+
+def test_bench_throughput_bfloat16_against_float32(tiny_model_dir, capsys):
+    main([
+        "bench", "throughput", "--model", tiny_model_dir("llama"), "--num-prompts", "4", "--input-len", "24",
+        "--output-len", "8", "--dtype", "bfloat16", "--baseline", "fp32", "--num-kv-blocks", "32",
+    ])
+    lines = capsys.readouterr().out.splitlines()
+    rows = pagedllm_rows(lines)
+    assert rows["pagedllm (bfloat16)"][1:4] == rows["pagedllm (float32)"][1:4] == ["4", "96", "32"]
+    assert rows["pagedllm (float32)"][-1] == "1.00x"
+
+
+def test_bench_throughput_fp32_baseline_needs_another_dtype(tiny_model_dir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "throughput", "--model", tiny_model_dir("llama"), "--baseline", "fp32"])
+    assert exit_info.value.code == 2
+    assert "--baseline fp32 compares a lower-precision dtype with fp32: pass --dtype bfloat16" in capsys.readouterr().err
 
 
 def test_bench_throughput_plots_the_pool_at_its_fullest(tiny_model_dir, capsys, tmp_path):

@@ -6,6 +6,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("sliding_window"),
         py::arg("logits_soft_cap"), py::arg("tail_key") = py::none(), py::arg("tail_value") = py::none(),
         py::arg("tail_slots") = py::none());
+  m.def("prefill_attention", &prefill_attention,
+        "Causal attention of query [queries, heads, dim] over key/value [keys, kv_heads, dim] (CPU)",
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("scale"), py::arg("query_offset"));
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding the residual in place first (CPU)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [rows, 2 * width] gate|up output (CPU)");

@@ -21,6 +21,11 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tenso
                       torch::Tensor sin_cache);
 torch::Tensor silu_and_mul(torch::Tensor x);
 
+// prefill_attention.cpp: causal attention of a prefill's queries over its keys, bf16 with
+// VDPBF16PS (query i sees keys j <= i + query_offset); PyTorch's SDPA for anything else.
+torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scale,
+                                int64_t query_offset);
+
 // kv_write.cpp: a step's new K/V rows into their pool slots.
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
                     torch::Tensor slot_mapping);
