@@ -1,7 +1,8 @@
 """`pagedllm bench attention`, `bench linear` and `bench roofline`: the kernels against the machine.
 
 attention: paged decode (the C++ kernel, and the PyTorch gather path) against
-contiguous ``scaled_dot_product_attention`` on the same shapes.
+contiguous ``scaled_dot_product_attention`` on the same shapes; with ``--prefill``,
+causal prefill attention: the C++ bf16 kernel against SDPA in bf16 and fp32.
 linear: one decode step's fp32 projections, the C++ small-batch kernel against
 PyTorch's (MKL) matmul, per batch size.
 roofline: matmul throughput on the model's own projection shapes, the decode
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.attention.kv_cache import LayerKVCache
-from pagedllm.attention.selector import cpu_decode
+from pagedllm.attention.selector import cpu_decode, cpu_prefill
 from pagedllm.attention.torch_paged import TorchPagedAttention
 from pagedllm.model.shapes import num_kv_heads_of
 from pagedllm.sampling_params import SamplingParams
@@ -80,6 +81,39 @@ def format_attention(rows: list[dict]) -> str:
         lines.append(
             f"| {r['batch']} | {r['context']} | {sdpa:.3f} | {cpp_ms} | {r['paged_pytorch_ms']:.3f} | {ratio} |"
         )
+    return "\n".join(lines)
+
+
+@torch.inference_mode()
+def prefill_attention_rows(lengths: list[int], num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64,
+                           repeats: int = 5) -> list[dict]:
+    """Per prompt length: ms per causal prefill attention call of one layer, PyTorch's SDPA
+    in fp32 and bf16 and the C++ bf16 kernel (when it built)."""
+    kernel = load_cpu_kernels()
+    rows = []
+    for length in lengths:
+        query = torch.randn(length, num_heads, head_dim)
+        key, value = torch.randn(length, num_kv_heads, head_dim), torch.randn(length, num_kv_heads, head_dim)
+        row = {"length": length}
+        for dtype, name in ((torch.float32, "sdpa_fp32_ms"), (torch.bfloat16, "sdpa_bf16_ms")):
+            q, k, v = (t.to(dtype).transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+            row[name] = 1e3 * _time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                                    repeats)
+        if kernel is not None:
+            q, k, v = (t.bfloat16() for t in (query, key, value))
+            row["cpp_bf16_ms"] = 1e3 * _time(lambda: cpu_prefill(q, k, v, head_dim**-0.5, 0), repeats)
+        rows.append(row)
+    return rows
+
+
+def format_prefill_attention(rows: list[dict]) -> str:
+    lines = ["| prompt tokens | SDPA fp32 (ms) | SDPA bf16 (ms) | C++ bf16 (ms) | C++ vs SDPA bf16 | C++ bf16 vs SDPA fp32 |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        cpp = r.get("cpp_bf16_ms")
+        cells = ["-", "-", "-"] if cpp is None else [
+            f"{cpp:.3f}", f"{r['sdpa_bf16_ms'] / cpp:.2f}x", f"{r['sdpa_fp32_ms'] / cpp:.2f}x"]
+        lines.append(f"| {r['length']} | {r['sdpa_fp32_ms']:.3f} | {r['sdpa_bf16_ms']:.3f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -199,6 +199,11 @@ def cmd_bench_preemption(args: argparse.Namespace) -> None:
 def cmd_bench_attention(args: argparse.Namespace) -> None:
     from pagedllm.bench import kernels
 
+    if args.prefill:
+        report(args, kernels.format_prefill_attention(kernels.prefill_attention_rows(args.prefill)),
+               "Causal prefill attention of one layer, SmolLM2 shapes (9 query heads, 3 KV heads, head dim 64), "
+               "best of 5 calls.")
+        return
     report(args, kernels.format_attention(kernels.attention_rows(args.batch, args.context)),
            "SmolLM2 attention shapes (9 query heads, 3 KV heads, head dim 64), fp32, block size 16, best of 5 calls.")
 
@@ -342,10 +347,13 @@ def _add_kv_pool_benches(benches: argparse._SubParsersAction) -> None:
 
 
 def _add_kernel_benches(benches: argparse._SubParsersAction) -> None:
-    at = _add_bench(benches, "attention", "paged decode attention vs contiguous SDPA", cmd_bench_attention,
+    at = _add_bench(benches, "attention", "paged decode attention vs contiguous SDPA (or, with --prefill, bf16 prefill attention)",
+                    cmd_bench_attention,
                     builds_engine=False)
     at.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     at.add_argument("--context", type=int, nargs="+", default=[128, 512, 1024, 4096])
+    at.add_argument("--prefill", type=int, nargs="+", default=None, metavar="LEN",
+                    help="instead: causal prefill attention at these prompt lengths, the C++ bf16 kernel vs SDPA")
     li = _add_bench(benches, "linear", "decode matmuls: the C++ small-batch kernel vs PyTorch (MKL / oneDNN)",
                     cmd_bench_linear, builds_engine=False)
     li.add_argument("--model", default=None, help="model whose shapes to use (default: the embedded SmolLM2)")

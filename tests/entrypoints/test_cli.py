@@ -368,6 +368,10 @@ def test_bench_attention_and_roofline_print_tables(tiny_model_dir, capsys):
     main(["bench", "attention", "--batch", "2", "--context", "40"])
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 | 40 |"))
     assert row.count("|") == 7
+    main(["bench", "attention", "--prefill", "40"])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 40 |"))
+    fp32_ms, bf16_ms, cpp_ms = (float(c) for c in [c.strip() for c in row.strip("|").split("|")][1:4])
+    assert fp32_ms > 0 and bf16_ms > 0 and cpp_ms > 0
     main(["bench", "linear", "--model", tiny_model_dir("llama"), "--batch", "3", "8"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 3 |", "| 8 |"))]
     assert len(rows) == 2
