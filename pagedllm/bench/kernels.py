@@ -24,6 +24,7 @@ from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.attention.selector import cpu_decode, cpu_prefill
 from pagedllm.attention.torch_paged import TorchPagedAttention
+from pagedllm.model.bf16_packed import bf16_packing_supported, pack_bf16_weight
 from pagedllm.model.shapes import num_kv_heads_of
 from pagedllm.sampling_params import SamplingParams
 
@@ -121,31 +122,44 @@ def format_prefill_attention(rows: list[dict]) -> str:
 def linear_rows(config, batches: list[int], repeats: int = 8, dtype: torch.dtype = torch.float32) -> list[dict]:
     """Per batch size: ms for every projection of one decode step in ``dtype``
     (fp32 or bf16; each layer with its own weights, streamed from memory as in
-    the engine), through PyTorch's matmul (MKL / oneDNN) and through the C++
-    small-batch kernel, interleaved so both see the same machine load."""
+    the engine), through PyTorch's matmul (MKL / oneDNN), through the C++
+    small-batch kernel and, for bf16 where the engine packs its weights for
+    VDPBF16PS (``bf16_packed``), through the packed kernel; interleaved so all
+    see the same machine load."""
     kernel = load_cpu_kernels()
     weights = [(fan_in, torch.randn(fan_out, fan_in, dtype=dtype))
                for fan_in, fan_out, count in projection_shapes(config) for _ in range(count)]
+    packed = ([(fan_in, pack_bf16_weight(w)) for fan_in, w in weights]
+              if bf16_packing_supported(torch.device("cpu"), dtype) else None)
     rows = []
     for batch in batches:
         inputs = {fan_in: torch.randn(batch, fan_in, dtype=dtype) for fan_in, _ in weights}
-        passes = {"pytorch_ms": F.linear}
+        passes = {"pytorch_ms": lambda: [F.linear(inputs[k], w) for k, w in weights]}
         if kernel is not None:
-            passes["small_batch_ms"] = kernel.linear_small_batch
+            passes["small_batch_ms"] = lambda: [kernel.linear_small_batch(inputs[k], w) for k, w in weights]
+        if packed is not None:
+            passes["packed_ms"] = lambda: [kernel.bf16_packed_linear(inputs[k], w) for k, w in packed]
         best = dict.fromkeys(passes, float("inf"))
         for _ in range(repeats):
-            for name, linear in passes.items():
-                best[name] = min(best[name], _time_once(lambda: [linear(inputs[k], w) for k, w in weights]))
+            for name, one_pass in passes.items():
+                best[name] = min(best[name], _time_once(one_pass))
         rows.append({"batch": batch, **{name: 1e3 * seconds for name, seconds in best.items()}})
     return rows
 
 
 def format_linear(rows: list[dict]) -> str:
-    lines = ["| rows | PyTorch (ms) | C++ small-batch (ms) | speed-up |", "|---|---|---|---|"]
+    packed = any("packed_ms" in r for r in rows)
+    header = "| rows | PyTorch (ms) | C++ small-batch (ms) | speed-up |"
+    if packed:
+        header += " C++ packed bf16 (ms) | packed vs PyTorch | packed vs small-batch |"
+    lines = [header, "|---" * (header.count("|") - 1) + "|"]
     for r in rows:
         small = r.get("small_batch_ms")
-        cells = ("-", "-") if small is None else (f"{small:.1f}", f"{r['pytorch_ms'] / small:.2f}x")
-        lines.append(f"| {r['batch']} | {r['pytorch_ms']:.1f} | {cells[0]} | {cells[1]} |")
+        cells = ["-", "-"] if small is None else [f"{small:.1f}", f"{r['pytorch_ms'] / small:.2f}x"]
+        if packed:
+            ms = r["packed_ms"]
+            cells += [f"{ms:.1f}", f"{r['pytorch_ms'] / ms:.2f}x", "-" if small is None else f"{small / ms:.2f}x"]
+        lines.append(f"| {r['batch']} | {r['pytorch_ms']:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

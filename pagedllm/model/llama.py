@@ -18,8 +18,9 @@ from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.distributed.sharding import shard_layout, shard_state_dict
 from pagedllm.model.registry import model_class_for
 from pagedllm.model.shapes import head_dim_of, num_kv_heads_of, sliding_windows_of
+from pagedllm.model.bf16_packed import pack_bf16_linears
 from pagedllm.model.layers import Embedding, GatedMLP, Linear, RMSNorm, linear
-from pagedllm.model.quantized import QuantizedLinear, install_packed_weights
+from pagedllm.model.quantized import install_packed_weights
 from pagedllm.model.rotary import RotaryEmbedding, context_window_of
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
@@ -219,11 +220,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: the sampler reads bf16 ones as fp32
         without a copy when it only needs the argmax."""
-        if isinstance(getattr(self, "lm_head", None), QuantizedLinear):  # packed GGUF weights
-            logits = self.lm_head(hidden)
-        else:
-            weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-            logits = linear(hidden, weight)
+        # A tied head has no module of its own unless its weight is packed (GGUF blocks
+        # shared with the embedding, or a bf16 copy packed for VDPBF16PS).
+        head = getattr(self, "lm_head", None)
+        logits = head(hidden) if head is not None else linear(hidden, self.model.embed_tokens.weight)
         return logits if self.logits_scaling is None else logits / self.logits_scaling
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -235,7 +235,8 @@ class LlamaForCausalLM(nn.Module):
         The tensors are assigned, not copied: the parameters become the state
         dict's tensors (which must already have the model's dtype), so a model
         built on the meta device is loaded without a second copy of its
-        weights. Consumes ``state_dict``: its entries are fused in place."""
+        weights. Consumes ``state_dict``: its entries are fused in place, and it
+        is empty afterwards."""
         state_dict = install_packed_weights(self, state_dict, _FUSED)
         if self.tie_word_embeddings:
             state_dict.pop("lm_head.weight", None)
@@ -243,6 +244,10 @@ class LlamaForCausalLM(nn.Module):
             split_fused_projections(state_dict, self.config)
         shard = fuse_projections(shard_state_dict(state_dict, self.config, self.tp))
         missing, unexpected = self.load_state_dict(shard, strict=False, assign=True)
+        # The parameters now hold the tensors: the dicts let go of them, so a layer
+        # replaced after loading (bf16_packed) frees its dense weight at once.
+        state_dict.clear()
+        shard.clear()
         if missing or unexpected:
             raise ValueError(
                 f"checkpoint does not match the {self.config.model_type} model: "
@@ -257,8 +262,13 @@ def build_model(checkpoint, max_model_len: int, device: torch.device, dtype: tor
     The model is built on the meta device and its parameters are the
     checkpoint's tensors (see ``load_weights``): peak memory is the weights
     once, plus one layer's fused projections. Consumes ``checkpoint.state_dict``.
+    A bf16 model on a CPU with AVX-512 BF16 and no AMX has its linear layers
+    packed for VDPBF16PS (``bf16_packed``).
     """
     with torch.device("meta"):
         model = model_class_for(checkpoint.config)(checkpoint.config, max_position=max_model_len, tp=tp)
     model.load_weights(checkpoint.state_dict)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    pack_bf16_linears(model)
+    return model
+

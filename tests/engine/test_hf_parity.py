@@ -12,7 +12,9 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.hf_reference import load_hf_model
+from pagedllm.differential.prompts import real_text_prompts
 from pagedllm.kernels.cpu import load_cpu_kernels
+from pagedllm.model.bf16_packed import PackedBf16Linear, bf16_packing_supported
 from tests.conftest import assert_pool_free
 
 TEXT = (
@@ -111,15 +113,21 @@ def test_smollm2_gguf_matches_hf():
 
 # bf16 is not bit-identical to Hugging Face (kernels sum in other orders and bf16
 # rounding amplifies that). The documented tolerance: against the fp32 oracle,
-# pagedllm's bf16 prompt log-probabilities are off by no more than Hugging Face's
-# own bf16 run is (mean within 1.5x of it per prompt; measured 0.9-1.2x), and
-# never by 0.35 nats (measured max 0.25).
-BF16_MEAN_RATIO, BF16_MAX_NATS = 1.5, 0.35
+# pagedllm's bf16 prompt log-probabilities are off by about as much as Hugging
+# Face's own bf16 run: the mean over prompts of (our mean error / HF bf16's) within
+# BF16_MEAN_RATIO (SmolLM2, 48 prompts: 1.02 with the packed VDPBF16PS matmuls,
+# 1.02 without), no prompt past BF16_PROMPT_RATIO (measured up to 1.61 packed, 1.53
+# not: one prompt's ratio swings with any change of summation order, so a tight
+# per-prompt bound tests the prompt, not the engine), and no token more than
+# BF16_MAX_NATS further off than HF bf16's worst token of the prompt (HF's own worst
+# reaches 0.63 nats on these prompts; ours 0.60 packed, 0.62 not).
+BF16_MEAN_RATIO, BF16_PROMPT_RATIO, BF16_MAX_NATS = 1.15, 2.0, 0.35
 
 
 def assert_bf16_close_to_hf(prompts, outputs, oracle, hf_bf16) -> None:
-    """Our bf16 prompt logprobs against the fp32 oracle's: never off by BF16_MAX_NATS, and on
-    average within BF16_MEAN_RATIO of Hugging Face's own bf16 model's error."""
+    """Our bf16 prompt logprobs against the fp32 oracle's: never BF16_MAX_NATS further off than
+    HF bf16's worst token, and as close on average as Hugging Face's own bf16 model (see BF16_MEAN_RATIO)."""
+    ratios = []
     with torch.inference_mode():
         for prompt, output in zip(prompts, outputs):
             rows, targets = torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])
@@ -132,19 +140,31 @@ def assert_bf16_close_to_hf(prompts, outputs, oracle, hf_bf16) -> None:
             ours = torch.tensor([entry[prompt[i + 1]].logprob for i, entry in enumerate(output.prompt_logprobs[1:])])
             our_error = (ours - reference).abs()
             hf_error = (target_logprobs(hf_bf16) - reference).abs()
-            assert our_error.max() < BF16_MAX_NATS, f"prompt of {len(prompt)} tokens: {our_error.max():.3f} nats"
-            assert our_error.mean() <= BF16_MEAN_RATIO * hf_error.mean(), (
+            assert our_error.max() < hf_error.max() + BF16_MAX_NATS, (
+                f"prompt of {len(prompt)} tokens: {our_error.max():.3f} nats (HF bf16 {hf_error.max():.3f})"
+            )
+            ratios.append((our_error.mean() / hf_error.mean()).item())
+            assert ratios[-1] <= BF16_PROMPT_RATIO, (
                 f"prompt of {len(prompt)} tokens: mean error {our_error.mean():.4f} vs HF bf16 {hf_error.mean():.4f}"
             )
+    mean_ratio = sum(ratios) / len(ratios)
+    assert mean_ratio <= BF16_MEAN_RATIO, f"mean error {mean_ratio:.3f}x HF bf16's over {len(ratios)} prompts"
 
 
 @pytest.mark.slow
-def test_smollm2_bfloat16_close_to_hf():
-    # The bf16 engine against HF's bf16 model on the same (dequantized) weights. Packed weights
-    # multiply in fp32 and round each output to bf16; on SmolLM2 that lands at 1.7x HF bf16's mean
-    # error (open: docs/architecture.md "GGUF weights stay packed"), so this bound is for dequantize.
-    llm = LLM(dtype="bfloat16", num_kv_blocks=512, gguf_weights="dequantize")
-    prompts = prompts_for(llm.get_tokenizer())
+@pytest.mark.parametrize("vdpbf16_packing", ["1", "0"])
+def test_smollm2_bfloat16_close_to_hf(vdpbf16_packing, monkeypatch):
+    # The bf16 engine against HF's bf16 model on the same (dequantized) weights, with the
+    # matmuls on weights packed for VDPBF16PS where this CPU has it, and on nn.Linear's layout.
+    # GGUF weights kept in their blocks multiply in fp32 and round each output to bf16; on
+    # SmolLM2 that lands at 1.7x HF bf16's mean error (open: docs/architecture.md "GGUF weights
+    # stay packed"), so this bound is for dequantize.
+    monkeypatch.setenv("PAGEDLLM_BF16_PACKED", vdpbf16_packing)
+    llm = LLM(dtype="bfloat16", num_kv_blocks=1024, gguf_weights="dequantize")
+    packing = vdpbf16_packing == "1" and bf16_packing_supported(torch.device("cpu"), torch.bfloat16)
+    assert isinstance(llm.llm_engine.model.model.layers[0].mlp.down_proj, PackedBf16Linear) == packing
+    tokenizer = llm.get_tokenizer()
+    prompts = prompts_for(tokenizer) + [tokenizer.encode(text) for text in real_text_prompts(40, seed=1)]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_pool_free(llm)

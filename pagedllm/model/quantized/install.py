@@ -51,7 +51,7 @@ def install_packed_weights(model: nn.Module, state_dict: dict, fused: dict[str, 
             _replace(model, module_name, PackedEmbedding(packed.pop(name)))
     embedding = _find(model, "model.embed_tokens")
     if getattr(model, "tie_word_embeddings", False) and isinstance(embedding, PackedEmbedding):
-        # compute_logits uses lm_head when it is a QuantizedLinear; this one shares the blocks.
+        # compute_logits uses lm_head whenever the model has one; this one shares the blocks.
         model.lm_head = embedding.as_linear()
     # Whatever found no packed module loads dense (or fails as an unexpected tensor would).
     return {**dense, **{name: weight.dequantize() for name, weight in packed.items()}}
