@@ -71,6 +71,19 @@ def test_strided_rows_and_leading_dims():
     torch.testing.assert_close(layer(rows), layer(rows.contiguous()), rtol=0, atol=0)
     batched = torch.randn(2, 3, 64).bfloat16()
     torch.testing.assert_close(layer(batched), layer(batched.view(6, 64)).view(2, 3, 48), rtol=0, atol=0)
+    assert layer(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 48)
+
+
+@needs_kernel
+def test_a_row_comes_out_the_same_in_any_batch():
+    """Each row's sums run in one order whatever the row count (no split along K, no
+    cross-row reduction): decode rows do not change with the batch around them."""
+    torch.manual_seed(4)
+    layer = PackedBf16Linear(torch.randn(96, 576).bfloat16(), None)
+    x = torch.randn(21, 576).bfloat16()
+    whole = layer(x)
+    for rows in (slice(0, 1), slice(3, 11), slice(13, 21), slice(5, 6)):
+        torch.testing.assert_close(layer(x[rows]), whole[rows], rtol=0, atol=0)
 
 
 def test_packing_is_off_by_environment_and_for_other_dtypes(monkeypatch):
