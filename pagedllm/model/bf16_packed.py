@@ -8,8 +8,8 @@ says why) one kernel runs decode and prefill matmuls at ~90% of it (1.5x the
 small-batch kernel at 8-20 rows, 1.1x oneDNN at prefill sizes: BENCHMARKS.md).
 
 ``pack_bf16_linears(model)`` runs once, after the model is loaded and on its
-device: it swaps each ``Linear`` for a ``PackedBf16Linear`` holding only the
-packed copy (the weights' memory stays the same), and gives a model with a tied
+device: it swaps each ``Linear`` for a ``PackedBf16Linear`` whose weight is packed
+in its own storage (the weights' memory stays the same), and gives a model with a tied
 LM head a packed copy of the embedding (the embedding keeps its rows for the
 lookup: one more vocabulary x hidden matrix, 56 MiB for SmolLM2-135M).
 
@@ -38,14 +38,46 @@ logger = init_logger(__name__)
 _OUTPUTS_PER_VECTOR = 16
 
 
-def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> [out / 16, in / 2, 16, 2]: element (o, i) lands at (o // 16, i // 2, o % 16, i % 2)."""
+# 16-output blocks permuted per step of an in-place packing: a few MiB of scratch.
+_BLOCKS_PER_CHUNK = 64
+
+
+def _packed_shapes(weight: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the [out, in] weight as 16-row blocks of input pairs, the packed shape)."""
     out_features, in_features = weight.shape
     if out_features % _OUTPUTS_PER_VECTOR or in_features % 2:
         raise ValueError(f"a packed bf16 weight needs out_features % 16 == 0 and even in_features, "
                          f"not [{out_features}, {in_features}]")
-    return (weight.view(out_features // _OUTPUTS_PER_VECTOR, _OUTPUTS_PER_VECTOR, in_features // 2, 2)
-            .permute(0, 2, 1, 3).contiguous())
+    vectors = out_features // _OUTPUTS_PER_VECTOR
+    return (vectors, _OUTPUTS_PER_VECTOR, in_features // 2, 2), (vectors, in_features // 2, _OUTPUTS_PER_VECTOR, 2)
+
+
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out / 16, in / 2, 16, 2]: element (o, i) lands at (o // 16, i // 2, o % 16, i % 2)."""
+    blocks, _ = _packed_shapes(weight)
+    return weight.reshape(blocks).permute(0, 2, 1, 3).contiguous()
+
+
+def pack_bf16_weight_in_place(weight: torch.Tensor) -> torch.Tensor:
+    """``pack_bf16_weight`` without a second copy of the weight: each 16-row block is
+    permuted within its own bytes, a chunk of blocks at a time, and the result is a
+    view of ``weight``'s storage. Safety rule: ``weight`` must be contiguous and
+    nothing may read it as [out, in] afterwards (its bytes now hold the packed order)."""
+    blocks_shape, packed_shape = _packed_shapes(weight)
+    if not weight.is_contiguous():
+        raise ValueError("pack_bf16_weight_in_place needs a contiguous weight")
+    blocks, packed = weight.view(blocks_shape), weight.view(packed_shape)
+    for start in range(0, blocks_shape[0], _BLOCKS_PER_CHUNK):
+        chunk = slice(start, start + _BLOCKS_PER_CHUNK)  # the same bytes in both views
+        packed[chunk].copy_(blocks[chunk].clone().permute(0, 2, 1, 3))
+    return packed
+
+
+def _owns_its_storage(weight: torch.Tensor) -> bool:
+    """Contiguous and the whole of its storage: packing it in place disturbs no other tensor
+    that views the same storage (a tied or sliced weight is copied instead)."""
+    return weight.is_contiguous() and weight.storage_offset() == 0 and \
+        weight.untyped_storage().nbytes() == weight.numel() * weight.element_size()
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -58,10 +90,13 @@ class PackedBf16Linear(nn.Module):
     parameter) over a weight packed by ``pack_bf16_weight``. Safety rule: only built
     where ``bf16_packing_supported`` said yes (the kernel exists only there)."""
 
-    def __init__(self, weight: torch.Tensor, bias: nn.Parameter | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: nn.Parameter | None, in_place: bool = False) -> None:
+        """``in_place``: pack ``weight``'s own storage (``pack_bf16_weight_in_place``'s
+        safety rule applies) instead of a copy."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed_weight", pack_bf16_weight(weight), persistent=False)
+        packed = pack_bf16_weight_in_place(weight) if in_place else pack_bf16_weight(weight)
+        self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,15 +128,17 @@ def pack_bf16_linears(model: nn.Module) -> int:
     parameter = next(model.parameters(), None)
     if parameter is None or not bf16_packing_supported(parameter.device, parameter.dtype):
         return 0
-    # Names, not modules: each dense weight is freed as soon as its packed copy
-    # replaces it, so packing peaks at one layer's weight more, not the model's.
+    # A weight that owns its storage (every loaded one) is packed in place: the model's
+    # memory does not grow, not even by one layer. Names, not modules, are held, so a
+    # copied weight is freed as soon as its packed copy replaces it.
     names = [name for name, module in model.named_modules()
              if type(module) is Linear and module.weight.dtype == torch.bfloat16 and packable(module.weight)]
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         dense = getattr(parent, child)
-        setattr(parent, child, PackedBf16Linear(dense.weight.detach(), dense.bias))
+        weight = dense.weight.detach()
+        setattr(parent, child, PackedBf16Linear(weight, dense.bias, in_place=_owns_its_storage(weight)))
         del dense
     packed = len(names)
     embedding = getattr(getattr(model, "model", None), "embed_tokens", None)

@@ -7,7 +7,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.model.bf16_packed import (PackedBf16Linear, bf16_packing_supported, pack_bf16_linears,
-                                        pack_bf16_weight)
+                                        pack_bf16_weight, pack_bf16_weight_in_place)
 from pagedllm.model.layers import Linear
 from tests.conftest import assert_pool_free
 
@@ -30,6 +30,17 @@ def test_packed_layout_puts_16_outputs_by_one_pair_of_inputs_per_vector():
     assert packed.shape == (2, 3, 16, 2) and packed.is_contiguous()
     for out_index, in_index in [(0, 0), (5, 3), (17, 4), (31, 5)]:
         assert packed[out_index // 16, in_index // 2, out_index % 16, in_index % 2] == weight[out_index, in_index]
+
+
+@pytest.mark.parametrize("out_features", [16, 48, 2064])  # 2064 = 129 blocks: two chunks of 64 and one more
+def test_in_place_packing_permutes_the_weights_own_bytes(out_features):
+    weight = torch.randn(out_features, 40).bfloat16()
+    expected = pack_bf16_weight(weight)
+    address = weight.data_ptr()
+    packed = pack_bf16_weight_in_place(weight)
+    assert packed.data_ptr() == address and torch.equal(packed, expected)
+    with pytest.raises(ValueError, match="contiguous"):
+        pack_bf16_weight_in_place(torch.zeros(40, 32, dtype=torch.bfloat16).t())
 
 
 @pytest.mark.parametrize("shape", [(24, 8), (32, 7)])
@@ -104,9 +115,11 @@ def test_pack_swaps_packable_layers_only_and_keeps_the_function():
     model = torch.nn.Sequential(Linear(64, 48, bias=True), Linear(48, 24)).bfloat16()
     x = torch.randn(9, 64).bfloat16()
     dense_hidden = model[0](x)
+    dense_weight_address = model[0].weight.data_ptr()
     assert pack_bf16_linears(model) == 1
     assert isinstance(model[0], PackedBf16Linear) and type(model[1]) is Linear  # 24 outputs: not packable
     assert model[0].bias is not None and "packed_weight" not in model.state_dict()
+    assert model[0].packed_weight.data_ptr() == dense_weight_address  # packed in its own storage
     torch.testing.assert_close(model[0](x).float(), dense_hidden.float(), rtol=2**-7, atol=1e-2)
 
 
