@@ -18,7 +18,7 @@ times faster at prefill than any VDPBF16PS kernel), a build without AVX-512
 BF16, a layer whose out_features is not a multiple of 16 or whose in_features
 is odd, and ``PAGEDLLM_BF16_PACKED=0``. Those keep ``Linear``.
 
-A packed layer's weight is not in ``state_dict()`` (the packed copy is a
+A packed layer's weight is not in ``state_dict()`` (the packed weight is a
 non-persistent buffer): pack after loading, never before.
 """
 
