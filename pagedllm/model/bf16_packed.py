@@ -45,7 +45,7 @@ _BLOCKS_PER_CHUNK = 64
 def _packed_shapes(weight: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(the [out, in] weight as 16-row blocks of input pairs, the packed shape)."""
     out_features, in_features = weight.shape
-    if out_features % _OUTPUTS_PER_VECTOR or in_features % 2:
+    if not packable(weight):
         raise ValueError(f"a packed bf16 weight needs out_features % 16 == 0 and even in_features, "
                          f"not [{out_features}, {in_features}]")
     vectors = out_features // _OUTPUTS_PER_VECTOR

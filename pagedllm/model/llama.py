@@ -271,4 +271,3 @@ def build_model(checkpoint, max_model_len: int, device: torch.device, dtype: tor
     model = model.to(device=device, dtype=dtype).eval()
     pack_bf16_linears(model)
     return model
-
