@@ -122,10 +122,9 @@ def _hf_hypothesis(out, row: int, prompt_len: int, eos: list[int], params: BeamS
 def beam_vs_hf(options: CaseOptions) -> list[DifferentialCase]:
     """One case per configuration of ``beam_grid(options.max_tokens)``, all on
     one engine and one HF model."""
-    from pagedllm import LLM
     from pagedllm.bench.hf_reference import load_hf_model
 
-    llm = LLM(options.model, num_kv_blocks=options.num_kv_blocks)
+    llm = options.llm()
     hf_model = load_hf_model(options.model)
     tokenizer = llm.get_tokenizer()
 

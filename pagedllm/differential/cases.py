@@ -5,7 +5,8 @@ runs them in full; ``tests/differential`` runs a slice of each."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.differential.beam import beam_vs_hf
 from pagedllm.differential.generations import engine_greedy, hf_greedy
@@ -15,20 +16,29 @@ from pagedllm.differential.harness import DifferentialCase
 @dataclass(frozen=True)
 class CaseOptions:
     """``model``: a local checkpoint (None: the default SmolLM2). ``max_tokens``:
-    the free-running length. ``num_kv_blocks``: each engine's pool."""
+    the free-running length. ``num_kv_blocks``: each engine's pool. ``engine``:
+    further ``LLM(...)`` options every engine of every case is built with (the
+    command's engine flags, ``gguf_weights="dequantize"`` for the fp32 path); what a
+    case itself sets on one side wins."""
 
     model: str | None = None
     max_tokens: int = 64
     num_kv_blocks: int = 512
+    engine: dict[str, Any] = field(default_factory=dict)
+
+    def llm(self, **options: Any):
+        """An engine of these options, ``options`` over them."""
+        from pagedllm import LLM
+
+        return LLM(**{**self.engine, "model": self.model, "num_kv_blocks": self.num_kv_blocks, **options})
 
 
 def greedy_vs_hf(options: CaseOptions) -> list[DifferentialCase]:
     """Greedy generation, all prompts batched, against transformers' ``generate``
     one prompt at a time: the engine's own correctness claim."""
-    from pagedllm import LLM
     from pagedllm.bench.hf_reference import load_hf_model
 
-    llm = LLM(options.model, num_kv_blocks=options.num_kv_blocks)
+    llm = options.llm()
     hf_model = load_hf_model(options.model)
     tokenizer = llm.get_tokenizer()
     return [DifferentialCase(
@@ -46,10 +56,8 @@ def engine_option_vs_default(label: str, feature: dict, oracle: dict | None = No
     is measured by how long the texts stay together."""
 
     def build(options: CaseOptions) -> list[DifferentialCase]:
-        from pagedllm import LLM
-
-        plain = LLM(options.model, **{"num_kv_blocks": options.num_kv_blocks, **(oracle or {})})
-        changed = LLM(options.model, **{"num_kv_blocks": options.num_kv_blocks, **feature})
+        plain = options.llm(**(oracle or {}))
+        changed = options.llm(**feature)
         return [DifferentialCase(
             label,
             oracle=lambda prompts: engine_greedy(plain, prompts, options.max_tokens),

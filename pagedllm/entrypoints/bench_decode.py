@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Callable
 
 from pagedllm.bench.record import report
-from pagedllm.entrypoints.engine_args import make_llm
+from pagedllm.entrypoints.engine_args import engine_options_from_args, make_llm
 
 
 def cmd_bench_structured(args: argparse.Namespace) -> None:
@@ -45,7 +45,10 @@ def cmd_bench_differential(args: argparse.Namespace) -> None:
 
     names = args.cases.split(",")
     check_case_names(names)
-    options = CaseOptions(args.model, args.max_tokens, args.num_kv_blocks or 512)
+    # Every engine flag reaches every case's engines (a case's own option wins on its side).
+    engine = {name: value for name, value in engine_options_from_args(args).items()
+              if name not in ("model", "num_kv_blocks")}
+    options = CaseOptions(args.model, args.max_tokens, args.num_kv_blocks or 512, engine)
     prompts = real_text_prompts(args.num_prompts, seed=args.prompt_seed)
     reports = []
     for name in names:  # one name's engines at a time, so a long run holds only those in memory

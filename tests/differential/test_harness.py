@@ -82,3 +82,15 @@ def test_greedy_speculation_async_chunking_and_preemption_cases_agree_on_a_tiny_
         for llm in case.engines:
             assert_pool_free(llm)
     assert cases[-1].engines[1].stats()["num_preemptions"] > 0  # the small pool did preempt
+
+
+def test_engine_options_reach_every_engine_of_a_case_and_its_own_option_wins(tiny_llama):
+    options = CaseOptions(model=tiny_llama, max_tokens=4, num_kv_blocks=64,
+                          engine={"enable_prefix_caching": False, "num_kv_blocks": 999})
+    (case,) = build_cases(["preemption"], options)
+    plain, changed = case.engines
+    for llm in case.engines:
+        assert llm.llm_engine.config.cache.enable_prefix_caching is False
+        assert_pool_free(llm)
+    # num_kv_blocks is the options' own field (not the engine dict's), and the case's 40 wins on its side.
+    assert (plain.stats()["num_blocks"], changed.stats()["num_blocks"]) == (64, 40)
