@@ -24,7 +24,7 @@ from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.attention.selector import cpu_decode, cpu_prefill
 from pagedllm.attention.torch_paged import TorchPagedAttention
-from pagedllm.model.bf16_packed import bf16_packing_supported, pack_bf16_weight
+from pagedllm.model.packed_linear import pack_weight, packing_supported
 from pagedllm.model.shapes import num_kv_heads_of
 from pagedllm.sampling_params import SamplingParams
 
@@ -123,14 +123,14 @@ def linear_rows(config, batches: list[int], repeats: int = 8, dtype: torch.dtype
     """Per batch size: ms for every projection of one decode step in ``dtype``
     (fp32 or bf16; each layer with its own weights, streamed from memory as in
     the engine), through PyTorch's matmul (MKL / oneDNN), through the C++
-    small-batch kernel and, for bf16 where the engine packs its weights for
-    VDPBF16PS (``bf16_packed``), through the packed kernel; interleaved so all
+    small-batch kernel and, where the engine packs its weights of ``dtype``
+    (``packed_linear``), through the packed kernel; interleaved so all
     see the same machine load."""
     kernel = load_cpu_kernels()
     weights = [(fan_in, torch.randn(fan_out, fan_in, dtype=dtype))
                for fan_in, fan_out, count in projection_shapes(config) for _ in range(count)]
-    packed = ([(fan_in, pack_bf16_weight(w)) for fan_in, w in weights]
-              if bf16_packing_supported(torch.device("cpu"), dtype) else None)
+    packed = ([(fan_in, pack_weight(w)) for fan_in, w in weights]
+              if packing_supported(torch.device("cpu"), dtype) else None)
     rows = []
     for batch in batches:
         inputs = {fan_in: torch.randn(batch, fan_in, dtype=dtype) for fan_in, _ in weights}
@@ -138,7 +138,7 @@ def linear_rows(config, batches: list[int], repeats: int = 8, dtype: torch.dtype
         if kernel is not None:
             passes["small_batch_ms"] = lambda: [kernel.linear_small_batch(inputs[k], w) for k, w in weights]
         if packed is not None:
-            passes["packed_ms"] = lambda: [kernel.bf16_packed_linear(inputs[k], w) for k, w in packed]
+            passes["packed_ms"] = lambda: [kernel.packed_linear(inputs[k], w) for k, w in packed]
         best = dict.fromkeys(passes, float("inf"))
         for _ in range(repeats):
             for name, one_pass in passes.items():
@@ -151,7 +151,7 @@ def format_linear(rows: list[dict]) -> str:
     packed = any("packed_ms" in r for r in rows)
     header = "| rows | PyTorch (ms) | C++ small-batch (ms) | speed-up |"
     if packed:
-        header += " C++ packed bf16 (ms) | packed vs PyTorch | packed vs small-batch |"
+        header += " C++ packed (ms) | packed vs PyTorch | packed vs small-batch |"
     lines = [header, "|---" * (header.count("|") - 1) + "|"]
     for r in rows:
         small = r.get("small_batch_ms")

@@ -354,7 +354,7 @@ def _add_kernel_benches(benches: argparse._SubParsersAction) -> None:
     at.add_argument("--context", type=int, nargs="+", default=[128, 512, 1024, 4096])
     at.add_argument("--prefill", type=int, nargs="+", default=None, metavar="LEN",
                     help="instead: causal prefill attention at these prompt lengths, the C++ bf16 kernel vs SDPA")
-    li = _add_bench(benches, "linear", "decode matmuls: the C++ small-batch kernel vs PyTorch (MKL / oneDNN)",
+    li = _add_bench(benches, "linear", "decode matmuls: the C++ small-batch and packed kernels vs PyTorch (MKL / oneDNN)",
                     cmd_bench_linear, builds_engine=False)
     li.add_argument("--model", default=None, help="model whose shapes to use (default: the embedded SmolLM2)")
     li.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16, 32, 48, 64])

@@ -28,9 +28,9 @@ from pagedllm.kernels.cpu import cpu_kernels_for
 # linear`; bf16 on a CPU without AVX-512 BF16: 2-3x oneDNN at 8-48 rows; bf16 with
 # AVX-512 BF16, where the kernel multiplies with VDPBF16PS, on an AMD EPYC Zen 4:
 # 1.3-1.5x oneDNN's native bf16 at 1-20 rows, 1.1x at 32, even at 48); larger
-# batches and prefill go to MKL / oneDNN. Where the CPU has AVX-512 BF16 and no AMX a
-# bf16 model's Linear layers are replaced by packed ones at load (``bf16_packed``),
-# so bf16 comes here only on other CPUs or with that packing turned off.
+# batches and prefill go to MKL / oneDNN. Where the CPU has AVX-512 and no AMX an fp32
+# or bf16 model's Linear layers are replaced by packed ones at load (``packed_linear``),
+# so they come here only on other CPUs or with that packing turned off.
 SMALL_BATCH_ROWS = 48
 
 
@@ -98,6 +98,12 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def replace_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` at dotted ``name`` of ``model`` (a layer swapped for its packed twin)."""
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
 class Embedding(nn.Embedding):

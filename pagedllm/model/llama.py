@@ -18,7 +18,7 @@ from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.distributed.sharding import shard_layout, shard_state_dict
 from pagedllm.model.registry import model_class_for
 from pagedllm.model.shapes import head_dim_of, num_kv_heads_of, sliding_windows_of
-from pagedllm.model.bf16_packed import pack_bf16_linears
+from pagedllm.model.packed_linear import pack_linears
 from pagedllm.model.layers import Embedding, GatedMLP, Linear, RMSNorm, linear
 from pagedllm.model.quantized import install_packed_weights
 from pagedllm.model.rotary import RotaryEmbedding, context_window_of
@@ -221,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         """Logits in the model's dtype: the sampler reads bf16 ones as fp32
         without a copy when it only needs the argmax."""
         # A tied head has no module of its own unless its weight is packed (GGUF blocks
-        # shared with the embedding, or a bf16 copy packed for VDPBF16PS).
+        # or the packed kernel's layout, shared with the embedding).
         head = getattr(self, "lm_head", None)
         logits = head(hidden) if head is not None else linear(hidden, self.model.embed_tokens.weight)
         return logits if self.logits_scaling is None else logits / self.logits_scaling
@@ -245,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
         shard = fuse_projections(shard_state_dict(state_dict, self.config, self.tp))
         missing, unexpected = self.load_state_dict(shard, strict=False, assign=True)
         # The parameters now hold the tensors: the dicts let go of them, so a layer
-        # replaced after loading (bf16_packed) frees its dense weight at once.
+        # replaced after loading (packed_linear) frees its dense weight at once.
         state_dict.clear()
         shard.clear()
         if missing or unexpected:
@@ -262,12 +262,12 @@ def build_model(checkpoint, max_model_len: int, device: torch.device, dtype: tor
     The model is built on the meta device and its parameters are the
     checkpoint's tensors (see ``load_weights``): peak memory is the weights
     once, plus one layer's fused projections. Consumes ``checkpoint.state_dict``.
-    A bf16 model on a CPU with AVX-512 BF16 and no AMX has its linear layers
-    packed for VDPBF16PS (``bf16_packed``).
+    An fp32 or bf16 model on a CPU with AVX-512 and no AMX has its linear layers
+    packed for the C++ packed kernel (``packed_linear``).
     """
     with torch.device("meta"):
         model = model_class_for(checkpoint.config)(checkpoint.config, max_position=max_model_len, tp=tp)
     model.load_weights(checkpoint.state_dict)
     model = model.to(device=device, dtype=dtype).eval()
-    pack_bf16_linears(model)
+    pack_linears(model)
     return model

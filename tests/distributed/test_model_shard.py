@@ -47,6 +47,7 @@ def run_worker_in_process(config: EngineConfig, rank: int, world_size: int, monk
 def test_a_worker_builds_its_rank_of_the_model_the_engine_loads(tiny_llama, monkeypatch):
     """Same checkpoint, same max_model_len (the engine's 64, not the model's
     4096-token window): rank 1's shard is rank 1's cut of the engine's weights."""
+    monkeypatch.setenv("PAGEDLLM_PACKED_LINEAR", "0")  # compared in nn.Linear's [out, in] layout
     engine = LLMEngine(EngineConfig(model=tiny_llama, max_model_len=64, cache=CacheConfig(num_kv_blocks=8)))
     (rank1,) = run_worker_in_process(engine.config, rank=1, world_size=2, monkeypatch=monkeypatch)
     whole = engine.model

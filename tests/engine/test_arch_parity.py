@@ -52,9 +52,10 @@ def test_granite_matches_hf(tmp_path, smollm_tokenizer):
     check_greedy_parity(folder, [5, 30, 60], new_tokens=24)
 
 
-def test_phi3_fused_projections_shard_for_tensor_parallelism():
+def test_phi3_fused_projections_shard_for_tensor_parallelism(monkeypatch):
     """Phi-3 checkpoints fuse q|k|v and gate|up; rank 1 of 2 gets the same cut of each part as a
     checkpoint with separate projections would give it."""
+    monkeypatch.setenv("PAGEDLLM_PACKED_LINEAR", "0")  # compared in nn.Linear's [out, in] layout
     torch.manual_seed(0)
     config = phi3_config()
     weights = Phi3ForCausalLM(config).state_dict()

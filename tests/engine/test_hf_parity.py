@@ -14,7 +14,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.bench.hf_reference import load_hf_model
 from pagedllm.differential.prompts import real_text_prompts
 from pagedllm.kernels.cpu import load_cpu_kernels
-from pagedllm.model.bf16_packed import PackedBf16Linear, bf16_packing_supported
+from pagedllm.model.packed_linear import PackedLinear, packing_supported
 from tests.conftest import assert_pool_free
 
 TEXT = (
@@ -152,17 +152,17 @@ def assert_bf16_close_to_hf(prompts, outputs, oracle, hf_bf16) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("vdpbf16_packing", ["1", "0"])
-def test_smollm2_bfloat16_close_to_hf(vdpbf16_packing, monkeypatch):
+@pytest.mark.parametrize("packing_switch", ["auto", "0"])
+def test_smollm2_bfloat16_close_to_hf(packing_switch, monkeypatch):
     # The bf16 engine against HF's bf16 model on the same (dequantized) weights, with the
-    # matmuls on weights packed for VDPBF16PS where this CPU has it, and on nn.Linear's layout.
+    # matmuls on weights packed for VDPBF16PS where this CPU packs them, and on nn.Linear's layout.
     # GGUF weights kept in their blocks multiply in fp32 and round each output to bf16; on
     # SmolLM2 that lands at 1.7x HF bf16's mean error (open: docs/architecture.md "GGUF weights
     # stay packed"), so this bound is for dequantize.
-    monkeypatch.setenv("PAGEDLLM_BF16_PACKED", vdpbf16_packing)
+    monkeypatch.setenv("PAGEDLLM_PACKED_LINEAR", packing_switch)
     llm = LLM(dtype="bfloat16", num_kv_blocks=1024, gguf_weights="dequantize")
-    packing = vdpbf16_packing == "1" and bf16_packing_supported(torch.device("cpu"), torch.bfloat16)
-    assert isinstance(llm.llm_engine.model.model.layers[0].mlp.down_proj, PackedBf16Linear) == packing
+    packing = packing_switch == "auto" and packing_supported(torch.device("cpu"), torch.bfloat16)
+    assert isinstance(llm.llm_engine.model.model.layers[0].mlp.down_proj, PackedLinear) == packing
     tokenizer = llm.get_tokenizer()
     prompts = prompts_for(tokenizer) + [tokenizer.encode(text) for text in real_text_prompts(40, seed=1)]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)

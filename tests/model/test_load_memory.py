@@ -20,7 +20,7 @@ _MEASURE = """
 import json, resource, sys, torch
 from transformers import AutoConfig
 from pagedllm.model.loader import load_checkpoint
-from pagedllm.model.bf16_packed import PackedBf16Linear
+from pagedllm.model.packed_linear import PackedLinear
 from pagedllm.model.llama import build_model
 from pagedllm.model.registry import model_class_for
 
@@ -39,8 +39,8 @@ checkpoint = load_checkpoint(sys.argv[1], dtype=torch.bfloat16)
 model = build_model(checkpoint, 2048, torch.device("cpu"), torch.bfloat16)
 # VmHWM, the peak of this address space: ru_maxrss would carry over the forking parent's peak.
 peak = int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM:")).split()[1])
-# Parameters, and the weights packed for VDPBF16PS where this CPU packs bf16 layers (buffers).
-weights = [*model.parameters(), *(m.packed_weight for m in model.modules() if isinstance(m, PackedBf16Linear))]
+# Parameters, and the weights packed for the packed kernel where this CPU packs them (buffers).
+weights = [*model.parameters(), *(m.packed_weight for m in model.modules() if isinstance(m, PackedLinear))]
 print(json.dumps({"added_bytes": (peak - before) * 1024, "dtypes": sorted({str(w.dtype) for w in weights}),
                   "param_bytes": sum(w.numel() * w.element_size() for w in weights)}))
 """

@@ -16,11 +16,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_cache", &write_kv_cache, "Copy each token's K/V rows to its pool slot (CPU)");
   m.def("linear_small_batch", &linear_small_batch, "fp32 or bf16 x @ weight^T + bias for few rows of x (CPU)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
-  m.def("bf16_packed_linear", &bf16_packed_linear,
-        "bf16 x @ W^T + bias for W packed [out / 16, in / 2, 16, 2] (CPU, AVX-512 BF16)", py::arg("x"),
+  m.def("packed_linear", &packed_linear,
+        "fp32 / bf16 x @ W^T + bias for W packed [out / 16, in / g, 16, g], g = 1 / 2 (CPU, AVX-512)", py::arg("x"),
         py::arg("packed"), py::arg("bias") = py::none());
-  m.def("bf16_packed_linear_available", &bf16_packed_linear_available,
-        "Whether bf16_packed_linear was built (the compiler targeted AVX-512 BF16)");
+  m.def("packed_linear_available", &packed_linear_available,
+        "Whether packed_linear was built for this dtype (AVX-512 for fp32, AVX-512 BF16 for bf16)", py::arg("dtype"));
   m.def("quant_dequantize", &quant_dequantize, "Packed GGUF rows [rows, bytes] as fp32 [rows, in_features] (CPU)");
   m.def("quant_linear", &quant_linear, "out = x @ W^T for a packed GGUF weight W, written into out (CPU)");
   m.def("argmax_logsumexp", &argmax_logsumexp, "Per-row first argmax and fp32 logsumexp of fp32 or bf16 logits (CPU)");

@@ -33,10 +33,11 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_ca
 // small_batch_linear.cpp: x @ weight^T + bias for fp32 or bf16 with few rows (decode matmuls).
 torch::Tensor linear_small_batch(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
 
-// bf16_packed_linear.cpp: bf16 x @ W^T + bias with W packed [N / 16, K / 2, 16, 2] for
-// VDPBF16PS; built only for AVX-512 BF16 (bf16_packed_linear_available() says whether).
-torch::Tensor bf16_packed_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias);
-bool bf16_packed_linear_available();
+// packed_linear.cpp: fp32 or bf16 x @ W^T + bias with W packed [N / 16, K / g, 16, g]
+// (g = 1 fp32, 2 bf16); built for AVX-512 (fp32) and AVX-512 BF16 (bf16):
+// packed_linear_available(dtype) says which.
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias);
+bool packed_linear_available(at::ScalarType dtype);
 
 // quant_linear.cpp: matmuls and row lookups over weights kept in packed GGUF blocks.
 torch::Tensor quant_dequantize(torch::Tensor packed, int64_t qtype, int64_t in_features);

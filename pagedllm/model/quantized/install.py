@@ -21,6 +21,7 @@ from __future__ import annotations
 from torch import nn
 
 from pagedllm.logger import init_logger
+from pagedllm.model.layers import replace_submodule
 from pagedllm.model.quantized.modules import PackedEmbedding, QuantizedLinear
 from pagedllm.model.quantized.packed import PackedWeight
 
@@ -45,10 +46,10 @@ def install_packed_weights(model: nn.Module, state_dict: dict, fused: dict[str, 
         if isinstance(module, (nn.Linear, nn.Embedding)):
             _check_shape(name, packed[name].shape, tuple(module.weight.shape))
         if isinstance(module, nn.Linear):
-            _replace(model, module_name, QuantizedLinear([packed.pop(name)], module.bias is not None,
-                                                         module.weight.device))
+            replace_submodule(model, module_name, QuantizedLinear([packed.pop(name)], module.bias is not None,
+                                                                  module.weight.device))
         elif isinstance(module, nn.Embedding):
-            _replace(model, module_name, PackedEmbedding(packed.pop(name)))
+            replace_submodule(model, module_name, PackedEmbedding(packed.pop(name)))
     embedding = _find(model, "model.embed_tokens")
     if getattr(model, "tie_word_embeddings", False) and isinstance(embedding, PackedEmbedding):
         # compute_logits uses lm_head whenever the model has one; this one shares the blocks.
@@ -71,7 +72,7 @@ def _install_fused(model: nn.Module, packed: dict[str, PackedWeight], fused: dic
                 rows = sum(weight.shape[0] for weight in weights)
                 for part, weight in zip(names, weights):
                     _check_shape(part, (rows, weight.shape[1]), tuple(module.weight.shape))
-                _replace(model, name, QuantizedLinear.fused(weights, module.bias is not None, module.weight.device))
+                replace_submodule(model, name, QuantizedLinear.fused(weights, module.bias is not None, module.weight.device))
 
 
 def _check_shape(name: str, shape: tuple[int, int], expected: tuple[int, ...]) -> None:
@@ -85,8 +86,3 @@ def _find(model: nn.Module, name: str) -> nn.Module | None:
         return model.get_submodule(name)
     except AttributeError:
         return None
-
-
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
