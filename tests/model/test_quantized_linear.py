@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pagedllm.kernels.cpu import load_cpu_kernels
+from pagedllm.model.packed_linear import packing_supported
 from pagedllm.model.quantized import modules, packed
 from pagedllm.model.quantized.modules import PackedEmbedding, QuantizedLinear
 from pagedllm.model.quantized.packed import PackedWeight, dequantize_rows
@@ -68,6 +69,25 @@ def test_matmul_matches_the_dequantized_weight(qtype, rows, path):
     out = layer(x)
     assert out.shape == (rows, OUT_FEATURES) and out.dtype == torch.float32
     _assert_matmul_close(out, x, dense, layer.bias.detach(), 1e-5)
+
+
+@pytest.mark.parametrize("qtype", [PACKED[0], PACKED[-1]], ids=lambda t: t.name)
+def test_prefill_tiles_through_the_packed_fp32_kernel_match_the_dequantized_weight(qtype):
+    """Prefill-sized x over a weight of 16-row blocks: two tiles (1008 rows of K = 512, then
+    64), through the packed fp32 kernel where this CPU packs fp32 weights, and through MKL."""
+    if load_cpu_kernels() is None:
+        pytest.skip("the C++ CPU kernels did not build")
+    weight, dense = random_packed(qtype, 1072, IN_FEATURES, seed=3)
+    layer = QuantizedLinear([weight], bias=False)
+    assert layer.packed_tiles == packing_supported(torch.device("cpu"), torch.float32)
+    x = torch.randn(130, IN_FEATURES)
+    results = {}
+    for packed_tiles in (True, False):
+        layer.packed_tiles = packed_tiles
+        results[packed_tiles] = layer(x)
+        _assert_matmul_close(results[packed_tiles], x, dense, None, 1e-5)
+    # Another summation order: the flag reached the kernel (where the packed kernel exists).
+    assert torch.equal(results[True], results[False]) != load_cpu_kernels().packed_linear_available(torch.float32)
 
 
 @pytest.mark.parametrize("rows", [2, 64])

@@ -41,7 +41,8 @@ bool packed_linear_available(at::ScalarType dtype);
 
 // quant_linear.cpp: matmuls and row lookups over weights kept in packed GGUF blocks.
 torch::Tensor quant_dequantize(torch::Tensor packed, int64_t qtype, int64_t in_features);
-void quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::Tensor out, int64_t small_rows);
+void quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::Tensor out, int64_t small_rows,
+                  bool packed_tiles);
 
 // sampling_ops.cpp: greedy token and log-normaliser of each logits row in one read.
 std::tuple<torch::Tensor, torch::Tensor> argmax_logsumexp(torch::Tensor logits);

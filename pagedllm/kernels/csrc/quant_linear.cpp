@@ -10,7 +10,9 @@
 // scratch that stays in L2, then multiplies every row of x by them, so each
 // weight byte is read from memory and decoded once per call. Many rows
 // (prefill): a tile of weight rows is dequantized into fp32 scratch and
-// multiplied by MKL (at::mm), tile after tile.
+// multiplied by MKL (at::mm), or by the packed fp32 kernel where the caller
+// asks for it (``packed_tiles``: where the engine packs fp32 weights), tile
+// after tile.
 //
 // Sums run in another order than a dense fp32 matmul over the dequantized
 // weight, so results agree with it to fp32 rounding, not bit for bit.
@@ -418,7 +420,8 @@ void scratch_rows(const torch::Tensor& x, const uint8_t* pp, int64_t row_bytes, 
 }
 
 template <typename F>
-void linear(const torch::Tensor& x, const torch::Tensor& packed, torch::Tensor& out, int64_t small_rows) {
+void linear(const torch::Tensor& x, const torch::Tensor& packed, torch::Tensor& out, int64_t small_rows,
+            bool packed_tiles) {
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   check_inputs<F>(packed, K);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
@@ -429,8 +432,13 @@ void linear(const torch::Tensor& x, const torch::Tensor& packed, torch::Tensor& 
 #endif
     return scratch_rows<F>(x, pp, row_bytes, N, out);
   }
+  // A tile of dequantized rows is multiplied by the packed fp32 kernel (packed_linear.cpp,
+  // 1.2-1.5x MKL's sgemm at prefill sizes where the engine packs fp32 weights) once its 16-row
+  // blocks are reordered, or by MKL. Every tile is then a multiple of 16 rows.
+  const bool through_packed = packed_tiles && N % 16 == 0 && packed_linear_available(torch::kFloat);
   // About 2 MB of fp32 weights per tile: big enough for MKL, small enough to stay in cache.
-  const int64_t tile_rows = std::max<int64_t>(64, (int64_t{1} << 19) / K);
+  int64_t tile_rows = std::max<int64_t>(64, (int64_t{1} << 19) / K);
+  if (through_packed) tile_rows -= tile_rows % 48;  // whole 48-output tiles of the packed kernel
   auto scratch = torch::empty({std::min(tile_rows, N), K}, torch::kFloat);
   float* sp = scratch.data_ptr<float>();
   for (int64_t n = 0; n < N; n += tile_rows) {
@@ -439,7 +447,14 @@ void linear(const torch::Tensor& x, const torch::Tensor& packed, torch::Tensor& 
       F::decode_rows(pp, row_bytes, K, begin, end, sp + (begin - n) * K);
     });
     auto target = out.narrow(1, n, rows);
-    at::mm_out(target, x, scratch.narrow(0, 0, rows).t());
+    auto dense = scratch.narrow(0, 0, rows);
+    if (through_packed) {
+      // [rows, K] -> [rows / 16, K, 16, 1], the layout packed_linear reads for fp32.
+      auto tile = dense.view({rows / 16, 16, K}).permute({0, 2, 1}).contiguous().unsqueeze(-1);
+      target.copy_(packed_linear(x, tile, std::nullopt));
+    } else {
+      at::mm_out(target, x, dense.t());
+    }
   }
 }
 
@@ -459,11 +474,12 @@ torch::Tensor quant_dequantize(torch::Tensor packed, int64_t qtype, int64_t in_f
   return out;
 }
 
-void quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::Tensor out, int64_t small_rows) {
+void quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::Tensor out, int64_t small_rows,
+                  bool packed_tiles) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
               "quant_linear: x must be fp32 [rows, in_features] with contiguous rows");
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat && out.stride(1) == 1 && out.size(0) == x.size(0) &&
                   out.size(1) == packed.size(0),
               "quant_linear: out must be an fp32 [rows, out_features] view with contiguous rows");
-  with_format(qtype, [&](auto format) { linear<decltype(format)>(x, packed, out, small_rows); });
+  with_format(qtype, [&](auto format) { linear<decltype(format)>(x, packed, out, small_rows, packed_tiles); });
 }

@@ -23,18 +23,23 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedllm.kernels.cpu import cpu_kernels_for
+from pagedllm.model.packed_linear import packing_supported
 from pagedllm.model.quantized.packed import TILE_ROWS, PackedWeight, dequantize_rows
 
 # Up to this many rows the C++ kernel decodes 4 weight rows at a time and reuses them
-# for every row of x (decode steps); beyond it, it decodes tiles for MKL (prefill).
+# for every row of x (decode steps); beyond it, it decodes tiles for MKL or, where the
+# engine packs fp32 weights (``packed_linear``), for the packed fp32 kernel (prefill).
 SMALL_BATCH_ROWS = 48
 
 
-def packed_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: GGMLQuantizationType, out: torch.Tensor) -> None:
-    """out = x @ W^T for fp32 x [rows, in] and packed W, written into the fp32 view `out` [rows, W rows]."""
+def packed_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: GGMLQuantizationType, out: torch.Tensor,
+                  packed_tiles: bool = False) -> None:
+    """out = x @ W^T for fp32 x [rows, in] and packed W, written into the fp32 view `out` [rows, W rows].
+    ``packed_tiles``: prefill tiles go through the packed fp32 kernel (only where
+    ``packing_supported`` says the CPU has it; MKL otherwise)."""
     kernels = cpu_kernels_for(x)
     if kernels is not None:
-        kernels.quant_linear(x, blocks, int(qtype), out, SMALL_BATCH_ROWS)
+        kernels.quant_linear(x, blocks, int(qtype), out, SMALL_BATCH_ROWS, packed_tiles)
         return
     for start in range(0, blocks.shape[0], TILE_ROWS):
         stop = min(start + TILE_ROWS, blocks.shape[0])
@@ -60,6 +65,8 @@ class QuantizedLinear(nn.Module):
             start += segment.shape[0]
         # The bias stays dense and is loaded by load_state_dict like nn.Linear's.
         self.bias = nn.Parameter(torch.empty(self.out_features, device=bias_device)) if bias else None
+        # Decided once: the CPU and the switch do not change while the model runs.
+        self.packed_tiles = packing_supported(torch.device("cpu"), torch.float32)
 
     @classmethod
     def fused(cls, parts: list[PackedWeight], bias: bool, bias_device: torch.device | None = None) -> QuantizedLinear:
@@ -77,7 +84,7 @@ class QuantizedLinear(nn.Module):
         x32 = x.float().contiguous()  # a no-op for contiguous fp32 input
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         for index, ((start, stop), qtype) in enumerate(zip(self.bounds, self.qtypes)):
-            packed_matmul(x32, getattr(self, f"blocks_{index}"), qtype, out[:, start:stop])
+            packed_matmul(x32, getattr(self, f"blocks_{index}"), qtype, out[:, start:stop], self.packed_tiles)
         if self.bias is not None:
             out += self.bias
         return out.to(x.dtype)
