@@ -45,10 +45,9 @@ def cmd_bench_differential(args: argparse.Namespace) -> None:
 
     names = args.cases.split(",")
     check_case_names(names)
-    # Every engine flag reaches every case's engines (a case's own option wins on its side).
-    engine = {name: value for name, value in engine_options_from_args(args).items()
-              if name not in ("model", "num_kv_blocks")}
-    options = CaseOptions(args.model, args.max_tokens, args.num_kv_blocks or 512, engine)
+    # Every engine flag reaches every case's engines (a case's own option wins on its side;
+    # CaseOptions' own model and pool size win over the flags').
+    options = CaseOptions(args.model, args.max_tokens, args.num_kv_blocks or 512, engine_options_from_args(args))
     prompts = real_text_prompts(args.num_prompts, seed=args.prompt_seed)
     reports = []
     for name in names:  # one name's engines at a time, so a long run holds only those in memory

@@ -35,8 +35,10 @@ torch::Tensor linear_small_batch(torch::Tensor x, torch::Tensor weight, std::opt
 
 // packed_linear.cpp: fp32 or bf16 x @ W^T + bias with W packed [N / 16, K / g, 16, g]
 // (g = 1 fp32, 2 bf16); built for AVX-512 (fp32) and AVX-512 BF16 (bf16):
-// packed_linear_available(dtype) says which.
+// packed_linear_available(dtype) says which. packed_linear_out writes into a [rows, N] view
+// with contiguous rows (a column slice of a wider output).
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias);
+void packed_linear_out(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias, torch::Tensor out);
 bool packed_linear_available(at::ScalarType dtype);
 
 // quant_linear.cpp: matmuls and row lookups over weights kept in packed GGUF blocks.

@@ -137,11 +137,10 @@ inline void tile_all_rows(const typename D::scalar_t* x, int64_t ldx, int64_t M,
 }
 
 template <typename D>
-torch::Tensor packed_linear_for(const torch::Tensor& x, const torch::Tensor& packed, const float* bias) {
+void packed_linear_for(const torch::Tensor& x, const torch::Tensor& packed, const float* bias, torch::Tensor& y) {
   using scalar_t = typename D::scalar_t;
-  const int64_t M = x.size(0), vectors = packed.size(0), steps = packed.size(1), N = vectors * kOutputsPerVector;
-  const int64_t vector_stride = steps * kOutputsPerVector * D::kGroup, ldx = x.stride(0);
-  auto y = torch::empty({M, N}, x.options());
+  const int64_t M = x.size(0), vectors = packed.size(0), steps = packed.size(1);
+  const int64_t vector_stride = steps * kOutputsPerVector * D::kGroup, ldx = x.stride(0), ldy = y.stride(0);
   const scalar_t* xp = x.data_ptr<scalar_t>();
   const scalar_t* wp = packed.data_ptr<scalar_t>();
   scalar_t* yp = y.data_ptr<scalar_t>();
@@ -155,12 +154,11 @@ torch::Tensor packed_linear_for(const torch::Tensor& x, const torch::Tensor& pac
       const float* b = bias != nullptr ? bias + first * kOutputsPerVector : nullptr;
       scalar_t* out = yp + first * kOutputsPerVector;
       // The last tile of a width that is not a multiple of 48 has 1 or 2 vectors.
-      if (count == 3) tile_all_rows<D, 3>(xp, ldx, M, w, steps, vector_stride, b, out, N, prefetch);
-      else if (count == 2) tile_all_rows<D, 2>(xp, ldx, M, w, steps, vector_stride, b, out, N, prefetch);
-      else tile_all_rows<D, 1>(xp, ldx, M, w, steps, vector_stride, b, out, N, prefetch);
+      if (count == 3) tile_all_rows<D, 3>(xp, ldx, M, w, steps, vector_stride, b, out, ldy, prefetch);
+      else if (count == 2) tile_all_rows<D, 2>(xp, ldx, M, w, steps, vector_stride, b, out, ldy, prefetch);
+      else tile_all_rows<D, 1>(xp, ldx, M, w, steps, vector_stride, b, out, ldy, prefetch);
     }
   });
-  return y;
 }
 
 }  // namespace
@@ -177,7 +175,7 @@ bool packed_linear_available(at::ScalarType dtype) {
   return false;
 }
 
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias) {
+void packed_linear_out(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias, torch::Tensor out) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(packed_linear_available(dtype),
               "packed_linear: not built for ", dtype, " (check packed_linear_available(dtype))");
@@ -187,6 +185,9 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional
                   packed.size(2) == 16 && packed.size(3) == group && packed.size(1) * group == x.size(1),
               "packed_linear: packed must be contiguous [out_features / 16, in_features / g, 16, g] of x's dtype "
               "(g = 2 for bf16, 1 for fp32)");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == dtype && out.stride(1) == 1 && out.size(0) == x.size(0) &&
+                  out.size(1) == packed.size(0) * 16,
+              "packed_linear: out must be a [rows, out_features] view of x's dtype with contiguous rows");
   std::optional<torch::Tensor> bias32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == packed.size(0) * 16 && bias->is_contiguous(),
@@ -196,11 +197,17 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional
   const float* bp = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
 #if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
-  if (dtype == torch::kBFloat16) return packed_linear_for<Bf16>(x, packed, bp);
+  if (dtype == torch::kBFloat16) return packed_linear_for<Bf16>(x, packed, bp, out);
 #endif
-  return packed_linear_for<Fp32>(x, packed, bp);
+  packed_linear_for<Fp32>(x, packed, bp, out);
 #else
   (void)bp;
   TORCH_CHECK(false, "unreachable");
 #endif
+}
+
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias) {
+  auto y = torch::empty({x.size(0), packed.size(0) * 16}, x.options());
+  packed_linear_out(x, packed, bias, y);
+  return y;
 }

@@ -451,7 +451,7 @@ void linear(const torch::Tensor& x, const torch::Tensor& packed, torch::Tensor& 
     if (through_packed) {
       // [rows, K] -> [rows / 16, K, 16, 1], the layout packed_linear reads for fp32.
       auto tile = dense.view({rows / 16, 16, K}).permute({0, 2, 1}).contiguous().unsqueeze(-1);
-      target.copy_(packed_linear(x, tile, std::nullopt));
+      packed_linear_out(x, tile, std::nullopt, target);
     } else {
       at::mm_out(target, x, dense.t());
     }
