@@ -9,8 +9,8 @@ which the Triton kernel does not read (the C++ kernel does). Anything else
 backend gathers through PyTorch, which runs on any device and storage type.
 
 Prefill spans: the C++ bf16 kernel (``prefill_attention.cpp``) for bf16 models on
-CPU, where PyTorch's SDPA is no faster in bf16 than in fp32; PyTorch's SDPA
-everywhere else (fp32 CPU, CUDA).
+a CPU without AMX, where PyTorch's SDPA is no faster in bf16 than in fp32; PyTorch's
+SDPA everywhere else (fp32 CPU, bf16 on an AMX CPU, CUDA).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.attention.torch_paged import DecodeKernel, PrefillKernel, TorchPagedAttention
 from pagedllm.kernels.cpu import load_cpu_kernels
+from pagedllm.kernels.cpu_features import cpu_has_amx
 from pagedllm.kernels.triton_paged import paged_decode_attention as triton_paged_decode
 from pagedllm.kernels.triton_paged import triton_paged_decode_available
 
@@ -60,8 +61,11 @@ def triton_decode(query, kv_cache: LayerKVCache, block_tables, context_lens, sca
 
 
 def prefill_kernel_for(device: torch.device, dtype: torch.dtype | None) -> PrefillKernel | None:
-    """``dtype``: the model's activations (None: unknown, PyTorch's SDPA)."""
-    if device.type == "cpu" and dtype == torch.bfloat16 and load_cpu_kernels() is not None:
+    """``dtype``: the model's activations (None: unknown, PyTorch's SDPA). On a CPU with
+    AMX, PyTorch's bf16 SDPA runs its matmuls on AMX tiles and is 2x the C++ kernel
+    from 128 tokens up (BENCHMARKS.md, "Issue 22 on an Intel Xeon with AMX"), so it
+    keeps them there."""
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_amx() and load_cpu_kernels() is not None:
         return cpu_prefill
     return None
 

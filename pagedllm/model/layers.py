@@ -12,7 +12,6 @@ bf16 matmuls on a CPU without native bf16 arithmetic run in fp32 (see
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -20,6 +19,7 @@ from torch import nn
 
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.kernels.cpu import cpu_kernels_for
+from pagedllm.kernels.cpu_features import cpu_has_amx, cpu_has_native_bf16
 
 
 # Up to this many rows a matmul is a decode step's, bound by streaming the
@@ -28,22 +28,33 @@ from pagedllm.kernels.cpu import cpu_kernels_for
 # linear`; bf16 on a CPU without AVX-512 BF16: 2-3x oneDNN at 8-48 rows; bf16 with
 # AVX-512 BF16, where the kernel multiplies with VDPBF16PS, on an AMD EPYC Zen 4:
 # 1.3-1.5x oneDNN's native bf16 at 1-20 rows, 1.1x at 32, even at 48); larger
-# batches and prefill go to MKL / oneDNN. Where the CPU has AVX-512 and no AMX an fp32
-# or bf16 model's Linear layers are replaced by packed ones at load (``packed_linear``),
-# so they come here only on other CPUs or with that packing turned off.
+# batches and prefill go to MKL / oneDNN. Where the CPU has AVX-512, fp32 models'
+# Linear layers (and bf16 ones where it has no AMX) are replaced by packed ones at
+# load (``packed_linear``), so they come here only on other CPUs or with that
+# packing turned off.
 SMALL_BATCH_ROWS = 48
+# bf16 on a CPU with AMX: oneDNN's AMX GEMM costs about the same from 1 to 32 rows
+# (39-45 ms for one step's projections on one Sapphire Rapids-class core), the
+# small-batch kernel grows with the rows (17 ms at 1, 37 at 8, 49 at 12, 72 at 20),
+# so the kernel keeps only the steps of a few sequences there.
+AMX_BF16_SMALL_BATCH_ROWS = 8
+
+
+def small_batch_rows(dtype: torch.dtype) -> int:
+    """The most rows a ``dtype`` matmul sends to the C++ small-batch kernel on this CPU."""
+    return AMX_BF16_SMALL_BATCH_ROWS if dtype == torch.bfloat16 and cpu_has_amx() else SMALL_BATCH_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``nn.functional.linear``, through the C++ small-batch kernel for fp32 or bf16
-    inputs of at most ``SMALL_BATCH_ROWS`` rows on CPU. Larger bf16 matmuls on a
+    inputs of at most ``small_batch_rows(dtype)`` rows on CPU. Larger bf16 matmuls on a
     CPU without AVX-512 BF16 or AMX (where oneDNN emulates bf16, 2-4x slower than
     fp32) widen to fp32, multiply, and round once. Both sum in fp32 and round
     to bf16 once, as oneDNN does, but in another order: results agree to fp32
     rounding of the sums, not bit for bit."""
     if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_cpu:
         return nn.functional.linear(x, weight, bias)
-    if x.shape[0] <= SMALL_BATCH_ROWS and x.stride(1) == 1 and weight.is_contiguous():
+    if x.shape[0] <= small_batch_rows(x.dtype) and x.stride(1) == 1 and weight.is_contiguous():
         kernels = cpu_kernels_for(x)
         if kernels is not None:
             return kernels.linear_small_batch(x, weight, bias)
@@ -51,12 +62,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         wide_bias = None if bias is None else bias.float()
         return nn.functional.linear(x.float(), weight.float(), wide_bias).to(torch.bfloat16)
     return nn.functional.linear(x, weight, bias)
-
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN multiplies bf16 in hardware here (AVX-512 BF16 or AMX)."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

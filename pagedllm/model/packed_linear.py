@@ -1,13 +1,13 @@
-"""fp32 and bf16 weights packed for the C++ packed kernel: every matmul of an fp32 or
-bf16 model on a CPU with AVX-512 and no AMX (AMD Zen 4 and later; bf16 also needs
-AVX-512 BF16).
+"""fp32 and bf16 weights packed for the C++ packed kernel: every matmul of an fp32
+model on a CPU with AVX-512 (Intel and AMD), and of a bf16 model on one with
+AVX-512 BF16 and no AMX (AMD Zen 4 and later).
 
 There MKL's sgemm, oneDNN's bf16 GEMM and the small-batch kernel all read
 nn.Linear's [out, in] layout and reach 40-85% of what the core's multipliers can
 do; packed as [out / 16, in / g, 16, g] (g = 1 for fp32, 2 for bf16;
 ``kernels/csrc/packed_linear.cpp`` says why) one kernel runs decode and prefill
-matmuls at ~90% of it (BENCHMARKS.md, "bf16 weights packed for VDPBF16PS" and
-"fp32 weights packed too").
+matmuls at ~90% of it (BENCHMARKS.md, "bf16 weights packed for VDPBF16PS",
+"fp32 weights packed too" and, on an AMX Xeon, "Issue 22 on an Intel Xeon with AMX").
 
 ``pack_linears(model)`` runs once, after the model is loaded and on its device: it
 swaps each ``Linear`` for a ``PackedLinear`` whose weight is packed in its own
@@ -18,12 +18,11 @@ matrix still, in one order.
 
 Not packed: fp16 models, CUDA, a build without AVX-512 (or AVX-512 BF16 for bf16),
 a layer whose out_features is not a multiple of 16 (or, for bf16, whose
-in_features is odd), and a CPU with AMX unless asked for: there oneDNN's AMX GEMM
-is many times faster at bf16 prefill than any VDPBF16PS kernel, and the fp32
-figures of the AMX Xeon in BENCHMARKS.md were measured with MKL and the
-small-batch kernel, the packed kernel not yet. ``PAGEDLLM_PACKED_LINEAR=0`` keeps
-``Linear`` everywhere, ``=1`` packs on an AMX CPU too (``PAGEDLLM_BF16_PACKED=0``,
-this packing's first, bf16-only switch, still keeps bf16 ``Linear``).
+in_features is odd), and a bf16 model on a CPU with AMX unless asked for: there
+oneDNN's AMX GEMM beats any VDPBF16PS kernel from ~10 rows up, 7-10x at prefill
+sizes. ``PAGEDLLM_PACKED_LINEAR=0`` keeps ``Linear`` everywhere, ``=1`` packs bf16
+on an AMX CPU too (``PAGEDLLM_BF16_PACKED=0``, this packing's first, bf16-only
+switch, still keeps bf16 ``Linear``).
 
 A packed layer's weight is not in ``state_dict()`` (the packed weight is a
 non-persistent buffer): pack after loading, never before.
@@ -37,6 +36,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels.cpu import load_cpu_kernels
+from pagedllm.kernels.cpu_features import cpu_has_amx
 from pagedllm.logger import init_logger
 from pagedllm.model.layers import Embedding, Linear, replace_submodule
 
@@ -152,7 +152,7 @@ class PackedTiedEmbedding(nn.Module):
 
 
 def _packing_switch() -> str:
-    """``PAGEDLLM_PACKED_LINEAR``: "0" off, "1" on (an AMX CPU too), anything else automatic."""
+    """``PAGEDLLM_PACKED_LINEAR``: "0" off, "1" on (bf16 on an AMX CPU too), anything else automatic."""
     return os.environ.get("PAGEDLLM_PACKED_LINEAR", "auto")
 
 
@@ -163,7 +163,7 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if dtype == torch.bfloat16 and os.environ.get("PAGEDLLM_BF16_PACKED", "1") == "0":
         return False
-    if switch != "1" and torch.cpu._is_amx_tile_supported():
+    if switch != "1" and dtype == torch.bfloat16 and cpu_has_amx():
         return False
     kernels = load_cpu_kernels()
     return kernels is not None and kernels.packed_linear_available(dtype)

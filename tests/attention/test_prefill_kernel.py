@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention import selector
 from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.attention.selector import attention_backend_for, cpu_decode, cpu_prefill, prefill_kernel_for
 from pagedllm.attention.torch_paged import TorchPagedAttention
@@ -78,13 +79,21 @@ def test_queries_must_see_existing_keys():
         cpu_prefill(q, k, k, 0.25, 2)
 
 
-def test_selector_picks_the_kernel_for_bf16_on_cpu_only():
+def test_selector_picks_the_kernel_for_bf16_on_cpu_only(monkeypatch):
+    monkeypatch.setattr(selector, "cpu_has_amx", lambda: False)
     cpu = torch.device("cpu")
     assert prefill_kernel_for(cpu, torch.bfloat16) is cpu_prefill
     assert prefill_kernel_for(cpu, torch.float32) is None and prefill_kernel_for(cpu, None) is None
     assert prefill_kernel_for(torch.device("cuda"), torch.bfloat16) is None
     assert attention_backend_for(cpu, 16, dtype=torch.bfloat16).prefill_kernel is cpu_prefill
     assert attention_backend_for(cpu, 16).prefill_kernel is None
+
+
+def test_an_amx_cpu_keeps_sdpa_for_bf16_prefill(monkeypatch):
+    # PyTorch's bf16 SDPA runs on AMX tiles there, 2x the C++ kernel from 128 tokens up.
+    monkeypatch.setattr(selector, "cpu_has_amx", lambda: True)
+    assert prefill_kernel_for(torch.device("cpu"), torch.bfloat16) is None
+    assert attention_backend_for(torch.device("cpu"), 16, dtype=torch.bfloat16).prefill_kernel is None
 
 
 @pytest.mark.parametrize("block_size", [1, 16])

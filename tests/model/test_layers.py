@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pagedllm.kernels.cpu import load_cpu_kernels
-from pagedllm.model.layers import SMALL_BATCH_ROWS, Linear, linear, silu_and_mul
+from pagedllm.model import layers
+from pagedllm.model.layers import AMX_BF16_SMALL_BATCH_ROWS, SMALL_BATCH_ROWS, Linear, linear, silu_and_mul
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -46,6 +47,41 @@ def test_bf16_linear_rounds_an_fp32_sum_once(rows, out_features, in_features, wi
     # The exact sum, rounded once to bf16 (half an ulp: 2**-9 relative), plus fp32 summation error.
     exact = _reference(x, weight, bias)
     torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=2e-4 * in_features**0.5)
+
+
+class SmallBatchSpy:
+    """The C++ kernels with ``linear_small_batch`` counting its calls."""
+
+    def __init__(self, kernels) -> None:
+        self.kernels, self.calls = kernels, 0
+
+    def __getattr__(self, name):
+        return getattr(self.kernels, name)
+
+    def linear_small_batch(self, *args):
+        self.calls += 1
+        return self.kernels.linear_small_batch(*args)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_on_an_amx_cpu_leaves_all_but_a_few_rows_to_onednn(amx, monkeypatch):
+    # oneDNN's AMX GEMM costs the same from 1 to ~32 rows; the kernel only wins below ~10.
+    if load_cpu_kernels() is None:
+        pytest.fail("the C++ CPU kernels did not build on this machine")
+    spy = SmallBatchSpy(load_cpu_kernels())
+    monkeypatch.setattr(layers, "cpu_kernels_for", lambda x: spy)
+    monkeypatch.setattr(layers, "cpu_has_amx", lambda: amx)
+    weight = torch.randn(64, 32)
+    for dtype, rows, kernel in [(torch.bfloat16, AMX_BF16_SMALL_BATCH_ROWS, True),
+                                (torch.bfloat16, AMX_BF16_SMALL_BATCH_ROWS + 1, not amx),
+                                (torch.bfloat16, SMALL_BATCH_ROWS, not amx),
+                                (torch.float32, SMALL_BATCH_ROWS, True),
+                                (torch.float32, SMALL_BATCH_ROWS + 1, False)]:
+        x = torch.randn(rows, 32).to(dtype)
+        before = spy.calls
+        out = linear(x, weight.to(dtype))
+        assert (spy.calls > before) == kernel, (dtype, rows)
+        torch.testing.assert_close(out.double(), _reference(x, weight.to(dtype), None), rtol=2**-8, atol=2e-3)
 
 
 def test_bf16_kernel_reads_strided_rows():

@@ -7,6 +7,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.cpu import load_cpu_kernels
+from pagedllm.model import packed_linear
 from pagedllm.model.layers import Embedding, Linear
 from pagedllm.model.packed_linear import (PackedLinear, PackedTiedEmbedding, pack_linears, pack_weight,
                                           pack_weight_in_place, packing_supported)
@@ -144,14 +145,25 @@ def test_packing_is_off_by_environment_and_for_other_dtypes_and_devices(monkeypa
     monkeypatch.setenv("PAGEDLLM_PACKED_LINEAR", "auto")
     monkeypatch.setenv("PAGEDLLM_BF16_PACKED", "0")  # the first, bf16-only switch
     assert not packing_supported(CPU, torch.bfloat16)
-    assert packing_supported(CPU, torch.float32) == (kernel_built(torch.float32) and not torch.cpu._is_amx_tile_supported())
-
-
-def test_an_amx_cpu_packs_only_when_asked(monkeypatch):
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    assert not packing_supported(CPU, torch.float32)
-    monkeypatch.setenv("PAGEDLLM_PACKED_LINEAR", "1")
     assert packing_supported(CPU, torch.float32) == kernel_built(torch.float32)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_fp32_packs_on_every_avx512_cpu(amx, monkeypatch):
+    # fp32 has no AMX path: the packed kernel beats MKL on the AMX Xeon as on Zen 4.
+    monkeypatch.setattr(packed_linear, "cpu_has_amx", lambda: amx)
+    assert packing_supported(CPU, torch.float32) == kernel_built(torch.float32)
+
+
+def test_an_amx_cpu_packs_bf16_only_when_asked(monkeypatch):
+    # There oneDNN's AMX GEMM beats the VDPBF16PS kernel from ~10 rows up.
+    monkeypatch.setattr(packed_linear, "cpu_has_amx", lambda: True)
+    assert not packing_supported(CPU, torch.bfloat16)
+    monkeypatch.setenv("PAGEDLLM_PACKED_LINEAR", "1")
+    assert packing_supported(CPU, torch.bfloat16) == kernel_built(torch.bfloat16)
+    monkeypatch.setattr(packed_linear, "cpu_has_amx", lambda: False)
+    monkeypatch.setenv("PAGEDLLM_PACKED_LINEAR", "auto")
+    assert packing_supported(CPU, torch.bfloat16) == kernel_built(torch.bfloat16)
 
 
 class TiedModel(torch.nn.Module):
