@@ -169,6 +169,17 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return kernels is not None and kernels.packed_linear_available(dtype)
 
 
+def packed_tiles_supported() -> bool:
+    """Whether a GGUF weight's dequantized prefill tiles (``QuantizedLinear``) go through the
+    packed fp32 kernel: where fp32 packs, except on a CPU with AMX unless asked for
+    (``PAGEDLLM_PACKED_LINEAR=1``). There MKL's sgemm matches the packed kernel at prefill
+    sizes (0.96x at 512 rows) and the mixed workload ran 1.04-1.05x faster on MKL tiles;
+    the packed kernel's lead on that CPU is at decode sizes, which GGUF weights decode in
+    their own blocks."""
+    return packing_supported(torch.device("cpu"), torch.float32) and \
+        (_packing_switch() == "1" or not cpu_has_amx())
+
+
 def pack_linears(model: nn.Module) -> int:
     """Swap every packable ``Linear`` of ``model`` (loaded, on its device) for a
     ``PackedLinear``, and a tied embedding for a packed head it reads its rows from;

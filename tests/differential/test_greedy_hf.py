@@ -1,6 +1,6 @@
 """Greedy SmolLM2 in fp32 against Hugging Face, free-running on real text, through the
 differential harness: the fp32 weights run on whatever this CPU multiplies them with
-(the packed kernel on AVX-512 without AMX, MKL and the small-batch kernel elsewhere)."""
+(the packed kernel on AVX-512, MKL and the small-batch kernel elsewhere)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pagedllm.kernels.cpu import load_cpu_kernels
-from pagedllm.model.packed_linear import packing_supported
+from pagedllm.model import packed_linear
+from pagedllm.model.packed_linear import packed_tiles_supported, packing_supported
 from pagedllm.model.quantized import modules, packed
 from pagedllm.model.quantized.modules import PackedEmbedding, QuantizedLinear
 from pagedllm.model.quantized.packed import PackedWeight, dequantize_rows
@@ -79,7 +80,7 @@ def test_prefill_tiles_through_the_packed_fp32_kernel_match_the_dequantized_weig
         pytest.skip("the C++ CPU kernels did not build")
     weight, dense = random_packed(qtype, 1072, IN_FEATURES, seed=3)
     layer = QuantizedLinear([weight], bias=False)
-    assert layer.packed_tiles == packing_supported(torch.device("cpu"), torch.float32)
+    assert layer.packed_tiles == packed_tiles_supported()
     x = torch.randn(130, IN_FEATURES)
     results = {}
     for packed_tiles in (True, False):
@@ -88,6 +89,18 @@ def test_prefill_tiles_through_the_packed_fp32_kernel_match_the_dequantized_weig
         _assert_matmul_close(results[packed_tiles], x, dense, None, 1e-5)
     # Another summation order: the flag reached the kernel (where the packed kernel exists).
     assert torch.equal(results[True], results[False]) != load_cpu_kernels().packed_linear_available(torch.float32)
+
+
+def test_an_amx_cpu_keeps_prefill_tiles_on_mkl_unless_asked(monkeypatch):
+    # MKL matched the packed kernel at prefill sizes there; its lead is at decode sizes.
+    fp32_packs = packing_supported(torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(packed_linear, "cpu_has_amx", lambda: True)
+    assert not packed_tiles_supported()
+    monkeypatch.setenv("PAGEDLLM_PACKED_LINEAR", "1")
+    assert packed_tiles_supported() == fp32_packs
+    monkeypatch.setattr(packed_linear, "cpu_has_amx", lambda: False)
+    monkeypatch.setenv("PAGEDLLM_PACKED_LINEAR", "auto")
+    assert packed_tiles_supported() == fp32_packs
 
 
 @pytest.mark.parametrize("rows", [2, 64])

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedllm.kernels.cpu import cpu_kernels_for
-from pagedllm.model.packed_linear import packing_supported
+from pagedllm.model.packed_linear import packed_tiles_supported
 from pagedllm.model.quantized.packed import TILE_ROWS, PackedWeight, dequantize_rows
 
 # Up to this many rows the C++ kernel decodes 4 weight rows at a time and reuses them
@@ -36,7 +36,7 @@ def packed_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: GGMLQuantization
                   packed_tiles: bool = False) -> None:
     """out = x @ W^T for fp32 x [rows, in] and packed W, written into the fp32 view `out` [rows, W rows].
     ``packed_tiles``: prefill tiles go through the packed fp32 kernel (only where
-    ``packing_supported`` says the CPU has it; MKL otherwise)."""
+    ``packed_tiles_supported`` says so; MKL otherwise)."""
     kernels = cpu_kernels_for(x)
     if kernels is not None:
         kernels.quant_linear(x, blocks, int(qtype), out, SMALL_BATCH_ROWS, packed_tiles)
@@ -66,7 +66,7 @@ class QuantizedLinear(nn.Module):
         # The bias stays dense and is loaded by load_state_dict like nn.Linear's.
         self.bias = nn.Parameter(torch.empty(self.out_features, device=bias_device)) if bias else None
         # Decided once: the CPU and the switch do not change while the model runs.
-        self.packed_tiles = packing_supported(torch.device("cpu"), torch.float32)
+        self.packed_tiles = packed_tiles_supported()
 
     @classmethod
     def fused(cls, parts: list[PackedWeight], bias: bool, bias_device: torch.device | None = None) -> QuantizedLinear:
