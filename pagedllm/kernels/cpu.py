@@ -51,8 +51,8 @@ def _build_directory() -> Path:
     digest = hashlib.sha256()
     for part in (sys.prefix, torch.__version__, " ".join(_CFLAGS), str(_CSRC)):
         digest.update(part.encode())
-    for name in _SOURCES + ["ops.h", "dtype.h", "fast_exp.h", "lanes.h", "vec16.h"]:
-        digest.update((_CSRC / name).read_bytes())
+    for path in [_CSRC / name for name in _SOURCES] + sorted(_CSRC.glob("*.h")):
+        digest.update(path.read_bytes())
     cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
     directory = cache / f"{_MODULE_NAME}-{digest.hexdigest()[:16]}"
     directory.mkdir(parents=True, exist_ok=True)

@@ -25,304 +25,16 @@
 // accumulated in fp32 whatever the storage dtype.
 #include <ATen/Parallel.h>
 
-#include "dtype.h"
-#include "fast_exp.h"
-#include "lanes.h"
 #include "ops.h"
-#include "vec16.h"
+#include "paged_decode_block.h"
+#include "paged_decode_grouped.h"
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace {
-
-struct Scratch {
-  std::vector<float> q, scores;
-};
-
-// Views into the per-task partial results: [rows], [rows], [rows * head_dim].
-struct Partial {
-  float* max;
-  float* sum;
-  float* acc;
-};
-
-template <typename scalar_t>
-__attribute__((always_inline)) inline float dot(const float* __restrict q, const scalar_t* __restrict k, int64_t head_dim) {
-  float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t d = 0; d < head_dim; ++d) total += q[d] * load(k[d]);
-  return total;
-}
-
-#if defined(__AVX512F__)
-// With AVX-512, a dot product's last step (summing 16 lanes) costs more than
-// its multiply-adds at head_dim 64. Scoring 16 tokens at once instead leaves
-// 16 vectors of partial sums, and one transpose-and-add tree sums all of them
-// (~3 shuffles per token instead of ~8).
-template <typename scalar_t>
-void score_tokens_avx512(const float* __restrict q, const scalar_t* __restrict k, int64_t token_stride, int64_t n,
-                         int64_t head_dim, float* __restrict scores) {
-  for (int64_t first = 0; first < n; first += 16) {
-    const int64_t count = std::min<int64_t>(16, n - first);
-    __m512 partial[16];
-    for (int64_t t = 0; t < 16; ++t) {
-      if (t >= count) {
-        partial[t] = _mm512_setzero_ps();
-        continue;
-      }
-      const scalar_t* kt = k + (first + t) * token_stride;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), load16(kt));
-      for (int64_t d = 16; d < head_dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(kt + d), acc);
-      partial[t] = acc;
-    }
-    _mm512_mask_storeu_ps(scores + first, static_cast<__mmask16>((1u << count) - 1), sum_lanes_of_16(partial));
-  }
-}
-
-#endif
-
-// scores[t] = q . k_t for the n tokens k_t = k + t * token_stride.
-template <typename scalar_t>
-__attribute__((always_inline)) inline void score_tokens(const float* __restrict q, const scalar_t* __restrict k,
-                                                        int64_t token_stride, int64_t n, int64_t head_dim,
-                                                        float* __restrict scores) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16> ||
-                std::is_same_v<scalar_t, int8_t>) {
-    if (head_dim % 16 == 0) return score_tokens_avx512(q, k, token_stride, n, head_dim, scores);
-  }
-#endif
-  for (int64_t t = 0; t < n; ++t) scores[t] = dot(q, k + t * token_stride, head_dim);
-}
-
-#if defined(__AVX512F__)
-// 64 floats in four registers (named, not an array, so GCC keeps them there).
-struct Vec64 {
-  __m512 a, b, c, d;
-};
-
-template <typename cache_t>
-__attribute__((always_inline)) inline Vec64 load64(const cache_t* p) {
-  return {load16(p), load16(p + 16), load16(p + 32), load16(p + 48)};
-}
-
-__attribute__((always_inline)) inline void store64(float* p, const Vec64& x) {
-  _mm512_storeu_ps(p, x.a);
-  _mm512_storeu_ps(p + 16, x.b);
-  _mm512_storeu_ps(p + 32, x.c);
-  _mm512_storeu_ps(p + 48, x.d);
-}
-
-__attribute__((always_inline)) inline __m512 dot_lanes(const Vec64& q, const Vec64& k) {
-  return _mm512_fmadd_ps(q.d, k.d, _mm512_fmadd_ps(q.c, k.c, _mm512_fmadd_ps(q.b, k.b, _mm512_mul_ps(q.a, k.a))));
-}
-
-__attribute__((always_inline)) inline void add_scaled(Vec64& acc, float weight, const Vec64& v) {
-  const __m512 w = _mm512_set1_ps(weight);
-  acc.a = _mm512_fmadd_ps(w, v.a, acc.a);
-  acc.b = _mm512_fmadd_ps(w, v.b, acc.b);
-  acc.c = _mm512_fmadd_ps(w, v.c, acc.c);
-  acc.d = _mm512_fmadd_ps(w, v.d, acc.d);
-}
-#endif
-
-// acc += sum over the block's n tokens of weight[t] (* the token's value scale)
-// * v_t, for one query row; v_t = v + t * token_stride.
-template <typename cache_t, int64_t kHeadDim>
-__attribute__((always_inline)) inline void accumulate_values(const float* __restrict weight, const cache_t* __restrict v,
-                                                             int64_t token_stride, int64_t n, const float* value_scales,
-                                                             int64_t num_kv_heads, int64_t kv_head,
-                                                             float* __restrict acc, int64_t head_dim) {
-  auto token_weight = [&](int64_t t) {
-    return weight[t] * (value_scales != nullptr ? value_scales[t * num_kv_heads + kv_head] : 1.0f);
-  };
-#if defined(__AVX512F__)
-  if constexpr (kHeadDim == 64 && (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16> ||
-                                   std::is_same_v<cache_t, int8_t>)) {
-    // The row's 64 sums stay in four registers for the whole block instead
-    // of a load and store of acc per token.
-    Vec64 sums = load64(acc);
-    for (int64_t t = 0; t < n; ++t) add_scaled(sums, token_weight(t), load64(v + t * token_stride));
-    store64(acc, sums);
-    return;
-  }
-#endif
-  for (int64_t t = 0; t < n; ++t) {
-    const float w = token_weight(t);
-    const cache_t* vt = v + t * token_stride;
-#pragma omp simd
-    for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * load(vt[d]);
-  }
-}
-
-// Blocks are scattered over the pool, so the hardware prefetcher cannot guess
-// the next one: it is fetched while this one is processed, in equal shares of
-// its cache lines spread over the work (all at once stalls on the line fill
-// buffers). This issues share ``part`` of ``parts`` of lines [first, first +
-// count) starting at ``base`` (null: nothing to fetch).
-inline void prefetch_share(const char* base, int64_t first, int64_t count, int64_t part, int64_t parts) {
-  if (base == nullptr) return;
-  const int64_t end = first + count * (part + 1) / parts;
-  for (int64_t line = first + count * part / parts; line < end; ++line) __builtin_prefetch(base + line * 64);
-}
-
-#if defined(__AVX512F__)
-// The grouped fast path: head_dim 64, 16-token blocks, fp32 or bf16 storage,
-// up to 4 query heads per KV head. One call handles the `kGroup` query heads
-// that share a KV head, over one block: each K and V token is loaded (and
-// converted) once for all of them, and each row's 16 scores are one vector, so
-// the softmax is a few vector ops instead of a scalar loop per token.
-
-// Lines [first, first + count) of the next block's K and V to fetch while
-// one grouped call computes (null pointers: nothing to fetch).
-struct PrefetchShare {
-  const char* key;
-  const char* value;
-  int64_t first, count;
-};
-
-// Rows r < kGroup of q / max / sum / acc (acc and q 64 apart) are the query
-// heads of one KV head; k and v point at that head's slice of token 0 of the
-// block, tokens token_stride apart; n <= 16 tokens are valid.
-template <typename cache_t, int kGroup>
-void attend_block_grouped(const float* q, const cache_t* k, const cache_t* v, int64_t token_stride, int64_t n,
-                          float* max, float* sum, float* acc, PrefetchShare next) {
-  static_assert(kGroup >= 1 && kGroup <= 4, "1-4 query heads per KV head");
-  const Vec64 q0 = load64(q);
-  const Vec64 q1 = kGroup > 1 ? load64(q + 64) : q0;
-  const Vec64 q2 = kGroup > 2 ? load64(q + 128) : q0;
-  const Vec64 q3 = kGroup > 3 ? load64(q + 192) : q0;
-  __m512 partial[kGroup][16];  // per row and token: 16 lanes whose sum is the score
-  for (int64_t t = 0; t < 16; ++t) {
-    prefetch_share(next.key, next.first, next.count, t, 16);
-    if (t >= n) {
-      for (int r = 0; r < kGroup; ++r) partial[r][t] = _mm512_setzero_ps();
-      continue;
-    }
-    const Vec64 kt = load64(k + t * token_stride);
-    partial[0][t] = dot_lanes(q0, kt);
-    if constexpr (kGroup > 1) partial[1][t] = dot_lanes(q1, kt);
-    if constexpr (kGroup > 2) partial[2][t] = dot_lanes(q2, kt);
-    if constexpr (kGroup > 3) partial[3][t] = dot_lanes(q3, kt);
-  }
-  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-  alignas(64) float weights[kGroup][16];
-  float correction[kGroup];
-  for (int r = 0; r < kGroup; ++r) {
-    const __m512 scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
-                                               sum_lanes_of_16(partial[r]));
-    const float new_max = std::max(max[r], _mm512_reduce_max_ps(scores));
-    // exp(-inf) = 0 on the first block, so the empty running sums stay empty.
-    correction[r] = fast_exp(max[r] - new_max);
-    const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
-    sum[r] = sum[r] * correction[r] + _mm512_reduce_add_ps(e);
-    max[r] = new_max;
-    _mm512_store_ps(weights[r], e);
-  }
-  auto rescaled = [&](int r) {
-    const Vec64 row = load64(acc + r * 64);
-    const __m512 c = _mm512_set1_ps(correction[r]);
-    return Vec64{_mm512_mul_ps(c, row.a), _mm512_mul_ps(c, row.b), _mm512_mul_ps(c, row.c), _mm512_mul_ps(c, row.d)};
-  };
-  Vec64 a0 = rescaled(0);
-  Vec64 a1 = kGroup > 1 ? rescaled(1) : a0;
-  Vec64 a2 = kGroup > 2 ? rescaled(2) : a0;
-  Vec64 a3 = kGroup > 3 ? rescaled(3) : a0;
-  for (int64_t t = 0; t < n; ++t) {
-    prefetch_share(next.value, next.first, next.count, t, 16);
-    const Vec64 vt = load64(v + t * token_stride);
-    add_scaled(a0, weights[0][t], vt);
-    if constexpr (kGroup > 1) add_scaled(a1, weights[1][t], vt);
-    if constexpr (kGroup > 2) add_scaled(a2, weights[2][t], vt);
-    if constexpr (kGroup > 3) add_scaled(a3, weights[3][t], vt);
-  }
-  store64(acc, a0);
-  if constexpr (kGroup > 1) store64(acc + 64, a1);
-  if constexpr (kGroup > 2) store64(acc + 128, a2);
-  if constexpr (kGroup > 3) store64(acc + 192, a3);
-}
-
-template <typename cache_t>
-using GroupedBlockFn = void (*)(const float*, const cache_t*, const cache_t*, int64_t, int64_t, float*, float*, float*,
-                                PrefetchShare);
-
-// The grouped path for this call's shapes, or null where it does not apply
-// (it has no key scales and no soft cap).
-template <typename cache_t, int64_t kHeadDim>
-GroupedBlockFn<cache_t> grouped_block_fn(int64_t block_size, int64_t group, bool quantized, bool capped) {
-  if constexpr (kHeadDim == 64 && (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>)) {
-    if (block_size != 16 || quantized || capped) return nullptr;
-    switch (group) {
-      case 1: return attend_block_grouped<cache_t, 1>;
-      case 2: return attend_block_grouped<cache_t, 2>;
-      case 3: return attend_block_grouped<cache_t, 3>;
-      case 4: return attend_block_grouped<cache_t, 4>;
-      default: return nullptr;
-    }
-  }
-  return nullptr;
-}
-#endif
-
-// The generic path over one block: n tokens of K/V (cache_t, with per-token
-// scales when key_scales / value_scales are not null, pointing at the block's
-// first token read), for all rows = H_kv * group query heads; updates each
-// row's running max, sum and weighted value sum. k_next / v_next: the next
-// block to fetch meanwhile (null: none), block_lines of it.
-template <typename cache_t, int64_t kHeadDim>
-void attend_block(const float* q, const cache_t* k_block, const cache_t* v_block, const float* key_scales,
-                  const float* value_scales, int64_t n, int64_t rows, int64_t group, int64_t num_kv_heads,
-                  int64_t head_dim, int64_t block_size, float soft_cap, const char* k_next, const char* v_next,
-                  int64_t block_lines, Scratch& s, Partial part) {
-  const int64_t token_stride = num_kv_heads * head_dim;
-  for (int64_t r = 0; r < rows; ++r) {
-    prefetch_share(k_next, 0, block_lines, r, rows);
-    float* scores = s.scores.data() + r * block_size;
-    score_tokens(q + r * head_dim, k_block + (r / group) * head_dim, token_stride, n, head_dim, scores);
-    if (key_scales != nullptr) {
-      const float* token_scales = key_scales + r / group;
-      for (int64_t t = 0; t < n; ++t) scores[t] *= token_scales[t * num_kv_heads];
-    }
-    if (soft_cap > 0.0f) {
-      for (int64_t t = 0; t < n; ++t) scores[t] = soft_cap * std::tanh(scores[t] / soft_cap);
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    float* scores = s.scores.data() + r * block_size;
-    float block_max = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : block_max)
-    for (int64_t t = 0; t < n; ++t) block_max = scores[t] > block_max ? scores[t] : block_max;  // vectorizes
-    const float new_max = std::max(part.max[r], block_max);
-    // exp(-inf) = 0 on the first block, so the empty running sums stay empty.
-    const float correction = fast_exp(part.max[r] - new_max);
-    float block_sum = 0.0f;
-    for (int64_t t = 0; t < n; ++t) {
-      scores[t] = fast_exp(scores[t] - new_max);
-      block_sum += scores[t];
-    }
-    part.sum[r] = part.sum[r] * correction + block_sum;
-    part.max[r] = new_max;
-    if (correction != 1.0f) {
-      float* acc = part.acc + r * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    prefetch_share(v_next, 0, block_lines, r, rows);
-    accumulate_values<cache_t, kHeadDim>(s.scores.data() + r * block_size, v_block + (r / group) * head_dim,
-                                         token_stride, n, value_scales, num_kv_heads, r / group,
-                                         part.acc + r * head_dim, head_dim);
-  }
-}
 
 // One task: all H query heads of one sequence over the blocks [block_begin,
 // block_end) of its table. Taking every KV head at once makes each block one
@@ -491,6 +203,59 @@ void run_decode(const torch::Tensor& query, const torch::Tensor& key_cache, cons
   });
 }
 
+// Whether the pool is int8, and its per-token scales (null for a pool in the query's dtype).
+struct PoolScales {
+  bool quantized;
+  const float* key;
+  const float* value;
+};
+
+// The pool's scales, once the query and caches are checked to be a shape and dtype the kernel reads.
+PoolScales checked_scales(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                          const std::optional<torch::Tensor>& key_scale,
+                          const std::optional<torch::Tensor>& value_scale) {
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "paged_decode_attention needs contiguous caches");
+  // The query may be a row-strided view (the q part of the fused qkv output):
+  // only its heads and dims must be packed, which saves a copy per layer.
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "paged_decode_attention needs each query row's heads and dims contiguous");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  const bool quantized = key_cache.scalar_type() == torch::kChar;
+  TORCH_CHECK(quantized ? value_cache.scalar_type() == torch::kChar && key_scale.has_value() && value_scale.has_value()
+                        : key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(),
+              "paged_decode_attention: caches must be in the query's dtype, or int8 with key and value scales");
+  if (!quantized) return {false, nullptr, nullptr};
+  for (const auto& scales : {key_scale.value(), value_scale.value()})
+    TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
+                    scales.numel() == key_cache.numel() / key_cache.size(3),
+                "paged_decode_attention: scales must be contiguous fp32 [num_blocks, block_size, num_kv_heads]");
+  return {true, key_scale.value().data_ptr<float>(), value_scale.value().data_ptr<float>()};
+}
+
+// tail_slots, contiguous, once the tails are checked against the pool and the
+// query and every slot against the tails (an undefined tensor without tails).
+torch::Tensor checked_tail_slots(const torch::Tensor& query, const torch::Tensor& key_cache,
+                                 const std::optional<torch::Tensor>& tail_key,
+                                 const std::optional<torch::Tensor>& tail_value,
+                                 const std::optional<torch::Tensor>& tail_slots) {
+  if (!tail_slots.has_value()) return {};
+  TORCH_CHECK(key_cache.scalar_type() == torch::kChar && tail_key.has_value() && tail_value.has_value(),
+              "paged_decode_attention: tail slots need an int8 pool and its tails");
+  for (const auto& tail : {tail_key.value(), tail_value.value()})
+    TORCH_CHECK(tail.scalar_type() == query.scalar_type() && tail.is_contiguous() && tail.dim() == 4 &&
+                    tail.size(1) == key_cache.size(1) && tail.size(2) == key_cache.size(2) &&
+                    tail.size(3) == query.size(2),
+                "paged_decode_attention: tails must be contiguous [slots, block_size, num_kv_heads, head_dim] "
+                "in the query's dtype");
+  auto slots = tail_slots.value().contiguous();
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.numel() == query.size(0),
+              "paged_decode_attention: tail_slots must be int64, one per query row");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < query.size(0); ++b)
+    TORCH_CHECK(slot[b] < tail_key.value().size(0), "paged_decode_attention: tail slot out of range");
+  return slots;
+}
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
@@ -499,47 +264,12 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
                                      int64_t sliding_window, double logits_soft_cap,
                                      std::optional<torch::Tensor> tail_key, std::optional<torch::Tensor> tail_value,
                                      std::optional<torch::Tensor> tail_slots) {
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "paged_decode_attention needs contiguous caches");
-  // The query may be a row-strided view (the q part of the fused qkv output):
-  // only its heads and dims must be packed, which saves a copy per layer.
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
-              "paged_decode_attention needs each query row's heads and dims contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
               "block_tables and context_lens must be int64");
-  const bool quantized = key_cache.scalar_type() == torch::kChar;
-  TORCH_CHECK(quantized ? value_cache.scalar_type() == torch::kChar && key_scale.has_value() && value_scale.has_value()
-                        : key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(),
-              "paged_decode_attention: caches must be in the query's dtype, or int8 with key and value scales");
-  const float* k_scale = nullptr;
-  const float* v_scale = nullptr;
-  if (quantized) {
-    for (const auto& scales : {key_scale.value(), value_scale.value()})
-      TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
-                      scales.numel() == key_cache.numel() / key_cache.size(3),
-                  "paged_decode_attention: scales must be contiguous fp32 [num_blocks, block_size, num_kv_heads]");
-    k_scale = key_scale.value().data_ptr<float>();
-    v_scale = value_scale.value().data_ptr<float>();
-  }
+  const PoolScales pool = checked_scales(query, key_cache, value_cache, key_scale, value_scale);
+  const torch::Tensor slots = checked_tail_slots(query, key_cache, tail_key, tail_value, tail_slots);
+  const bool tails = slots.defined();
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_kv_heads = key_cache.size(2);
-  const bool tails = tail_slots.has_value();
-  TORCH_CHECK(!tails || (quantized && tail_key.has_value() && tail_value.has_value()),
-              "paged_decode_attention: tail slots need an int8 pool and its tails");
-  torch::Tensor slots;
-  if (tails) {
-    for (const auto& tail : {tail_key.value(), tail_value.value()})
-      TORCH_CHECK(tail.scalar_type() == query.scalar_type() && tail.is_contiguous() && tail.dim() == 4 &&
-                      tail.size(1) == key_cache.size(1) && tail.size(2) == num_kv_heads && tail.size(3) == head_dim,
-                  "paged_decode_attention: tails must be contiguous [slots, block_size, num_kv_heads, head_dim] "
-                  "in the query's dtype");
-    slots = tail_slots.value().contiguous();
-    TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.numel() == batch,
-                "paged_decode_attention: tail_slots must be int64, one per query row");
-    const int64_t* slot = slots.data_ptr<int64_t>();
-    for (int64_t b = 0; b < batch; ++b)
-      TORCH_CHECK(slot[b] < tail_key.value().size(0), "paged_decode_attention: tail slot out of range");
-  }
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   auto out = torch::empty({batch, num_heads, head_dim}, query.options());
@@ -565,8 +295,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   const int64_t* bt = tables.data_ptr<int64_t>();
   const int64_t* cl = lens.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    if (quantized)
-      run_decode<scalar_t, int8_t>(query, key_cache, value_cache, k_scale, v_scale,
+    if (pool.quantized)
+      run_decode<scalar_t, int8_t>(query, key_cache, value_cache, pool.key, pool.value,
                                    tails ? tail_key.value().data_ptr<scalar_t>() : nullptr,
                                    tails ? tail_value.value().data_ptr<scalar_t>() : nullptr,
                                    tails ? slots.data_ptr<int64_t>() : nullptr, bt, cl, max_blocks, parts_per_seq,
