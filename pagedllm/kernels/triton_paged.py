@@ -30,6 +30,20 @@ def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _check_pool(key_cache: torch.Tensor, value_cache: torch.Tensor, key_scale: torch.Tensor | None,
+                value_scale: torch.Tensor | None) -> bool:
+    """Whether the pool is int8; ``ValueError`` for a pool the kernel cannot read."""
+    block_size = key_cache.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"the Triton decode kernel needs a power-of-two block_size, got {block_size}")
+    if not key_cache.is_contiguous() or not value_cache.is_contiguous():
+        raise ValueError("key_cache and value_cache must be contiguous")
+    quantized = key_cache.dtype == torch.int8
+    if quantized and (key_scale is None or value_scale is None):
+        raise ValueError("an int8 pool needs key_scale and value_scale")
+    return quantized
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -61,13 +75,7 @@ def paged_decode_attention(
 
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    if block_size & (block_size - 1):
-        raise ValueError(f"the Triton decode kernel needs a power-of-two block_size, got {block_size}")
-    if not key_cache.is_contiguous() or not value_cache.is_contiguous():
-        raise ValueError("key_cache and value_cache must be contiguous")
-    quantized = key_cache.dtype == torch.int8
-    if quantized and (key_scale is None or value_scale is None):
-        raise ValueError("an int8 pool needs key_scale and value_scale")
+    quantized = _check_pool(key_cache, value_cache, key_scale, value_scale)
     if query.stride(2) != 1:
         query = query.contiguous()
     block_tables = block_tables.contiguous()

@@ -4,13 +4,39 @@ A module of its own so that Triton is imported only when the kernel first
 runs: ``triton_paged`` imports it lazily, and a CPU run never loads Triton
 (whose import costs seconds and prints nanobind leak reports at exit).
 Under ``TRITON_INTERPRET=1``, set before this module is imported, the kernel
-runs on CPU tensors through Triton's interpreter.
+runs on CPU tensors through Triton's interpreter. The ``@triton.jit`` helpers
+below are inlined into the kernel when it compiles.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _block_scores(q, key_cache_ptr, key_scale_ptr, offsets, load_mask, visible, scale_offsets, soft_cap,
+                  QUANTIZED: tl.constexpr, CAPPED: tl.constexpr):
+    """One block's scores for one query head: q . k per slot (q carries the softmax
+    scale), times the int8 pool's key scale, soft-capped; -inf where not visible."""
+    k = tl.load(key_cache_ptr + offsets, mask=load_mask, other=0.0).to(tl.float32)
+    scores = tl.sum(k * q[None, :], axis=1)
+    if QUANTIZED:
+        scores = scores * tl.load(key_scale_ptr + scale_offsets, mask=visible, other=0.0)
+    if CAPPED:
+        # soft_cap * tanh(scores / soft_cap), with tanh(x) = 2 * sigmoid(2x) - 1.
+        scores = soft_cap * (2.0 * tl.sigmoid(2.0 * scores / soft_cap) - 1.0)
+    return tl.where(visible, scores, float("-inf"))
+
+
+@triton.jit
+def _block_values(value_cache_ptr, value_scale_ptr, offsets, load_mask, visible, scale_offsets,
+                  QUANTIZED: tl.constexpr):
+    """One block's values [slots, head_dim] in fp32, times the int8 pool's value scale."""
+    v = tl.load(value_cache_ptr + offsets, mask=load_mask, other=0.0).to(tl.float32)
+    if QUANTIZED:
+        v = v * tl.load(value_scale_ptr + scale_offsets, mask=visible, other=0.0)[:, None]
+    return v
 
 
 @triton.jit
@@ -58,22 +84,14 @@ def paged_decode_kernel(
         if WINDOWED:
             visible = visible & ((logical * BLOCK_SIZE + slots) >= first_token)
         load_mask = visible[:, None] & dim_ok[None, :]
-        k = tl.load(key_cache_ptr + offsets, mask=load_mask, other=0.0).to(tl.float32)
-        scores = tl.sum(k * q[None, :], axis=1)
-        if QUANTIZED:
-            # int8 pool: one fp32 scale per (slot, KV head) for K and for V.
-            scale_offsets = (block * BLOCK_SIZE + slots) * NUM_KV_HEADS + kv_head
-            scores = scores * tl.load(key_scale_ptr + scale_offsets, mask=visible, other=0.0)
-        if CAPPED:
-            # soft_cap * tanh(scores / soft_cap), with tanh(x) = 2 * sigmoid(2x) - 1.
-            scores = soft_cap * (2.0 * tl.sigmoid(2.0 * scores / soft_cap) - 1.0)
-        scores = tl.where(visible, scores, float("-inf"))
+        # int8 pool: one fp32 scale per (slot, KV head) for K and for V.
+        scale_offsets = (block * BLOCK_SIZE + slots) * NUM_KV_HEADS + kv_head
+        scores = _block_scores(q, key_cache_ptr, key_scale_ptr, offsets, load_mask, visible, scale_offsets,
+                               soft_cap, QUANTIZED, CAPPED)
         new_max = tl.maximum(running_max, tl.max(scores, axis=0))
         correction = tl.exp(running_max - new_max)
         weights = tl.exp(scores - new_max)
-        v = tl.load(value_cache_ptr + offsets, mask=load_mask, other=0.0).to(tl.float32)
-        if QUANTIZED:
-            v = v * tl.load(value_scale_ptr + scale_offsets, mask=visible, other=0.0)[:, None]
+        v = _block_values(value_cache_ptr, value_scale_ptr, offsets, load_mask, visible, scale_offsets, QUANTIZED)
         acc = acc * correction + tl.sum(weights[:, None] * v, axis=0)
         running_sum = running_sum * correction + tl.sum(weights, axis=0)
         running_max = new_max

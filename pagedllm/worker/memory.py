@@ -130,23 +130,8 @@ def plan_kv_pool(config: EngineConfig, model: LlamaForCausalLM, scheduler_config
     draft_bytes_per_token = 0 if draft_model is None else kv_bytes_per_token(draft_model.config, dtype,
                                                                              cache.kv_cache_dtype)
     bytes_per_block = (bytes_per_token + draft_bytes_per_token) * cache.block_size
-    num_tail_slots = tail_bytes_per_slot = 0
-    if cache.kv_cache_dtype == "int8":
-        # Beside the pool, not out of its budget (it is sized in blocks): the
-        # capacity line reports both. Never more slots than blocks.
-        num_spec = config.speculative.num_speculative_tokens if config.speculative is not None else 0
-        num_tail_slots = num_tail_slots_for(scheduler_config.max_num_seqs, cache.block_size, num_spec)
-        tail_bytes_per_slot = kv_bytes_per_token(model.config, dtype, "auto", model.num_kv_heads) * cache.block_size
-    if cache.num_kv_blocks is not None:
-        num_blocks = cache.num_kv_blocks
-    else:
-        budget = _kv_budget_bytes(config, model, scheduler_config, device)
-        num_blocks = budget // bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"the KV budget of {budget} bytes holds no block of {cache.block_size} tokens "
-                f"({bytes_per_block} bytes); raise kv_cache_memory or kv_cache_fraction"
-            )
+    num_tail_slots, tail_bytes_per_slot = _tails_of(config, model, scheduler_config, dtype)
+    num_blocks = _num_blocks(config, model, scheduler_config, device, bytes_per_block)
     num_swap_blocks = 0
     if config.preemption_mode == "swap" and cache.kv_layout == "paged":
         num_swap_blocks = int(config.swap_space * 2**30) // bytes_per_block
@@ -165,9 +150,39 @@ def plan_kv_pool(config: EngineConfig, model: LlamaForCausalLM, scheduler_config
         kv_cache_dtype=cache.kv_cache_dtype,
         device_type=device.type,
         draft_bytes_per_token=draft_bytes_per_token,
-        num_tail_slots=min(num_tail_slots, num_blocks),
+        num_tail_slots=min(num_tail_slots, num_blocks),  # never more slots than blocks
         tail_bytes_per_slot=tail_bytes_per_slot,
     )
+
+
+def _tails_of(config: EngineConfig, model: LlamaForCausalLM, scheduler_config: SchedulerConfig,
+              dtype: torch.dtype) -> tuple[int, int]:
+    """(slots, bytes per slot) of an int8 pool's full-precision tails; (0, 0) for
+    other pools. They sit beside the pool, not in its budget (which is sized in
+    blocks): the capacity line reports both."""
+    cache = config.cache
+    if cache.kv_cache_dtype != "int8":
+        return 0, 0
+    num_spec = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+    num_tail_slots = num_tail_slots_for(scheduler_config.max_num_seqs, cache.block_size, num_spec)
+    return num_tail_slots, kv_bytes_per_token(model.config, dtype, "auto", model.num_kv_heads) * cache.block_size
+
+
+def _num_blocks(config: EngineConfig, model: LlamaForCausalLM, scheduler_config: SchedulerConfig,
+                device: torch.device, bytes_per_block: int) -> int:
+    """``num_kv_blocks``, else the blocks of ``bytes_per_block`` the first memory
+    rule's budget holds; ``ValueError`` when it holds none."""
+    cache = config.cache
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    budget = _kv_budget_bytes(config, model, scheduler_config, device)
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV budget of {budget} bytes holds no block of {cache.block_size} tokens "
+            f"({bytes_per_block} bytes); raise kv_cache_memory or kv_cache_fraction"
+        )
+    return num_blocks
 
 
 def _kv_budget_bytes(config: EngineConfig, model: LlamaForCausalLM, scheduler_config: SchedulerConfig,
