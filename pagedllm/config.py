@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import Field, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from pagedllm.core.sliding_window import uniform_sliding_window
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.utils import check_block_size
 
@@ -350,6 +349,9 @@ class EngineConfig:
         batched = self.max_num_batched_tokens
         if batched is None:
             batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        # The window every layer shares; None when some layer attends to its whole context (or none is given).
+        windows = set(layer_windows)
+        sliding_window = windows.pop() if len(windows) == 1 else None
         return SchedulerConfig(
             max_model_len=max_model_len,
             max_num_seqs=self.max_num_seqs,
@@ -358,7 +360,7 @@ class EngineConfig:
             preemption_mode=self.preemption_mode,
             scheduling_policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            sliding_window=uniform_sliding_window(layer_windows),
+            sliding_window=sliding_window,
             num_speculative_tokens=spec.num_speculative_tokens if (spec := self.speculative) else 0,
         )
 

@@ -4,13 +4,12 @@ A layer with window ``W`` lets a query at position ``p`` see keys ``p - W < j <=
 (Hugging Face's convention). Once the next token to compute sits at position
 ``p``, every later query sits at ``p`` or after, so a block whose last position is
 ``<= p - W`` is never read again by any layer, provided every layer slides with
-the same ``W``: the KV cache manager then releases it (vLLM's SlidingWindowManager).
+the same ``W`` (``EngineConfig.scheduler_config`` decides that): the KV cache
+manager then releases it (vLLM's SlidingWindowManager).
 Models with a full-attention layer (Gemma's hybrid layout) keep every block.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 
 def num_out_of_window_blocks(num_computed_tokens: int, sliding_window: int | None, block_size: int) -> int:
@@ -21,12 +20,3 @@ def num_out_of_window_blocks(num_computed_tokens: int, sliding_window: int | Non
         return 0
     return max(0, num_computed_tokens - sliding_window + 1) // block_size
 
-
-def uniform_sliding_window(layer_windows: Sequence[int | None]) -> int | None:
-    """The window blocks may be released under: the one every layer shares, or None
-    when some layer attends to its full context (or there are no layers)."""
-    windows = set(layer_windows)
-    if len(windows) != 1 or None in windows:
-        return None
-    (window,) = windows
-    return window

@@ -16,10 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
+from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_interface import NULL_BLOCK_ID
 from pagedllm.core.request import Request
-from pagedllm.core.sliding_window import num_out_of_window_blocks, uniform_sliding_window
+from pagedllm.core.sliding_window import num_out_of_window_blocks
 from pagedllm.sampling_params import SamplingParams
 
 NUM_BLOCKS = 24
@@ -42,7 +43,7 @@ def test_out_of_window_blocks_are_those_no_later_query_sees(next_position, windo
     ([8, 8, 8], 8), ([None, 8], None), ([4, 8], None), ([None, None], None), ([], None),
 ])
 def test_only_a_window_every_layer_shares_releases_blocks(layers, expected):
-    assert uniform_sliding_window(layers) == expected
+    assert EngineConfig().scheduler_config(4096, layers).sliding_window == expected
 
 
 class SlidingWindowMachine(RuleBasedStateMachine):
