@@ -30,7 +30,7 @@ from transformers import PretrainedConfig
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
-from pagedllm.distributed.sharding import shard_layout
+from pagedllm.model.sharding import shard_layout
 from pagedllm.model.layers import Embedding, GatedMLP
 from pagedllm.model.llama import Attention, LlamaForCausalLM
 from pagedllm.model.rotary import RotaryEmbedding

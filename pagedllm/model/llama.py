@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
-from pagedllm.distributed.sharding import shard_layout, shard_state_dict
+from pagedllm.model.sharding import shard_layout, shard_state_dict
 from pagedllm.model.registry import model_class_for
 from pagedllm.model.shapes import head_dim_of, num_kv_heads_of, sliding_windows_of
 from pagedllm.model.packed_linear import pack_linears

@@ -13,7 +13,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from pagedllm.config import EngineConfig, SchedulerConfig, torch_dtype
 from pagedllm.distributed.group import TensorParallelGroup
-from pagedllm.distributed.sharding import check_tensor_parallel_size
+from pagedllm.model.sharding import check_tensor_parallel_size
 from pagedllm.model.llama import LlamaForCausalLM, build_model
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.model.rotary import context_window_of

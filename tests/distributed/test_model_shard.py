@@ -15,7 +15,7 @@ from pagedllm.config import CacheConfig, EngineConfig
 from pagedllm.distributed import worker
 from pagedllm.distributed.executor import PoolShape
 from pagedllm.distributed.group import TensorParallelGroup
-from pagedllm.distributed.sharding import shard_layout
+from pagedllm.model.sharding import shard_layout
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.worker.model_runner import ModelRunner
 

@@ -14,7 +14,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.group import TensorParallelGroup
-from pagedllm.distributed.sharding import shard_layout, shard_state_dict
+from pagedllm.model.sharding import shard_layout, shard_state_dict
 from tests.conftest import assert_pool_free
 from tests.engine.test_hf_parity import prompts_for
 

@@ -9,7 +9,7 @@ import torch
 from transformers import GraniteConfig, Phi3Config, Phi3ForCausalLM, SmolLM3Config
 
 from pagedllm.distributed.group import TensorParallelGroup
-from pagedllm.distributed.sharding import shard_layout
+from pagedllm.model.sharding import shard_layout
 from pagedllm.model.checkpoint import Checkpoint
 from pagedllm.model.llama import build_model
 from tests.conftest import TINY_COMMON
