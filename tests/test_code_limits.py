@@ -1,0 +1,199 @@
+"""The package's size and layering limits, read from the source tree (issue 40):
+
+- no source file in ``pagedllm/`` (Python, C++ and its headers) over 400 lines;
+- no Python function over 60 lines, the Triton kernels included;
+- no import circle between the folders of ``pagedllm/``: each subpackage is one
+  node, each top-level module (``config.py``, ``utils.py``, ...) is its own node,
+  and so is the ``pagedllm/__init__.py`` facade. Function-level imports count;
+  only imports under ``if TYPE_CHECKING:`` are exempt, since they never run;
+- ``pagedllm.core`` is pure bookkeeping: importing it never loads torch.
+
+Every failure names the file and line (and the function, or the import) to fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 60
+SOURCE_SUFFIXES = {".py", ".cpp", ".h", ".cu"}
+FACADE = "pagedllm(__init__)"
+
+
+def _source_files(suffixes: set[str]) -> list[Path]:
+    return sorted(path for path in PACKAGE.rglob("*")
+                  if path.is_file() and path.suffix in suffixes and "__pycache__" not in path.parts)
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(PACKAGE.parent))
+
+
+def _parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def test_no_source_file_is_over_400_lines():
+    too_long = [f"{_shown(path)}: {count} lines"
+                for path in _source_files(SOURCE_SUFFIXES)
+                if (count := len(path.read_text().splitlines())) > MAX_FILE_LINES]
+    assert not too_long, f"files over {MAX_FILE_LINES} lines:\n" + "\n".join(too_long)
+
+
+def test_no_function_is_over_60_lines():
+    too_long = []
+    for path in _source_files({".py"}):
+        for node in ast.walk(_parsed(path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                count = node.end_lineno - node.lineno + 1
+                if count > MAX_FUNCTION_LINES:
+                    too_long.append(f"{_shown(path)}:{node.lineno} {node.name}: {count} lines")
+    assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(too_long)
+
+
+def _module_of(path: Path) -> str:
+    """The dotted name of the module in ``path`` (a package: its ``__init__``'s name)."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _node_of(module: str) -> str:
+    """The import graph's node of a ``pagedllm`` module: its folder, ``top.NAME``
+    for a top-level module, or the facade for ``pagedllm`` itself."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return FACADE
+    return parts[1] if (PACKAGE / parts[1]).is_dir() else f"top.{parts[1]}"
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _runtime_import_nodes(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement under ``node`` except those in an ``if TYPE_CHECKING:`` body."""
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        yield node
+    for field, value in ast.iter_fields(node):
+        if isinstance(node, ast.If) and field == "body" and _is_type_checking(node.test):
+            continue
+        children = value if isinstance(value, list) else [value]
+        for child in children:
+            if isinstance(child, ast.AST):
+                yield from _runtime_import_nodes(child)
+
+
+def _imported_modules(statement: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> list[str]:
+    """The modules one import statement loads; relative imports are resolved
+    against ``module``, and ``from pagedllm import config`` names the submodule."""
+    if isinstance(statement, ast.Import):
+        return [alias.name for alias in statement.names]
+    base = statement.module or ""
+    if statement.level:
+        package = module.split(".")
+        package = package[: len(package) - statement.level + (1 if is_package else 0)]
+        base = ".".join(package + ([base] if base else []))
+    if base == "pagedllm":
+        return [f"pagedllm.{alias.name}" if (PACKAGE / alias.name).is_dir()
+                or (PACKAGE / f"{alias.name}.py").is_file() else base for alias in statement.names]
+    return [base]
+
+
+def _import_edges() -> dict[tuple[str, str], str]:
+    """(importing node, imported node) -> the first import that makes that edge, as ``file:line imports module``."""
+    edges: dict[tuple[str, str], str] = {}
+    for path in _source_files({".py"}):
+        module = _module_of(path)
+        source = _node_of(module)
+        for statement in _runtime_import_nodes(_parsed(path)):
+            for imported in _imported_modules(statement, module, path.name == "__init__.py"):
+                if imported != "pagedllm" and not imported.startswith("pagedllm."):
+                    continue
+                target = _node_of(imported)
+                if target != source:
+                    edges.setdefault((source, target), f"{_shown(path)}:{statement.lineno} imports {imported}")
+    return edges
+
+
+def _circles(edges: dict[tuple[str, str], str]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm)."""
+    successors: dict[str, list[str]] = defaultdict(list)
+    for source, target in sorted(edges):
+        successors[source].append(target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for successor in successors[node]:
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = stack[stack.index(node):]
+            del stack[stack.index(node):]
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted({node for edge in edges for node in edge}):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_no_import_circle_between_folders():
+    edges = _import_edges()
+    reports = []
+    for circle in _circles(edges):
+        inside = [f"  {source} -> {target}: {where}" for (source, target), where in sorted(edges.items())
+                  if source in circle and target in circle]
+        reports.append("import circle " + " / ".join(circle) + "\n" + "\n".join(inside))
+    assert not reports, "\n".join(reports)
+
+
+def test_the_circle_check_sees_function_level_imports_and_exempts_type_checking_ones():
+    tree = ast.parse(textwrap.dedent("""
+        from typing import TYPE_CHECKING
+        if TYPE_CHECKING:
+            from pagedllm.engine import llm_engine
+        else:
+            from pagedllm.model import llama
+        def build():
+            from pagedllm.worker import model_runner
+    """))
+    imported = [name for statement in _runtime_import_nodes(tree)
+                for name in _imported_modules(statement, "pagedllm.core.example", is_package=False)]
+    assert imported == ["typing", "pagedllm.model", "pagedllm.worker"]
+    assert _circles({("core", "worker"): "a", ("worker", "core"): "b", ("worker", "model"): "c"}) == [["core", "worker"]]
+
+
+def test_the_core_package_never_imports_torch():
+    """Import every ``pagedllm.core`` module in a fresh interpreter, with the
+    package's ``__init__`` (the engine facade, which needs torch) left out."""
+    script = textwrap.dedent(f"""
+        import importlib, pkgutil, sys, types
+        package = types.ModuleType("pagedllm")
+        package.__path__ = [{str(PACKAGE)!r}]
+        sys.modules["pagedllm"] = package
+        import pagedllm.core
+        for module in pkgutil.walk_packages(pagedllm.core.__path__, "pagedllm.core."):
+            importlib.import_module(module.name)
+        print(sorted(name for name in sys.modules if name.split(".")[0] == "torch"))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", f"pagedllm.core loads torch: {result.stdout.strip()}"
