@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-from pagedllm.worker.tail_slots import TailSlots
+from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.core.scheduler_output import NewSequenceData, ScheduledSequence, SchedulerOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.input_batch import CachedSequence
+from pagedllm.worker.tail_slots import StepTokens, TailSlots
 
 
 def test_ensure_assigns_once_and_reports_the_new_slots_to_fill():
@@ -59,3 +64,24 @@ def test_a_swapped_tail_comes_back_to_the_block_swapped_in():
     assert tails.swap_in([(11, 2), (10, 5)]) == [(10, int(tails.slot_of[5]))]
     assert tails.slot_of[5] == 1 and tails.slot_of[2] == -1
     assert tails.swap_in([(10, 7)]) == []  # a host tail comes back once
+
+
+def test_plan_keeps_the_committed_block_and_gives_a_decode_its_tail():
+    """A step planned from plain data (no runner): the sequence's committed
+    5 tokens end in block 5 (block size 4), so block 3's stale slot goes, and
+    the decode at position 5 writes offset 1 of block 5's new tail and reads it."""
+    tails = TailSlots(num_blocks=8, num_slots=2, block_size=4)
+    tails.ensure(np.array([3]))
+    sequence = CachedSequence(NewSequenceData("a", [1, 2, 3, 4, 5], [], [3, 5], SamplingParams()), row=0)
+    sequence.num_blocks = 2
+    metadata = AttentionMetadata(slot_mapping=torch.tensor([21]), num_decodes=1,
+                                 decode_block_tables=torch.tensor([[3, 5]]), decode_context_lens=torch.tensor([6]),
+                                 prefills=[])
+    step = SchedulerOutput(scheduled=[ScheduledSequence("a", num_computed_tokens=5, num_scheduled_tokens=1)])
+    moves = tails.plan(step, {"a": sequence}, np.array([[3, 5]]), StepTokens(np.array([5]), np.array([21]), metadata),
+                       torch.device("cpu"))
+    slot = int(tails.slot_of[5])
+    assert tails.slot_of[3] == -1 and moves.fills == [(5, slot)] and tails.num_free == 1
+    assert metadata.tail_write_rows.tolist() == [0] and metadata.tail_write_slots.tolist() == [slot * 4 + 1]
+    assert metadata.decode_tail_slots.tolist() == [slot]
+    assert (sequence.num_computed, sequence.num_written) == (5, 6)
