@@ -8,7 +8,7 @@ architecture is a new class in ``model/`` plus a line in ``model/registry.py``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from pagedllm.attention.kv_cache import LayerKVCache
 
 
+@runtime_checkable
 class CausalLM(Protocol):
     """One rank's shard of a decoder-only language model over a paged KV pool.
 
