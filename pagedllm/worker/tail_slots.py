@@ -89,13 +89,13 @@ class TailSlots:
         ``block_table`` their batch rows. Returns the step's tail moves."""
         moves = TailMoves(self.swap_out(scheduler_output.swap_out), self.copy(scheduler_output.block_copies),
                           self.swap_in(scheduler_output.swap_in))
-        self._release_uncommitted(scheduler_output, sequences, block_table)
+        self._release_by_committed_length(scheduler_output, sequences, block_table)
         if tokens is not None:
             moves.fills = self._place_writes(tokens, device)
         return moves
 
-    def _release_uncommitted(self, scheduler_output: SchedulerOutput, sequences: Mapping[str, CachedSequence],
-                             block_table: np.ndarray) -> None:
+    def _release_by_committed_length(self, scheduler_output: SchedulerOutput,
+                                     sequences: Mapping[str, CachedSequence], block_table: np.ndarray) -> None:
         """Keep each sequence's blocks from its committed length's block to its
         last token written; for one scheduled now the committed length is
         exact, so only the block it ends in (when that is not full)."""
