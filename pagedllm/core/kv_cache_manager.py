@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pagedllm.core.block_hash import extend_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.block_table import BlockTableRecord, SwappedTable, TableEntry
 from pagedllm.core.kv_interface import NULL_BLOCK_ID, BlockCopy, KVCacheStats
 from pagedllm.core.request import Request
 from pagedllm.core.sliding_window import num_out_of_window_blocks
@@ -17,11 +18,6 @@ from pagedllm.core.table_invariants import check_paged_tables
 from collections.abc import Collection, Mapping
 
 from pagedllm.utils import cdiv, check_block_size
-
-# A table entry: a block, or None once it fell out of the sliding window.
-TableEntry = KVCacheBlock | None
-# A swapped-out table entry: a resident (shared) block, the id of a host block, or None.
-SwappedEntry = KVCacheBlock | int | None
 
 
 class KVCacheManager:
@@ -63,20 +59,16 @@ class KVCacheManager:
         check_block_size(block_size)
         self.block_size = block_size
         self.block_pool = BlockPool(num_blocks)
-        self.req_to_blocks: dict[str, list[TableEntry]] = {}
-        # The window every layer shares (None: keep every block), and how many
-        # leading entries of each table it released (they are None).
+        # Each resident request's table, and each swapped-out one's (never both: ``block_table``).
+        self.tables: dict[str, BlockTableRecord] = {}
+        self.swapped_tables: dict[str, SwappedTable] = {}
+        # The window every layer shares (None: keep every block).
         self.sliding_window = sliding_window
-        self.num_released_blocks: dict[str, int] = {}
         self.peak_blocks_in_use = 0
         # False only for the no-sharing baseline of `pagedllm bench sharing`.
         self.enable_block_sharing = enable_block_sharing
         self.enable_prefix_caching = enable_prefix_caching
-        # How many leading blocks of each table are registered in the prefix cache.
-        self.num_registered_blocks: dict[str, int] = {}
-        # Swap: host pool and the tables of swapped-out requests.
         self.swap_space = SwapSpace(num_swap_blocks)
-        self.swapped_tables: dict[str, list[SwappedEntry]] = {}
         self.num_swap_out_blocks = 0
         self.num_swap_in_blocks = 0
         # Prefix-cache lookups, in tokens.
@@ -159,7 +151,8 @@ class KVCacheManager:
         are not taken at all (their entries start as None).
         """
         computed_blocks = computed_blocks or []
-        blocks = self.req_to_blocks.get(request_id, [])
+        record = self.tables.get(request_id)
+        blocks = record.entries if record is not None else []
         if computed_blocks and blocks:
             raise ValueError(f"request {request_id!r} already has blocks; cached blocks go only to a new table")
         released = num_out_of_window_blocks(num_computed_tokens, self.sliding_window, self.block_size)
@@ -172,12 +165,12 @@ class KVCacheManager:
         revived = sum(1 for block in kept if block.ref_cnt == 0)
         if num_new_blocks + needs_copy + revived > self.num_free_blocks:
             return None
-        if computed_blocks:
+        if record is None:  # a new table: the cached blocks are registered, those out of the window released
             self.block_pool.touch(kept)
-            blocks = [None] * (len(computed_blocks) - len(kept)) + kept
-            self.num_registered_blocks[request_id] = len(computed_blocks)
-            self.num_released_blocks[request_id] = len(computed_blocks) - len(kept)
-        blocks = self.req_to_blocks.setdefault(request_id, blocks)
+            num_released = len(computed_blocks) - len(kept)
+            record = self.tables[request_id] = BlockTableRecord([None] * num_released + kept, num_released,
+                                                                len(computed_blocks))
+        blocks = record.entries
         copies = []
         if needs_copy:
             shared = blocks[write_index]
@@ -192,18 +185,19 @@ class KVCacheManager:
     def _release_out_of_window(self, request_id: str, num_released: int) -> None:
         """Release the request's table entries before ``num_released`` (None
         entries stay None), last first like ``free``: each drops one reference."""
-        blocks = self.req_to_blocks.get(request_id)
-        start = self.num_released_blocks.get(request_id, 0)
-        if blocks is None or num_released <= start:
+        record = self.tables.get(request_id)
+        if record is None or num_released <= record.num_released:
             return
-        num_released = min(num_released, len(blocks))
-        self.block_pool.free_blocks(reversed(blocks[start:num_released]))
-        blocks[start:num_released] = [None] * (num_released - start)
-        self.num_released_blocks[request_id] = num_released
+        start, num_released = record.num_released, min(num_released, len(record.entries))
+        self.block_pool.free_blocks(reversed(record.entries[start:num_released]))
+        record.entries[start:num_released] = [None] * (num_released - start)
+        record.num_released = num_released
 
     def num_released(self, request_id: str) -> int:
-        """Leading entries of the request's table released by the sliding window."""
-        return self.num_released_blocks.get(request_id, 0)
+        """Leading entries of the request's table released by the sliding window
+        (a swapped-out request's too: they stay released)."""
+        record = self.tables.get(request_id) or self.swapped_tables.get(request_id)
+        return record.num_released if record is not None else 0
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the blocks that the request's first ``num_tokens`` tokens fill,
@@ -217,16 +211,15 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        num_full = min(num_tokens // self.block_size, len(blocks))
-        start = self.num_registered_blocks.get(request.request_id, 0)
-        if num_full <= start:
+        record = self.tables.get(request.request_id, BlockTableRecord())
+        num_full = min(num_tokens // self.block_size, len(record.entries))
+        if num_full <= record.num_registered:
             return
         hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys)
         # Released entries hold no block to register (after a swap-in restarts from 0).
-        for index in range(max(start, self.num_released(request.request_id)), num_full):
-            self.block_pool.cache_block(blocks[index], hashes[index])
-        self.num_registered_blocks[request.request_id] = num_full
+        for index in range(max(record.num_registered, record.num_released), num_full):
+            self.block_pool.cache_block(record.entries[index], hashes[index])
+        record.num_registered = num_full
 
     def reset_prefix_cache(self) -> int:
         return self.block_pool.reset_prefix_cache()
@@ -239,16 +232,16 @@ class KVCacheManager:
         Returns the ``(device block, host block)`` copies to perform before the
         next forward pass, or None (nothing changed) if the host pool is short.
         """
-        blocks = self.req_to_blocks.get(request_id, [])
-        private = [block for block in blocks if block is not None and block.ref_cnt == 1]
+        record = self.tables.get(request_id, BlockTableRecord())
+        private = [block for block in record.blocks() if block.ref_cnt == 1]
         host_blocks = self.swap_space.allocate(len(private))
         if host_blocks is None:
             return None
         to_host: dict[KVCacheBlock, int] = dict(zip(private, host_blocks))
-        self.swapped_tables[request_id] = [to_host.get(block, block) for block in blocks]
-        del self.req_to_blocks[request_id]
-        # Swapped-in copies come back unhashed: registration restarts from block 0.
-        self.num_registered_blocks.pop(request_id, None)
+        # Swapped-in copies come back unhashed: the registered count is dropped here.
+        self.swapped_tables[request_id] = SwappedTable([to_host.get(block, block) for block in record.entries],
+                                                       record.num_released)
+        self.tables.pop(request_id, None)
         self.block_pool.free_blocks(reversed(private))
         self.num_swap_out_blocks += len(private)
         return [(block.block_id, host) for block, host in to_host.items()]
@@ -256,7 +249,7 @@ class KVCacheManager:
     def swap_in_cost(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> int:
         """Free blocks that ``swap_in`` followed by ``allocate_slots(num_computed_tokens,
         num_new_tokens)`` will take, so the scheduler can check before doing either."""
-        table = self.swapped_tables[request_id]
+        table = self.swapped_tables[request_id].entries
         host = sum(1 for entry in table if isinstance(entry, int))
         new_blocks = max(0, self.num_blocks_for(num_computed_tokens + num_new_tokens) - len(table))
         write_index = num_computed_tokens // self.block_size
@@ -271,21 +264,21 @@ class KVCacheManager:
         """Bring a swapped request's blocks back into fresh device blocks.
         Returns the ``(host block, device block)`` copies, or None if the pool is short.
         Released (None) entries stay released."""
-        table = self.swapped_tables[request_id]
-        host_blocks = [entry for entry in table if isinstance(entry, int)]
+        swapped = self.swapped_tables[request_id]
+        host_blocks = [entry for entry in swapped.entries if isinstance(entry, int)]
         if len(host_blocks) > self.num_free_blocks:
             return None
         fresh = iter(self.block_pool.get_new_blocks(len(host_blocks)))
         blocks: list[TableEntry] = []
         copies = []
-        for entry in table:
+        for entry in swapped.entries:
             if isinstance(entry, int):
                 block = next(fresh)
                 copies.append((entry, block.block_id))
                 entry = block
             blocks.append(entry)
         del self.swapped_tables[request_id]
-        self.req_to_blocks[request_id] = blocks
+        self.tables[request_id] = BlockTableRecord(blocks, swapped.num_released)
         self.swap_space.free(host_blocks)
         self.num_swap_in_blocks += len(host_blocks)
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
@@ -300,22 +293,18 @@ class KVCacheManager:
         baseline) the child gets private copies of every block, returned as
         block copies, or None if the pool is short.
         """
-        if child_id in self.req_to_blocks:
+        if child_id in self.tables:
             raise ValueError(f"request {child_id!r} already has a block table")
-        parent_blocks = self.req_to_blocks.get(parent_id, [])
-        released = self.num_released(parent_id)
-        held = parent_blocks[released:]  # the child's released entries are the parent's
+        parent = self.tables.get(parent_id, BlockTableRecord())
+        released, held = parent.num_released, parent.blocks()  # the child's released entries are the parent's
         if self.enable_block_sharing:
             self.block_pool.touch(held)
-            self.req_to_blocks[child_id] = list(parent_blocks)
-            self.num_registered_blocks[child_id] = self.num_registered_blocks.get(parent_id, 0)
-            self.num_released_blocks[child_id] = released
+            self.tables[child_id] = BlockTableRecord(list(parent.entries), released, parent.num_registered)
             return []
         if len(held) > self.num_free_blocks:
             return None
         child_blocks = self.block_pool.get_new_blocks(len(held))
-        self.req_to_blocks[child_id] = [None] * released + child_blocks
-        self.num_released_blocks[child_id] = released
+        self.tables[child_id] = BlockTableRecord([None] * released + child_blocks, released)
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
         return [
             BlockCopy(src.block_id, dst.block_id, index)
@@ -325,21 +314,19 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release the request's blocks (tail first). Freeing an unknown request is a no-op,
         so every finish/abort/preempt path can call it unconditionally."""
-        blocks = self.req_to_blocks.pop(request_id, None)
-        self.num_registered_blocks.pop(request_id, None)
-        self.num_released_blocks.pop(request_id, None)
+        entries = self._entries(request_id)
+        self.tables.pop(request_id, None)
         swapped = self.swapped_tables.pop(request_id, None)
         if swapped is not None:
-            self.swap_space.free([entry for entry in swapped if isinstance(entry, int)])
-            blocks = [entry for entry in swapped if not isinstance(entry, int)]
-        if blocks:
-            self.block_pool.free_blocks(reversed([block for block in blocks if block is not None]))
+            self.swap_space.free([entry for entry in swapped.entries if isinstance(entry, int)])
+            entries = [entry for entry in swapped.entries if not isinstance(entry, int)]
+        self.block_pool.free_blocks(reversed([block for block in entries if block is not None]))
 
     def truncate(self, request_id: str, num_tokens: int) -> int:
         """Release the table entries past what ``num_tokens`` tokens need, last
         first: the blocks of rejected draft tokens. They hold no registered
         (hashed) block, since drafts are never cached; returns the entries kept."""
-        blocks = self.req_to_blocks.get(request_id, [])
+        blocks = self._entries(request_id)
         keep = self.num_blocks_for(num_tokens)
         if len(blocks) > keep:
             self.block_pool.free_blocks(reversed(blocks[keep:]))
@@ -355,9 +342,9 @@ class KVCacheManager:
         the engine: each mapping is copied in one call, so the view may straddle
         a step but never raises."""
         owners: dict[int, list[str]] = {}
-        tables = list(self.req_to_blocks.items()) + list(self.swapped_tables.items())
-        for request_id, blocks in tables:
-            for block in list(blocks):
+        tables = list(self.tables.items()) + list(self.swapped_tables.items())
+        for request_id, table in tables:
+            for block in list(table.entries):
                 if isinstance(block, KVCacheBlock):
                     owners.setdefault(block.block_id, []).append(request_id)
         return [
@@ -375,9 +362,14 @@ class KVCacheManager:
         """Block ids of the request's table from entry ``start`` on (the scheduler
         sends a running request's new entries only, so this stays O(new));
         released entries read ``NULL_BLOCK_ID``."""
-        blocks = self.req_to_blocks.get(request_id, [])
+        blocks = self._entries(request_id)
         return [NULL_BLOCK_ID if (block := blocks[index]) is None else block.block_id
                 for index in range(start, len(blocks))]
+
+    def _entries(self, request_id: str) -> list[TableEntry]:
+        """The resident request's table entries (empty for any other request)."""
+        record = self.tables.get(request_id)
+        return record.entries if record is not None else []
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(

@@ -4,10 +4,11 @@ What must hold between steps:
 - the block pool's free queue, ref counts and hash map agree (``BlockPool.check_invariants``);
 - only running requests hold device tables, only swapped ones swapped tables,
   never both; host blocks are each used once and none leaks;
-- a running table has at most ``ceil(num_tokens / block_size)`` entries; its
-  first ``num_released`` entries are None (released by the sliding window) and
-  no more than the window of its ``num_tokens`` allows, every later entry holds
-  a block; an unfilled block is never hashed;
+- a running table (``BlockTableRecord``) has at most ``ceil(num_tokens / block_size)``
+  entries; its first ``num_released`` entries are None (released by the sliding
+  window) and no more than the window of its ``num_tokens`` allows, every later
+  entry holds a block; it registered no more entries than it has; an unfilled
+  block is never hashed;
 - every block's ref count equals the number of tables (device or swapped) that point at it.
 """
 
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 from pagedllm.core.sliding_window import num_out_of_window_blocks
 
 if TYPE_CHECKING:
+    from pagedllm.core.block_table import BlockTableRecord
     from pagedllm.core.kv_cache_manager import KVCacheManager
 
 
@@ -27,11 +29,11 @@ def check_paged_tables(manager: KVCacheManager, running: Mapping[str, int], swap
     manager.block_pool.check_invariants()
     references: dict[int, int] = {}
     _check_swapped(manager, swapped, references)
-    for request_id, blocks in manager.req_to_blocks.items():
+    for request_id, record in manager.tables.items():
         if request_id not in running:
             raise RuntimeError(f"request {request_id!r} holds blocks but is not running")
-        _check_table(manager, request_id, blocks, running[request_id])
-        for block in blocks:
+        _check_table(manager, request_id, record, running[request_id])
+        for block in record.entries:
             if block is not None:
                 references[block.block_id] = references.get(block.block_id, 0) + 1
     for block in manager.block_pool.blocks:
@@ -48,9 +50,9 @@ def _check_swapped(manager: KVCacheManager, swapped: Collection[str], references
     for request_id, table in manager.swapped_tables.items():
         if request_id not in swapped:
             raise RuntimeError(f"request {request_id!r} has swapped blocks but is not swapped out")
-        if request_id in manager.req_to_blocks:
+        if request_id in manager.tables:
             raise RuntimeError(f"request {request_id!r} is both swapped out and resident")
-        for entry in table:
+        for entry in table.entries:
             if isinstance(entry, int):
                 host_blocks.append(entry)
             elif entry is not None:
@@ -61,13 +63,14 @@ def _check_swapped(manager: KVCacheManager, swapped: Collection[str], references
         raise RuntimeError("host swap blocks leaked")
 
 
-def _check_table(manager: KVCacheManager, request_id: str, blocks: list, num_tokens: int) -> None:
+def _check_table(manager: KVCacheManager, request_id: str, record: BlockTableRecord, num_tokens: int) -> None:
     """One running request's table against its ``num_tokens``."""
-    block_size = manager.block_size
+    block_size, blocks, released = manager.block_size, record.entries, record.num_released
     limit = manager.num_blocks_for(num_tokens)
     if len(blocks) > limit:
         raise RuntimeError(f"request {request_id!r} holds {len(blocks)} blocks for {num_tokens} tokens (at most {limit})")
-    released = manager.num_released(request_id)
+    if record.num_registered > len(blocks):
+        raise RuntimeError(f"request {request_id!r} registered {record.num_registered} of its {len(blocks)} entries")
     if released > num_out_of_window_blocks(num_tokens, manager.sliding_window, block_size):
         raise RuntimeError(f"request {request_id!r} released {released} blocks, some still in its window")
     if any(block is not None for block in blocks[:released]) or any(block is None for block in blocks[released:]):

@@ -14,23 +14,21 @@ from __future__ import annotations
 
 import datetime
 import socket
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedllm.logger import init_logger
 
+if TYPE_CHECKING:
+    from pagedllm.worker.runner_spec import RunnerSpec
+
 logger = init_logger(__name__)
 
-
-@dataclass(frozen=True)
-class PoolShape:
-    """What the driver decides and every rank needs to build its pool."""
-
-    num_blocks: int
-    num_swap_blocks: int
-    num_tail_slots: int = 0  # int8 pools' full-precision tails (``pagedllm.worker.tail_slots``)
+# What a spawned rank runs: ``worker_main(rank, world_size, init_method, timeout_s, device_type)``.
+RankMain = Callable[[int, int, str, float, str], None]
 
 
 def _free_port() -> int:
@@ -44,11 +42,13 @@ def backend_for(device_type: str) -> str:
 
 
 class DistributedExecutor:
-    """Owns rank 0's membership of the group and the spawned workers."""
+    """Owns rank 0's membership of the group and the spawned workers.
 
-    def __init__(self, engine_config, world_size: int, device_type: str) -> None:
-        from pagedllm.distributed.worker import worker_main
+    ``worker_main`` is what each spawned process runs (the engine passes
+    ``pagedllm.worker.tp_worker.worker_main``: the rank loop builds a model
+    runner, which this package stands below)."""
 
+    def __init__(self, engine_config, world_size: int, device_type: str, worker_main: RankMain) -> None:
         self.world_size = world_size
         timeout_s = engine_config.distributed_timeout_s
         init_method = engine_config.distributed_init_method or f"tcp://127.0.0.1:{_free_port()}"
@@ -81,8 +81,9 @@ class DistributedExecutor:
                     "the engine cannot continue: restart it"
                 )
 
-    def send_pool_shape(self, shape: PoolShape) -> None:
-        dist.broadcast_object_list([shape], src=0)
+    def send_runner_spec(self, spec: RunnerSpec) -> None:
+        """Send every worker the spec its runner is built from (after the configuration)."""
+        dist.broadcast_object_list([spec], src=0)
 
     def broadcast_step(self, step) -> None:
         """Send one step's inputs (``StepInputs``) to every worker."""

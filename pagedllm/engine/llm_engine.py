@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedllm.config import EngineConfig, torch_dtype
+from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
@@ -26,7 +26,7 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.logger import init_logger
 from pagedllm.metrics.stats import IterationStats
-from pagedllm.distributed.executor import DistributedExecutor, PoolShape
+from pagedllm.distributed.executor import DistributedExecutor
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.engine.stats_reporter import StatsReporter, metrics_context
 from pagedllm.model.loader import checkpoint_dtype
@@ -37,6 +37,8 @@ from pagedllm.spec_decode.draft_model import load_draft_model
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.worker.memory import plan_kv_pool
 from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+from pagedllm.worker.runner_spec import RunnerSpec
+from pagedllm.worker.tp_worker import worker_main
 
 logger = init_logger(__name__)
 
@@ -72,7 +74,6 @@ class LLMEngine:
         config = config.with_checkpoint_dtype(checkpoint_dtype(config.model))  # dtype auto -> the checkpoint's
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = torch_dtype(config.dtype)
         # This process is rank 0 of tensor parallelism (scheduler, bookkeeping,
         # sampling and shard 0). It loads its shard and plans the pool before it
         # starts the other ranks, so a size the model or the memory refuses
@@ -94,14 +95,14 @@ class LLMEngine:
                                                         self.scheduler_config)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.eos_token_ids = eos_token_ids_of(self.tokenizer, self.model_config, config, self.model_path)
+        # Every rank's runner is built from this one spec: the other ranks receive it.
+        self.runner_spec = RunnerSpec.from_plan(plan, config, self.scheduler_config)
         if self.executor is not None:
-            self.executor.send_pool_shape(PoolShape(num_blocks, num_swap_blocks, plan.num_tail_slots))
+            self.executor.send_runner_spec(self.runner_spec)
         self.runner = ModelRunner(
-            self.model, num_blocks, block_size, self.device, dtype, self.eos_token_ids, num_swap_blocks,
-            config.cache.kv_cache_dtype, broadcast_step=self.executor.broadcast_step if self.executor is not None else None,
+            self.model, self.runner_spec, self.device, eos_token_ids=self.eos_token_ids,
+            broadcast_step=self.executor.broadcast_step if self.executor is not None else None,
             speculative_config=config.speculative, draft_model=self.draft_model,
-            max_num_seqs=self.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
-            cuda_graphs=not config.enforce_eager and self.tp_size == 1, num_tail_slots=plan.num_tail_slots,
         )
         self.vocab_size = self.model_config.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.eos_token_ids,
@@ -136,7 +137,7 @@ class LLMEngine:
         None with one rank. They stop when the engine goes away, even without ``shutdown()``."""
         if self.tp_size == 1:
             return None
-        executor = DistributedExecutor(self.config, self.tp_size, self.device.type)
+        executor = DistributedExecutor(self.config, self.tp_size, self.device.type, worker_main)
         self._finalizer = weakref.finalize(self, executor.shutdown)
         # The ranks share the machine's cores rather than each taking all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))

@@ -141,7 +141,7 @@ def cmd_explain(args: argparse.Namespace) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> None:
-    from pagedllm.distributed.worker import main_from_environment
+    from pagedllm.worker.tp_worker import main_from_environment
 
     main_from_environment(args.distributed_init_method, args.rank, args.world_size, args.timeout, args.device)
 

@@ -16,9 +16,7 @@ from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.model.sharding import shard_layout, shard_state_dict
-from pagedllm.model.registry import model_class_for
 from pagedllm.model.shapes import head_dim_of, num_kv_heads_of, sliding_windows_of
-from pagedllm.model.packed_linear import pack_linears
 from pagedllm.model.layers import Embedding, GatedMLP, Linear, RMSNorm, linear
 from pagedllm.model.quantized import install_packed_weights
 from pagedllm.model.rotary import RotaryEmbedding, context_window_of
@@ -168,7 +166,7 @@ def split_fused_projections(state_dict: dict[str, torch.Tensor], config: Pretrai
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder plus LM head. ``forward`` returns final hidden states; call
+    """The decoder plus LM head (a ``model.base.CausalLM``). ``forward`` returns final hidden states; call
     ``compute_logits`` only on the rows that need them (sampling positions).
     A family with another decoder subclasses it and overrides ``model_types``
     and ``build_decoder``; loading and the LM head are shared."""
@@ -193,6 +191,11 @@ class LlamaForCausalLM(nn.Module):
         # Granite scales the embeddings and divides the logits; other models have neither.
         self.embedding_multiplier = getattr(config, "embedding_multiplier", None)
         self.logits_scaling = getattr(config, "logits_scaling", None)
+
+    @property
+    def rope_depends_on_length(self) -> bool:
+        """Whether some layer's rotary frequencies change with the sequence length (``CausalLM``)."""
+        return any(isinstance(m, RotaryEmbedding) and m.threshold is not None for m in self.modules())
 
     @staticmethod
     def build_decoder(config: PretrainedConfig, max_position: int, tp: TensorParallelGroup) -> nn.Module:
@@ -254,20 +257,3 @@ class LlamaForCausalLM(nn.Module):
                 f"missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
 
-
-def build_model(checkpoint, max_model_len: int, device: torch.device, dtype: torch.dtype,
-                tp: TensorParallelGroup = SINGLE) -> nn.Module:
-    """This rank's shard of a loaded checkpoint (the whole model with one rank), ready to run.
-
-    The model is built on the meta device and its parameters are the
-    checkpoint's tensors (see ``load_weights``): peak memory is the weights
-    once, plus one layer's fused projections. Consumes ``checkpoint.state_dict``.
-    An fp32 or bf16 model on a CPU with AVX-512 and no AMX has its linear layers
-    packed for the C++ packed kernel (``packed_linear``).
-    """
-    with torch.device("meta"):
-        model = model_class_for(checkpoint.config)(checkpoint.config, max_position=max_model_len, tp=tp)
-    model.load_weights(checkpoint.state_dict)
-    model = model.to(device=device, dtype=dtype).eval()
-    pack_linears(model)
-    return model

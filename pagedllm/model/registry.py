@@ -1,28 +1,58 @@
-"""Which Hugging Face architectures (config ``model_type``) load, and the model class of each.
+"""Which Hugging Face architectures (config ``model_type``) load, the model class of each, and building one.
 
 Every loader checks a checkpoint's architecture against ``SUPPORTED_ARCHITECTURES``
 before it reads a tensor; ``model_class_for`` is the one place that maps an
-architecture to the module that runs it.
+architecture to the class that runs it, and ``build_model`` the one place that
+turns a loaded checkpoint into a ``CausalLM``. The model modules never import
+this one.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2",
-                           "gemma3_text")
+import torch
+
+from pagedllm.distributed.group import SINGLE, TensorParallelGroup
+from pagedllm.model.base import CausalLM
+from pagedllm.model.gemma import GemmaForCausalLM
+from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.packed_linear import pack_linears
+
+if TYPE_CHECKING:
+    from pagedllm.model.checkpoint import Checkpoint
+
+# model_type -> the class that runs it (each family lists its own types).
+_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    **dict.fromkeys(LlamaForCausalLM.model_types, LlamaForCausalLM),
+    **dict.fromkeys(GemmaForCausalLM.model_types, GemmaForCausalLM),
+}
+SUPPORTED_ARCHITECTURES = tuple(_CLASSES)
 
 
-def model_class_for(config: Any) -> type:
+def model_class_for(config: Any) -> type[LlamaForCausalLM]:
     """The model class for a transformers config; ValueError naming the supported architectures."""
-    from pagedllm.model.gemma import GemmaForCausalLM
-    from pagedllm.model.llama import LlamaForCausalLM
-
-    classes = dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite"), LlamaForCausalLM)
-    classes.update(dict.fromkeys(("gemma", "gemma2", "gemma3_text"), GemmaForCausalLM))
     model_type = getattr(config, "model_type", None)
-    if model_type not in classes:
+    if model_type not in _CLASSES:
         raise ValueError(
             f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    return classes[model_type]
+    return _CLASSES[model_type]
+
+
+def build_model(checkpoint: Checkpoint, max_model_len: int, device: torch.device, dtype: torch.dtype,
+                tp: TensorParallelGroup = SINGLE) -> CausalLM:
+    """This rank's shard of a loaded checkpoint (the whole model with one rank), ready to run.
+
+    The model is built on the meta device and its parameters are the
+    checkpoint's tensors (see ``CausalLM.load_weights``): peak memory is the
+    weights once, plus one layer's fused projections. Consumes
+    ``checkpoint.state_dict``. An fp32 or bf16 model on a CPU with AVX-512 and
+    no AMX has its linear layers packed for the C++ packed kernel (``packed_linear``).
+    """
+    with torch.device("meta"):
+        model = model_class_for(checkpoint.config)(checkpoint.config, max_position=max_model_len, tp=tp)
+    model.load_weights(checkpoint.state_dict)
+    model = model.to(device=device, dtype=dtype).eval()
+    pack_linears(model)
+    return model

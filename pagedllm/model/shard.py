@@ -14,8 +14,9 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from pagedllm.config import EngineConfig, SchedulerConfig, torch_dtype
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.model.sharding import check_tensor_parallel_size
-from pagedllm.model.llama import LlamaForCausalLM, build_model
+from pagedllm.model.base import CausalLM
 from pagedllm.model.loader import load_checkpoint
+from pagedllm.model.registry import build_model
 from pagedllm.model.rotary import context_window_of
 from pagedllm.model.shapes import sliding_windows_of
 
@@ -24,7 +25,7 @@ from pagedllm.model.shapes import sliding_windows_of
 class ModelShard:
     """What loading leaves behind once the checkpoint's weights are released."""
 
-    model: LlamaForCausalLM  # this rank's shard, on its device, in eval mode
+    model: CausalLM  # this rank's shard, on its device, in eval mode
     model_config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase
     path: str  # the checkpoint that was loaded, resolved

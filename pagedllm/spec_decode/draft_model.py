@@ -31,8 +31,9 @@ from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.config import EngineConfig, torch_dtype
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.distributed.group import TensorParallelGroup
-from pagedllm.model.llama import LlamaForCausalLM, build_model
+from pagedllm.model.base import CausalLM
 from pagedllm.model.loader import load_checkpoint
+from pagedllm.model.registry import build_model
 from pagedllm.model.rotary import context_window_of
 from pagedllm.utils import cdiv
 from pagedllm.worker.block_moves import allocate_caches, move_blocks
@@ -46,7 +47,7 @@ PROPOSAL_BATCH = 64
 
 
 def load_draft_model(config: EngineConfig, vocab_size: int, max_model_len: int,
-                     device: torch.device) -> LlamaForCausalLM | None:
+                     device: torch.device) -> CausalLM | None:
     """The draft checkpoint of ``config.speculative_config`` (None without
     one), in the target's dtype, checked against the target: the same
     vocabulary, and a context window that covers ``max_model_len``."""
@@ -73,7 +74,7 @@ class DraftModel:
     before ``propose`` is called for it.
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
                  kv_cache_dtype: str, device: torch.device, num_swap_blocks: int, num_tokens: int) -> None:
         self.model = model
         self.block_size = block_size

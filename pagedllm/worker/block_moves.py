@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.attention.kv_cache import LayerKVCache, allocate_layer
-from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.base import CausalLM
 from pagedllm.model.shapes import head_dim_of
 from pagedllm.worker.swap import HostSwapPool
 
 
-def allocate_caches(model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
+def allocate_caches(model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
                     kv_cache_dtype: str, device: torch.device, num_tail_slots: int = 0) -> list[LayerKVCache]:
     """One block-major layer cache per layer of ``model`` (its share of KV
     heads under tensor parallelism): one block of one layer is one slab; with

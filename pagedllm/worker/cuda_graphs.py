@@ -33,7 +33,7 @@ from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.attention.torch_paged import TorchPagedAttention
 from pagedllm.logger import init_logger
-from pagedllm.model.rotary import RotaryEmbedding
+from pagedllm.model.base import CausalLM
 from pagedllm.utils import cdiv
 
 logger = init_logger(__name__)
@@ -45,14 +45,14 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-def why_no_graphs(model: torch.nn.Module, device: torch.device, attention: TorchPagedAttention) -> str | None:
+def why_no_graphs(model: CausalLM, device: torch.device, attention: TorchPagedAttention) -> str | None:
     """Why decode steps of this model cannot be captured here (None: they can)."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {device.type}"
     if attention.decode_kernel is None:
         return ("CUDA graphs need the paged decode kernel (Triton, a power-of-two block size, an auto pool or "
                 "int8 without full-precision tails)")
-    if any(isinstance(m, RotaryEmbedding) and m.threshold is not None for m in model.modules()):
+    if model.rope_depends_on_length:
         return "this model's rope depends on sequence length, which a captured graph cannot follow"
     return None
 
@@ -60,7 +60,7 @@ def why_no_graphs(model: torch.nn.Module, device: torch.device, attention: Torch
 class DecodeGraphs:
     """One captured forward per batch size, over shared static input buffers."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[LayerKVCache], attention: TorchPagedAttention,
+    def __init__(self, model: CausalLM, kv_caches: list[LayerKVCache], attention: TorchPagedAttention,
                  max_num_seqs: int, max_model_len: int, block_size: int, pad_block: int) -> None:
         self.model, self.kv_caches, self.attention = model, kv_caches, attention
         self.sizes = graph_batch_sizes(max_num_seqs)

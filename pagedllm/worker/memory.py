@@ -20,7 +20,7 @@ from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
 from pagedllm.attention.kv_cache import allocate_layer, kv_bytes_per_token_per_kv_head
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig, torch_dtype
-from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.base import CausalLM
 from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
 from pagedllm.utils import cdiv
 
@@ -99,8 +99,8 @@ def num_tail_slots_for(max_num_seqs: int, block_size: int, num_speculative_token
     return max_num_seqs * (1 + cdiv(num_speculative_tokens, block_size))
 
 
-def plan_kv_pool(config: EngineConfig, model: LlamaForCausalLM, scheduler_config: SchedulerConfig,
-                 device: torch.device, draft_model: LlamaForCausalLM | None = None) -> PoolPlan:
+def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: SchedulerConfig,
+                 device: torch.device, draft_model: CausalLM | None = None) -> PoolPlan:
     """Size rank 0's pool from ``config.cache`` for ``model`` (rank 0's shard) on ``device``.
 
     The first rule that is set decides: ``num_kv_blocks``, then
@@ -155,7 +155,7 @@ def plan_kv_pool(config: EngineConfig, model: LlamaForCausalLM, scheduler_config
     )
 
 
-def _tails_of(config: EngineConfig, model: LlamaForCausalLM, scheduler_config: SchedulerConfig,
+def _tails_of(config: EngineConfig, model: CausalLM, scheduler_config: SchedulerConfig,
               dtype: torch.dtype) -> tuple[int, int]:
     """(slots, bytes per slot) of an int8 pool's full-precision tails; (0, 0) for
     other pools. They sit beside the pool, not in its budget (which is sized in
@@ -168,7 +168,7 @@ def _tails_of(config: EngineConfig, model: LlamaForCausalLM, scheduler_config: S
     return num_tail_slots, kv_bytes_per_token(model.config, dtype, "auto", model.num_kv_heads) * cache.block_size
 
 
-def _num_blocks(config: EngineConfig, model: LlamaForCausalLM, scheduler_config: SchedulerConfig,
+def _num_blocks(config: EngineConfig, model: CausalLM, scheduler_config: SchedulerConfig,
                 device: torch.device, bytes_per_block: int) -> int:
     """``num_kv_blocks``, else the blocks of ``bytes_per_block`` the first memory
     rule's budget holds; ``ValueError`` when it holds none."""
@@ -185,7 +185,7 @@ def _num_blocks(config: EngineConfig, model: LlamaForCausalLM, scheduler_config:
     return num_blocks
 
 
-def _kv_budget_bytes(config: EngineConfig, model: LlamaForCausalLM, scheduler_config: SchedulerConfig,
+def _kv_budget_bytes(config: EngineConfig, model: CausalLM, scheduler_config: SchedulerConfig,
                      device: torch.device) -> int:
     """Bytes for the pool by the first memory rule that applies (``num_kv_blocks`` is not one)."""
     cache = config.cache
@@ -203,7 +203,7 @@ def _kv_budget_bytes(config: EngineConfig, model: LlamaForCausalLM, scheduler_co
     return cache.DEFAULT_KV_CACHE_MEMORY
 
 
-def _gpu_utilization_budget(model: LlamaForCausalLM, scheduler_config: SchedulerConfig, cache: CacheConfig,
+def _gpu_utilization_budget(model: CausalLM, scheduler_config: SchedulerConfig, cache: CacheConfig,
                            dtype: torch.dtype, device: torch.device) -> int:
     """vLLM's rule: weights + the largest step's activations + the pool stay
     within ``gpu_memory_utilization`` of the GPU's total memory. Runs one dummy
@@ -251,7 +251,7 @@ def utilization_kv_budget(total_bytes: int, utilization: float, weights_bytes: i
 
 
 @torch.inference_mode()
-def run_dummy_step(model, attention, num_tokens: int, num_logit_rows: int, block_size: int,
+def run_dummy_step(model: CausalLM, attention, num_tokens: int, num_logit_rows: int, block_size: int,
                    kv_shape: tuple[int, int], dtype: torch.dtype, kv_cache_dtype: str, device: torch.device) -> None:
     """One forward pass of ``num_tokens`` fresh prompt tokens (the largest step
     the scheduler builds) into a throwaway pool just big enough for them, then

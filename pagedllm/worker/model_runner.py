@@ -7,7 +7,7 @@ about blocks (that is ``core/``), it only follows the block tables it is given.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,7 +17,7 @@ from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.core.scheduler_output import SampleRow, ScheduledSequence, SchedulerOutput
 from pagedllm.logger import init_logger
-from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.base import CausalLM
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.draft_model import DraftModel
@@ -26,10 +26,11 @@ from pagedllm.spec_decode.speculator import Speculator, closing_token
 from pagedllm.worker.block_moves import TailMoves, allocate_caches, move_blocks, move_tails
 from pagedllm.worker.cuda_graphs import DecodeGraphs, why_no_graphs
 from pagedllm.worker.input_batch import CachedSequence, InputBatch
+from pagedllm.worker.runner_spec import RunnerSpec
 from pagedllm.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from pagedllm.worker.sampling.grammar import GrammarBitmask, RowBitmask
 from pagedllm.worker.swap import HostSwapPool
-from pagedllm.worker.tail_slots import TailSlots
+from pagedllm.worker.tail_slots import StepTokens, TailSlots
 
 logger = init_logger(__name__)
 
@@ -94,58 +95,54 @@ class StepInputs:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
-        num_blocks: int,
-        block_size: int,
+        model: CausalLM,
+        spec: RunnerSpec,
         device: torch.device,
-        dtype: torch.dtype,
-        eos_token_ids: list[int],
-        num_swap_blocks: int = 0,
-        kv_cache_dtype: str = "auto",
+        *,
+        eos_token_ids: Sequence[int] = (),
         broadcast_step: Callable[[StepInputs], None] | None = None,
-        max_num_seqs: int = 256,
-        max_model_len: int = 2048,
-        cuda_graphs: bool = False,
         speculative_config: SpeculativeConfig | None = None,
-        draft_model: LlamaForCausalLM | None = None,
-        num_tail_slots: int = 0,
+        draft_model: CausalLM | None = None,
     ) -> None:
-        """``broadcast_step``, on a tensor-parallel driver, sends each step's
+        """A runner of ``model`` over a pool of ``spec``'s shape on ``device``;
+        every rank builds one from the same ``spec``. The rest is the driver's
+        (rank 0, which samples): ``eos_token_ids`` for the sampler;
+        ``broadcast_step``, on a tensor-parallel driver, sends each step's
         inputs to the other ranks before this rank runs it (they run the same
-        forward, whose all-reduces need every rank). ``max_num_seqs`` and
-        ``max_model_len`` size the persistent input batch (it grows past them);
-        ``cuda_graphs`` captures decode steps where the device and model allow
-        (``pagedllm.worker.cuda_graphs``; off: ``enforce_eager``). With
-        ``speculative_config`` it verifies and proposes drafts (``draft_model``:
-        the loaded draft of a ``draft_model`` config). ``num_tail_slots`` > 0
-        (int8 pools): keep still-filling blocks also in full precision
-        (``pagedllm.worker.tail_slots``)."""
+        forward, whose all-reduces need every rank); with ``speculative_config``
+        it verifies and proposes drafts (``draft_model``: the loaded draft of a
+        ``draft_model`` config). ``spec.cuda_graphs`` captures decode steps
+        where the device and model allow (``pagedllm.worker.cuda_graphs``);
+        ``spec.num_tail_slots`` > 0 (int8 pools) keeps still-filling blocks also
+        in full precision (``pagedllm.worker.tail_slots``)."""
         self.model = model
         self.broadcast_step = broadcast_step
-        self.block_size = block_size
+        self.block_size = block_size = spec.block_size
         self.device = device
-        self.attention = attention_backend_for(device, block_size, kv_cache_dtype, tails=num_tail_slots > 0,
-                                               dtype=dtype)
-        no_graphs = why_no_graphs(model, device, self.attention) if cuda_graphs else "enforce_eager"
-        if cuda_graphs and no_graphs and device.type == "cuda":  # CPU users never asked for graphs
+        self.attention = attention_backend_for(device, block_size, spec.kv_cache_dtype, tails=spec.num_tail_slots > 0,
+                                               dtype=spec.dtype)
+        no_graphs = why_no_graphs(model, device, self.attention) if spec.cuda_graphs else "enforce_eager"
+        if spec.cuda_graphs and no_graphs and device.type == "cuda":  # CPU users never asked for graphs
             logger.info("Decode steps run eagerly: %s", no_graphs)
         # With graphs, one block past the scheduler's pool takes the padded rows' writes.
-        self.kv_caches = allocate_caches(model, num_blocks + (not no_graphs), block_size, dtype, kv_cache_dtype,
-                                         device, num_tail_slots)
-        self.tail_slots = TailSlots(num_blocks + (not no_graphs), num_tail_slots) if num_tail_slots else None
-        self.swap_pool = HostSwapPool(num_swap_blocks, self.kv_caches)
-        self.sampler = Sampler(eos_token_ids)
+        num_blocks = spec.num_blocks + (not no_graphs)
+        self.kv_caches = allocate_caches(model, num_blocks, block_size, spec.dtype, spec.kv_cache_dtype, device,
+                                         spec.num_tail_slots)
+        self.tail_slots = TailSlots(num_blocks, spec.num_tail_slots, block_size) if spec.num_tail_slots else None
+        self.swap_pool = HostSwapPool(spec.num_swap_blocks, self.kv_caches)
+        self.sampler = Sampler(list(eos_token_ids))
         self.speculator = None
         if speculative_config is not None:
             draft = None if draft_model is None else DraftModel(
-                draft_model, num_blocks, block_size, dtype, kv_cache_dtype, device, num_swap_blocks,
-                speculative_config.num_speculative_tokens,
+                draft_model, spec.num_blocks, block_size, spec.dtype, spec.kv_cache_dtype, device,
+                spec.num_swap_blocks, speculative_config.num_speculative_tokens,
             )
-            self.speculator = Speculator(speculative_config, eos_token_ids, draft)
-        self.batch = InputBatch(max_num_seqs, max_model_len, block_size)
+            self.speculator = Speculator(speculative_config, list(eos_token_ids), draft)
+        self.batch = InputBatch(spec.max_num_seqs, spec.max_model_len, block_size)
         # Sequence id -> what the sampler reads of it (prompt, outputs, params) and its batch row.
         self.sequences: dict[str, CachedSequence] = self.batch.sequences
-        self.decode_graphs = None if no_graphs else self._capture_graphs(max_num_seqs, max_model_len, num_blocks)
+        self.decode_graphs = None if no_graphs else self._capture_graphs(spec.max_num_seqs, spec.max_model_len,
+                                                                          spec.num_blocks)
 
     @torch.inference_mode()
     def _capture_graphs(self, max_num_seqs: int, max_model_len: int, pad_block: int) -> DecodeGraphs | None:
@@ -191,7 +188,9 @@ class ModelRunner:
         batch = None if scheduler_output.is_empty else self._prepare(scheduler_output)
         step = StepInputs(scheduler_output.swap_out, scheduler_output.block_copies, scheduler_output.swap_in)
         if self.tail_slots is not None:
-            step.tail_moves = self._plan_tails(scheduler_output, batch)
+            tokens = None if batch is None else StepTokens(batch.host_positions, batch.host_slots, batch.metadata)
+            step.tail_moves = self.tail_slots.plan(scheduler_output, self.sequences, self.batch.block_table, tokens,
+                                                   self.device)
         if batch is not None:
             step.input_ids, step.positions, step.metadata = batch.input_ids, batch.positions, batch.metadata
         if self.broadcast_step is not None:
@@ -274,58 +273,6 @@ class ModelRunner:
             host_positions=arrays.positions,
             host_slots=arrays.slot_mapping,
         )
-
-    def _plan_tails(self, scheduler_output: SchedulerOutput, batch: _Batch | None) -> TailMoves:
-        """This step's tail slot decisions (the rules are ``pagedllm.worker.tail_slots``'):
-        follow the block moves, release by committed state, give the blocks this
-        step writes a slot, and put each token's tail write and each reader's
-        slot in the batch's metadata. Returns the step's tail moves."""
-        tails, block_size = self.tail_slots, self.block_size
-        moves = TailMoves(tails.swap_out(scheduler_output.swap_out), tails.copy(scheduler_output.block_copies),
-                          tails.swap_in(scheduler_output.swap_in))
-        # Kept: each sequence's blocks from its committed length's block to its last
-        # token written; for one scheduled now the committed length is exact, so
-        # only the block it ends in (when that is not full).
-        for scheduled in scheduler_output.scheduled:
-            sequence = self.sequences[scheduled.sequence_id]
-            sequence.num_computed = sequence.num_written = scheduled.num_computed_tokens
-        keep = [self.batch.block_table[s.row, s.num_computed // block_size :
-                                       min(-(-s.num_written // block_size), s.num_blocks)]
-                for s in self.sequences.values()]
-        tails.release_all_but(np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64))
-        for scheduled in scheduler_output.scheduled:
-            self.sequences[scheduled.sequence_id].num_written += scheduled.num_scheduled_tokens
-        if batch is None:
-            return moves
-        metadata = batch.metadata
-        positions = batch.host_positions
-        blocks, offsets = batch.host_slots // block_size, positions % block_size
-        # Each token's span end (context length after this step); decode rows are their own span.
-        ends = positions + 1
-        for span in metadata.prefills:
-            ends[span.query_start : span.query_start + span.query_len] = span.context_len
-        is_decode = np.arange(len(positions)) < metadata.num_decodes
-        in_last_block = (positions // block_size == (ends - 1) // block_size) & (ends % block_size != 0)
-        writes = (offsets != block_size - 1) & (is_decode | in_last_block)
-        # A span that starts mid-block reads that block's tail; one that leaves it
-        # for another partial block hands the slot on (read before written: the
-        # backend reads a span's earlier tokens before this step's tail writes).
-        for span in metadata.prefills:
-            first_block = blocks[span.query_start]
-            if (span.context_len - span.query_len) % block_size:
-                span.tail_slot = int(tails.slot_of[first_block])
-            last_block = blocks[span.query_start + span.query_len - 1]
-            if span.tail_slot >= 0 and last_block != first_block and span.context_len % block_size:
-                tails.hand_over(first_block, last_block)
-        moves.fills = tails.ensure(blocks[writes])
-        tail_of_token = tails.slot_of[blocks]
-        written = np.flatnonzero(writes & (tail_of_token >= 0))
-        metadata.tail_write_rows = self._tensor(written)
-        metadata.tail_write_slots = self._tensor(tail_of_token[written] * block_size + offsets[written])
-        decodes = slice(0, metadata.num_decodes)
-        metadata.decode_tail_slots = self._tensor(
-            np.where(offsets[decodes] != block_size - 1, tail_of_token[decodes], -1))
-        return moves
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         """A step's int64 array on the device (shared, not copied, on the CPU:

@@ -3,7 +3,8 @@
 The readers' rule is in ``pagedllm.attention.kv_cache`` ("Full-precision
 tails"): a query reads its own block at full precision unless it sits at the
 block's last position. This module decides, on the driver, which blocks hold a
-tail slot; the runner turns that into the step's tail writes and moves.
+tail slot, and each step's tail writes and moves (``TailSlots.plan``, which
+the runner calls with the step's scheduler output and host arrays).
 
 Safety rules:
 
@@ -37,19 +38,36 @@ Safety rules:
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Mapping
+from typing import NamedTuple
 
+import numpy as np
+import torch
+
+from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.logger import init_logger
+from pagedllm.worker.block_moves import TailMoves
+from pagedllm.worker.input_batch import CachedSequence
 
 logger = init_logger(__name__)
+
+
+class StepTokens(NamedTuple):
+    """The host side of a step's flattened tokens, as the tail plan reads them."""
+
+    positions: np.ndarray  # each token's position in its sequence
+    slots: np.ndarray  # each token's pool slot (the metadata's slot_mapping)
+    metadata: AttentionMetadata  # its prefill spans and tail fields are filled in by ``TailSlots.plan``
 
 
 class TailSlots:
     """``slot_of[block]``: the block's tail slot, -1 for none; and the free slots."""
 
-    def __init__(self, num_blocks: int, num_slots: int) -> None:
+    def __init__(self, num_blocks: int, num_slots: int, block_size: int) -> None:
         if num_slots < 1:
             raise ValueError(f"a tail pool needs at least one slot, got {num_slots}")
+        self.block_size = block_size
         self.slot_of = np.full(num_blocks, -1, dtype=np.int64)
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: low slots first
@@ -59,6 +77,68 @@ class TailSlots:
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    def plan(self, scheduler_output: SchedulerOutput, sequences: Mapping[str, CachedSequence],
+             block_table: np.ndarray, tokens: StepTokens | None, device: torch.device) -> TailMoves:
+        """One step's decisions, by the module's rules: follow the block moves,
+        release by committed state, give the blocks this step writes a slot,
+        and put each token's tail write and each reader's slot in
+        ``tokens.metadata`` (as tensors on ``device``; ``tokens`` is None for a
+        step without tokens). ``sequences`` are the runner's live ones (each
+        scheduled one's committed and written lengths are updated here) and
+        ``block_table`` their batch rows. Returns the step's tail moves."""
+        moves = TailMoves(self.swap_out(scheduler_output.swap_out), self.copy(scheduler_output.block_copies),
+                          self.swap_in(scheduler_output.swap_in))
+        self._release_by_committed_length(scheduler_output, sequences, block_table)
+        if tokens is not None:
+            moves.fills = self._place_writes(tokens, device)
+        return moves
+
+    def _release_by_committed_length(self, scheduler_output: SchedulerOutput,
+                                     sequences: Mapping[str, CachedSequence], block_table: np.ndarray) -> None:
+        """Keep each sequence's blocks from its committed length's block to its
+        last token written; for one scheduled now the committed length is
+        exact, so only the block it ends in (when that is not full)."""
+        block_size = self.block_size
+        for scheduled in scheduler_output.scheduled:
+            sequence = sequences[scheduled.sequence_id]
+            sequence.num_computed = sequence.num_written = scheduled.num_computed_tokens
+        keep = [block_table[s.row, s.num_computed // block_size : min(-(-s.num_written // block_size), s.num_blocks)]
+                for s in sequences.values()]
+        self.release_all_but(np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64))
+        for scheduled in scheduler_output.scheduled:
+            sequences[scheduled.sequence_id].num_written += scheduled.num_scheduled_tokens
+
+    def _place_writes(self, tokens: StepTokens, device: torch.device) -> list[tuple[int, int]]:
+        """Give the blocks this step writes a slot, fill in the metadata's tail
+        writes and readers' slots; returns the new slots to fill."""
+        block_size, metadata, positions = self.block_size, tokens.metadata, tokens.positions
+        blocks, offsets = tokens.slots // block_size, positions % block_size
+        # Each token's span end (context length after this step); decode rows are their own span.
+        ends = positions + 1
+        for span in metadata.prefills:
+            ends[span.query_start : span.query_start + span.query_len] = span.context_len
+        is_decode = np.arange(len(positions)) < metadata.num_decodes
+        in_last_block = (positions // block_size == (ends - 1) // block_size) & (ends % block_size != 0)
+        writes = (offsets != block_size - 1) & (is_decode | in_last_block)
+        # A span that starts mid-block reads that block's tail; one that leaves it
+        # for another partial block hands the slot on (read before written: the
+        # backend reads a span's earlier tokens before this step's tail writes).
+        for span in metadata.prefills:
+            first_block = blocks[span.query_start]
+            if (span.context_len - span.query_len) % block_size:
+                span.tail_slot = int(self.slot_of[first_block])
+            last_block = blocks[span.query_start + span.query_len - 1]
+            if span.tail_slot >= 0 and last_block != first_block and span.context_len % block_size:
+                self.hand_over(first_block, last_block)
+        fills = self.ensure(blocks[writes])
+        tail_of_token = self.slot_of[blocks]
+        written = np.flatnonzero(writes & (tail_of_token >= 0))
+        decodes = slice(0, metadata.num_decodes)
+        metadata.tail_write_rows = _on(device, written)
+        metadata.tail_write_slots = _on(device, tail_of_token[written] * block_size + offsets[written])
+        metadata.decode_tail_slots = _on(device, np.where(offsets[decodes] != block_size - 1, tail_of_token[decodes], -1))
+        return fills
 
     def drop(self, blocks: list[int]) -> None:
         """Release the slots of ``blocks`` (those that hold one)."""
@@ -137,3 +217,8 @@ class TailSlots:
             return False
         self.slot_of[block] = self._free.pop()
         return True
+
+
+def _on(device: torch.device, array: np.ndarray) -> torch.Tensor:
+    """A fresh host array on the device (shared, not copied, on the CPU: no later step writes it)."""
+    return torch.from_numpy(array).to(device)

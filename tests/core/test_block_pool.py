@@ -54,7 +54,7 @@ def test_manager_returns_none_and_changes_nothing_on_shortfall():
     kv.allocate_slots("a", 0, 8)
     before = kv.get_block_ids("a")
     assert kv.allocate_slots("b", 0, 8) is None
-    assert "b" not in kv.req_to_blocks
+    assert "b" not in kv.tables
     assert kv.allocate_slots("a", 8, 8) is None
     assert kv.get_block_ids("a") == before
     assert kv.num_free_blocks == 1

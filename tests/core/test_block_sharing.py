@@ -59,7 +59,7 @@ class BlockSharingMachine(RuleBasedStateMachine):
         self.expected[seq] = []
         if not self._write(seq, num_tokens):
             del self.expected[seq]
-            assert seq not in self.kv.req_to_blocks
+            assert seq not in self.kv.tables
             return multiple()
         return seq
 

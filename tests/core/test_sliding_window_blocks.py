@@ -128,7 +128,7 @@ class SlidingWindowMachine(RuleBasedStateMachine):
             table = self.kv.get_block_ids(seq)
             released = num_out_of_window_blocks(self.allocated_at[seq], self.WINDOW, self.BLOCK_SIZE)
             assert self.kv.num_released(seq) == released
-            assert all(entry is None for entry in self.kv.req_to_blocks[seq][:released])
+            assert all(entry is None for entry in self.kv.tables[seq].entries[:released])
             assert table[:released] == [NULL_BLOCK_ID] * released
             # The next query (position len) sees keys from len - WINDOW + 1 on.
             window = range(max(0, len(tokens) - self.WINDOW + 1), len(tokens))
@@ -138,7 +138,7 @@ class SlidingWindowMachine(RuleBasedStateMachine):
     @invariant()
     def only_held_entries_own_blocks(self):
         self.kv.check_invariants({seq: len(tokens) for seq, tokens in self.expected.items()}, swapped=())
-        held = {block.block_id for blocks in self.kv.req_to_blocks.values() for block in blocks if block is not None}
+        held = {block.block_id for record in self.kv.tables.values() for block in record.entries if block is not None}
         assert len(held) + self.kv.num_free_blocks == NUM_BLOCKS
 
     def teardown(self):
@@ -192,3 +192,28 @@ def test_released_blocks_stay_cached_and_a_hit_takes_only_its_window():
     kv.block_pool._evict(hits[2])
     hits, num_cached = kv.get_computed_blocks(second)
     assert num_cached == 8
+
+
+def test_a_swapped_table_keeps_its_released_entries_and_registers_again():
+    """A request's table record moves to the swapped tables and back: the
+    released count with it, the registered count dropped (the blocks come back
+    as fresh copies, registered again by the next ``cache_full_blocks``)."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, num_swap_blocks=8, sliding_window=6)
+    request = Request("a", list(range(100, 124)), SamplingParams(), [0], max_tokens=1)
+    kv.allocate_slots("a", 0, 20)
+    kv.allocate_slots("a", 20, 4)  # releases entries 0-2
+    kv.cache_full_blocks(request, 24)
+    assert (kv.tables["a"].num_released, kv.tables["a"].num_registered) == (3, 6)
+    assert len(kv.swap_out("a")) == 3
+    assert "a" not in kv.tables and kv.num_released("a") == 3
+    kv.check_invariants({}, swapped={"a"})
+    assert len(kv.swap_in("a")) == 3
+    record = kv.tables["a"]
+    assert (record.num_released, record.num_registered) == (3, 0)
+    assert kv.get_block_ids("a")[:3] == [NULL_BLOCK_ID] * 3
+    kv.cache_full_blocks(request, 24)  # the swapped-out originals are still cached: they stay the cached ones
+    assert record.num_registered == 6
+    kv.check_invariants({"a": 24}, swapped=())
+    kv.free("a")
+    kv.check_invariants({}, swapped=())
+    assert kv.num_free_blocks == 16

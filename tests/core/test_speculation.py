@@ -144,7 +144,7 @@ def test_blocks_holding_drafts_are_never_cached():
     scheduler.add_request(request("a", [1, 2, 3]))
     step(scheduler, runner, accept=lambda sid, d: 0)
     step(scheduler, runner, accept=lambda sid, d: 0)  # positions 3..6 written: block 1 full of drafts
-    blocks = kv.req_to_blocks["a"]
+    blocks = kv.tables["a"].entries
     assert blocks[0].block_hash is not None and len(blocks) == 1
 
 

@@ -1,6 +1,6 @@
 """Engine construction seen from tensor parallelism: a worker loads its shard
 exactly as the engine loads rank 0's, and the distributed package stands below
-the engine (it never imports it)."""
+the engine and the runner (it imports neither)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,18 @@ import torch
 
 import pagedllm
 from pagedllm.config import CacheConfig, EngineConfig
-from pagedllm.distributed import worker
-from pagedllm.distributed.executor import PoolShape
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.model.sharding import shard_layout
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.worker import tp_worker as worker
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.runner_spec import RunnerSpec
 
 
-def run_worker_in_process(config: EngineConfig, rank: int, world_size: int, monkeypatch) -> list:
+def run_worker_in_process(config: EngineConfig, spec: RunnerSpec, rank: int, world_size: int, monkeypatch) -> list:
     """``worker_main`` with torch.distributed replaced by the driver's three
-    broadcasts (configuration, pool shape, stop); returns the models it built."""
-    broadcasts = [config, PoolShape(num_blocks=8, num_swap_blocks=0), None]
+    broadcasts (configuration, runner spec, stop); returns the runners it built."""
+    broadcasts = [config, spec, None]
 
     def receive_from_driver(box: list, src: int) -> None:
         box[0] = broadcasts.pop(0)
@@ -32,16 +32,16 @@ def run_worker_in_process(config: EngineConfig, rank: int, world_size: int, monk
     monkeypatch.setattr(worker.dist, "destroy_process_group", lambda: None)
     monkeypatch.setattr(worker.dist, "broadcast_object_list", receive_from_driver)
     monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)  # keep this process's threads
-    models = []
+    runners = []
 
-    def recording_runner(model, *args, **kwargs) -> ModelRunner:
-        models.append(model)
-        return ModelRunner(model, *args, **kwargs)
+    def recording_runner(*args, **kwargs) -> ModelRunner:
+        runners.append(ModelRunner(*args, **kwargs))
+        return runners[-1]
 
     monkeypatch.setattr(worker, "ModelRunner", recording_runner)
     worker.worker_main(rank, world_size, "tcp://127.0.0.1:1", 10.0, "cpu")
     assert broadcasts == []
-    return models
+    return runners
 
 
 def test_a_worker_builds_its_rank_of_the_model_the_engine_loads(tiny_llama, monkeypatch):
@@ -49,8 +49,11 @@ def test_a_worker_builds_its_rank_of_the_model_the_engine_loads(tiny_llama, monk
     4096-token window): rank 1's shard is rank 1's cut of the engine's weights."""
     monkeypatch.setenv("PAGEDLLM_PACKED_LINEAR", "0")  # compared in nn.Linear's [out, in] layout
     engine = LLMEngine(EngineConfig(model=tiny_llama, max_model_len=64, cache=CacheConfig(num_kv_blocks=8)))
-    (rank1,) = run_worker_in_process(engine.config, rank=1, world_size=2, monkeypatch=monkeypatch)
-    whole = engine.model
+    (runner,) = run_worker_in_process(engine.config, engine.runner_spec, rank=1, world_size=2, monkeypatch=monkeypatch)
+    rank1, whole = runner.model, engine.model
+    # The driver's runner spec: the same blocks, each holding this rank's KV heads.
+    assert runner.kv_caches[0].key.shape[0] == engine.runner.kv_caches[0].key.shape[0] == 8
+    assert runner.kv_caches[0].key.shape[2] == rank1.num_kv_heads
     assert rank1.tp == TensorParallelGroup(rank=1, world_size=2)
     whole_attention, rank1_attention = whole.model.layers[0].self_attn, rank1.model.layers[0].self_attn
     assert engine.max_model_len == 64
@@ -64,10 +67,11 @@ def test_a_worker_builds_its_rank_of_the_model_the_engine_loads(tiny_llama, monk
     assert torch.equal(rank1_attention.o_proj.weight, whole_attention.o_proj.weight[:, layout.q_rows])
 
 
-def test_the_distributed_package_never_imports_the_engine():
+def test_the_distributed_package_never_imports_the_engine_or_the_runner():
     """Import every ``pagedllm.distributed`` module in a fresh interpreter, with
     the package's ``__init__`` (which imports the engine for the public API)
-    left out: no ``pagedllm.engine`` module may come along."""
+    left out: no ``pagedllm.engine`` or ``pagedllm.worker`` module may come along
+    (the rank loop that builds a runner lives in ``pagedllm.worker.tp_worker``)."""
     script = textwrap.dedent(f"""
         import importlib, pkgutil, sys, types
         package = types.ModuleType("pagedllm")
@@ -76,7 +80,7 @@ def test_the_distributed_package_never_imports_the_engine():
         import pagedllm.distributed
         for module in pkgutil.iter_modules(pagedllm.distributed.__path__):
             importlib.import_module("pagedllm.distributed." + module.name)
-        print(sorted(name for name in sys.modules if name.startswith("pagedllm.engine")))
+        print(sorted(name for name in sys.modules if name.startswith(("pagedllm.engine", "pagedllm.worker"))))
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -11,7 +11,7 @@ from transformers import GraniteConfig, Phi3Config, Phi3ForCausalLM, SmolLM3Conf
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.model.sharding import shard_layout
 from pagedllm.model.checkpoint import Checkpoint
-from pagedllm.model.llama import build_model
+from pagedllm.model.registry import build_model
 from tests.conftest import TINY_COMMON
 from tests.engine.arch_parity import check_greedy_parity, write_checkpoint
 

@@ -21,8 +21,7 @@ import json, resource, sys, torch
 from transformers import AutoConfig
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.model.packed_linear import PackedLinear
-from pagedllm.model.llama import build_model
-from pagedllm.model.registry import model_class_for
+from pagedllm.model.registry import build_model, model_class_for
 
 # Building the model once on the meta device (no memory for weights) first loads the
 # modules and compiled kernels it imports, so they do not count as loading's cost.

@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-from pagedllm.worker.tail_slots import TailSlots
+from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.core.scheduler_output import NewSequenceData, ScheduledSequence, SchedulerOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.input_batch import CachedSequence
+from pagedllm.worker.tail_slots import StepTokens, TailSlots
 
 
 def test_ensure_assigns_once_and_reports_the_new_slots_to_fill():
-    tails = TailSlots(num_blocks=8, num_slots=3)
+    tails = TailSlots(num_blocks=8, num_slots=3, block_size=4)
     assert tails.ensure(np.array([5, 2, 5])) == [(2, 0), (5, 1)]
     assert tails.ensure(np.array([2, 7])) == [(7, 2)]  # 2 already has its slot: no refill
     assert tails.num_free == 0
 
 
 def test_release_keeps_only_the_blocks_asked_for():
-    tails = TailSlots(8, 3)
+    tails = TailSlots(8, 3, 4)
     tails.ensure(np.array([1, 2, 3]))
     tails.release_all_but(np.array([2, 6]))
     assert tails.slot_of[1] == -1 and tails.slot_of[3] == -1 and tails.slot_of[2] == 1
@@ -24,7 +29,7 @@ def test_release_keeps_only_the_blocks_asked_for():
 
 
 def test_copies_give_each_destination_its_own_slot_and_read_sources_first():
-    tails = TailSlots(8, 4)
+    tails = TailSlots(8, 4, 4)
     tails.ensure(np.array([1, 4]))  # 1 -> slot 0, 4 -> slot 1
     # 4 is copied to 6, and 1 is copied onto 4 in the same step: 6 gets 4's old tail.
     moves = tails.copy([(4, 6), (1, 4), (3, 5)])  # 3 has no tail: 5 gets none
@@ -33,25 +38,25 @@ def test_copies_give_each_destination_its_own_slot_and_read_sources_first():
 
 
 def test_exhaustion_leaves_blocks_without_a_tail_and_counts_them():
-    tails = TailSlots(8, 1)
+    tails = TailSlots(8, 1, 4)
     assert tails.ensure(np.array([0, 1])) == [(0, 0)]
     assert tails.slot_of[1] == -1 and tails.num_refused == 1
 
 
 def test_a_pool_without_slots_is_refused():
     with pytest.raises(ValueError, match="at least one slot"):
-        TailSlots(8, 0)
+        TailSlots(8, 0, 4)
 
 
 def test_hand_over_moves_the_slot_and_releases_a_stale_one():
-    tails = TailSlots(8, 3)
+    tails = TailSlots(8, 3, 4)
     tails.ensure(np.array([1, 5]))  # 1 -> 0, 5 -> 1 (stale)
     tails.hand_over(1, 5)
     assert tails.slot_of[5] == 0 and tails.slot_of[1] == -1 and tails.num_free == 2
 
 
 def test_a_swapped_tail_comes_back_to_the_block_swapped_in():
-    tails = TailSlots(8, 2)
+    tails = TailSlots(8, 2, 4)
     tails.ensure(np.array([3]))  # 3 -> slot 0
     assert tails.swap_out([(3, 10), (4, 11)]) == [(0, 10)]  # 4 has no tail
     assert tails.num_free == 2
@@ -59,3 +64,24 @@ def test_a_swapped_tail_comes_back_to_the_block_swapped_in():
     assert tails.swap_in([(11, 2), (10, 5)]) == [(10, int(tails.slot_of[5]))]
     assert tails.slot_of[5] == 1 and tails.slot_of[2] == -1
     assert tails.swap_in([(10, 7)]) == []  # a host tail comes back once
+
+
+def test_plan_keeps_the_committed_block_and_gives_a_decode_its_tail():
+    """A step planned from plain data (no runner): the sequence's committed
+    5 tokens end in block 5 (block size 4), so block 3's stale slot goes, and
+    the decode at position 5 writes offset 1 of block 5's new tail and reads it."""
+    tails = TailSlots(num_blocks=8, num_slots=2, block_size=4)
+    tails.ensure(np.array([3]))
+    sequence = CachedSequence(NewSequenceData("a", [1, 2, 3, 4, 5], [], [3, 5], SamplingParams()), row=0)
+    sequence.num_blocks = 2
+    metadata = AttentionMetadata(slot_mapping=torch.tensor([21]), num_decodes=1,
+                                 decode_block_tables=torch.tensor([[3, 5]]), decode_context_lens=torch.tensor([6]),
+                                 prefills=[])
+    step = SchedulerOutput(scheduled=[ScheduledSequence("a", num_computed_tokens=5, num_scheduled_tokens=1)])
+    moves = tails.plan(step, {"a": sequence}, np.array([[3, 5]]), StepTokens(np.array([5]), np.array([21]), metadata),
+                       torch.device("cpu"))
+    slot = int(tails.slot_of[5])
+    assert tails.slot_of[3] == -1 and moves.fills == [(5, slot)] and tails.num_free == 1
+    assert metadata.tail_write_rows.tolist() == [0] and metadata.tail_write_slots.tolist() == [slot * 4 + 1]
+    assert metadata.decode_tail_slots.tolist() == [slot]
+    assert (sequence.num_computed, sequence.num_written) == (5, 6)

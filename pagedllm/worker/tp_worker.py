@@ -1,4 +1,5 @@
-"""A tensor-parallel worker: rank 1..N-1 of the group.
+"""A tensor-parallel worker: rank 1..N-1 of the group (``pagedllm worker``, or
+spawned by the driver's ``DistributedExecutor``).
 
 It holds one shard of the weights and its share of every KV block (1/N of the
 KV heads, the same block ids as every other rank), and runs exactly what the
@@ -16,11 +17,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from pagedllm.config import EngineConfig, torch_dtype
-from pagedllm.distributed.executor import PoolShape, backend_for
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.executor import backend_for
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.model.shard import load_model_shard
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.runner_spec import RunnerSpec
 
 
 def _receive(obj_type=None):
@@ -43,10 +45,7 @@ def worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, 
     try:
         config: EngineConfig = _receive(EngineConfig)
         shard = load_model_shard(config, device, TensorParallelGroup(rank=rank, world_size=world_size))
-        shape: PoolShape = _receive(PoolShape)
-        runner = ModelRunner(shard.model, shape.num_blocks, config.cache.block_size, device, torch_dtype(config.dtype),
-                             eos_token_ids=[], num_swap_blocks=shape.num_swap_blocks,
-                             kv_cache_dtype=config.cache.kv_cache_dtype, num_tail_slots=shape.num_tail_slots)
+        runner = ModelRunner(shard.model, _receive(RunnerSpec), device)
         while (step := _receive()) is not None:
             runner.run_step(step)
     finally:

@@ -1,0 +1,49 @@
+"""``RunnerSpec``: what every rank's model runner is built from.
+
+The driver (rank 0) makes it once, from its pool plan and the engine's
+configuration, builds its own runner from it and sends it to the other
+tensor-parallel ranks, which build theirs from the same object: every rank's
+pool then has the same block ids, block size, swap blocks and tail slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.config import EngineConfig, SchedulerConfig, torch_dtype
+from pagedllm.worker.memory import PoolPlan
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """One runner's pool and batch sizes (the same on every rank)."""
+
+    num_blocks: int  # the scheduler's pool; a runner with CUDA graphs allocates one more as their pad block
+    block_size: int
+    num_swap_blocks: int  # host blocks for preemption_mode="swap" (0 otherwise)
+    dtype: torch.dtype  # the model's, and the pool's unless kv_cache_dtype quantizes it
+    kv_cache_dtype: str
+    num_tail_slots: int  # int8 pools: full-precision tails of still-filling blocks (``worker.tail_slots``); 0: none
+    max_num_seqs: int  # the persistent input batch's rows and the largest CUDA graph (the batch grows past them)
+    max_model_len: int
+    cuda_graphs: bool  # capture decode steps where the device and model allow (off: ``enforce_eager``)
+
+    @classmethod
+    def from_plan(cls, plan: PoolPlan, config: EngineConfig, scheduler_config: SchedulerConfig) -> RunnerSpec:
+        """The spec of rank 0's ``plan`` (``plan_kv_pool``) for ``config``,
+        with ``scheduler_config`` resolved against the model (its ``max_model_len``)."""
+        return cls(
+            num_blocks=plan.num_blocks,
+            block_size=plan.block_size,
+            num_swap_blocks=plan.num_swap_blocks,
+            dtype=torch_dtype(plan.dtype),
+            kv_cache_dtype=plan.kv_cache_dtype,
+            num_tail_slots=plan.num_tail_slots,
+            max_num_seqs=scheduler_config.max_num_seqs,
+            max_model_len=scheduler_config.max_model_len,
+            # A tensor-parallel forward's graph would capture its all-reduces,
+            # which needs every rank capturing together: those steps run eagerly.
+            cuda_graphs=not config.enforce_eager and config.tensor_parallel_size == 1,
+        )
