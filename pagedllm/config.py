@@ -13,7 +13,7 @@ from dataclasses import Field, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pagedllm.core.sliding_window import uniform_sliding_window
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.utils import check_block_size
 
 if TYPE_CHECKING:
