@@ -197,7 +197,6 @@ class BeamGroup:
         )
         return [] if self.done else [(parent, token, score) for score, parent, token in next_running]
 
-
     def num_rows(self, request: Request) -> int:
         return 1
 

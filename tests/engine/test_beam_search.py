@@ -92,6 +92,20 @@ def test_beams_share_prefix_blocks(tiny_model_dir):
     assert_pool_free(copied)
 
 
+def test_beams_are_recomputed_never_swapped_and_keep_their_results(tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    params = BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True)
+    roomy = LLM(folder, num_kv_blocks=128)
+    expected = [[s.tokens for s in out.sequences] for out in roomy.beam_search(PROMPTS, params)]
+    small = LLM(folder, num_kv_blocks=14, block_size=4, preemption_mode="swap", swap_space=0.01,
+                debug_invariants=True)
+    got = [[s.tokens for s in out.sequences] for out in small.beam_search(PROMPTS, params)]
+    assert got == expected
+    stats = small.stats()
+    assert stats["num_preemptions"] > 0 and stats["swap_out_blocks"] == 0
+    assert_pool_free(small)
+
+
 def test_bad_beam_params_are_value_errors():
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=0, max_tokens=4)
