@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from pagedllm.core.sequence_group import SAMPLING, SequenceGroupPolicy
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import mix_seed
 
@@ -68,6 +69,7 @@ class Request:
         group_id: str | None = None,
         sample_index: int = 0,
         cache_salt: str | None = None,
+        group_policy: SequenceGroupPolicy = SAMPLING,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -99,9 +101,9 @@ class Request:
         self.group_id = group_id if group_id is not None else request_id
         self.sample_index = sample_index
         self.num_pending_samples = num_samples
-        # Beam search picks the tokens itself, so the scheduler must not append
-        # the sampled one.
-        self.tokens_chosen_externally = False
+        # How the step's sampled rows become forks, appended tokens and
+        # finishes (``core/sequence_group.py``); shared with every fork.
+        self.group_policy = group_policy
         # Speculative decoding: tokens proposed after the last one, to verify
         # in the next step (consumed by it; dropped by a preemption).
         self.draft_token_ids: list[int] = []
@@ -137,6 +139,7 @@ class Request:
             group_id=self.group_id,
             sample_index=sample_index,
             cache_salt=self.cache_salt,
+            group_policy=self.group_policy,
         )
         child.block_hashes = list(self.block_hashes)
         child.num_cached_tokens = self.num_cached_tokens
@@ -144,7 +147,6 @@ class Request:
         child.all_token_ids = list(self.all_token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
-        child.tokens_chosen_externally = self.tokens_chosen_externally
         return child
 
     def append_output_token(self, token_id: int) -> None:

@@ -99,11 +99,12 @@ class RunnerViews:
 
 def sample_rows(request: Request, num_new: int) -> list[SampleRow]:
     """The rows to sample when ``num_new`` tokens reach the request's last known
-    token: one per sample it forks into at this position (ids and seeds are
-    decided here, once), one for a sequence whose tokens beam search picks."""
+    token, as many as its policy asks for: row 0 for the request itself, row
+    ``i`` for the sample ``i`` it may fork into (ids and seeds are decided
+    here, once)."""
     if request.num_computed_tokens + num_new - len(request.draft_token_ids) < request.num_tokens:
         return []
-    count = 1 if request.tokens_chosen_externally else request.num_pending_samples
+    count = request.group_policy.num_rows(request)
     position = request.num_output_tokens
     return [
         SampleRow(child_request_id(request.group_id, i) if i else request.request_id, child_seed(request.seed, i), position)

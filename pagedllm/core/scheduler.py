@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Sequence
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_interface import BlockCopy, KVCacheManagerProtocol
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.runner_output import ModelRunnerOutput
 from pagedllm.core.runner_views import RunnerViews
 from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.core.sequence_group import Append, Decision, Fork
 from pagedllm.core.scheduler_invariants import check_scheduler
 from pagedllm.core.speculation import advance_computed, keep_proposals, num_drafts_to_propose
 from pagedllm.core.waiting_queue import WaitingQueue
@@ -54,7 +56,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManagerProtocol) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        # Every live sequence (user requests and the samples / beams forked from them).
+        # Every live sequence (user requests and the sequences forked from them).
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.waiting = WaitingQueue(self._rank)
@@ -158,7 +160,8 @@ class Scheduler:
             # Drafts the budget cuts off are dropped, not deferred.
             del request.draft_token_ids[max(0, num_new - num_pending) :]
             if num_new == 0:
-                # A beam waiting for its siblings: nothing to compute this step.
+                # Its policy holds the last sampled token back until the rest of
+                # its group catches up: nothing to compute this step.
                 index += 1
                 continue
             copies = kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
@@ -279,10 +282,10 @@ class Scheduler:
         output.preempted_request_ids.append(request.request_id)
         usage = f"KV usage {kv.num_blocks - kv.num_free_blocks}/{kv.num_blocks} blocks"
         swapped = None
-        # Beams are recomputed, never swapped: a beam parked for its siblings
-        # must produce its next-token distribution again after a preemption
-        # (beam_search drops the stale one), which only a recompute does.
-        if self.config.preemption_mode == "swap" and not request.tokens_chosen_externally:
+        # A policy that holds a sampled token back (``may_swap`` False) needs the
+        # sequence to sample that position again after a preemption, which only
+        # a recompute does.
+        if self.config.preemption_mode == "swap" and request.group_policy.may_swap:
             swapped = kv.swap_out(request.request_id)
         if swapped is not None:
             output.swap_out.extend(swapped)
@@ -309,55 +312,59 @@ class Scheduler:
 
     # ---------------------------------------------------------------- update
 
-    def update_from_output(
-        self,
-        output: SchedulerOutput,
-        sampled_token_ids: Mapping[str, int],
-        accepted_draft_token_ids: Mapping[str, list[int]] | None = None,
-        proposed_draft_token_ids: Mapping[str, list[int]] | None = None,
-    ) -> list[Request]:
-        """Advance the scheduled sequences by the tokens just computed and append
-        the sampled ones, keyed by the sample rows ``schedule`` chose: a row
-        beyond the first forks the sequence (with that row's id and seed)
-        before anything is appended; accepted drafts come before the sampled
-        token, rejected ones are rolled back (``core/speculation.py``). Returns the
-        sequences that got tokens and beam ones at a sampling position (stopped ones freed)."""
+    def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Advance the scheduled sequences by the tokens just computed, less the
+        drafts the runner rejected (a sequence's own row got its accepted drafts
+        then one token: ``core/speculation.py`` rolls the rest back), then carry
+        out what each request's ``SequenceGroupPolicy`` decides from its rows'
+        tokens: forks, appends (token-level stops finish sequences and free
+        their blocks), finishes. Returns the sequence each sample row names,
+        one per row (finished ones included)."""
         advanced = []
-        accepted_by_id, proposed_by_id = accepted_draft_token_ids or {}, proposed_draft_token_ids or {}
+        sampled, proposed = runner_output.sampled, runner_output.proposed_draft_token_ids
         for scheduled in output.scheduled:
             request = self.requests.get(scheduled.sequence_id)
             if request is None:
                 continue  # finished since it was scheduled
-            accepted = accepted_by_id.get(request.request_id, [])
-            advance_computed(request, scheduled, accepted, self.kv_cache_manager, self.runner_views)
+            own = sampled.get(request.request_id)
+            advance_computed(request, scheduled, own.token_ids if own else [], self.kv_cache_manager,
+                             self.runner_views)
             rows = scheduled.sample_rows
             if not rows:
                 continue
-            if request.tokens_chosen_externally:
-                advanced.append(request)
-                continue
-            samples = [request] + [
-                self.fork_request(request, row.sequence_id, index, row.seed)
-                for index, row in enumerate(rows[1:], start=1)
-            ]
-            self.settle_samples(request)
-            for sample, row in zip(samples, rows):
-                for token_id in [*accepted, sampled_token_ids[row.sequence_id]]:
-                    if not sample.is_finished:
-                        self.append_token(sample, token_id)
-                advanced.append(sample)
+            forks = self._apply(request.group_policy.decide(request, rows, sampled))
+            advanced += [forks.get(row.sequence_id, request) for row in rows]
             if not request.is_finished:
-                keep_proposals(request, proposed_by_id.get(request.request_id), self.config.max_model_len)
+                keep_proposals(request, proposed.get(request.request_id), self.config.max_model_len)
         return advanced
 
-    def append_token(self, request: Request, token_id: int) -> None:
-        """Append a generated token and finish the request if it must stop."""
-        request.append_output_token(token_id)
-        status = request.check_stop(self.config.max_model_len)
-        if status is not None:
-            self.finish_request(request.request_id, status)
+    def _apply(self, decisions: list[Decision]) -> dict[str, Request]:
+        """Carry out a policy's decisions in order; returns the forks made, by id."""
+        forks: dict[str, Request] = {}
+        for decision in decisions:
+            if isinstance(decision, Fork):
+                parent = self.requests[decision.parent_id]
+                forks[decision.child_id] = self._fork(parent, decision.child_id, decision.sample_index, decision.seed)
+            elif isinstance(decision, Append):
+                self._append(self.requests[decision.sequence_id], decision.token_ids)
+            else:
+                self.finish_request(decision.sequence_id, decision.status)
+        return forks
 
-    def fork_request(self, parent: Request, child_id: str, sample_index: int, seed: int) -> Request:
+    def _append(self, request: Request, token_ids: Sequence[int]) -> None:
+        """Append tokens until one stops (finishes) the request. Forked by now if
+        it was to, it holds one place in max_num_seqs; its forks hold the others."""
+        if request.status is RequestStatus.RUNNING:
+            self.num_seats_in_use -= request.num_pending_samples - 1
+        request.num_pending_samples = 1
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+                return
+
+    def _fork(self, parent: Request, child_id: str, sample_index: int, seed: int) -> Request:
         """Start a running sequence that shares ``parent``'s tokens and blocks."""
         if child_id in self.requests:
             raise ValueError(f"request id {child_id!r} is already in use")
@@ -371,13 +378,6 @@ class Scheduler:
         self.running.append(child)
         self._transition(child, RequestStatus.RUNNING, is_new=True)
         return child
-
-    def settle_samples(self, request: Request) -> None:
-        """The request has forked into its samples (or beams): it now holds one
-        place in max_num_seqs, its children hold the others."""
-        if request.status is RequestStatus.RUNNING:
-            self.num_seats_in_use -= request.num_pending_samples - 1
-        request.num_pending_samples = 1
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (or abort) a live request and free its blocks. Unknown or

@@ -3,14 +3,16 @@ how many draft tokens fit, and the rollback of rejected ones.
 
 A decoding sequence with drafts ``d1..dk`` is scheduled for ``1 + k`` tokens
 (its last known token, then the drafts). The runner verifies them and
-returns the accepted prefix ``d1..da`` and one token sampled after it, so the
-step yields ``a + 1`` tokens; the K/V of the ``k - a`` rejected drafts is
+returns the sequence's one token list: the accepted prefix ``d1..da``, then
+one token sampled after it, so the step yields ``a + 1`` tokens and the
+length says what was accepted; the K/V of the ``k - a`` rejected drafts is
 garbage, so ``num_computed_tokens`` stops after ``da`` and the table's blocks
 past what that needs go back to the pool.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pagedllm.core.request import Request
@@ -29,13 +31,13 @@ def draft_room(request: Request, max_model_len: int) -> int:
 
 def num_drafts_to_propose(request: Request, num_speculative_tokens: int, samples_this_step: bool) -> int:
     """How many tokens the runner should propose after this step for the
-    request: none for a sequence that does not sample now, whose tokens beam
-    search picks, that is about to fork into samples (the samples speculate
+    request: none for a sequence that does not sample now, whose policy does
+    not speculate, that is about to fork into samples (the samples speculate
     once forked), or whose output a grammar constrains."""
     if (
         num_speculative_tokens == 0
         or not samples_this_step
-        or request.tokens_chosen_externally
+        or not request.group_policy.may_speculate
         or request.num_pending_samples > 1
         or request.sampling_params.structured_outputs is not None
     ):
@@ -43,25 +45,29 @@ def num_drafts_to_propose(request: Request, num_speculative_tokens: int, samples
     return num_speculative_tokens
 
 
-def num_rejected(draft_token_ids: list[int], accepted_token_ids: list[int]) -> int:
-    """Drafts of the step the runner rejected; raises ``RuntimeError`` on an
-    answer that is not a prefix of the drafts (a runner bug)."""
-    if draft_token_ids[: len(accepted_token_ids)] != accepted_token_ids:
-        raise RuntimeError(f"accepted tokens {accepted_token_ids} are not a prefix of the drafts {draft_token_ids}")
-    return len(draft_token_ids) - len(accepted_token_ids)
+def num_rejected(draft_token_ids: list[int], step_token_ids: Sequence[int]) -> int:
+    """Drafts of the step the runner rejected, given the tokens the sequence's
+    own row got (the accepted drafts, then one more; none for a span that
+    samples nothing); raises ``RuntimeError`` on an answer whose accepted part
+    is not a prefix of the drafts (a runner bug)."""
+    accepted = list(step_token_ids[:-1])
+    if draft_token_ids[: len(accepted)] != accepted:
+        raise RuntimeError(f"accepted tokens {accepted} are not a prefix of the drafts {draft_token_ids}")
+    return len(draft_token_ids) - len(accepted)
 
 
 def advance_computed(
     request: Request,
     scheduled: ScheduledSequence,
-    accepted_token_ids: list[int],
+    step_token_ids: Sequence[int],
     kv_cache_manager: KVCacheManagerProtocol,
     runner_views: RunnerViews,
 ) -> None:
-    """Count the step's computed tokens, less the rejected drafts, and give the
-    table's blocks past what the rest needs back to the pool (the runner hears
-    of the cut with the sequence's next step)."""
-    rejected = num_rejected(scheduled.draft_token_ids, accepted_token_ids)
+    """Count the step's computed tokens, less the rejected drafts (the runner
+    accepted ``len(step_token_ids) - 1``), and give the table's blocks past
+    what the rest needs back to the pool (the runner hears of the cut with the
+    sequence's next step)."""
+    rejected = num_rejected(scheduled.draft_token_ids, step_token_ids)
     request.num_computed_tokens += scheduled.num_scheduled_tokens - rejected
     if rejected:
         kept = kv_cache_manager.truncate(request.request_id, request.num_computed_tokens)

@@ -1,11 +1,17 @@
-"""Beam search over paged sequences.
+"""Beam search over paged sequences, as a sequence-group policy.
 
-Each live hypothesis is a sequence in the scheduler. After every step the
-hypotheses are re-ranked; a survivor that extends parent ``p`` either *is*
-``p`` (the first survivor of ``p``) or a fork of it, so it inherits ``p``'s
-block table with the counts incremented; parents with no survivor are freed,
-and a shared, partly filled tail is copied on write when two survivors of one
-parent write different tokens into it.
+Each live hypothesis is a sequence in the scheduler, and each prompt's
+``BeamGroup`` is the ``SequenceGroupPolicy`` (``core/sequence_group.py``) of
+its beams: the scheduler hands it every beam's sampled row, whose top-K
+logprobs are the beam's next-token distribution, and carries out what it
+decides. A beam that reached its next position is parked (its token held
+back, so the scheduler computes nothing for it) until every beam of the group
+has; then the hypotheses are re-ranked. A survivor that extends parent ``p``
+either *is* ``p`` (the first survivor of ``p``) or a ``Fork`` of it, so it
+inherits ``p``'s block table with the counts incremented; parents with no
+survivor are finished (their blocks freed), and a shared, partly filled tail
+is copied on write when two survivors of one parent write different tokens
+into it.
 
 The ranking mirrors Hugging Face ``generate(num_beams=W, do_sample=False)``
 (transformers 4.50+): keep the top ``K = max(2, 1 + #eos) * W`` continuations
@@ -29,6 +35,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.runner_output import SampledTokens
+from pagedllm.core.scheduler_output import SampleRow
+from pagedllm.core.sequence_group import Append, Decision, Finish, Fork
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 
 _NEG_INF = -1.0e9
@@ -90,7 +99,13 @@ class _Hypothesis:
 
 @dataclass
 class BeamGroup:
-    """The ranking state of one prompt's beam search (pure Python)."""
+    """One prompt's beam search: HF's ranking state, and the sequence-group
+    policy of its beams (pure Python). Its first beam is the request itself
+    (id ``request_id``), which reserves ``beam_width`` places at admission.
+
+    Safety rule: beams are never swapped (``may_swap``): a parked beam that is
+    preempted must sample its position again, which only a recompute does.
+    """
 
     request_id: str
     prompt: str | None
@@ -98,14 +113,24 @@ class BeamGroup:
     params: BeamSearchParams
     eos_token_ids: list[int]
     metrics: RequestMetrics
-    # running sequence id -> cumulative logprob
-    running: dict[str, float] = field(default_factory=dict)
+    # running sequence id -> cumulative logprob; the request itself at first.
+    running: dict[str, float] = field(init=False)
     finished: list[_Hypothesis] = field(default_factory=list)
     improvement_possible: bool = True
     done: bool = False
     # Beams that reached their next position, waiting for the rest of the group
     # (a sibling preempted this step catches up in a later one).
     parked: dict[str, tuple[Request, PositionLogprobs]] = field(default_factory=dict)
+    # Numbers the forks' ids ("<request id>::beam<k>") within the group.
+    fork_numbers: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    # The policy's facts: a beam samples one row (its top-K logprobs rank the
+    # candidates; the sampled token is ignored), never swaps, never speculates.
+    may_swap = False
+    may_speculate = False
+
+    def __post_init__(self) -> None:
+        self.running = {self.request_id: 0.0}
 
     def live_sequence_ids(self) -> list[str]:
         """Ids of the beams still in the scheduler."""
@@ -172,100 +197,62 @@ class BeamGroup:
         )
         return [] if self.done else [(parent, token, score) for score, parent, token in next_running]
 
+    def num_rows(self, request: Request) -> int:
+        return 1
 
-class BeamSearchManager:
-    """Drives beam groups: applies each step's ranking to the scheduler as forks,
-    appends and frees, and reports finished groups. The groups themselves live
-    in the engine's registry of user requests and are passed in."""
+    def decide(self, request: Request, rows: list[SampleRow], sampled: Mapping[str, SampledTokens]) -> list[Decision]:
+        """Park the beam with its next-token distribution; once every running
+        beam has one, rank them and return the group's forks, appends and
+        finishes (every beam finishes when the search is done)."""
+        parked = self.parked
+        parked[request.request_id] = (request, sampled[request.request_id].position_logprobs[0])
+        # A parked beam preempted since is recomputed and parks again later;
+        # until then it is no fork parent (its blocks are gone).
+        for rid in [rid for rid, (r, _) in parked.items() if r.status is not RequestStatus.RUNNING]:
+            del parked[rid]
+        if set(parked) != set(self.running):
+            return []  # every running beam needs its next-token distribution first
+        self.parked = {}
+        beams = {rid: r for rid, (r, _) in parked.items()}
+        return self._decisions(beams, self.rank(beams, {rid: lp for rid, (_, lp) in parked.items()}))
 
-    def __init__(self, scheduler, tokenizer) -> None:
-        self.scheduler = scheduler
-        self.tokenizer = tokenizer
-        self._ids = itertools.count(1)
-
-    @staticmethod
-    def start(group: BeamGroup, first: Request) -> None:
-        """Make ``first`` the group's one beam until its first step forks it."""
-        first.tokens_chosen_externally = True
-        # The admission reserves beam_width places in max_num_seqs.
-        first.num_pending_samples = group.params.beam_width
-        group.running[first.request_id] = 0.0
-
-    def on_step(
-        self, advanced: list[Request], logprobs: Mapping[str, PositionLogprobs], groups: Mapping[str, object]
-    ) -> list[RequestOutput]:
-        """Rank the groups whose every beam reached its next position (``advanced``
-        are the beams that did this step; ``groups`` maps user request ids to
-        their state, beam groups among them)."""
-        ready: dict[str, dict[str, Request]] = {}
-        for request in advanced:
-            if isinstance(groups.get(request.group_id), BeamGroup):
-                ready.setdefault(request.group_id, {})[request.request_id] = request
-        outputs = []
-        for group_id, requests in ready.items():
-            group = groups[group_id]
-            parked = group.parked
-            parked.update({rid: (r, logprobs[rid]) for rid, r in requests.items()})
-            # A parked beam preempted since is recomputed and parks again later;
-            # until then it is no fork parent (its blocks are gone).
-            for rid in [rid for rid, (r, _) in parked.items() if r.status is not RequestStatus.RUNNING]:
-                del parked[rid]
-            if set(parked) != set(group.running):
-                continue  # every running beam needs its next-token distribution first
-            group.parked = {}
-            beams = {rid: r for rid, (r, _) in parked.items()}
-            plan = group.rank(beams, {rid: lp for rid, (_, lp) in parked.items()})
-            self._apply(group, beams, plan)
-            if group.done:
-                outputs.append(self._finish(group))
-        return outputs
-
-    def _apply(self, group: BeamGroup, requests: dict[str, Request], plan: list[tuple[str, int, float]]) -> None:
-        used: set[str] = set()
-        extensions: list[tuple[Request, int]] = []
+    def _decisions(self, beams: dict[str, Request], plan: list[tuple[str, int, float]]) -> list[Decision]:
+        """The ranking's plan as decisions: forks first (they must copy the
+        parent before it appends), then appends, then the beams left behind."""
+        forks: list[Decision] = []
+        appends: list[Decision] = []
         running: dict[str, float] = {}
-        # Forks first (they must copy the parent before it appends), then appends.
         for parent_id, token, score in plan:
-            parent = requests[parent_id]
-            if parent_id in used:
-                child_id = f"{group.request_id}::beam{next(self._ids)}"
-                child = self.scheduler.fork_request(parent, child_id, sample_index=0, seed=parent.seed)
-                extensions.append((child, token))
-                running[child_id] = score
-            else:
-                used.add(parent_id)
-                extensions.append((parent, token))
-                running[parent_id] = score
-        for request, token in extensions:
-            self.scheduler.settle_samples(request)
-            self.scheduler.append_token(request, token)
-        for rid in group.running:
-            if rid not in used:
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-        group.running = running
+            sequence_id = parent_id
+            if parent_id in running:
+                sequence_id = f"{self.request_id}::beam{next(self.fork_numbers)}"
+                forks.append(Fork(parent_id, sequence_id, 0, beams[parent_id].seed))
+            appends.append(Append(sequence_id, [token]))
+            running[sequence_id] = score
+        finishes = [Finish(rid, RequestStatus.FINISHED_STOPPED) for rid in self.running if rid not in running]
+        self.running = running
+        return forks + appends + finishes
 
-    def _finish(self, group: BeamGroup) -> RequestOutput:
-        for rid in group.running:
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-        group.running = {}
-        group.metrics.finished_time = time.time()
+    def request_output(self, tokenizer) -> RequestOutput:
+        """The finished search's one output: the ``beam_width`` best hypotheses, best first."""
+        self.metrics.finished_time = time.time()
         completions = [
             CompletionOutput(
                 index=i,
-                text=self.tokenizer.decode(h.output_token_ids, skip_special_tokens=True),
+                text=tokenizer.decode(h.output_token_ids, skip_special_tokens=True),
                 token_ids=h.output_token_ids,
                 cumulative_logprob=h.cum_logprob,
                 logprobs=None,
                 finish_reason="stop" if h.finished_by_eos else "length",
             )
-            for i, h in enumerate(group.finished)
+            for i, h in enumerate(self.finished)
         ]
         return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
             prompt_logprobs=None,
             outputs=completions,
             finished=True,
-            metrics=group.metrics,
+            metrics=self.metrics,
         )

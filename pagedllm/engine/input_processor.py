@@ -12,6 +12,7 @@ from typing import Any
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.request import Request
+from pagedllm.core.sequence_group import SAMPLING, SequenceGroupPolicy
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import cdiv
 
@@ -54,11 +55,13 @@ class InputProcessor:
         arrival_time: float | None,
         priority: int,
         cache_salt: str | None,
+        group_policy: SequenceGroupPolicy = SAMPLING,
     ) -> tuple[Request, str | None]:
         """Build a validated Request (``ValueError``, naming what to change, on
         anything that could never run). ``cache_salt`` (argument, or a dict prompt's
         ``"cache_salt"`` key) isolates the request's prefix-cache blocks: only
-        requests with the same salt share them."""
+        requests with the same salt share them. ``group_policy`` turns its sampled
+        rows into tokens (``core/sequence_group.py``; beam search passes its own)."""
         if priority != 0 and self.scheduler_config.scheduling_policy != "priority":
             raise ValueError("priority is only honoured with scheduling_policy='priority'; set it or drop priority")
         prompt_text, token_ids = self._truncate(*self._tokenize(prompt), params.truncate_prompt_tokens)
@@ -87,6 +90,7 @@ class InputProcessor:
             seed=seed,
             num_samples=num_sequences,
             cache_salt=cache_salt,
+            group_policy=group_policy,
         )
         return request, prompt_text
 

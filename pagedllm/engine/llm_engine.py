@@ -17,11 +17,12 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.runner_output import ModelRunnerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine.counters import engine_stats, kv_pool_snapshot
 from pagedllm.engine.setup import create_kv_cache_manager, eos_token_ids_of, sampling_defaults_of
-from pagedllm.engine.beam_search import BeamGroup, BeamSearchManager, BeamSearchParams
+from pagedllm.engine.beam_search import BeamGroup, BeamSearchParams
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.logger import init_logger
@@ -33,10 +34,10 @@ from pagedllm.model.loader import checkpoint_dtype
 from pagedllm.model.shard import load_model_shard
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.spec_decode.draft_model import load_draft_model
+from pagedllm.worker.spec_decode.draft_model import load_draft_model
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.worker.memory import plan_kv_pool
-from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.runner_spec import RunnerSpec
 from pagedllm.worker.tp_worker import worker_main
 
@@ -56,7 +57,7 @@ class _LaunchedStep:
 class _AppliedStep:
     """A step's tokens, applied; what is left to report."""
 
-    sampled: list[Request]  # sequences that advanced by sampled (not beam-picked) tokens
+    sampled: list[Request]  # sequences of sampled requests that got tokens (beams report as a group)
     beam_outputs: list[RequestOutput]
     iteration: IterationStats
 
@@ -111,7 +112,6 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         # Grammar state of guided sequences; the driver alone samples, so it lives here.
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
         # The one registry of user requests: sampled ones by their output state,
         # beam searches by their ranking state (both carry the request's metrics).
         self.requests: dict[str, RequestState | BeamGroup] = {}
@@ -217,12 +217,12 @@ class LLMEngine:
         sampling = SamplingParams(
             temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, logprobs=group.num_candidates
         )
+        # Admission reserves beam_width places; the group's policy decides each step's tokens.
         request, group.prompt = self.input_processor.new_request(
-            request_id, prompt, sampling, params.beam_width, None, priority, cache_salt
+            request_id, prompt, sampling, params.beam_width, None, priority, cache_salt, group_policy=group
         )
         group.prompt_token_ids = request.prompt_token_ids
         group.metrics.arrival_time = request.arrival_time
-        self.beam_search.start(group, request)
         self.scheduler.add_request(request)
         self.requests[request_id] = group
 
@@ -317,7 +317,7 @@ class LLMEngine:
         waiting = time.perf_counter()
         try:
             runner_output = launched.runner_output.result()
-            self.structured_output.accept(launched.scheduler_output, runner_output.sampled_token_ids)
+            self.structured_output.accept(launched.scheduler_output, runner_output.sampled)
         except Exception:
             # The pass may have left K/V half-written: its requests cannot go on,
             # and blocks registered for it in the prefix cache cannot be trusted.
@@ -343,27 +343,27 @@ class LLMEngine:
         self.num_batched_tokens += scheduler_output.total_num_scheduled_tokens
 
     def _apply(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> _AppliedStep:
-        """What the next schedule depends on: the scheduler appends the tokens
-        (forks, token-level stops, drafts), beam search picks its hypotheses' tokens."""
+        """What the next schedule depends on: the scheduler appends the tokens as
+        each request's policy decides (forks, token-level stops, drafts; beam
+        groups pick their hypotheses' tokens)."""
         for request_id, (first, entries) in runner_output.prompt_logprobs.items():
             self.output_processor.store_prompt_logprobs(self.requests[request_id], first, entries)
-        advanced = self.scheduler.update_from_output(
-            scheduler_output, runner_output.sampled_token_ids, runner_output.accepted_draft_token_ids(),
-            runner_output.proposed_draft_token_ids,
-        )
+        advanced = self.scheduler.update_from_output(scheduler_output, runner_output)
         iteration = self.stats_reporter.begin()
-        self.stats_reporter.observe_advanced(iteration, advanced, self.requests, runner_output.tokens_yielded())
-        beams = [r for r in advanced if r.tokens_chosen_externally]
-        beam_outputs = self.beam_search.on_step(beams, runner_output.logprobs, self.requests)
+        self.stats_reporter.observe_advanced(iteration, advanced, self.requests, runner_output.sampled)
+        states = {request.group_id: self.requests[request.group_id] for request in advanced}
+        beam_outputs = [state.request_output(self.tokenizer) for state in states.values()
+                        if isinstance(state, BeamGroup) and state.done]
         self.structured_output.retain(self.scheduler.requests)
         if self.config.debug_invariants:
             self.check_invariants()
-        return _AppliedStep([r for r in advanced if not r.tokens_chosen_externally], beam_outputs, iteration)
+        sampled = [request for request in advanced if isinstance(states[request.group_id], RequestState)]
+        return _AppliedStep(sampled, beam_outputs, iteration)
 
     def _report(self, applied: _AppliedStep, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         """Text, stop strings (the engine finishes those sequences here) and the
         outputs; finished user requests leave the registry."""
-        processed = self.output_processor.process(applied.sampled, runner_output, self.requests)
+        processed = self.output_processor.process(applied.sampled, runner_output.sampled, self.requests)
         for sequence_id in processed.stopped_sequence_ids:
             self.scheduler.finish_request(sequence_id, RequestStatus.FINISHED_STOPPED)
         outputs = processed.outputs + applied.beam_outputs

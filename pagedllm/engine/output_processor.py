@@ -4,18 +4,14 @@ and one RequestOutput per user request however many sequences it forked into."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from pagedllm.core.request import Request, child_request_id
+from pagedllm.core.runner_output import SampledTokens
 from pagedllm.engine.detokenizer import DetokenizerState, detokenize_incrementally
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagedllm.worker.model_runner import ModelRunnerOutput
 
 
 @dataclass
@@ -115,12 +111,13 @@ class OutputProcessor:
             state.prompt_logprobs[first : first + len(entries)] = [self.decode_logprobs(e) for e in entries]
 
     def process(
-        self, advanced: list[Request], runner_output: ModelRunnerOutput, states: Mapping[str, RequestState]
+        self, advanced: list[Request], sampled: Mapping[str, SampledTokens], states: Mapping[str, RequestState]
     ) -> ProcessedStep:
         """Fold this step's tokens into the states (``states`` maps user request
-        ids to them); one output per user request that advanced (best_of > n
-        requests report only when finished). A sequence may have advanced by
-        several tokens (speculative decoding): they are folded one by one."""
+        ids to them; ``sampled`` is the runner's tokens per sequence id); one
+        output per user request that advanced (best_of > n requests report only
+        when finished). A sequence may have advanced by several tokens
+        (speculative decoding): they are folded one by one."""
         now = time.time()
         touched: dict[str, RequestState] = {}
         stopped: list[str] = []
@@ -134,7 +131,7 @@ class OutputProcessor:
                 seq = state.sequences[request.sample_index] = SequenceState(request, request.num_output_tokens - 1)
                 if request.sampling_params.logprobs is not None:
                     seq.logprobs = []
-            if self._fold_step(seq, runner_output):
+            if self._fold_step(seq, sampled[request.request_id]):
                 stopped.append(request.request_id)
             touched[state.request_id] = state
         outputs = []
@@ -146,19 +143,16 @@ class OutputProcessor:
             outputs.append(self._request_output(state))
         return ProcessedStep(outputs, stopped)
 
-    def _fold_step(self, seq: SequenceState, runner_output: ModelRunnerOutput) -> bool:
-        """Fold the tokens the sequence gained this step; True when one of them
-        completes a stop string (the rest are dropped)."""
-        request_id = seq.request.request_id
-        verified = runner_output.verified.get(request_id)
-        logprobs = verified.logprobs if verified else [runner_output.sampled_logprobs[request_id]]
-        entries = verified.position_logprobs if verified else [runner_output.logprobs.get(request_id)]
+    def _fold_step(self, seq: SequenceState, tokens: SampledTokens) -> bool:
+        """Fold the tokens the sequence gained this step (``tokens[i]`` with its
+        logprobs; a stop condition may have kept the last ones out of the
+        sequence); True when one of them completes a stop string (the rest are dropped)."""
         output_token_ids = seq.request.output_token_ids
         for index in range(len(output_token_ids) - seq.num_folded):
             seq.num_folded += 1
-            seq.cumulative_logprob += logprobs[index]
+            seq.cumulative_logprob += tokens.logprobs[index]
             if seq.logprobs is not None:
-                seq.logprobs.append(self.decode_logprobs(entries[index]))
+                seq.logprobs.append(self.decode_logprobs(tokens.position_logprobs[index]))
             done = seq.num_folded == len(output_token_ids)
             if self._update_text(seq, output_token_ids if done else output_token_ids[: seq.num_folded]):
                 return True

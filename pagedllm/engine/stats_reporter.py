@@ -15,6 +15,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig, SchedulerConfig
 from pagedllm.core.request import Request
+from pagedllm.core.runner_output import SampledTokens
 from pagedllm.engine.beam_search import BeamGroup
 from pagedllm.engine.output_processor import RequestState
 from pagedllm.metrics import IterationStats, MetricsContext, PrometheusStatLogger, StatLogger
@@ -60,15 +61,13 @@ class StatsReporter:
 
     @staticmethod
     def observe_advanced(iteration: IterationStats, advanced: list[Request],
-                         states: Mapping[str, RequestState | BeamGroup],
-                         tokens_yielded: Mapping[str, int] | None = None) -> None:
+                         states: Mapping[str, RequestState | BeamGroup], sampled: Mapping[str, SampledTokens]) -> None:
         """The sequences that got tokens this step, grouped by user request;
-        ``tokens_yielded``: how many a speculating sequence got (else one)."""
+        ``sampled``: the runner's tokens per sequence (several for a speculating one)."""
         by_request: dict[str, tuple[int, int]] = {}
         for request in advanced:
             prompt_len, tokens = by_request.get(request.group_id, (len(request.prompt_token_ids), 0))
-            gained = (tokens_yielded or {}).get(request.request_id, 1)
-            by_request[request.group_id] = (prompt_len, tokens + gained)
+            by_request[request.group_id] = (prompt_len, tokens + len(sampled[request.request_id].token_ids))
         for request_id, (prompt_len, tokens) in by_request.items():
             iteration.observe_tokens(states[request_id].metrics, prompt_len, tokens)
 

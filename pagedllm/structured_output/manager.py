@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
+from pagedllm.core.runner_output import SampledTokens
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.logger import init_logger
 from pagedllm.sampling_params import SamplingParams
@@ -104,9 +105,10 @@ class StructuredOutputManager:
                 state.matcher.fill_next_token_bitmask(bitmask, index)
         return GrammarBitmask([row.sequence_id for row, _ in rows], bitmask)
 
-    def accept(self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> None:
-        """Advance the matchers by the step's sampled tokens. A row beyond a
-        sequence's first is a future fork: it gets a copy of the matcher first."""
+    def accept(self, scheduler_output: SchedulerOutput, sampled: Mapping[str, SampledTokens]) -> None:
+        """Advance the matchers by the tokens each guided row got this step (one:
+        guided rows never speculate). A row beyond a sequence's first is a
+        future fork: it gets a copy of the matcher first."""
         for scheduled in scheduler_output.scheduled:
             parent = self._sequences.get(scheduled.sequence_id)
             if parent is None or not scheduled.sample_rows:
@@ -114,8 +116,9 @@ class StructuredOutputManager:
             for row in scheduled.sample_rows[1:]:
                 self._sequences[row.sequence_id] = parent.fork()
             for row in scheduled.sample_rows:
-                self._accept_token(row.sequence_id, self._sequences[row.sequence_id],
-                                   sampled_token_ids[row.sequence_id])
+                state = self._sequences[row.sequence_id]
+                for token_id in sampled[row.sequence_id].token_ids:
+                    self._accept_token(row.sequence_id, state, token_id)
 
     def retain(self, live_sequence_ids: Container[str]) -> None:
         """Drop the matchers of sequences that ended (finish, stop string, abort)."""

@@ -8,55 +8,32 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
 from pagedllm.attention.selector import attention_backend_for
-from pagedllm.core.scheduler_output import SampleRow, ScheduledSequence, SchedulerOutput
+from pagedllm.core.runner_output import ModelRunnerOutput
+from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.logger import init_logger
 from pagedllm.model.base import CausalLM
-from pagedllm.outputs import PositionLogprobs
-from pagedllm.spec_decode.config import SpeculativeConfig
-from pagedllm.spec_decode.draft_model import DraftModel
-from pagedllm.spec_decode.rejection import VerifiedTokens
-from pagedllm.spec_decode.speculator import Speculator, closing_token
-from pagedllm.worker.block_moves import TailMoves, allocate_caches, move_blocks, move_tails
+from pagedllm.speculative_config import SpeculativeConfig
+from pagedllm.worker.block_moves import allocate_caches, move_blocks, move_tails
 from pagedllm.worker.cuda_graphs import DecodeGraphs, why_no_graphs
 from pagedllm.worker.input_batch import CachedSequence, InputBatch
 from pagedllm.worker.runner_spec import RunnerSpec
-from pagedllm.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
-from pagedllm.worker.sampling.grammar import GrammarBitmask, RowBitmask
+from pagedllm.worker.sampler import Sampler
+from pagedllm.worker.sampling.grammar import GrammarBitmask
+from pagedllm.worker.spec_decode.draft_model import DraftModel
+from pagedllm.worker.spec_decode.speculator import Speculator
+from pagedllm.worker.step_inputs import StepInputs
+from pagedllm.worker.step_sampler import StepSampler
 from pagedllm.worker.swap import HostSwapPool
 from pagedllm.worker.tail_slots import StepTokens, TailSlots
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    sampled_logprobs: dict[str, float] = field(default_factory=dict)
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
-    # request id -> (index in the prompt of the first target token, its logprobs...)
-    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
-    # Seconds per phase, and in total, of this execute().
-    # Speculative decoding: what each verifying sequence yields (accepted
-    # drafts, then its closing token, which is also in the dicts above), and
-    # the drafts proposed for the next step.
-    verified: dict[str, VerifiedTokens] = field(default_factory=dict)
-    proposed_draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=lambda: {"input preparation": 0.0, "forward": 0.0, "sampling": 0.0})
-    elapsed_s: float = 0.0
-
-    def accepted_draft_token_ids(self) -> dict[str, list[int]]:
-        return {sequence_id: v.token_ids[:-1] for sequence_id, v in self.verified.items()}
-
-    def tokens_yielded(self) -> dict[str, int]:
-        """Tokens each speculating sequence gained (every other sampled one gained one)."""
-        return {sequence_id: len(v.token_ids) for sequence_id, v in self.verified.items()}
 
 
 @dataclass
@@ -70,26 +47,6 @@ class _Batch:
     last_rows: list[int]  # row of each scheduled sequence's last token, in `order`
     host_positions: np.ndarray  # positions and slot_mapping as host arrays
     host_slots: np.ndarray
-
-
-@dataclass
-class StepInputs:
-    """Everything a rank needs to run one step, and nothing about requests:
-    what the driver broadcasts to tensor-parallel workers. Block moves run
-    first, in this order (a block swapped out may be reused as a copy or
-    swap-in target), then the forward when there are tokens."""
-
-    swap_out: list[tuple[int, int]]
-    block_copies: list[tuple[int, int]]
-    swap_in: list[tuple[int, int]]
-    # int8 pools with full-precision tails (``pagedllm.worker.tail_slots``), after
-    # the block moves, in this order: tails out to the host (slot, host block),
-    # slot copies (src slot, dst slot), tails back in (host block, slot), then
-    # slots filled from a block's int8 values (block, slot).
-    tail_moves: TailMoves | None = None
-    input_ids: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
-    metadata: AttentionMetadata | None = None
 
 
 class ModelRunner:
@@ -143,6 +100,7 @@ class ModelRunner:
         self.sequences: dict[str, CachedSequence] = self.batch.sequences
         self.decode_graphs = None if no_graphs else self._capture_graphs(spec.max_num_seqs, spec.max_model_len,
                                                                           spec.num_blocks)
+        self.step_sampler = StepSampler(model.compute_logits, self.sampler, self.speculator, self.batch, device)
 
     @torch.inference_mode()
     def _capture_graphs(self, max_num_seqs: int, max_model_len: int, pad_block: int) -> DecodeGraphs | None:
@@ -201,8 +159,9 @@ class ModelRunner:
             self.speculator.observe(step)
         if batch is not None:
             forwarded = time.perf_counter()
-            self._sample(batch, hidden, output, grammar)
-            self._prompt_logprobs(batch, hidden, output)
+            stage = self.step_sampler
+            output.sampled, output.proposed_draft_token_ids = stage.sample(batch.order, batch.last_rows, hidden, grammar)
+            output.prompt_logprobs = stage.prompt_logprobs(batch.order, batch.last_rows, hidden)
             output.timings = {
                 "input preparation": prepared - started,
                 "forward": forwarded - prepared,
@@ -278,101 +237,3 @@ class ModelRunner:
         """A step's int64 array on the device (shared, not copied, on the CPU:
         callers hand over arrays no later step writes)."""
         return torch.from_numpy(array).to(self.device)
-
-    def _sample(
-        self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput, grammar: GrammarBitmask | None
-    ) -> None:
-        """Sample the rows the scheduler chose, each from its sequence's last
-        logits, keyed by the row's sequence id (a sequence about to fork has one
-        row per future sample over the same logits); verify the drafts of
-        speculating sequences and propose their next ones."""
-        rows: list[int] = []
-        sample_rows = []
-        sequences: list[CachedSequence] = []
-        speculating = []
-        for scheduled, last_row in zip(batch.order, batch.last_rows):
-            sequence = self.sequences[scheduled.sequence_id]
-            if scheduled.draft_token_ids:
-                speculating.append((scheduled, sequence, last_row))
-                continue
-            for sample_row in scheduled.sample_rows:
-                rows.append(last_row)
-                sample_rows.append(sample_row)
-                sequences.append(sequence)
-        if rows:
-            self._sample_rows(rows, sample_rows, sequences, hidden, output, grammar)
-        if self.speculator is not None:
-            self._speculate(batch, speculating, hidden, output)
-
-    def _sample_rows(
-        self,
-        rows: list[int],
-        sample_rows: list[SampleRow],
-        sequences: list[CachedSequence],
-        hidden: torch.Tensor,
-        output: ModelRunnerOutput,
-        grammar: GrammarBitmask | None,
-    ) -> None:
-        """One token per sample row, from the logits of hidden row ``rows[i]``."""
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
-        metadata = SamplingMetadata(
-            params=[s.sampling_params for s in sequences],
-            seeds=[row.seed for row in sample_rows],
-            output_positions=[row.output_position for row in sample_rows],
-            prompt_token_ids=[s.prompt_token_ids for s in sequences],
-            output_token_ids=[s.output_token_ids for s in sequences],
-        )
-        row_grammar = None
-        if grammar is not None:
-            row_of = {row.sequence_id: i for i, row in enumerate(sample_rows)}
-            row_grammar = RowBitmask([row_of[s] for s in grammar.sequence_ids], grammar.bitmask)
-        result = self.sampler(logits, metadata, row_grammar)
-        for i, row in enumerate(sample_rows):
-            output.sampled_token_ids[row.sequence_id] = result.sampled_token_ids[i]
-            output.sampled_logprobs[row.sequence_id] = result.sampled_logprobs[i]
-            if result.logprobs[i] is not None:
-                output.logprobs[row.sequence_id] = result.logprobs[i]
-
-    def _speculate(
-        self,
-        batch: _Batch,
-        speculating: list[tuple[ScheduledSequence, CachedSequence, int]],
-        hidden: torch.Tensor,
-        output: ModelRunnerOutput,
-    ) -> None:
-        """Verify the drafts the step carried, then propose drafts for the
-        sequences whose step asked for them."""
-        output.verified = self.speculator.verify(self.model.compute_logits, hidden, speculating)
-        for sequence_id, verified in output.verified.items():
-            token_id, logprob, entry = closing_token(verified)
-            output.sampled_token_ids[sequence_id] = token_id
-            output.sampled_logprobs[sequence_id] = logprob
-            if entry is not None:
-                output.logprobs[sequence_id] = entry
-        yielded = []
-        for scheduled in batch.order:
-            sequence_id = scheduled.sequence_id
-            if scheduled.num_draft_tokens and sequence_id in output.sampled_token_ids:
-                verified = output.verified.get(sequence_id)
-                step_tokens = verified.token_ids if verified else [output.sampled_token_ids[sequence_id]]
-                block_ids = self.batch.block_ids(sequence_id)
-                yielded.append((scheduled, self.sequences[sequence_id], step_tokens, block_ids))
-        step_rows = sum(scheduled.num_scheduled_tokens for scheduled in batch.order)
-        output.proposed_draft_token_ids = self.speculator.propose(yielded, step_rows, len(batch.order))
-
-    def _prompt_logprobs(self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
-        """Logits at prompt position p score prompt token p + 1 (the first prompt
-        token has no logprob). Only spans that cover prompt positions need them."""
-        for scheduled, last_row in zip(batch.order, batch.last_rows):
-            sequence = self.sequences[scheduled.sequence_id]
-            k = sequence.sampling_params.prompt_logprobs
-            if k is None:
-                continue
-            start = scheduled.num_computed_tokens
-            stop = min(start + scheduled.num_scheduled_tokens, len(sequence.prompt_token_ids) - 1)
-            if stop <= start:
-                continue
-            first_row = last_row - scheduled.num_scheduled_tokens + 1
-            logits = self.model.compute_logits(hidden[first_row : first_row + stop - start])
-            targets = sequence.prompt_token_ids[start + 1 : stop + 1]
-            output.prompt_logprobs[scheduled.sequence_id] = (start + 1, compute_prompt_logprobs(logits, targets, k))

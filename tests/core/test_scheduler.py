@@ -5,6 +5,7 @@ import pytest
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.runner_output import ModelRunnerOutput, SampledTokens
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams
 
@@ -24,11 +25,17 @@ def make_request(rid, prompt_len, max_tokens=8, priority=0, prompt=None, cache_s
     return Request(rid, prompt, params, [EOS], max_tokens, priority=priority, cache_salt=cache_salt)
 
 
+def runner_output(tokens: dict[str, list[int]], proposed: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
+    """What a runner returns when sample row ``id`` got ``tokens[id]`` (logprobs 0)."""
+    sampled = {sid: SampledTokens(list(ids), [0.0] * len(ids), [None] * len(ids)) for sid, ids in tokens.items()}
+    return ModelRunnerOutput(sampled=sampled, proposed_draft_token_ids=proposed or {})
+
+
 def run_step(scheduler, token=5):
     """Schedule, then pretend the model sampled `token` for every sampling row."""
     out = scheduler.schedule()
-    sampled = {row.sequence_id: token for s in out.scheduled for row in s.sample_rows}
-    scheduler.update_from_output(out, sampled)
+    sampled = {row.sequence_id: [token] for s in out.scheduled for row in s.sample_rows}
+    scheduler.update_from_output(out, runner_output(sampled))
     scheduler.check_invariants()
     return out
 

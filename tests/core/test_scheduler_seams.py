@@ -14,7 +14,7 @@ from pagedllm.core.request import Request, RequestStatus, child_request_id, chil
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.waiting_queue import WaitingQueue
 from pagedllm.sampling_params import SamplingParams
-from tests.core.test_scheduler import make_request, make_scheduler, run_step
+from tests.core.test_scheduler import make_request, make_scheduler, run_step, runner_output
 
 
 def live_objects(value, seen=None):
@@ -54,7 +54,7 @@ def test_sample_rows_are_decided_once_and_the_forks_follow_them():
     assert [r.sequence_id for r in rows] == ["g", "g::1", "g::2"]
     assert [r.seed for r in rows] == [child_seed(11, i) for i in range(3)]
     assert {r.output_position for r in rows} == {0}
-    scheduler.update_from_output(out, {"g": 7, "g::1": 8, "g::2": 9})
+    scheduler.update_from_output(out, runner_output({"g": [7], "g::1": [8], "g::2": [9]}))
     scheduler.check_invariants()
     samples = {rid: scheduler.requests[rid] for rid in ("g", "g::1", "g::2")}
     assert [s.output_token_ids for s in samples.values()] == [[7], [8], [9]]

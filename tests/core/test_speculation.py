@@ -13,6 +13,7 @@ from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
+from tests.core.test_scheduler import runner_output
 
 EOS = 0
 K = 3
@@ -64,15 +65,15 @@ def step(scheduler, runner, accept, propose=lambda sid: [7] * K, token=5):
     for s in out.scheduled:  # the diffs rebuild the manager's table and the tokens exactly
         assert runner.tokens[s.sequence_id] == scheduler.requests[s.sequence_id].all_token_ids
         assert runner.tables[s.sequence_id] == kv_of(scheduler).get_block_ids(s.sequence_id)
-    accepted, proposed, sampled = {}, {}, {}
+    proposed, sampled = {}, {}
     for s in out.scheduled:
         for row in s.sample_rows:
-            sampled[row.sequence_id] = token
-        if s.draft_token_ids:
-            accepted[s.sequence_id] = s.draft_token_ids[: accept(s.sequence_id, s.draft_token_ids)]
+            sampled[row.sequence_id] = [token]
+        if s.draft_token_ids:  # one list per row: the accepted drafts, then the closing token
+            sampled[s.sequence_id] = s.draft_token_ids[: accept(s.sequence_id, s.draft_token_ids)] + [token]
         if s.num_draft_tokens and s.sample_rows:
             proposed[s.sequence_id] = propose(s.sequence_id)[: s.num_draft_tokens]
-    scheduler.update_from_output(out, sampled, accepted, proposed)
+    scheduler.update_from_output(out, runner_output(sampled, proposed))
     scheduler.check_invariants()
     return out
 

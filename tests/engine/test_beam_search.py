@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm import LLM, BeamSearchParams
+from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.bench.hf_reference import load_hf_model
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request
+from pagedllm.core.runner_output import ModelRunnerOutput, SampledTokens
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.engine.beam_search import BeamGroup
+from pagedllm.outputs import Logprob, RequestMetrics
 from tests.conftest import assert_pool_free
 
 PROMPTS = [
@@ -84,6 +92,20 @@ def test_beams_share_prefix_blocks(tiny_model_dir):
     assert_pool_free(copied)
 
 
+def test_beams_are_recomputed_never_swapped_and_keep_their_results(tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    params = BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True)
+    roomy = LLM(folder, num_kv_blocks=128)
+    expected = [[s.tokens for s in out.sequences] for out in roomy.beam_search(PROMPTS, params)]
+    small = LLM(folder, num_kv_blocks=14, block_size=4, preemption_mode="swap", swap_space=0.01,
+                debug_invariants=True)
+    got = [[s.tokens for s in out.sequences] for out in small.beam_search(PROMPTS, params)]
+    assert got == expected
+    stats = small.stats()
+    assert stats["num_preemptions"] > 0 and stats["swap_out_blocks"] == 0
+    assert_pool_free(small)
+
+
 def test_bad_beam_params_are_value_errors():
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=0, max_tokens=4)
@@ -91,3 +113,65 @@ def test_bad_beam_params_are_value_errors():
         BeamSearchParams(beam_width=2, max_tokens=4, early_stopping="sometimes")
     with pytest.raises(ValueError, match="min_tokens"):
         BeamSearchParams(beam_width=2, max_tokens=4, min_tokens=5)
+
+
+def beam_scheduler(width: int, max_tokens: int, **config) -> tuple[Scheduler, KVCacheManager, BeamGroup]:
+    """A scheduler running one beam search over a 6-token prompt, with no model."""
+    kv = KVCacheManager(32, 4)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=64, **config), kv)
+    group = BeamGroup("r", None, [1, 2, 3, 4, 5, 6], BeamSearchParams(width, max_tokens, ignore_eos=True), [0],
+                      RequestMetrics(arrival_time=0.0))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=group.num_candidates)
+    scheduler.add_request(Request("r", group.prompt_token_ids, params, [0], max_tokens, num_samples=width,
+                                  group_policy=group))
+    return scheduler, kv, group
+
+
+def fake_step(scheduler: Scheduler) -> SchedulerOutput:
+    """Each row's distribution: after token t, t + 1 (logprob -0.1), t + 2 (-0.7), t + 3 (-2.0)."""
+    out = scheduler.schedule()
+    sampled = {}
+    for row in (row for s in out.scheduled for row in s.sample_rows):
+        last = scheduler.requests[row.sequence_id].all_token_ids[-1]
+        entry = {last + 1: Logprob(-0.1), last + 2: Logprob(-0.7), last + 3: Logprob(-2.0)}
+        sampled[row.sequence_id] = SampledTokens([last + 1], [-0.1], [entry])
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled=sampled))
+    scheduler.check_invariants()
+    return out
+
+
+def test_beam_group_is_the_policy_of_its_beams():
+    scheduler, kv, group = beam_scheduler(width=2, max_tokens=3)
+    first = scheduler.requests["r"]
+    assert group.num_rows(first) == 1 and not group.may_swap and not group.may_speculate
+    fake_step(scheduler)  # prefill: the one beam ranks 7 and 8 after the prompt; the second is a fork
+    assert scheduler.num_seats_in_use == 2
+    assert group.running == pytest.approx({"r": -0.1, "r::beam1": -0.7})
+    assert scheduler.requests["r::beam1"].output_token_ids == [8]
+    assert kv.get_block_ids("r")[0] == kv.get_block_ids("r::beam1")[0]  # the prompt's full block is shared
+    while not group.done:
+        fake_step(scheduler)
+    assert not scheduler.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks
+    assert [h.output_token_ids for h in group.finished] == [[7, 8, 9], [7, 8, 10]]
+    assert group.request_output(tokenizer=_Ids()).outputs[0].token_ids == [7, 8, 9]
+
+
+def test_a_beam_waits_unscheduled_for_its_siblings_then_the_group_ranks():
+    # One token per step: the beams of a group reach their next position in different steps.
+    scheduler, _, group = beam_scheduler(width=2, max_tokens=4, max_num_batched_tokens=1)
+    while len(group.running) < 2:  # the prompt, a token at a time, then the fork
+        fake_step(scheduler)
+    first = fake_step(scheduler)
+    assert [s.sequence_id for s in first.scheduled] == ["r"]  # the budget left no room for the sibling
+    assert set(group.parked) == {"r"} and scheduler.requests["r"].num_output_tokens == 1  # token held back
+    second = fake_step(scheduler)
+    assert [s.sequence_id for s in second.scheduled] == ["r::beam1"]  # "r" has nothing to compute
+    assert not group.parked and all(scheduler.requests[rid].num_output_tokens == 2 for rid in group.running)
+
+
+class _Ids:
+    """A tokenizer stand-in whose text is the token ids."""
+
+    @staticmethod
+    def decode(token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, token_ids))

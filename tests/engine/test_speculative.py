@@ -54,6 +54,37 @@ def test_greedy_output_is_unchanged_and_drafts_are_accepted(tiny_llama, referenc
     assert_pool_free(llm)
 
 
+def test_the_runner_returns_one_token_list_per_sample_row(tiny_llama, monkeypatch):
+    """Every step: one SampledTokens per sample row, its three lists of one
+    length; one token for a row without drafts, the accepted drafts then one
+    for a speculating sequence."""
+    llm = LLM(tiny_llama, num_kv_blocks=512, speculative_config=NGRAM)
+    runner = llm.llm_engine.runner
+    execute = runner.execute
+    lengths = []
+
+    def checked(scheduler_output, grammar=None):
+        output = execute(scheduler_output, grammar)
+        rows = {row.sequence_id for s in scheduler_output.scheduled for row in s.sample_rows}
+        assert set(output.sampled) == rows
+        for scheduled in scheduler_output.scheduled:
+            for row in scheduled.sample_rows:
+                tokens = output.sampled[row.sequence_id]
+                assert len(tokens.token_ids) == len(tokens.logprobs) == len(tokens.position_logprobs)
+                drafts = scheduled.draft_token_ids
+                assert 1 <= len(tokens.token_ids) <= len(drafts) + 1
+                assert tokens.token_ids[:-1] == drafts[: len(tokens.token_ids) - 1]
+                lengths.append(len(tokens.token_ids))
+        return output
+
+    monkeypatch.setattr(runner, "execute", checked)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)
+    outputs = llm.generate(repetitive_prompts(12), params)
+    assert max(lengths) > 1  # some step accepted drafts
+    assert all(len(o.outputs[0].logprobs) == 48 for o in outputs)
+    assert_pool_free(llm)
+
+
 def test_the_adaptive_draft_policy_keeps_greedy_output(tiny_llama, reference):
     """The default policy withholds drafts where they do not pay; which ones
     depends on this machine's timings, the output never does."""

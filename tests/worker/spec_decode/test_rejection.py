@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.spec_decode.rejection import verify_drafts
+from pagedllm.worker.spec_decode.rejection import verify_drafts
 from pagedllm.worker.sampling.draw import target_probs
 from pagedllm.worker.sampling.metadata import SamplingMetadata
 
@@ -30,7 +30,7 @@ def test_greedy_accepts_the_drafts_that_match_the_argmax_and_closes_with_it():
         logits[row, best] = 4.0
     params = SamplingParams(temperature=0.0)
     (result,) = verify_drafts(logits, metadata_for(params, 4), [[3, 5, 2]], [EOS])
-    assert result.token_ids == [3, 5, 2, 6] and result.num_accepted == 3  # all accepted + bonus
+    assert result.token_ids == [3, 5, 2, 6] and result.num_accepted_drafts == 3  # all accepted + bonus
     (result,) = verify_drafts(logits, metadata_for(params, 4), [[3, 1, 2]], [EOS])
     assert result.token_ids == [3, 5]  # the second draft is wrong: the argmax replaces it
     expected = torch.log_softmax(logits, dim=-1)
@@ -55,7 +55,7 @@ def sampled_first_and_second(logits_row, params, draft, num_trials):
                             positions=[0, 1] * num_trials)
     results = verify_drafts(logits, metadata, [[draft]] * num_trials, [EOS])
     first = [r.token_ids[0] for r in results]
-    second = [r.token_ids[1] for r in results if r.num_accepted == 1]
+    second = [r.token_ids[1] for r in results if r.num_accepted_drafts == 1]
     return first, second
 
 

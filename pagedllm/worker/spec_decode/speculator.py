@@ -4,30 +4,29 @@ carried, and propose the next ones.
 The runner hands over, per speculating sequence, its scheduled share, its
 cached token history and the hidden-state row of the span's last token; the
 span's last ``k + 1`` rows are the verification rows (the last known token,
-then the ``k`` drafts). Results go into the step's ``ModelRunnerOutput``:
-the closing token in ``sampled_token_ids`` (as for any sequence), the whole
-yield in ``verified``, and the next proposals in ``proposed_draft_token_ids``.
+then the ``k`` drafts). Each sequence's yield (accepted drafts, then the
+token the target chose) is its ``SampledTokens`` in the step's
+``ModelRunnerOutput.sampled``, like any sample row's single token; the next
+proposals go to ``proposed_draft_token_ids``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
+from pagedllm.core.runner_output import SampledTokens
 from pagedllm.core.scheduler_output import ScheduledSequence
-from pagedllm.outputs import PositionLogprobs
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.spec_decode.config import SpeculativeConfig
-from pagedllm.spec_decode.draft_policy import DraftPolicy
-from pagedllm.spec_decode.draft_model import DraftModel
-from pagedllm.spec_decode.ngram import NgramProposer
-from pagedllm.spec_decode.rejection import VerifiedTokens, verify_drafts
+from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.worker.sampling.metadata import SamplingMetadata
-
-if TYPE_CHECKING:
-    from pagedllm.worker.model_runner import StepInputs
+from pagedllm.worker.spec_decode.draft_model import DraftModel
+from pagedllm.worker.spec_decode.draft_policy import DraftPolicy
+from pagedllm.worker.spec_decode.ngram import NgramProposer
+from pagedllm.worker.spec_decode.rejection import verify_drafts
+from pagedllm.worker.step_inputs import StepInputs
 
 
 class TokenHistory(Protocol):
@@ -86,7 +85,7 @@ class Speculator:
         compute_logits: Callable[[torch.Tensor], torch.Tensor],
         hidden: torch.Tensor,
         items: list[tuple[ScheduledSequence, TokenHistory, int]],
-    ) -> dict[str, VerifiedTokens]:
+    ) -> dict[str, SampledTokens]:
         """Verify the drafts of ``(scheduled, history, last row)`` items in one
         logits pass; returns each sequence's accepted drafts and closing token."""
         if not items:
@@ -108,10 +107,10 @@ class Speculator:
         drafts = [scheduled.draft_token_ids for scheduled, _, _ in items]
         results = verify_drafts(logits, metadata, drafts, self.eos_token_ids)
         self.num_draft_tokens += sum(len(d) for d in drafts)
-        self.num_accepted_tokens += sum(r.num_accepted for r in results)
+        self.num_accepted_tokens += sum(r.num_accepted_drafts for r in results)
         if self.policy is not None:
             for (scheduled, _, _), result in zip(items, results):
-                self.policy.record_verification(scheduled.sequence_id, result.num_accepted)
+                self.policy.record_verification(scheduled.sequence_id, result.num_accepted_drafts)
         return {scheduled.sequence_id: result for (scheduled, _, _), result in zip(items, results)}
 
     def propose(
@@ -139,8 +138,3 @@ class Speculator:
                     scheduled.sequence_id, len(drafts), step_rows, step_sequences)):
                 proposals[scheduled.sequence_id] = drafts
         return proposals
-
-
-def closing_token(result: VerifiedTokens) -> tuple[int, float, PositionLogprobs | None]:
-    """The token the target chose itself (after the accepted drafts), with its logprobs."""
-    return result.token_ids[-1], result.logprobs[-1], result.position_logprobs[-1]

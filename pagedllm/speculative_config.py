@@ -1,6 +1,8 @@
 """``speculative_config``, spelt as vLLM spells it.
 
-Torch-free: the scheduler reads ``num_speculative_tokens`` from it.
+A leaf module (it imports nothing of pagedllm), torch-free: ``pagedllm.config``
+validates the option with it, the scheduler reads ``num_speculative_tokens``
+and the runner's ``worker/spec_decode/`` acts on the rest.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class SpeculativeConfig:
     ``draft_policy`` (pagedllm's, not vLLM's; n-gram only): ``"adaptive"``
     (the default) proposes a lookup only where the sequence's recent
     acceptance pays for the extra verification rows at this machine's
-    measured cost per row (``pagedllm.spec_decode.draft_policy``);
+    measured cost per row (``pagedllm.worker.spec_decode.draft_policy``);
     ``"always"`` proposes every match, as vLLM does.
     """
 

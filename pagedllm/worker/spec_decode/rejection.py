@@ -24,10 +24,9 @@ and a bonus token is the very token the sampler would have drawn there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from pagedllm.core.runner_output import SampledTokens
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.worker.sampling.draw import exponential_noise, target_probs
 from pagedllm.worker.sampling.logits_processing import process_logits
@@ -36,27 +35,12 @@ from pagedllm.worker.sampling.metadata import SamplingMetadata
 from pagedllm.worker.sampling.rows import take_rows
 
 
-@dataclass
-class VerifiedTokens:
-    """What one sequence's step yields: the accepted drafts, then one token
-    the target chose itself, each with its raw logprob (and the top-k entry
-    when the request asked for logprobs)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    position_logprobs: list[PositionLogprobs | None]
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.token_ids) - 1
-
-
 def verify_drafts(
     logits: torch.Tensor,
     metadata: SamplingMetadata,
     draft_token_ids: list[list[int]],
     eos_token_ids: list[int],
-) -> list[VerifiedTokens]:
+) -> list[SampledTokens]:
     """``logits``: the raw target logits, ``len(drafts) + 1`` consecutive rows
     per sequence in the order of ``draft_token_ids``; ``metadata`` one entry
     per row, whose ``output_token_ids`` include the drafts before the row (so
@@ -99,9 +83,9 @@ def _walk(
     draft_token_ids: list[list[int]],
     chosen: list[int],
     accepted: list[bool],
-) -> list[VerifiedTokens]:
+) -> list[SampledTokens]:
     """Each sequence's accepted prefix and its closing token, with their raw logprobs."""
-    results: list[VerifiedTokens] = []
+    results: list[SampledTokens] = []
     used_rows: list[int] = []
     row = 0
     for drafts in draft_token_ids:
@@ -114,14 +98,14 @@ def _walk(
             row += 1
         tokens.append(chosen[row])
         used_rows += range(first, row + 1)
-        results.append(VerifiedTokens(tokens, [], []))
+        results.append(SampledTokens(tokens, [], []))
         row = first + len(drafts) + 1
     _fill_logprobs(logits, metadata, used_rows, results)
     return results
 
 
 def _fill_logprobs(
-    logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int], results: list[VerifiedTokens]
+    logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int], results: list[SampledTokens]
 ) -> None:
     """Raw logprobs (log_softmax of the unprocessed logits, as the sampler
     reports them) of the tokens each result kept, row by row."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.spec_decode import SpeculativeConfig
-from pagedllm.spec_decode.draft_policy import DraftPolicy, StepCostModel
+from pagedllm.speculative_config import SpeculativeConfig
+from pagedllm.worker.spec_decode.draft_policy import DraftPolicy, StepCostModel
 
 
 def test_the_cost_model_recovers_intercept_and_per_row_cost():

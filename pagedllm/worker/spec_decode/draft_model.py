@@ -15,15 +15,13 @@ it needs no block bookkeeping of its own:
   step's ``observe``.
 
 Greedy proposals make the draft distribution one-hot, so verification is the
-same exact rejection test as for prompt lookup (``spec_decode/rejection.py``).
+same exact rejection test as for prompt lookup (``worker/spec_decode/rejection.py``).
 A stale or clobbered draft K/V (a swapped sequence's, or two samples of a fork
 writing ahead in the block they still share) can only lower the acceptance,
 never change the output.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,10 +35,8 @@ from pagedllm.model.registry import build_model
 from pagedllm.model.rotary import context_window_of
 from pagedllm.utils import cdiv
 from pagedllm.worker.block_moves import allocate_caches, move_blocks
+from pagedllm.worker.step_inputs import StepInputs
 from pagedllm.worker.swap import HostSwapPool
-
-if TYPE_CHECKING:
-    from pagedllm.worker.model_runner import StepInputs
 
 # Sequences proposed for in one batch; the scratch blocks are sized for it.
 PROPOSAL_BATCH = 64

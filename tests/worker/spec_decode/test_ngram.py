@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.spec_decode.ngram import NgramProposer
+from pagedllm.worker.spec_decode.ngram import NgramProposer
 
 
 def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
