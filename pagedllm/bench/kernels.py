@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedllm import SamplingParams
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.attention.kv_cache import LayerKVCache
@@ -26,7 +27,6 @@ from pagedllm.attention.selector import cpu_decode, cpu_prefill
 from pagedllm.attention.torch_paged import TorchPagedAttention
 from pagedllm.model.packed_linear import pack_weight, packing_supported
 from pagedllm.model.shapes import num_kv_heads_of
-from pagedllm.sampling_params import SamplingParams
 
 
 def _time(fn: Callable[[], object], repeats: int) -> float:

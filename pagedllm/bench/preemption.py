@@ -6,8 +6,8 @@ import math
 import time
 from dataclasses import dataclass
 
+from pagedllm import SamplingParams
 from pagedllm.bench.throughput import random_requests
-from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass

@@ -7,8 +7,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from pagedllm import SamplingParams
 from pagedllm.bench.throughput import token_range
-from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -44,7 +44,7 @@ def shared_prompt_workload(
 
 def run(llm, label: str, prompts: list[list[int]], output_len: int) -> PrefixResult:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.llm_engine.kv_cache_manager.reset_peak_blocks_in_use()
+    llm.reset_peak_blocks_in_use()
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start

@@ -98,9 +98,7 @@ def _measure(path: str, gguf_weights: str, dtype: str, batch: int, prompt_len: i
     llm = LLM(path, gguf_weights=gguf_weights, dtype=dtype, max_model_len=256, num_kv_blocks=64,
               enable_prefix_caching=False)
     load_s = time.perf_counter() - start
-    model = llm.llm_engine.runner.model
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # tied blocks once
-    weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    weight_bytes = llm.weight_bytes()
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(2, 256, prompt_len).tolist()} for _ in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)

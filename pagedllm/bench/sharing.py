@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm import BeamSearchParams, SamplingParams
 from pagedllm.bench.throughput import random_requests
-from pagedllm.engine.beam_search import BeamSearchParams
-from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -47,7 +46,7 @@ def measure(make_llm, prompt_len: int, output_len: int, ns: list[int], widths: l
     for name, run in workloads:
         peaks = {}
         for sharing, llm in engines.items():
-            llm.llm_engine.kv_cache_manager.reset_peak_blocks_in_use()
+            llm.reset_peak_blocks_in_use()
             run(llm)
             peaks[sharing] = llm.stats()["peak_blocks_in_use"]
         rows.append(SharingRow(name, peaks[True], peaks[False]))

@@ -37,8 +37,8 @@ import textwrap
 import time
 from dataclasses import dataclass
 
+from pagedllm import SamplingParams
 from pagedllm.bench.throughput import mixed_requests, warm_up
-from pagedllm.sampling_params import SamplingParams
 
 EDIT_TASKS = (
     (textwrap.dedent, "Add type hints to this Python function and return the whole function"),
@@ -130,11 +130,11 @@ class WorkloadResult:
 
 
 def _timed_generate(llm, prompts: list, params: list[SamplingParams], tally: SpecTally) -> list[list[int]]:
-    steps_before = llm.llm_engine.num_steps
+    steps_before = llm.stats()["num_steps"]
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     tally.seconds += time.perf_counter() - started
-    tally.steps += llm.llm_engine.num_steps - steps_before
+    tally.steps += llm.stats()["num_steps"] - steps_before
     tokens = [o.outputs[0].token_ids for o in outputs]
     tally.output_tokens += sum(len(t) for t in tokens)
     for output in outputs:

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm import SamplingParams
 from pagedllm.bench.json_records import read_json_records
 from pagedllm.logger import init_logger
-from pagedllm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
 
@@ -100,23 +100,23 @@ def run_pagedllm(llm, requests: list[BenchRequest], label: str = "pagedllm") -> 
     """Time ``requests`` on ``llm`` after its warm-up; the engine's step-time split
     then covers the timed requests alone."""
     warm_up(llm)
-    llm.llm_engine.reset_step_timings()
+    llm.reset_step_timings()
     # ignore_eos makes every engine produce exactly max_tokens tokens, so the work is equal.
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    before = llm.stats()
     start = time.perf_counter()
-    engine = llm.llm_engine
-    steps_before, sequences_before = engine.num_steps, engine.num_scheduled_sequences
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    steps = engine.num_steps - steps_before
+    after = llm.stats()
+    steps = after["num_steps"] - before["num_steps"]
     return finished(BenchResult(
         engine=label,
         num_requests=len(requests),
         prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
         output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
         elapsed_s=elapsed,
-        mean_batch=(engine.num_scheduled_sequences - sequences_before) / max(1, steps),
+        mean_batch=(after["num_scheduled_sequences"] - before["num_scheduled_sequences"]) / max(1, steps),
     ))
 
 

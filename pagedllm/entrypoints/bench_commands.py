@@ -90,7 +90,7 @@ def _measure_pagedllm(args: argparse.Namespace, llm: LLM, requests: list[BenchRe
         traffic = bench.tensor_parallel_traffic(engine.model_config, torch_dtype(engine.config.dtype).itemsize,
                                                 args.tensor_parallel_size, stats["num_batched_tokens"],
                                                 stats["num_steps"])
-    return _MeasuredRun(result, stats, capacity, bench.format_step_split(engine.step_timings), engine.device, traffic)
+    return _MeasuredRun(result, stats, capacity, bench.format_step_split(llm.step_timings()), engine.device, traffic)
 
 
 def _run_baseline(args: argparse.Namespace, requests: list[BenchRequest],
