@@ -13,7 +13,9 @@ import argparse
 import importlib
 from collections.abc import Callable
 
-from pagedllm.bench import commands, fragmentation, serve
+from pagedllm.bench import commands
+from pagedllm.bench.fragmentation import cli as fragmentation_cli
+from pagedllm.bench.serve import cli as serve_cli
 from pagedllm.bench.throughput_command import BASELINES, cmd_bench_throughput
 from pagedllm.entrypoints.engine_args import add_engine_args
 
@@ -32,9 +34,9 @@ def add_bench_parser(subcommands: argparse._SubParsersAction) -> None:
     _add_decode_benches(benches)
     _add_soak_parser(benches)
     for module, name, help_text in (
-        (serve, "serve", "load generator against a running OpenAI-compatible server"),
-        (fragmentation, "fragmentation", "KV waste of paged vs contiguous layouts on a request trace "
-                                         "(bookkeeping only, no model)"),
+        (serve_cli, "serve", "load generator against a running OpenAI-compatible server"),
+        (fragmentation_cli, "fragmentation", "KV waste of paged vs contiguous layouts on a request trace "
+                                             "(bookkeeping only, no model)"),
     ):
         parser = benches.add_parser(name, help=help_text)
         module.build_arg_parser(parser)  # its own flags, --record among them
