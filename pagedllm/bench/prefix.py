@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from pagedllm import SamplingParams
 from pagedllm.bench.throughput import token_range
+from pagedllm.bench.tables import markdown_table
 
 
 @dataclass
@@ -66,15 +67,9 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def format_table(results: list[PrefixResult]) -> str:
-    lines = [
-        "| prefix caching | prefill tokens computed | hit rate | TTFT mean (s) | TTFT p50 (s) | TTFT p99 (s) "
-        "| total tok/s | time (s) | peak KV blocks |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        lines.append(
-            f"| {r.label} | {r.prefill_tokens_computed} of {r.prompt_tokens} | {100 * r.hit_rate:.1f}% | "
-            f"{statistics.mean(r.ttft_s):.2f} | {_percentile(r.ttft_s, 0.5):.2f} | {_percentile(r.ttft_s, 0.99):.2f} | "
-            f"{r.total_tokens_per_s:.1f} | {r.elapsed_s:.2f} | {r.peak_blocks} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(
+        ["prefix caching", "prefill tokens computed", "hit rate", "TTFT mean (s)", "TTFT p50 (s)", "TTFT p99 (s)",
+         "total tok/s", "time (s)", "peak KV blocks"],
+        [[r.label, f"{r.prefill_tokens_computed} of {r.prompt_tokens}", f"{100 * r.hit_rate:.1f}%",
+          f"{statistics.mean(r.ttft_s):.2f}", f"{_percentile(r.ttft_s, 0.5):.2f}", f"{_percentile(r.ttft_s, 0.99):.2f}",
+          f"{r.total_tokens_per_s:.1f}", f"{r.elapsed_s:.2f}", r.peak_blocks] for r in results])

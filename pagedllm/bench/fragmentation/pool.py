@@ -59,7 +59,8 @@ class PoolSpec:
 
 
 class LayoutPool:
-    """One layout's manager behind the operations the replay needs."""
+    """One layout's manager (``manager``: the KV manager interface the scheduler
+    uses), with the replay's admission and growth on top."""
 
     def __init__(self, spec: PoolSpec, layout: str) -> None:
         self.spec = spec
@@ -79,17 +80,3 @@ class LayoutPool:
 
     def grow(self, request_id: str, num_tokens: int) -> bool:
         return self.manager.allocate_slots(request_id, num_tokens, 1) is not None
-
-    def free(self, request_id: str) -> None:
-        self.manager.free(request_id)
-
-    def block_ids(self, request_id: str) -> list[int]:
-        return self.manager.get_block_ids(request_id)
-
-    @property
-    def free_blocks(self) -> int:
-        return self.manager.num_free_blocks
-
-    @property
-    def blocks_in_use(self) -> int:
-        return self.manager.num_blocks_in_use

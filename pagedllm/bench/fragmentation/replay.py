@@ -131,7 +131,7 @@ class _Replay:
         if not self.running or stalled < len(self.running):
             return False
         victim = self.running.pop()
-        self.pool.free(victim.request_id)
+        self.pool.manager.free(victim.request_id)
         self.queue.appendleft(victim)
         self.preempted += 1
         return True
@@ -148,7 +148,7 @@ class _Replay:
 
     def _measure(self, step: int, head_blocked: bool) -> None:
         block_size = self.spec.block_size
-        free_blocks = self.pool.free_blocks
+        free_blocks = self.pool.manager.num_free_blocks
         external = 0
         if head_blocked:
             head = self.queue[0]
@@ -158,12 +158,12 @@ class _Replay:
         self.external_free_slots.append(external)
         self.batch_sizes.append(len(self.running))
         self.real_slots.append(sum(live.num_tokens for live in self.running))
-        self.held_slots.append(self.pool.blocks_in_use * block_size)
+        self.held_slots.append(self.pool.manager.num_blocks_in_use * block_size)
         if len(self.running) > self.max_concurrent:
             self.max_concurrent = len(self.running)
             self.peak_step = step
             self.memory_map = [
-                MapEntry(live.index, tuple(self.pool.block_ids(live.request_id)), live.num_tokens)
+                MapEntry(live.index, tuple(self.pool.manager.get_block_ids(live.request_id)), live.num_tokens)
                 for live in self.running
             ]
 
@@ -173,9 +173,9 @@ class _Replay:
             if live.num_tokens < live.total_len:
                 still_running.append(live)
                 continue
-            self.held_at_departure.append(len(self.pool.block_ids(live.request_id)))
+            self.held_at_departure.append(len(self.pool.manager.get_block_ids(live.request_id)))
             self.needed_at_departure.append(live.total_len)
-            self.pool.free(live.request_id)
+            self.pool.manager.free(live.request_id)
         self.running = still_running
 
     def _result(self, steps: int) -> LayoutResult:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pagedllm.bench.fragmentation.pool import CONTIGUOUS, LAYOUTS, PAGED, PoolSpec
 from pagedllm.bench.fragmentation.replay import LayoutResult, mean_or_zero, simulate, waste_percent
 from pagedllm.bench.fragmentation.traces import TraceRequest
+from pagedllm.bench.tables import markdown_table
 
 SWEEP_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 
@@ -78,32 +79,19 @@ def run_fragmentation(trace: list[TraceRequest], spec: PoolSpec) -> Fragmentatio
 
 def format_tables(report: FragmentationReport) -> str:
     """The per-layout table and the block-size sweep table, in Markdown."""
-    lines = [
-        "| layout | waste | internal (% pool) | external (% pool) | real tokens mean / peak (% pool) "
-        "| served | rejected | delayed | preempted | max concurrent | mean concurrent | steps |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in report.results.values():
-        real = f"{100 * r.mean_real_slots / r.pool_slots:.1f}% / {100 * r.peak_real_slots / r.pool_slots:.1f}%"
-        lines.append(
-            f"| {r.layout} | {r.waste_percent:.1f}% | {r.internal_percent:.1f}% | {r.external_percent:.1f}% | {real} "
-            f"| {r.served} | {r.rejected} | {r.delayed} | {r.preempted} | {r.max_concurrent} "
-            f"| {r.mean_concurrent:.1f} | {r.steps} |"
-        )
-    lines += [
-        "",
-        f"Block-size sweep (pool kept at {report.spec.num_slots} token slots):",
-        "",
-        "| block size | blocks | paged waste | paged table entries / seq | contiguous waste "
-        "| contiguous table entries / seq |",
-        "|---|---|---|---|---|---|",
-    ]
-    for row in report.sweep:
-        lines.append(
-            f"| {row.block_size} | {row.num_blocks} | {row.paged_waste_percent:.1f}% | {row.paged_table_entries:.1f} "
-            f"| {row.contiguous_waste_percent:.1f}% | {row.contiguous_table_entries:.1f} |"
-        )
-    return "\n".join(lines)
+    layouts = markdown_table(
+        ["layout", "waste", "internal (% pool)", "external (% pool)", "real tokens mean / peak (% pool)", "served",
+         "rejected", "delayed", "preempted", "max concurrent", "mean concurrent", "steps"],
+        [[r.layout, f"{r.waste_percent:.1f}%", f"{r.internal_percent:.1f}%", f"{r.external_percent:.1f}%",
+          f"{100 * r.mean_real_slots / r.pool_slots:.1f}% / {100 * r.peak_real_slots / r.pool_slots:.1f}%",
+          r.served, r.rejected, r.delayed, r.preempted, r.max_concurrent, f"{r.mean_concurrent:.1f}", r.steps]
+         for r in report.results.values()])
+    sweep = markdown_table(
+        ["block size", "blocks", "paged waste", "paged table entries / seq", "contiguous waste",
+         "contiguous table entries / seq"],
+        [[row.block_size, row.num_blocks, f"{row.paged_waste_percent:.1f}%", f"{row.paged_table_entries:.1f}",
+          f"{row.contiguous_waste_percent:.1f}%", f"{row.contiguous_table_entries:.1f}"] for row in report.sweep])
+    return f"{layouts}\n\nBlock-size sweep (pool kept at {report.spec.num_slots} token slots):\n\n{sweep}"
 
 
 def describe(report: FragmentationReport, trace_name: str) -> str:

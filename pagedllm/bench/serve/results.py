@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagedllm.bench.tables import markdown_table
+
 # Enough failure messages to tell what went wrong without flooding the report.
 MAX_KEPT_ERRORS = 5
 
@@ -58,10 +60,10 @@ class RequestMetrics:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServeResult:
-    """One benchmark run at one request rate. Token totals and latency statistics cover the
-    completed requests only; failed ones are counted in ``num_failed`` and the first
+    """One benchmark run at one request rate. Token totals, rates and latency statistics cover
+    the completed requests only; failed ones are counted in ``num_failed`` and the first
     ``MAX_KEPT_ERRORS`` of their messages are kept in ``errors``."""
 
     model: str
@@ -71,6 +73,8 @@ class ServeResult:
     duration_s: float
     total_prompt_tokens: int
     total_output_tokens: int
+    request_throughput: float  # completed requests per second of wall time
+    output_tokens_per_s: float
     ttft: LatencyStats
     tpot: LatencyStats
     e2e: LatencyStats
@@ -80,15 +84,6 @@ class ServeResult:
     @property
     def num_completed(self) -> int:
         return self.num_requests - self.num_failed
-
-    @property
-    def request_throughput(self) -> float:
-        """Completed requests per second of wall time."""
-        return self.num_completed / self.duration_s
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.total_output_tokens / self.duration_s
 
 
 def summarize(model: str, request_rate: float, metrics: list[RequestMetrics], duration_s: float) -> ServeResult:
@@ -103,6 +98,8 @@ def summarize(model: str, request_rate: float, metrics: list[RequestMetrics], du
         duration_s=duration_s,
         total_prompt_tokens=sum(m.prompt_tokens for m in done),
         total_output_tokens=sum(m.output_tokens for m in done),
+        request_throughput=len(done) / duration_s,
+        output_tokens_per_s=sum(m.output_tokens for m in done) / duration_s,
         ttft=LatencyStats.of([m.ttft_s for m in done if m.ttft_s is not None]),
         tpot=LatencyStats.of([m.tpot_s for m in done if m.tpot_s is not None]),
         e2e=LatencyStats.of([m.e2e_s for m in done if m.e2e_s is not None]),
@@ -126,20 +123,11 @@ def format_rate(rate: float) -> str:
 
 def format_table(results: list[ServeResult]) -> str:
     """A markdown table, one row per result; latencies of runs with no completed request show "-"."""
-    header = (
-        "| rate (req/s) | requests | failed | req/s | output tok/s "
-        "| TTFT mean (ms) | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) "
-        "| TPOT mean (ms) | TPOT p50 (ms) | TPOT p90 (ms) | TPOT p99 (ms) "
-        "| e2e mean (s) | e2e p99 (s) |"
-    )
-    lines = [header, "|" + "---|" * (header.count("|") - 1)]
-    for r in results:
-        ttft, tpot = r.ttft, r.tpot
-        lines.append(
-            f"| {format_rate(r.request_rate)} | {r.num_requests} | {r.num_failed} | {r.request_throughput:.2f} "
-            f"| {r.output_tokens_per_s:.1f} "
-            f"| {_ms(ttft.mean)} | {_ms(ttft.p50)} | {_ms(ttft.p90)} | {_ms(ttft.p99)} "
-            f"| {_ms(tpot.mean)} | {_ms(tpot.p50)} | {_ms(tpot.p90)} | {_ms(tpot.p99)} "
-            f"| {_s(r.e2e.mean)} | {_s(r.e2e.p99)} |"
-        )
-    return "\n".join(lines)
+    header = ["rate (req/s)", "requests", "failed", "req/s", "output tok/s",
+              "TTFT mean (ms)", "TTFT p50 (ms)", "TTFT p90 (ms)", "TTFT p99 (ms)",
+              "TPOT mean (ms)", "TPOT p50 (ms)", "TPOT p90 (ms)", "TPOT p99 (ms)", "e2e mean (s)", "e2e p99 (s)"]
+    return markdown_table(header, [
+        [format_rate(r.request_rate), r.num_requests, r.num_failed, f"{r.request_throughput:.2f}",
+         f"{r.output_tokens_per_s:.1f}", *(_ms(s) for s in (r.ttft.mean, r.ttft.p50, r.ttft.p90, r.ttft.p99)),
+         *(_ms(s) for s in (r.tpot.mean, r.tpot.p50, r.tpot.p90, r.tpot.p99)), _s(r.e2e.mean), _s(r.e2e.p99)]
+        for r in results])
