@@ -2,9 +2,9 @@
 engines with the command's flags (``make_llm``), runs its bench module and
 reports the table (``--record FILE`` appends it to FILE).
 
-Each imports its bench module when it runs, so that building the parser for
-any `pagedllm` command loads none of them (nor what they load: matplotlib,
-httpx, gguf).
+Each imports the module that measures when it runs: every `pagedllm` command
+(`pagedllm generate` too) builds the whole parser, and that should not load
+them (nor what they load: kernels, gguf, matplotlib, prometheus).
 """
 
 from __future__ import annotations
