@@ -1,4 +1,8 @@
-"""`pagedllm bench serve`'s flags and ``main``: one run per request rate, on the same requests."""
+"""`pagedllm bench serve`'s flags and ``main``: one run per request rate, on the same requests.
+
+The HTTP client (``client``, ``stream``: httpx) is imported when a run starts: every `pagedllm`
+command builds this parser, and a first ``generate`` should not pay ~0.15 s for httpx.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ import sys
 
 from pagedllm.bench.arg_types import positive_int, positive_rate
 from pagedllm.bench.record import append_result
-from pagedllm.bench.serve.client import run_serve_benchmark
 from pagedllm.bench.serve.results import ServeResult, format_rate, format_table
 from pagedllm.bench.throughput import BenchRequest, load_requests, random_requests
 
@@ -69,6 +72,8 @@ def _print_failures(result: ServeResult) -> None:
 def main(args: argparse.Namespace) -> str:
     """Run one benchmark per ``--request-rate`` on the same requests, print the table (failures go
     to stderr), append it to ``--record`` when given, and return it."""
+    from pagedllm.bench.serve.client import run_serve_benchmark  # loads httpx (see the module docstring)
+
     requests, description = _requests_from_args(args)
     model = args.model
     results = []
