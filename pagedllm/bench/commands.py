@@ -13,6 +13,7 @@ import argparse
 
 from pagedllm import LLM
 from pagedllm.bench.record import report
+from pagedllm.bench.tables import markdown_table
 from pagedllm.config import torch_dtype
 from pagedllm.entrypoints.engine_args import engine_flags_from_args, make_llm
 
@@ -104,15 +105,13 @@ def cmd_bench_roofline(args: argparse.Namespace) -> None:
                for r in random_requests(args.batch_size, args.prompt_len, 1, engine.vocab_size, args.seed)]
     result = kernels.roofline_vs_decode(engine, args.batch_size, prompts, args.decode_tokens,
                                         torch_dtype(args.dtype))
-    table = (
-        "| dtype | rows | matmul GFLOP/s (model shapes) | roofline decode tok/s | decode tok/s, best step "
-        "| decode tok/s, median step | of roofline (best, median) |\n"
-        "|---|---|---|---|---|---|---|\n"
-        f"| {args.dtype} | {args.batch_size} | {result.gflops:.1f} | {result.bound_tokens_per_s:.0f} | "
-        f"{result.best_decode_tokens_per_s:.0f} | {result.median_decode_tokens_per_s:.0f} | "
-        f"{100 * result.best_decode_tokens_per_s / result.bound_tokens_per_s:.0f}%, "
-        f"{100 * result.median_decode_tokens_per_s / result.bound_tokens_per_s:.0f}% |"
-    )
+    table = markdown_table(
+        ["dtype", "rows", "matmul GFLOP/s (model shapes)", "roofline decode tok/s", "decode tok/s, best step",
+         "decode tok/s, median step", "of roofline (best, median)"],
+        [[args.dtype, args.batch_size, f"{result.gflops:.1f}", f"{result.bound_tokens_per_s:.0f}",
+          f"{result.best_decode_tokens_per_s:.0f}", f"{result.median_decode_tokens_per_s:.0f}",
+          f"{100 * result.best_decode_tokens_per_s / result.bound_tokens_per_s:.0f}%, "
+          f"{100 * result.median_decode_tokens_per_s / result.bound_tokens_per_s:.0f}%"]])
     report(args, table, f"Batch of {args.batch_size} sequences, {args.prompt_len}-token prompts; "
                         f"{args.decode_tokens} matmul passes and {args.decode_tokens} decode steps, interleaved.")
 
