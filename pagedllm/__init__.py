@@ -6,6 +6,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.version import __version__
 
 __all__ = [
     "LLM",
@@ -22,4 +23,3 @@ __all__ = [
     "CacheConfig",
     "SchedulerConfig",
 ]
-__version__ = "0.1.0"

@@ -25,7 +25,7 @@ part() {  # part SECONDS NAME COMMAND...: run one part under its limit, log it, 
 }
 
 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 2
-bench=("$PYTHON" -c "from pagedllm.entrypoints.cli import main; main()" bench throughput --device cuda
+bench=("$PYTHON" -m pagedllm.cli bench throughput --device cuda
        --gpu-memory-utilization 0.5)
 part 160 "pytest tests/gpu" "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu
 part 100 "mixed 64 requests fp32 vs HF generate" "${bench[@]}" --dataset mixed --num-prompts 64 \
@@ -35,7 +35,7 @@ part 80 "1024 x (128 + 128) bf16 (recorded before graphs: 9,401 tok/s)" "${bench
 part 80 "decode step at 256 sequences, bf16" "$PYTHON" scripts/step_times.py decode --device cuda \
     --dtype bfloat16 --num-seqs 256 --num-steps 30
 part 40 "CUDA graphs vs eager decode, 32 real-text prompts, greedy (must be identical)" \
-    "$PYTHON" -c "from pagedllm.entrypoints.cli import main; main()" bench differential --cases cuda-graphs \
+    "$PYTHON" -m pagedllm_dev.differential --cases cuda-graphs \
     --num-prompts 32 --max-tokens 64
 echo "gpu_check: $([ $failed -eq 0 ] && echo all parts passed || echo SOME PARTS FAILED), log in $LOG"
 exit $failed

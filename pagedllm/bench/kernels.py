@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedllm import SamplingParams
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.attention.kv_cache import LayerKVCache
@@ -26,7 +27,7 @@ from pagedllm.attention.selector import cpu_decode, cpu_prefill
 from pagedllm.attention.torch_paged import TorchPagedAttention
 from pagedllm.model.packed_linear import pack_weight, packing_supported
 from pagedllm.model.shapes import num_kv_heads_of
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.bench.tables import markdown_table
 
 
 def _time(fn: Callable[[], object], repeats: int) -> float:
@@ -73,16 +74,19 @@ def attention_rows(batches: list[int], contexts: list[int], num_heads: int = 9, 
 
 
 def format_attention(rows: list[dict]) -> str:
-    lines = ["| batch | context | contiguous SDPA (ms) | paged C++ (ms) | paged PyTorch (ms) | C++ / SDPA |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        cpp, sdpa = r.get("paged_cpp_ms"), r["contiguous_sdpa_ms"]
-        cpp_ms = "-" if cpp is None else f"{cpp:.3f}"
-        ratio = "-" if cpp is None else f"{cpp / sdpa:.2f}x"
-        lines.append(
-            f"| {r['batch']} | {r['context']} | {sdpa:.3f} | {cpp_ms} | {r['paged_pytorch_ms']:.3f} | {ratio} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(
+        ["batch", "context", "contiguous SDPA (ms)", "paged C++ (ms)", "paged PyTorch (ms)", "C++ / SDPA"],
+        [[r["batch"], r["context"], _figure(r["contiguous_sdpa_ms"]), _figure(r.get("paged_cpp_ms")),
+          _figure(r["paged_pytorch_ms"]), _ratio(r.get("paged_cpp_ms"), r["contiguous_sdpa_ms"])] for r in rows])
+
+
+def _figure(milliseconds: float | None, spec: str = ".3f") -> str:
+    """A time, or "-" where it was not measured (the C++ kernels did not build)."""
+    return "-" if milliseconds is None else f"{milliseconds:{spec}}"
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> str:
+    return "-" if numerator is None or denominator is None else f"{numerator / denominator:.2f}x"
 
 
 @torch.inference_mode()
@@ -108,14 +112,12 @@ def prefill_attention_rows(lengths: list[int], num_heads: int = 9, num_kv_heads:
 
 
 def format_prefill_attention(rows: list[dict]) -> str:
-    lines = ["| prompt tokens | SDPA fp32 (ms) | SDPA bf16 (ms) | C++ bf16 (ms) | C++ vs SDPA bf16 | C++ bf16 vs SDPA fp32 |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        cpp = r.get("cpp_bf16_ms")
-        cells = ["-", "-", "-"] if cpp is None else [
-            f"{cpp:.3f}", f"{r['sdpa_bf16_ms'] / cpp:.2f}x", f"{r['sdpa_fp32_ms'] / cpp:.2f}x"]
-        lines.append(f"| {r['length']} | {r['sdpa_fp32_ms']:.3f} | {r['sdpa_bf16_ms']:.3f} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["prompt tokens", "SDPA fp32 (ms)", "SDPA bf16 (ms)", "C++ bf16 (ms)", "C++ vs SDPA bf16",
+         "C++ bf16 vs SDPA fp32"],
+        [[r["length"], _figure(r["sdpa_fp32_ms"]), _figure(r["sdpa_bf16_ms"]), _figure(r.get("cpp_bf16_ms")),
+          _ratio(r["sdpa_bf16_ms"], r.get("cpp_bf16_ms")), _ratio(r["sdpa_fp32_ms"], r.get("cpp_bf16_ms"))]
+         for r in rows])
 
 
 @torch.inference_mode()
@@ -149,18 +151,18 @@ def linear_rows(config, batches: list[int], repeats: int = 8, dtype: torch.dtype
 
 def format_linear(rows: list[dict]) -> str:
     packed = any("packed_ms" in r for r in rows)
-    header = "| rows | PyTorch (ms) | C++ small-batch (ms) | speed-up |"
+    header = ["rows", "PyTorch (ms)", "C++ small-batch (ms)", "speed-up"]
     if packed:
-        header += " C++ packed (ms) | packed vs PyTorch | packed vs small-batch |"
-    lines = [header, "|---" * (header.count("|") - 1) + "|"]
+        header += ["C++ packed (ms)", "packed vs PyTorch", "packed vs small-batch"]
+    table = []
     for r in rows:
         small = r.get("small_batch_ms")
-        cells = ["-", "-"] if small is None else [f"{small:.1f}", f"{r['pytorch_ms'] / small:.2f}x"]
+        table.append([r["batch"], _figure(r["pytorch_ms"], ".1f"), _figure(small, ".1f"),
+                      _ratio(r["pytorch_ms"], small)])
         if packed:
-            ms = r["packed_ms"]
-            cells += [f"{ms:.1f}", f"{r['pytorch_ms'] / ms:.2f}x", "-" if small is None else f"{small / ms:.2f}x"]
-        lines.append(f"| {r['batch']} | {r['pytorch_ms']:.1f} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            table[-1] += [_figure(r["packed_ms"], ".1f"), _ratio(r["pytorch_ms"], r["packed_ms"]),
+                          _ratio(small, r["packed_ms"])]
+    return markdown_table(header, table)
 
 
 def projection_shapes(config) -> list[tuple[int, int, int]]:

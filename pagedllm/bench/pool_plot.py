@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm import SamplingParams
 
 
 def peak_pool_snapshot(llm, requests) -> dict:
@@ -25,7 +25,7 @@ def peak_pool_snapshot(llm, requests) -> dict:
     best, snapshot = -1, llm.kv_pool_snapshot()
     while engine.has_unfinished_requests():
         engine.step()
-        in_use = engine.kv_cache_manager.stats().num_blocks_in_use
+        in_use = llm.stats()["num_blocks_in_use"]
         if in_use > best:
             best, snapshot = in_use, llm.kv_pool_snapshot()
     return snapshot

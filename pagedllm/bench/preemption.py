@@ -6,8 +6,9 @@ import math
 import time
 from dataclasses import dataclass
 
+from pagedllm import SamplingParams
 from pagedllm.bench.throughput import random_requests
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.bench.tables import markdown_table
 
 
 @dataclass
@@ -45,15 +46,9 @@ def run(make_llm, prompt_len: int, output_len: int, num_requests: int, mode: str
 
 
 def format_table(results: list[PreemptionResult]) -> str:
-    lines = [
-        "| prompt tokens | mode | pool blocks | preemptions | tokens recomputed | blocks swapped out | time (s) "
-        "| vs recompute |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
     baseline = {r.prompt_len: r.elapsed_s for r in results if r.mode == "recompute"}
-    for r in results:
-        lines.append(
-            f"| {r.prompt_len} | {r.mode} | {r.num_blocks} | {r.preemptions} | {r.recomputed_tokens} | "
-            f"{r.swapped_blocks} | {r.elapsed_s:.2f} | {baseline[r.prompt_len] / r.elapsed_s:.2f}x |"
-        )
-    return "\n".join(lines)
+    return markdown_table(
+        ["prompt tokens", "mode", "pool blocks", "preemptions", "tokens recomputed", "blocks swapped out", "time (s)",
+         "vs recompute"],
+        [[r.prompt_len, r.mode, r.num_blocks, r.preemptions, r.recomputed_tokens, r.swapped_blocks,
+          f"{r.elapsed_s:.2f}", f"{baseline[r.prompt_len] / r.elapsed_s:.2f}x"] for r in results])

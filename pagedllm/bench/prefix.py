@@ -7,8 +7,9 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from pagedllm import SamplingParams
 from pagedllm.bench.throughput import token_range
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.bench.tables import markdown_table
 
 
 @dataclass
@@ -44,7 +45,7 @@ def shared_prompt_workload(
 
 def run(llm, label: str, prompts: list[list[int]], output_len: int) -> PrefixResult:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.llm_engine.kv_cache_manager.reset_peak_blocks_in_use()
+    llm.reset_peak_blocks_in_use()
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -66,15 +67,9 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def format_table(results: list[PrefixResult]) -> str:
-    lines = [
-        "| prefix caching | prefill tokens computed | hit rate | TTFT mean (s) | TTFT p50 (s) | TTFT p99 (s) "
-        "| total tok/s | time (s) | peak KV blocks |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        lines.append(
-            f"| {r.label} | {r.prefill_tokens_computed} of {r.prompt_tokens} | {100 * r.hit_rate:.1f}% | "
-            f"{statistics.mean(r.ttft_s):.2f} | {_percentile(r.ttft_s, 0.5):.2f} | {_percentile(r.ttft_s, 0.99):.2f} | "
-            f"{r.total_tokens_per_s:.1f} | {r.elapsed_s:.2f} | {r.peak_blocks} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(
+        ["prefix caching", "prefill tokens computed", "hit rate", "TTFT mean (s)", "TTFT p50 (s)", "TTFT p99 (s)",
+         "total tok/s", "time (s)", "peak KV blocks"],
+        [[r.label, f"{r.prefill_tokens_computed} of {r.prompt_tokens}", f"{100 * r.hit_rate:.1f}%",
+          f"{statistics.mean(r.ttft_s):.2f}", f"{_percentile(r.ttft_s, 0.5):.2f}", f"{_percentile(r.ttft_s, 0.99):.2f}",
+          f"{r.total_tokens_per_s:.1f}", f"{r.elapsed_s:.2f}", r.peak_blocks] for r in results])

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedllm.bench.tables import markdown_table
+
 # Qwen2.5-0.5B: hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864, vocabulary 151936, tied embeddings.
 QWEN25_05B = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936)
 RUNS = (("fp32", "Q8_0", "dequantize", "float32"), ("bf16", "Q8_0", "dequantize", "bfloat16"),
@@ -98,9 +100,7 @@ def _measure(path: str, gguf_weights: str, dtype: str, batch: int, prompt_len: i
     llm = LLM(path, gguf_weights=gguf_weights, dtype=dtype, max_model_len=256, num_kv_blocks=64,
               enable_prefix_caching=False)
     load_s = time.perf_counter() - start
-    model = llm.llm_engine.runner.model
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # tied blocks once
-    weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    weight_bytes = llm.weight_bytes()
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(2, 256, prompt_len).tolist()} for _ in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -137,12 +137,10 @@ def run(workdir: Path, shape: dict, batch: int, prompt_len: int, output_len: int
 
 def format_table(results: list[QuantResult]) -> str:
     gib = 2.0**30
-    lines = ["| weights | GGUF file (GiB) | weights held (GiB) | process RSS (GiB) | load (s) | decode tok/s |",
-             "|---|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r.label} | {r.file_bytes / gib:.2f} | {r.weight_bytes / gib:.2f} | {r.rss_bytes / gib:.2f} "
-                     f"| {r.load_s:.1f} | {r.decode_tokens_per_s:.1f} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["weights", "GGUF file (GiB)", "weights held (GiB)", "process RSS (GiB)", "load (s)", "decode tok/s"],
+        [[r.label, f"{r.file_bytes / gib:.2f}", f"{r.weight_bytes / gib:.2f}", f"{r.rss_bytes / gib:.2f}",
+          f"{r.load_s:.1f}", f"{r.decode_tokens_per_s:.1f}"] for r in results])
 
 
 def cpu_description() -> str:

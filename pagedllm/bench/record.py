@@ -14,10 +14,10 @@ if TYPE_CHECKING:
     import torch
 
 
-def append_result(path: str, argv: list[str] | None, preamble: str, table: str) -> None:
-    """``argv`` are the CLI words after ``pagedllm`` (``sys.argv[1:]`` when None)."""
+def append_result(path: str, argv: list[str] | None, preamble: str, table: str, program: str = "pagedllm") -> None:
+    """``argv`` are the command-line words after ``program`` (``sys.argv[1:]`` when None)."""
     words = sys.argv[1:] if argv is None else argv
-    command = "pagedllm " + " ".join(shlex.quote(word) for word in words)
+    command = " ".join([program, *(shlex.quote(word) for word in words)])
     with open(path, "a", encoding="utf-8") as f:
         f.write(f"\n### {datetime.date.today().isoformat()}: `{command}`\n\n{preamble}\n\n{table}\n")
 
@@ -29,4 +29,4 @@ def report(args: argparse.Namespace, table: str, setup: str, device: torch.devic
 
     print(table)
     if args.record:
-        append_result(args.record, args.argv, f"Machine: {machine_description(device)}. {setup}", table)
+        append_result(args.record, args.argv, f"Machine: {machine_description(device)}. {setup}", table, args.program)

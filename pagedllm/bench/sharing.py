@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm import BeamSearchParams, SamplingParams
 from pagedllm.bench.throughput import random_requests
-from pagedllm.engine.beam_search import BeamSearchParams
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.bench.tables import markdown_table
 
 
 @dataclass
@@ -47,7 +47,7 @@ def measure(make_llm, prompt_len: int, output_len: int, ns: list[int], widths: l
     for name, run in workloads:
         peaks = {}
         for sharing, llm in engines.items():
-            llm.llm_engine.kv_cache_manager.reset_peak_blocks_in_use()
+            llm.reset_peak_blocks_in_use()
             run(llm)
             peaks[sharing] = llm.stats()["peak_blocks_in_use"]
         rows.append(SharingRow(name, peaks[True], peaks[False]))
@@ -55,14 +55,8 @@ def measure(make_llm, prompt_len: int, output_len: int, ns: list[int], widths: l
 
 
 def format_table(rows: list[SharingRow], block_size: int) -> str:
-    lines = [
-        "| workload | peak blocks, sharing | peak blocks, no sharing | saving | no sharing / sharing |",
-        "|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r.workload} | {r.peak_blocks_shared} ({r.peak_blocks_shared * block_size} tok) | "
-            f"{r.peak_blocks_unshared} ({r.peak_blocks_unshared * block_size} tok) | "
-            f"{r.saving_percent:.1f}% | {r.ratio:.2f}x |"
-        )
-    return "\n".join(lines)
+    return markdown_table(
+        ["workload", "peak blocks, sharing", "peak blocks, no sharing", "saving", "no sharing / sharing"],
+        [[r.workload, f"{r.peak_blocks_shared} ({r.peak_blocks_shared * block_size} tok)",
+          f"{r.peak_blocks_unshared} ({r.peak_blocks_unshared * block_size} tok)", f"{r.saving_percent:.1f}%",
+          f"{r.ratio:.2f}x"] for r in rows])

@@ -23,6 +23,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.bench.server_process import running_server
+from pagedllm.bench.tables import markdown_table
 
 WARMUP_FRACTION = 0.1  # memory is measured from here: caches and pools are warm by then
 WORDS = ("paging", "blocks", "memory", "cache", "tokens", "tables", "the", "a", "kernel", "request.")
@@ -161,11 +162,9 @@ def run_soak(duration_s: float, concurrency: int, abort_fraction: float, seed: i
 
 
 def format_table(result: SoakResult) -> str:
-    return (
-        "| duration (s) | clients | completed | aborted | errors | blocks in use after drain | "
-        "server RSS after warm-up (MiB) | at end (MiB) | growth (MiB) |\n"
-        "|---|---|---|---|---|---|---|---|---|\n"
-        f"| {result.duration_s:.0f} | {result.concurrency} | {result.completed} | {result.aborted} | "
-        f"{result.errors} | {result.blocks_in_use_after_drain} | "
-        f"{result.rss_after_warmup_mib:.0f} | {result.rss_at_end_mib:.0f} | {result.rss_growth_mib:+.0f} |"
-    )
+    return markdown_table(
+        ["duration (s)", "clients", "completed", "aborted", "errors", "blocks in use after drain",
+         "server RSS after warm-up (MiB)", "at end (MiB)", "growth (MiB)"],
+        [[f"{result.duration_s:.0f}", result.concurrency, result.completed, result.aborted, result.errors,
+          result.blocks_in_use_after_drain, f"{result.rss_after_warmup_mib:.0f}", f"{result.rss_at_end_mib:.0f}",
+          f"{result.rss_growth_mib:+.0f}"]])

@@ -37,8 +37,9 @@ import textwrap
 import time
 from dataclasses import dataclass
 
+from pagedllm import SamplingParams
 from pagedllm.bench.throughput import mixed_requests, warm_up
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.bench.tables import markdown_table
 
 EDIT_TASKS = (
     (textwrap.dedent, "Add type hints to this Python function and return the whole function"),
@@ -130,11 +131,11 @@ class WorkloadResult:
 
 
 def _timed_generate(llm, prompts: list, params: list[SamplingParams], tally: SpecTally) -> list[list[int]]:
-    steps_before = llm.llm_engine.num_steps
+    steps_before = llm.stats()["num_steps"]
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     tally.seconds += time.perf_counter() - started
-    tally.steps += llm.llm_engine.num_steps - steps_before
+    tally.steps += llm.stats()["num_steps"] - steps_before
     tokens = [o.outputs[0].token_ids for o in outputs]
     tally.output_tokens += sum(len(t) for t in tokens)
     for output in outputs:
@@ -180,17 +181,17 @@ def measure(llms: tuple, output_len: int, num_mixed: int, rounds: int, seed: int
 
 
 def format_table(results: list[WorkloadResult]) -> str:
-    rows = [
-        "| workload | requests | how | output tokens | plain tok/s | speculative tok/s | speed-up | "
-        "decode tok/s plain, speculative | decode speed-up | acceptance | tokens/step plain, speculative |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        rows.append(
-            f"| {r.workload} | {r.num_requests} | {r.mode} | {r.speculative.output_tokens} | {r.plain.tokens_per_s:.1f} | "
-            f"{r.speculative.tokens_per_s:.1f} | {r.speedup:.2f}x | {r.plain.decode_tokens_per_s:.1f}, "
-            f"{r.speculative.decode_tokens_per_s:.1f} | {r.decode_speedup:.2f}x | {r.acceptance:.0%} "
-            f"({r.num_accepted_tokens}/{r.num_draft_tokens}) | "
-            f"{r.plain.output_tokens / max(1, r.plain.steps):.2f}, {r.speculative.output_tokens / max(1, r.speculative.steps):.2f} |"
-        )
-    return "\n".join(rows)
+    return markdown_table(
+        ["workload", "requests", "how", "output tokens", "plain tok/s", "speculative tok/s", "speed-up",
+         "decode tok/s plain, speculative", "decode speed-up", "acceptance", "tokens/step plain, speculative"],
+        [_workload_cells(r) for r in results])
+
+
+def _workload_cells(r: WorkloadResult) -> list[object]:
+    plain, speculative = r.plain, r.speculative
+    return [r.workload, r.num_requests, r.mode, speculative.output_tokens, f"{plain.tokens_per_s:.1f}",
+            f"{speculative.tokens_per_s:.1f}", f"{r.speedup:.2f}x",
+            f"{plain.decode_tokens_per_s:.1f}, {speculative.decode_tokens_per_s:.1f}", f"{r.decode_speedup:.2f}x",
+            f"{r.acceptance:.0%} ({r.num_accepted_tokens}/{r.num_draft_tokens})",
+            f"{plain.output_tokens / max(1, plain.steps):.2f}, "
+            f"{speculative.output_tokens / max(1, speculative.steps):.2f}"]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from pagedllm.bench.throughput import random_requests, warm_up
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.bench.tables import markdown_table
 
 
 def unending_schema(output_len: int) -> dict:
@@ -110,12 +111,9 @@ def _drive(runs: list[_BatchRun]) -> None:
 
 
 def format_table(free: DecodeTally, guided: DecodeTally, num_prompts: int) -> str:
-    rows = [
-        "| batch | guided rows | decode tokens | decode time (s) | decode tok/s | vs all free |",
-        "|---|---|---|---|---|---|",
-    ]
-    for tally in (free, guided):
-        rows.append(f"| {num_prompts} | {tally.num_guided} | {tally.decode_tokens} | {tally.decode_s:.2f} | "
-                    f"{tally.tokens_per_s:.1f} | {tally.tokens_per_s / free.tokens_per_s:.3f}x |")
+    table = markdown_table(
+        ["batch", "guided rows", "decode tokens", "decode time (s)", "decode tok/s", "vs all free"],
+        [[num_prompts, tally.num_guided, tally.decode_tokens, f"{tally.decode_s:.2f}", f"{tally.tokens_per_s:.1f}",
+          f"{tally.tokens_per_s / free.tokens_per_s:.3f}x"] for tally in (free, guided)])
     loss = 100 * (1 - guided.tokens_per_s / free.tokens_per_s)
-    return "\n".join(rows) + f"\n\nDecode throughput lost to {guided.num_guided} guided rows: {loss:.1f}%."
+    return table + f"\n\nDecode throughput lost to {guided.num_guided} guided rows: {loss:.1f}%."

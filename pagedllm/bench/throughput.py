@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm import SamplingParams
 from pagedllm.bench.json_records import read_json_records
 from pagedllm.logger import init_logger
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.bench.tables import markdown_table
 
 logger = init_logger(__name__)
 
@@ -100,23 +101,23 @@ def run_pagedllm(llm, requests: list[BenchRequest], label: str = "pagedllm") -> 
     """Time ``requests`` on ``llm`` after its warm-up; the engine's step-time split
     then covers the timed requests alone."""
     warm_up(llm)
-    llm.llm_engine.reset_step_timings()
+    llm.reset_step_timings()
     # ignore_eos makes every engine produce exactly max_tokens tokens, so the work is equal.
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    before = llm.stats()
     start = time.perf_counter()
-    engine = llm.llm_engine
-    steps_before, sequences_before = engine.num_steps, engine.num_scheduled_sequences
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    steps = engine.num_steps - steps_before
+    after = llm.stats()
+    steps = after["num_steps"] - before["num_steps"]
     return finished(BenchResult(
         engine=label,
         num_requests=len(requests),
         prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
         output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
         elapsed_s=elapsed,
-        mean_batch=(engine.num_scheduled_sequences - sequences_before) / max(1, steps),
+        mean_batch=(after["num_scheduled_sequences"] - before["num_scheduled_sequences"]) / max(1, steps),
     ))
 
 
@@ -205,33 +206,26 @@ def format_table(results: list[BenchResult]) -> str:
     """One row per engine; "vs baseline" divides by the best non-pagedllm row (or the last row)."""
     baselines = [r for r in results if not r.engine.startswith("pagedllm")] or results[-1:]
     base = max(baselines, key=lambda r: r.total_tokens_per_s) if len(results) > 1 else None
-    header = "| engine | requests | prompt tok | output tok | time (s) | req/s | output tok/s | total tok/s | mean batch |"
-    if base:
-        header += " vs baseline |"
-    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    header = ["engine", "requests", "prompt tok", "output tok", "time (s)", "req/s", "output tok/s", "total tok/s",
+              "mean batch"]
+    rows = []
     for r in results:
-        line = (
-            f"| {r.engine} | {r.num_requests} | {r.prompt_tokens} | {r.output_tokens} | {r.elapsed_s:.2f} | "
-            f"{r.requests_per_s:.2f} | {r.output_tokens_per_s:.1f} | {r.total_tokens_per_s:.1f} | "
-            f"{'-' if r.mean_batch is None else f'{r.mean_batch:.1f}'} |"
-        )
+        rows.append([r.engine, r.num_requests, r.prompt_tokens, r.output_tokens, f"{r.elapsed_s:.2f}",
+                     f"{r.requests_per_s:.2f}", f"{r.output_tokens_per_s:.1f}", f"{r.total_tokens_per_s:.1f}",
+                     "-" if r.mean_batch is None else f"{r.mean_batch:.1f}"])
         if base:
-            line += f" {r.total_tokens_per_s / base.total_tokens_per_s:.2f}x |"
-        lines.append(line)
-    return "\n".join(lines)
+            rows[-1].append(f"{r.total_tokens_per_s / base.total_tokens_per_s:.2f}x")
+    return markdown_table(header + ["vs baseline"] * (base is not None), rows)
 
 
 def format_pool_table(rows: list[tuple[str, dict]]) -> str:
     """Per engine: the pool's size and what it allowed (for KV storage comparisons)."""
-    lines = ["| engine | KV bytes/token | blocks | token capacity | peak blocks in use | max concurrent sequences "
-             "| mean batch | preemptions |", "|---|---|---|---|---|---|---|---|"]
-    for label, stats in rows:
-        lines.append(
-            f"| {label} | {stats['bytes_per_token']} | {stats['num_blocks']} | {stats['token_capacity']} | "
-            f"{stats['peak_blocks_in_use']} | {stats['peak_running_per_step']} | "
-            f"{stats['mean_running_per_step']:.1f} | {stats['num_preemptions']} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(
+        ["engine", "KV bytes/token", "blocks", "token capacity", "peak blocks in use", "max concurrent sequences",
+         "mean batch", "preemptions"],
+        [[label, stats["bytes_per_token"], stats["num_blocks"], stats["token_capacity"], stats["peak_blocks_in_use"],
+          stats["peak_running_per_step"], f"{stats['mean_running_per_step']:.1f}", stats["num_preemptions"]]
+         for label, stats in rows])
 
 
 def tensor_parallel_traffic(model_config, activation_bytes: int, tp_size: int, num_batched_tokens: int,

@@ -48,6 +48,7 @@ def engine_stats(engine: LLMEngine) -> dict[str, int | float | str]:
         "num_recomputed_tokens": scheduler.num_recomputed_tokens,
         "num_swapped": scheduler.num_swapped,
         "num_steps": engine.num_steps,
+        "num_scheduled_sequences": engine.num_scheduled_sequences,  # summed over steps
         # Sequences in the forward pass, averaged over steps: the achieved batch size.
         "mean_running_per_step": engine.num_scheduled_sequences / max(1, engine.num_steps),
         "peak_running_per_step": engine.peak_running_per_step,

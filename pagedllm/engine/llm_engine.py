@@ -387,3 +387,7 @@ class LLMEngine:
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` on the first broken block-manager invariant."""
         self.scheduler.check_invariants()
+
+    def reset_peak_blocks_in_use(self) -> None:
+        """Start a new ``stats()["peak_blocks_in_use"]`` measurement from the blocks in use now."""
+        self.kv_cache_manager.reset_peak_blocks_in_use()

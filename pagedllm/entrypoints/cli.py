@@ -1,17 +1,19 @@
-"""The `pagedllm` command: run, generate, serve, explain, worker and bench.
+"""The serving commands of `pagedllm`: run, generate, serve, explain and worker.
 
-The engine flags are generated from the config dataclasses (``engine_args``);
-the benchmarks live in ``bench_commands``.
+The engine flags are generated from the config dataclasses (``engine_args``).
+The `pagedllm` command itself (``pagedllm.cli``) adds the benchmarks
+(``pagedllm.bench.cli``) to these; ``python -m pagedllm.entrypoints.cli``
+runs these alone (the worker ranks and the bench server are started so).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, get_args
 
 from pagedllm.config import CacheConfig, DType, EngineConfig
-from pagedllm.entrypoints.bench_commands import add_bench_parser
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_options_from_args, make_llm
 from pagedllm.logger import init_logger
 from pagedllm.sampling_params import SamplingParams
@@ -20,6 +22,9 @@ if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
 
 logger = init_logger(__name__)
+
+# Adds more top-level commands to the parser's subcommands (``pagedllm.cli`` adds `bench`).
+AddCommands = Callable[[argparse._SubParsersAction], None]
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -146,14 +151,16 @@ def cmd_worker(args: argparse.Namespace) -> None:
     main_from_environment(args.distributed_init_method, args.rank, args.world_size, args.timeout, args.device)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*more_commands: AddCommands) -> argparse.ArgumentParser:
+    """The serving commands, then each of ``more_commands``."""
     parser = argparse.ArgumentParser(prog="pagedllm", description="Paged-KV LLM inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_generation_parsers(commands)
     _add_serve_parser(commands)
     _add_explain_parser(commands)
     _add_worker_parser(commands)
-    add_bench_parser(commands)
+    for add_commands in more_commands:
+        add_commands(commands)
     return parser
 
 
@@ -245,10 +252,20 @@ def _add_worker_parser(commands: argparse._SubParsersAction) -> None:
     wk.set_defaults(func=cmd_worker)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, more_commands: Sequence[AddCommands] = ()) -> None:
+    """Run the command ``argv`` names (``sys.argv[1:]`` when None): one of the
+    serving commands or of ``more_commands``."""
+    run_command(build_parser(*more_commands), argv)
+
+
+def run_command(parser: argparse.ArgumentParser, argv: list[str] | None = None, program: str = "pagedllm") -> None:
+    """Parse ``argv`` (``sys.argv[1:]`` when None) and call its command's ``func``;
+    a ValueError is printed as ``error: ...`` and exits with status 2. The
+    command sees the words as ``args.argv`` and ``program`` as ``args.program``
+    (``--record`` writes both down)."""
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
-    args.argv = argv
+    args = parser.parse_args(argv)
+    args.argv, args.program = argv, program
     try:
         args.func(args)
     except ValueError as exc:

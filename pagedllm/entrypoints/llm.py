@@ -69,6 +69,29 @@ class LLM:
         """Drop every cached block that no running request uses; returns how many."""
         return self.llm_engine.reset_prefix_cache()
 
+    def reset_peak_blocks_in_use(self) -> None:
+        """Start a new ``stats()["peak_blocks_in_use"]`` measurement from the blocks
+        in use now (so a benchmark reads one workload's peak)."""
+        self.llm_engine.reset_peak_blocks_in_use()
+
+    def step_timings(self) -> dict[str, float]:
+        """Seconds the engine's steps spent per phase ("bookkeeping", "input
+        preparation", "forward", "sampling") since it started or since
+        ``reset_step_timings()``: a copy, in that order."""
+        return dict(self.llm_engine.step_timings)
+
+    def reset_step_timings(self) -> None:
+        """Zero the ``step_timings()`` counters (e.g. after a warm-up request)."""
+        self.llm_engine.reset_step_timings()
+
+    def weight_bytes(self) -> int:
+        """Bytes this process holds for the model's parameters and buffers (a tensor
+        tied to another counted once, packed GGUF weights at their packed size);
+        with tensor parallelism, rank 0's shard."""
+        model = self.llm_engine.model
+        tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.bench import fragmentation
-from pagedllm.bench.fragmentation import PoolSpec, TraceRequest
+from pagedllm.bench.fragmentation import cli
+from pagedllm.bench.fragmentation.pool import PoolSpec
+from pagedllm.bench.fragmentation.replay import simulate
+from pagedllm.bench.fragmentation.report import SWEEP_BLOCK_SIZES, FragmentationReport, run_fragmentation
+from pagedllm.bench.fragmentation.traces import TraceRequest, sharegpt_like_trace
 
 # The four requests of the reference toy allocator (shared/reference/002, "paged_allocator.py").
 TOY = [
@@ -37,7 +40,7 @@ EXTERNAL_SPEC = PoolSpec(num_blocks=16, block_size=4, max_model_len=64, reservat
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    fragmentation.build_arg_parser(parser)
+    cli.build_arg_parser(parser)
     args = parser.parse_args(argv)
     args.argv = ["bench", "fragmentation", *argv]
     return args
@@ -51,28 +54,28 @@ def toy_path(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def default_report() -> fragmentation.FragmentationReport:
+def default_report() -> FragmentationReport:
     """The default trace in the default pool, as `pagedllm bench fragmentation` runs it."""
     args = parse([])
-    trace = fragmentation.sharegpt_like_trace(args.num_requests, args.max_model_len, args.seed)
+    trace = sharegpt_like_trace(args.num_requests, args.max_model_len, args.seed)
     spec = PoolSpec(args.num_blocks, args.block_size, args.max_model_len, args.reservation)
-    return fragmentation.run_fragmentation(trace, spec)
+    return run_fragmentation(trace, spec)
 
 
 def test_toy_through_main_json(toy_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    fragmentation.main(parse(["--dataset", str(toy_path), *TOY_FLAGS, "--json"]))
+    cli.main(parse(["--dataset", str(toy_path), *TOY_FLAGS, "--json"]))
     report = json.loads(capsys.readouterr().out)
     assert round(report["contiguous"]["waste_percent"]) == 59
     assert round(report["paged"]["waste_percent"]) == 7
     for layout in ("contiguous", "paged"):
         assert (report[layout]["served"], report[layout]["rejected"]) == (4, 0)
         assert report[layout]["max_concurrent"] == 4
-    assert [row["block_size"] for row in report["block_size_sweep"]] == list(fragmentation.SWEEP_BLOCK_SIZES)
+    assert [row["block_size"] for row in report["block_size_sweep"]] == list(SWEEP_BLOCK_SIZES)
 
 
 def test_toy_through_python() -> None:
     trace = [TraceRequest(r["prompt_len"], r["output_len"]) for r in TOY]
-    report = fragmentation.run_fragmentation(trace, PoolSpec(num_blocks=64, block_size=16, max_model_len=256))
+    report = run_fragmentation(trace, PoolSpec(num_blocks=64, block_size=16, max_model_len=256))
     contiguous, paged = report.results["contiguous"], report.results["paged"]
     # The toy's own figures: 1024 slots reserved and 448 held for 415 tokens.
     assert (contiguous.held_slots, paged.held_slots, paged.needed_slots) == (1024, 448, 415)
@@ -81,8 +84,8 @@ def test_toy_through_python() -> None:
 
 
 def test_external_fragmentation_delays_contiguous_only() -> None:
-    contiguous = fragmentation.simulate(EXTERNAL_TRACE, EXTERNAL_SPEC, "contiguous")
-    paged = fragmentation.simulate(EXTERNAL_TRACE, EXTERNAL_SPEC, "paged")
+    contiguous = simulate(EXTERNAL_TRACE, EXTERNAL_SPEC, "contiguous")
+    paged = simulate(EXTERNAL_TRACE, EXTERNAL_SPEC, "paged")
     assert contiguous.delayed == 1
     assert contiguous.external_fragmentation_steps == 14  # steps 2..15
     assert contiguous.external_percent > 0
@@ -91,7 +94,7 @@ def test_external_fragmentation_delays_contiguous_only() -> None:
     assert contiguous.served == paged.served == 5
 
 
-def test_default_trace_waste_in_paper_range(default_report: fragmentation.FragmentationReport) -> None:
+def test_default_trace_waste_in_paper_range(default_report: FragmentationReport) -> None:
     contiguous, paged = default_report.results["contiguous"], default_report.results["paged"]
     assert 60 <= contiguous.waste_percent <= 80
     assert paged.waste_percent < 5
@@ -101,7 +104,7 @@ def test_default_trace_waste_in_paper_range(default_report: fragmentation.Fragme
     assert contiguous.external_percent == 0
 
 
-def test_sweep_trades_waste_for_table_entries(default_report: fragmentation.FragmentationReport) -> None:
+def test_sweep_trades_waste_for_table_entries(default_report: FragmentationReport) -> None:
     rows = default_report.sweep
     waste = [row.paged_waste_percent for row in rows]
     entries = [row.paged_table_entries for row in rows]
@@ -110,7 +113,7 @@ def test_sweep_trades_waste_for_table_entries(default_report: fragmentation.Frag
     assert {row.num_blocks * row.block_size for row in rows} == {default_report.spec.num_slots}
 
 
-def test_sweep_matches_the_replay(default_report: fragmentation.FragmentationReport) -> None:
+def test_sweep_matches_the_replay(default_report: FragmentationReport) -> None:
     """The sweep computes waste from final lengths; at the replayed block size it must agree."""
     (row,) = [row for row in default_report.sweep if row.block_size == default_report.spec.block_size]
     replay = default_report.results
@@ -121,7 +124,7 @@ def test_sweep_matches_the_replay(default_report: fragmentation.FragmentationRep
 
 def test_plot_writes_three_pngs(toy_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plots"
-    fragmentation.main(parse(["--dataset", str(toy_path), *TOY_FLAGS, "--json", "--plot", str(out)]))
+    cli.main(parse(["--dataset", str(toy_path), *TOY_FLAGS, "--json", "--plot", str(out)]))
     json.loads(capsys.readouterr().out)  # --json still prints only JSON
     for name in ("waste_vs_block_size.png", "memory_map.png", "batch_size.png"):
         data = (out / name).read_bytes()
@@ -131,7 +134,7 @@ def test_plot_writes_three_pngs(toy_path: Path, tmp_path: Path, capsys: pytest.C
 
 def test_record_appends_section(toy_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     record = tmp_path / "BENCH.md"
-    fragmentation.main(parse(["--dataset", str(toy_path), *TOY_FLAGS, "--record", str(record)]))
+    cli.main(parse(["--dataset", str(toy_path), *TOY_FLAGS, "--record", str(record)]))
     printed = capsys.readouterr().out
     text = record.read_text(encoding="utf-8")
     assert text.startswith("\n### ") and "`pagedllm bench fragmentation --dataset " in text
@@ -141,8 +144,8 @@ def test_record_appends_section(toy_path: Path, tmp_path: Path, capsys: pytest.C
 def test_rejects_what_never_fits() -> None:
     trace = [TraceRequest(10, 10), TraceRequest(60, 10)]
     spec = PoolSpec(num_blocks=4, block_size=16, max_model_len=128)
-    contiguous = fragmentation.simulate(trace, spec, "contiguous")
-    paged = fragmentation.simulate(trace, spec, "paged")
+    contiguous = simulate(trace, spec, "contiguous")
+    paged = simulate(trace, spec, "paged")
     # A 128-token reservation never fits 64 slots; paged serves what its blocks can hold.
     assert (contiguous.served, contiguous.rejected) == (0, 2)
     assert (paged.served, paged.rejected) == (1, 1)
@@ -152,6 +155,13 @@ def test_paged_preempts_when_every_request_stalls() -> None:
     # Two requests whose prompts fill the 2-block pool: both stall at the block boundary, the
     # later one is preempted and finishes after the first.
     trace = [TraceRequest(4, 4), TraceRequest(4, 4)]
-    result = fragmentation.simulate(trace, PoolSpec(num_blocks=2, block_size=4, max_model_len=8), "paged")
+    result = simulate(trace, PoolSpec(num_blocks=2, block_size=4, max_model_len=8), "paged")
     assert result.preempted >= 1
     assert result.served == 2 and result.waste_percent == 0
+
+
+@pytest.mark.parametrize("flags", [["--arrival-rate", "inf"], ["--arrival-rate", "0"], ["--block-size", "24"],
+                                   ["--block-size", "0"], ["--num-blocks", "many"]])
+def test_cli_refuses_what_the_replay_cannot_run(flags: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(flags)

@@ -22,7 +22,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedllm.bench import serve
+from pagedllm.bench.serve import cli
+from pagedllm.bench.serve.client import arrival_offsets, run_serve_benchmark
+from pagedllm.bench.serve.results import format_table, percentile
+from pagedllm.bench.serve.stream import RequestFailed, StreamTally
 from pagedllm.bench.throughput import BenchRequest
 
 MODEL_ID = "fake-model"
@@ -139,7 +142,7 @@ def test_all_at_once_streams_every_token_and_sends_concurrently(server):
     base_url, log = server
     asked = [3, 5, 8, 10, 4, 6, 9, 7]
     log.hold_until_peak = len(asked)
-    result = serve.run_serve_benchmark(base_url, requests_of(asked), float("inf"), api_key="sekret")
+    result = run_serve_benchmark(base_url, requests_of(asked), float("inf"), api_key="sekret")
 
     assert result.num_requests == len(asked) and result.num_failed == 0 and result.errors == []
     assert result.model == MODEL_ID  # found through /v1/models
@@ -171,7 +174,7 @@ def test_all_at_once_streams_every_token_and_sends_concurrently(server):
 def test_poisson_arrivals_take_about_num_over_rate(server):
     base_url, _ = server
     num, rate = 20, 40.0
-    result = serve.run_serve_benchmark(base_url, requests_of([2] * num), rate, model=MODEL_ID, seed=3)
+    result = run_serve_benchmark(base_url, requests_of([2] * num), rate, model=MODEL_ID, seed=3)
     assert result.num_failed == 0
     # The sends span 19 exponential gaps of mean 1/40 s (about 0.5 s); the bound is loose because
     # a sum of 19 such gaps varies by about a quarter.
@@ -179,7 +182,7 @@ def test_poisson_arrivals_take_about_num_over_rate(server):
 
 
 def test_arrival_offsets_are_a_seeded_poisson_process():
-    offsets = serve.arrival_offsets(20_000, 50.0, seed=1)
+    offsets = arrival_offsets(20_000, 50.0, seed=1)
     gaps = [b - a for a, b in zip(offsets, offsets[1:])]
     assert offsets[0] == 0 and all(g >= 0 for g in gaps)
     assert sum(gaps) / len(gaps) == pytest.approx(1 / 50.0, rel=0.05)
@@ -187,16 +190,16 @@ def test_arrival_offsets_are_a_seeded_poisson_process():
     mean = sum(gaps) / len(gaps)
     std = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps))
     assert std == pytest.approx(mean, rel=0.05)
-    assert serve.arrival_offsets(10, 50.0, seed=1) == offsets[:10]
-    assert serve.arrival_offsets(4, float("inf")) == [0.0] * 4
+    assert arrival_offsets(10, 50.0, seed=1) == offsets[:10]
+    assert arrival_offsets(4, float("inf")) == [0.0] * 4
     for bad in (0.0, -1.0, math.nan):
         with pytest.raises(ValueError):
-            serve.arrival_offsets(4, bad)
+            arrival_offsets(4, bad)
 
 
 def test_refused_request_is_counted_as_failed_with_its_message(server):
     base_url, _ = server
-    result = serve.run_serve_benchmark(base_url, requests_of([4, 60, 6]), float("inf"), model=MODEL_ID)
+    result = run_serve_benchmark(base_url, requests_of([4, 60, 6]), float("inf"), model=MODEL_ID)
     assert result.num_requests == 3 and result.num_failed == 1 and result.num_completed == 2
     assert len(result.errors) == 1
     assert "HTTP 400" in result.errors[0] and "max_tokens 60 is more than 50" in result.errors[0]
@@ -207,7 +210,7 @@ def test_refused_request_is_counted_as_failed_with_its_message(server):
 
 def test_max_concurrency_one_runs_requests_one_after_another(server):
     base_url, log = server
-    result = serve.run_serve_benchmark(
+    result = run_serve_benchmark(
         base_url, requests_of([4, 4, 4, 4]), float("inf"), model=MODEL_ID, max_concurrency=1
     )
     assert result.num_failed == 0
@@ -219,16 +222,16 @@ def test_max_concurrency_one_runs_requests_one_after_another(server):
 def test_unreachable_server():
     url = f"http://127.0.0.1:{free_loopback_port()}"  # nothing listens there
     with pytest.raises(ValueError, match="cannot reach"):
-        serve.run_serve_benchmark(url, requests_of([2]), float("inf"))
+        run_serve_benchmark(url, requests_of([2]), float("inf"))
     # With the model given no lookup is made, and the connection errors are failures, not exceptions.
-    result = serve.run_serve_benchmark(url, requests_of([2, 2]), float("inf"), model=MODEL_ID)
+    result = run_serve_benchmark(url, requests_of([2, 2]), float("inf"), model=MODEL_ID)
     assert result.num_failed == 2 and result.num_completed == 0
     assert all("ConnectError" in e for e in result.errors)
-    assert "| inf | 2 | 2 | 0.00 | 0.0 | - |" in serve.format_table([result])
+    assert "| inf | 2 | 2 | 0.00 | 0.0 | - |" in format_table([result])
 
 
 def test_stream_tally_rules():
-    tally = serve.StreamTally()
+    tally = StreamTally()
     lines = [
         ": keep-alive comment",
         "",
@@ -243,27 +246,27 @@ def test_stream_tally_rules():
     assert tally.first_token_at == 3.0 and tally.done_at == 6.0
     assert tally.text_chunks == 2 and tally.output_tokens == 4  # usage wins over the chunk count
 
-    no_usage = serve.StreamTally()
+    no_usage = StreamTally()
     for line in lines[3:5]:
         no_usage.feed(line, 0.0)
     assert not no_usage.done and no_usage.output_tokens == 2  # falls back to the text chunks
 
-    with pytest.raises(serve.RequestFailed, match="engine died"):
-        serve.StreamTally().feed('data: {"error": {"message": "engine died", "code": 500}}', 0.0)
+    with pytest.raises(RequestFailed, match="engine died"):
+        StreamTally().feed('data: {"error": {"message": "engine died", "code": 500}}', 0.0)
 
 
 def test_percentile_is_nearest_rank():
     values = [float(v) for v in range(1, 11)]
     # p25 of ten values is the 3rd (2.5 rounds up), p99 the 10th.
-    assert [serve.percentile(values, p) for p in (25, 50, 90, 99, 100)] == [3.0, 5.0, 9.0, 10.0, 10.0]
-    assert serve.percentile([7.0], 99) == 7.0
-    assert math.isnan(serve.percentile([], 50))
+    assert [percentile(values, p) for p in (25, 50, 90, 99, 100)] == [3.0, 5.0, 9.0, 10.0, 10.0]
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
 
 
 def test_cli_runs_one_row_per_rate_and_records(server, tmp_path, capsys):
     base_url, log = server
     parser = argparse.ArgumentParser()
-    serve.build_arg_parser(parser)
+    cli.build_arg_parser(parser)
     record = tmp_path / "bench.md"
     argv = ["--base-url", base_url, "--num-prompts", "6", "--input-len", "4", "--output-len", "3",
             "--request-rate", "inf", "100", "--vocab-size", "1000", "--record", str(record)]
@@ -271,7 +274,7 @@ def test_cli_runs_one_row_per_rate_and_records(server, tmp_path, capsys):
     args.argv = ["bench", "serve", *argv]
     assert args.request_rate == [float("inf"), 100.0]
 
-    table = serve.main(args)
+    table = cli.main(args)
 
     rows = table.splitlines()
     assert len(rows) == 2 + 2  # header, separator, one row per rate
@@ -290,7 +293,7 @@ def test_cli_runs_one_row_per_rate_and_records(server, tmp_path, capsys):
 
 def test_cli_rejects_bad_rates():
     parser = argparse.ArgumentParser()
-    serve.build_arg_parser(parser)
+    cli.build_arg_parser(parser)
     for bad in ("0", "-2", "fast"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--request-rate", bad])

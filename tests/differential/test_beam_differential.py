@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.differential.beam import beam_grid, describe
-from pagedllm.differential.cases import CaseOptions, build_cases
-from pagedllm.differential.compare import describe_divergence
-from pagedllm.differential.harness import run_case
-from pagedllm.differential.prompts import real_text_prompts
+from pagedllm_dev.differential.beam import beam_grid, describe
+from pagedllm_dev.differential.cases import CaseOptions, build_cases
+from pagedllm_dev.differential.compare import describe_divergence
+from pagedllm_dev.differential.harness import run_case
+from pagedllm_dev.differential.prompts import real_text_prompts
 from tests.conftest import assert_pool_free
 
 # float32 logits of two implementations, summed over the tokens; relative
@@ -60,7 +60,7 @@ def test_beam_grid_matches_hf_on_smollm2():
 
 
 def test_runner_up_divergence_is_reported_with_its_rank():
-    from pagedllm.differential.compare import Comparison, DifferentialReport, Generation
+    from pagedllm_dev.differential.compare import Comparison, DifferentialReport, Generation
 
     oracle = Generation((1, 2, 3), -0.5, runners_up=(Generation((1, 2, 4), -0.6),))
     feature = Generation((1, 2, 3), -0.5001, runners_up=(Generation((1, 5, 4), -0.7),))

@@ -7,18 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.differential.cases import CaseOptions, build_cases
-from pagedllm.differential.compare import describe_divergence, format_reports
-from pagedllm.differential.harness import run_case
-from pagedllm.differential.prompts import real_text_prompts
 from pagedllm.model.packed_linear import PackedLinear, packing_supported
+from pagedllm_dev.differential.cases import CaseOptions, build_cases
+from pagedllm_dev.differential.compare import describe_divergence, format_reports
+from pagedllm_dev.differential.harness import run_case
+from pagedllm_dev.differential.prompts import real_text_prompts
 from tests.conftest import assert_pool_free
 
 
 @pytest.mark.slow
 def test_smollm2_fp32_greedy_equals_hf_free_running(capsys):
     """16 real-text prompts, 40 greedy tokens each, all batched in the engine against HF
-    one prompt at a time: every token the same (`pagedllm bench differential --cases
+    one prompt at a time: every token the same (`python -m pagedllm_dev.differential --cases
     greedy-hf --gguf-weights dequantize` runs 50 x 64: 50 of 50 identical, BENCHMARKS.md
     "fp32 weights packed too")."""
     [case] = build_cases(["greedy-hf"], CaseOptions(max_tokens=40, engine={"gguf_weights": "dequantize"}))

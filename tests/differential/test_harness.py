@@ -1,6 +1,6 @@
-"""The differential harness itself: its prompts, its comparison arithmetic, and
-two cases run end to end on a tiny model (the real-model runs are in the
-case-specific files and in `pagedllm bench differential`)."""
+"""The differential harness itself: its prompts, its comparison arithmetic, its
+command line, and cases run end to end on a tiny model (the real-model runs
+are in the case-specific files and in `python -m pagedllm_dev.differential`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedllm.differential.cases import CaseOptions, build_cases
-from pagedllm.differential.compare import Comparison, DifferentialReport, Generation, format_reports
-from pagedllm.differential.harness import DifferentialCase, run_case
-from pagedllm.differential.prompts import prose_paragraphs, real_text_prompts
+from pagedllm_dev.differential import cli
+from pagedllm_dev.differential.cases import CaseOptions, build_cases
+from pagedllm_dev.differential.compare import Comparison, DifferentialReport, Generation, format_reports
+from pagedllm_dev.differential.harness import DifferentialCase, run_case
+from pagedllm_dev.differential.prompts import prose_paragraphs, real_text_prompts
 from tests.conftest import assert_pool_free
 
 
@@ -94,3 +95,17 @@ def test_engine_options_reach_every_engine_of_a_case_and_its_own_option_wins(tin
         assert_pool_free(llm)
     # num_kv_blocks is the options' own field (not the engine dict's), and the case's 40 wins on its side.
     assert (plain.stats()["num_blocks"], changed.stats()["num_blocks"]) == (64, 40)
+
+
+def test_the_command_line_runs_the_cases_and_records_how_it_was_run(tiny_llama, tmp_path, capsys):
+    record = tmp_path / "BENCH.md"
+    cli.main(["--model", tiny_llama, "--cases", "async", "--num-prompts", "2", "--max-tokens", "4",
+              "--num-kv-blocks", "64", "--record", str(record)])
+    assert "| async scheduling vs synchronous steps | 2 | 100.0% |" in capsys.readouterr().out
+    assert f"`python -m pagedllm_dev.differential --model {tiny_llama} --cases async" in record.read_text()
+
+
+def test_the_command_line_refuses_an_unknown_case_before_building_an_engine(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--cases", "greedy-hf,no-such-case"])
+    assert exc.value.code == 2 and "unknown differential case(s) ['no-such-case']" in capsys.readouterr().err

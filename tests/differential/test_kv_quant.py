@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.differential.cases import CaseOptions, build_cases
-from pagedllm.differential.compare import describe_divergence, format_reports
-from pagedllm.differential.harness import run_case
-from pagedllm.differential.prompts import real_text_prompts
+from pagedllm_dev.differential.cases import CaseOptions, build_cases
+from pagedllm_dev.differential.compare import describe_divergence, format_reports
+from pagedllm_dev.differential.harness import run_case
+from pagedllm_dev.differential.prompts import real_text_prompts
 from tests.conftest import assert_pool_free
 
 

@@ -12,9 +12,9 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.hf_reference import load_hf_model
-from pagedllm.differential.prompts import real_text_prompts
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.model.packed_linear import PackedLinear, packing_supported
+from pagedllm_dev.differential.prompts import real_text_prompts
 from tests.conftest import assert_pool_free
 
 TEXT = (

@@ -1,10 +1,12 @@
-"""The command line: its engine flags, generate, run, serve and the benches, on a tiny model."""
+"""The `pagedllm` command: its engine flags, generate, run, serve and the benches, on a tiny model."""
 
 from __future__ import annotations
 
 import json
 import logging
 import re
+import subprocess
+import sys
 import time
 from dataclasses import fields
 
@@ -14,8 +16,12 @@ from fastapi.testclient import TestClient
 
 from pagedllm import LLM
 from pagedllm.config import CacheConfig, EngineConfig, engine_option_fields
-from pagedllm.entrypoints import bench_commands, bench_decode, cli, engine_args
-from pagedllm.entrypoints.cli import build_parser, main
+from pagedllm.bench import cli as bench_cli
+from pagedllm.bench import commands as bench_commands
+from pagedllm.bench import throughput_command
+from pagedllm.cli import build_parser, main
+from pagedllm.entrypoints import cli as serving_cli
+from pagedllm.entrypoints import engine_args
 from pagedllm.model.packed_linear import packing_supported
 from tests.conftest import assert_pool_free
 
@@ -36,7 +42,7 @@ def pool_is_free_after_each_command(monkeypatch):
         made.append(real_make_llm(args, **overrides))
         return made[-1]
 
-    for module in (cli, bench_commands, bench_decode):
+    for module in (serving_cli, bench_commands, throughput_command):
         monkeypatch.setattr(module, "make_llm", recording_make_llm)
     yield
     for llm in made:
@@ -198,7 +204,25 @@ def test_bench_differential_runs_selected_beam_cases(tiny_model_dir, tmp_path, c
     ])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| beam W=2 ")]
     assert len(rows) == 2 and all("| 2 | 100.0% | 100.0% |" in row for row in rows)
-    assert "beam W=2 ignore_eos" in record.read_text()
+    text = record.read_text()
+    assert "`pagedllm bench differential --model " in text and "beam W=2 ignore_eos" in text
+
+
+def test_bench_differential_says_how_to_run_the_harness_where_it_is_not_installed(monkeypatch, capsys):
+    monkeypatch.setattr(bench_cli, "DIFFERENTIAL_CLI", "pagedllm_dev_absent.differential.cli")
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "differential", "--cases", "beam"])
+    assert exc.value.code == 2
+    assert "`python -m pagedllm_dev.differential` with the same flags" in capsys.readouterr().err
+
+
+def test_the_pagedllm_command_imports_no_development_code_nor_a_bench_client():
+    """Building every parser of `pagedllm` (bench included), as every command does, loads no
+    dev package and not the HTTP client of `bench serve` (httpx: ~0.15 s of a first generate)."""
+    code = ("import sys; from pagedllm.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pagedllm_dev', 'tests', 'httpx')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_bench_prefix_compares_caching_on_and_off(tiny_model_dir, capsys):

@@ -19,7 +19,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-import pagedllm
+from pagedllm.version import __version__
 from pagedllm.logger import init_logger
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.entrypoints.openai.errors import APIError, error_body, error_responses, install_error_handlers
@@ -58,7 +58,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
         if state.async_engine is not None:
             await state.async_engine.stop()
 
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
@@ -126,7 +126,7 @@ def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependen
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": pagedllm.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(503),
              description="Prometheus text exposition format")

@@ -27,13 +27,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.differential.compare import Generation
-from pagedllm.differential.generations import cut_after_eos, eos_ids
-from pagedllm.differential.harness import DifferentialCase
-from pagedllm.engine.beam_search import BeamSearchParams
+from pagedllm import BeamSearchParams
+from pagedllm.bench.hf_reference import load_hf_model
+from pagedllm_dev.differential.compare import Generation
+from pagedllm_dev.differential.generations import cut_after_eos, eos_ids
+from pagedllm_dev.differential.harness import DifferentialCase
 
 if TYPE_CHECKING:
-    from pagedllm.differential.cases import CaseOptions
+    from pagedllm_dev.differential.cases import CaseOptions
 
 QUESTION = "In a few words, what is this about? "
 
@@ -122,8 +123,6 @@ def _hf_hypothesis(out, row: int, prompt_len: int, eos: list[int], params: BeamS
 def beam_vs_hf(options: CaseOptions) -> list[DifferentialCase]:
     """One case per configuration of ``beam_grid(options.max_tokens)``, all on
     one engine and one HF model."""
-    from pagedllm.bench.hf_reference import load_hf_model
-
     llm = options.llm()
     hf_model = load_hf_model(options.model)
     tokenizer = llm.get_tokenizer()

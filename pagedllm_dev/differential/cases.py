@@ -8,9 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.differential.beam import beam_vs_hf
-from pagedllm.differential.generations import engine_greedy, hf_greedy
-from pagedllm.differential.harness import DifferentialCase
+from pagedllm import LLM
+from pagedllm.bench.hf_reference import load_hf_model
+from pagedllm_dev.differential.beam import beam_vs_hf
+from pagedllm_dev.differential.generations import engine_greedy, hf_greedy
+from pagedllm_dev.differential.harness import DifferentialCase
 
 
 @dataclass(frozen=True)
@@ -26,18 +28,14 @@ class CaseOptions:
     num_kv_blocks: int = 512
     engine: dict[str, Any] = field(default_factory=dict)
 
-    def llm(self, **options: Any):
+    def llm(self, **options: Any) -> LLM:
         """An engine of these options, ``options`` over them."""
-        from pagedllm import LLM
-
         return LLM(**{**self.engine, "model": self.model, "num_kv_blocks": self.num_kv_blocks, **options})
 
 
 def greedy_vs_hf(options: CaseOptions) -> list[DifferentialCase]:
     """Greedy generation, all prompts batched, against transformers' ``generate``
     one prompt at a time: the engine's own correctness claim."""
-    from pagedllm.bench.hf_reference import load_hf_model
-
     llm = options.llm()
     hf_model = load_hf_model(options.model)
     tokenizer = llm.get_tokenizer()

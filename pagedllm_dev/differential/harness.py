@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pagedllm.differential.compare import Comparison, DifferentialReport, Generation
+from pagedllm_dev.differential.compare import Comparison, DifferentialReport, Generation
 
 GenerateFn = Callable[[list[str]], list[Generation]]
 

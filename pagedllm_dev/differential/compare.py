@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedllm.bench.tables import markdown_table
+
 
 @dataclass(frozen=True)
 class Generation:
@@ -132,8 +134,7 @@ SUMMARY_HEADER = ["case", "prompts", "identical", "all ranks identical", "positi
 
 def format_reports(reports: Sequence[DifferentialReport]) -> str:
     """A markdown table, one row a case."""
-    rows = [SUMMARY_HEADER, ["---"] * len(SUMMARY_HEADER)] + [r.summary_row() for r in reports]
-    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+    return markdown_table(SUMMARY_HEADER, [r.summary_row() for r in reports])
 
 
 def describe_divergence(comparison: Comparison, decode) -> str:

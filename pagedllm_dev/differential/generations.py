@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.differential.compare import Generation
+from pagedllm import LLM, SamplingParams
+from pagedllm_dev.differential.compare import Generation
 
 
 def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
@@ -13,12 +14,10 @@ def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(prompt) for prompt in prompts]
 
 
-def engine_greedy(llm, prompts: list[str], max_tokens: int, ignore_eos: bool = False) -> list[Generation]:
+def engine_greedy(llm: LLM, prompts: list[str], max_tokens: int, ignore_eos: bool = False) -> list[Generation]:
     """One greedy ``generate`` call over all prompts (continuous batching), with
     each chosen token's logprob. ``ignore_eos`` masks EOS for all ``max_tokens``
     (``min_tokens``), as HF's ``min_new_tokens`` does."""
-    from pagedllm import SamplingParams
-
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0,
                             min_tokens=max_tokens if ignore_eos else 0)
     ids = encode_prompts(llm.get_tokenizer(), prompts)

@@ -1,0 +1,156 @@
+"""The commands of `pagedllm bench` other than throughput: each builds its
+engines with the command's flags (``make_llm``), runs its bench module and
+reports the table (``--record FILE`` appends it to FILE).
+
+Each imports the module that measures when it runs: every `pagedllm` command
+(`pagedllm generate` too) builds the whole parser, and that should not load
+them (nor what they load: kernels, gguf, matplotlib, prometheus).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedllm import LLM
+from pagedllm.bench.record import report
+from pagedllm.bench.tables import markdown_table
+from pagedllm.config import torch_dtype
+from pagedllm.entrypoints.engine_args import engine_flags_from_args, make_llm
+
+
+def cmd_bench_sharing(args: argparse.Namespace) -> None:
+    from pagedllm.bench import sharing
+
+    rows = sharing.measure(lambda enable: make_llm(args, enable_block_sharing=enable),
+                           args.prompt_len, args.output_len, args.n, args.beam_width)
+    report(args, sharing.format_table(rows, args.block_size),
+           f"Prompt {args.prompt_len} tokens, {args.output_len} generated per sequence, block size {args.block_size}.")
+
+
+def cmd_bench_prefix(args: argparse.Namespace) -> None:
+    from pagedllm.bench import prefix
+
+    results = []
+    for enabled in (True, False):
+        llm = make_llm(args, enable_prefix_caching=enabled)
+        prompts = prefix.shared_prompt_workload(
+            args.num_prompts, args.system_len, (args.question_min, args.question_max), llm.llm_engine.vocab_size
+        )
+        results.append(prefix.run(llm, "on" if enabled else "off", prompts, args.output_len))
+    report(args, prefix.format_table(results),
+           f"{args.num_prompts} requests: a shared {args.system_len}-token system prompt + a unique "
+           f"{args.question_min}-{args.question_max}-token question, {args.output_len} output tokens, "
+           f"all submitted at once.")
+
+
+def cmd_bench_preemption(args: argparse.Namespace) -> None:
+    from pagedllm.bench import preemption
+
+    def make(mode: str, num_blocks: int) -> LLM:
+        return make_llm(args, preemption_mode=mode, num_kv_blocks=num_blocks, enable_prefix_caching=False)
+
+    results = [
+        preemption.run(make, prompt_len, args.output_len, args.num_prompts, mode, args.block_size)
+        for prompt_len in args.prompt_len
+        for mode in ("recompute", "swap")
+    ]
+    report(args, preemption.format_table(results),
+           f"{args.num_prompts} requests of random tokens, {args.output_len} output tokens each, submitted at "
+           f"once; prefix caching off; the pool holds two prompts but not two whole requests.")
+
+
+def cmd_bench_attention(args: argparse.Namespace) -> None:
+    from pagedllm.bench import kernels
+
+    if args.prefill:
+        report(args, kernels.format_prefill_attention(kernels.prefill_attention_rows(args.prefill)),
+               "Causal prefill attention of one layer, SmolLM2 shapes (9 query heads, 3 KV heads, head dim 64), "
+               "best of 5 calls.")
+        return
+    report(args, kernels.format_attention(kernels.attention_rows(args.batch, args.context)),
+           "SmolLM2 attention shapes (9 query heads, 3 KV heads, head dim 64), fp32, block size 16, best of 5 calls.")
+
+
+def cmd_bench_linear(args: argparse.Namespace) -> None:
+    from pagedllm.bench import kernels
+    from pagedllm.model.loader import load_checkpoint
+
+    config = load_checkpoint(args.model).config
+    report(args, kernels.format_linear(kernels.linear_rows(config, args.batch, dtype=torch_dtype(args.dtype))),
+           f"Every {args.dtype} projection of one decode step of {args.model or 'SmolLM2-135M-Instruct (embedded)'} "
+           f"(own weights per layer, LM head included), best of 8 interleaved passes.")
+
+
+def cmd_bench_quant(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from pagedllm.bench import quant
+
+    shape = dict(quant.QWEN25_05B, layers=args.layers or quant.QWEN25_05B["layers"])
+    results = quant.run(Path(args.workdir), shape, args.batch_size, args.prompt_len, args.output_len)
+    report(args, quant.format_table(results),
+           f"CPU: {quant.cpu_description()}. Random Qwen2.5-0.5B-shaped model ({shape}) as GGUF; fp32/bf16 are the "
+           f"Q8_0 file dequantized at load. {args.batch_size} sequences, {args.prompt_len}-token prompts, "
+           f"{args.output_len} output tokens (ignore_eos), each run in its own process.")
+
+
+def cmd_bench_roofline(args: argparse.Namespace) -> None:
+    from pagedllm.bench import kernels
+    from pagedllm.bench.throughput import random_requests
+
+    llm = make_llm(args, enable_prefix_caching=False)  # every sequence prefills its own prompt
+    engine = llm.llm_engine
+    args.dtype = engine.config.dtype  # "auto" resolved, for the table's label
+    prompts = [r.prompt_token_ids
+               for r in random_requests(args.batch_size, args.prompt_len, 1, engine.vocab_size, args.seed)]
+    result = kernels.roofline_vs_decode(engine, args.batch_size, prompts, args.decode_tokens,
+                                        torch_dtype(args.dtype))
+    table = markdown_table(
+        ["dtype", "rows", "matmul GFLOP/s (model shapes)", "roofline decode tok/s", "decode tok/s, best step",
+         "decode tok/s, median step", "of roofline (best, median)"],
+        [[args.dtype, args.batch_size, f"{result.gflops:.1f}", f"{result.bound_tokens_per_s:.0f}",
+          f"{result.best_decode_tokens_per_s:.0f}", f"{result.median_decode_tokens_per_s:.0f}",
+          f"{100 * result.best_decode_tokens_per_s / result.bound_tokens_per_s:.0f}%, "
+          f"{100 * result.median_decode_tokens_per_s / result.bound_tokens_per_s:.0f}%"]])
+    report(args, table, f"Batch of {args.batch_size} sequences, {args.prompt_len}-token prompts; "
+                        f"{args.decode_tokens} matmul passes and {args.decode_tokens} decode steps, interleaved.")
+
+
+def cmd_bench_soak(args: argparse.Namespace) -> None:
+    from pagedllm.bench import soak
+
+    server_args = engine_flags_from_args(args)  # the server gets every engine flag given here
+    result = soak.run_soak(args.duration, args.concurrency, args.abort_fraction, args.seed, server_args)
+    report(args, soak.format_table(result), f"Server: `pagedllm serve {' '.join(server_args)}`; "
+                                            f"{args.concurrency} clients, {args.abort_fraction:.0%} of streams "
+                                            f"cut off mid-way.")
+    for sample in result.error_samples:
+        print(f"error: {sample}")
+    if result.errors or result.blocks_in_use_after_drain != 0:
+        raise SystemExit("soak failed: errors or KV blocks still in use after the drain")
+
+
+def cmd_bench_structured(args: argparse.Namespace) -> None:
+    from pagedllm.bench import structured
+
+    # Two engines stepping in turn; prefix caching off so every round prefills its own prompts.
+    llms = tuple(make_llm(args, enable_prefix_caching=False) for _ in range(2))
+    free, guided = structured.measure(llms, args.num_prompts, args.input_len, args.output_len,
+                                      args.num_guided, args.rounds, args.seed)
+    report(args, structured.format_table(free, guided, args.num_prompts),
+           f"{args.num_prompts} random {args.input_len}-token prompts, {args.output_len} greedy tokens each, on two "
+           f"engines stepping in turn: all rows free, and {args.num_guided} rows guided by a JSON schema (a list of "
+           f"at least {args.output_len} records); decode steps of {args.rounds} rounds (each engine runs each batch).",
+           llms[0].llm_engine.device)
+
+
+def cmd_bench_spec(args: argparse.Namespace) -> None:
+    from pagedllm.bench import speculative
+
+    config = args.speculative_config or {"method": "ngram", "num_speculative_tokens": 4}
+    llms = (make_llm(args, speculative_config=None), make_llm(args, speculative_config=config))
+    results = speculative.measure(llms, args.output_len, args.num_mixed, args.rounds, args.seed)
+    report(args, speculative.format_table(results),
+           f"Speculative decoding {config} vs the same engine without it, greedy (identical tokens checked), "
+           f"{args.output_len}-token cap on the repetitive prompts, {args.rounds} round(s), the engines alternating.",
+           llms[0].llm_engine.device)

@@ -1,0 +1,116 @@
+"""One streamed ``/v1/completions`` request: its body, and the Server-Sent Events read
+back and timed (``StreamTally``); failures are ``RequestFailed`` with the server's message."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+
+from pagedllm.bench.throughput import BenchRequest
+
+# Error bodies that are not OpenAI JSON (an HTML page from a proxy, say) are cut to this length.
+MAX_ERROR_CHARS = 300
+
+
+class RequestFailed(Exception):
+    """A request the server refused or broke off; the message says why."""
+
+
+
+def openai_error_message(data: object) -> str:
+    """The message of an OpenAI error object ``{"error": {"message": ...}}`` (or of a bare
+    ``{"message": ...}``); anything else is returned as JSON text, cut to ``MAX_ERROR_CHARS``."""
+    if isinstance(data, dict):
+        inner = data.get("error", data)
+        if isinstance(inner, dict) and "message" in inner:
+            return str(inner["message"])
+        if isinstance(inner, str):
+            return inner
+    return json.dumps(data)[:MAX_ERROR_CHARS]
+
+
+def error_body_message(body: bytes) -> str:
+    """The message of an error response body: OpenAI JSON when it parses, else the raw text, cut."""
+    try:
+        return openai_error_message(json.loads(body))
+    except ValueError:
+        return body.decode("utf-8", errors="replace")[:MAX_ERROR_CHARS]
+
+
+class StreamTally:
+    """Reads the Server-Sent Events lines of one streamed completion.
+
+    Rules: only ``data:`` lines count (blank lines, ``:`` comments and ``event:`` lines are
+    skipped); ``data: [DONE]`` ends the stream. A chunk whose ``choices[0].text`` is non-empty is
+    a token event, and the first one's time is the first-token time. ``usage.completion_tokens``
+    (sent in the last chunk when ``stream_options.include_usage`` is on) is the output token
+    count; without it the number of token events is used instead, which is only an estimate since
+    a chunk may carry several tokens, or none while a multi-byte character is incomplete. A chunk
+    with an ``error`` key (a server failing mid-stream) raises ``RequestFailed``.
+    """
+
+    def __init__(self) -> None:
+        self.first_token_at: float | None = None
+        self.done_at: float | None = None
+        self.text_chunks = 0
+        self.usage_tokens: int | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.done_at is not None
+
+    @property
+    def output_tokens(self) -> int:
+        return self.text_chunks if self.usage_tokens is None else self.usage_tokens
+
+    def feed(self, line: str, now: float) -> None:
+        """Take one line received at ``now`` (a ``time.perf_counter()`` value)."""
+        if not line.startswith("data:"):
+            return
+        payload = line[len("data:") :].strip()
+        if payload == "[DONE]":
+            self.done_at = now
+            return
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            raise RequestFailed(f"error in stream: {openai_error_message(chunk)}")
+        choices = chunk.get("choices") or []
+        if choices and choices[0].get("text"):
+            self.text_chunks += 1
+            if self.first_token_at is None:
+                self.first_token_at = now
+        usage = chunk.get("usage")
+        if usage and usage.get("completion_tokens") is not None:
+            self.usage_tokens = int(usage["completion_tokens"])
+
+
+def completion_body(model: str, request: BenchRequest) -> dict:
+    """The ``/v1/completions`` body for one request: the prompt as token ids, greedy, exactly
+    ``max_tokens`` tokens (``ignore_eos``), streamed with a final usage chunk."""
+    return {
+        "model": model,
+        "prompt": request.prompt_token_ids,
+        "max_tokens": request.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> StreamTally:
+    """POST one streamed completion and read it to ``data: [DONE]``; raises ``RequestFailed``
+    on a status other than 200 and on a stream that ends without ``[DONE]``."""
+    tally = StreamTally()
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            raise RequestFailed(f"HTTP {response.status_code}: {error_body_message(await response.aread())}")
+        async for line in response.aiter_lines():
+            tally.feed(line, time.perf_counter())
+            if tally.done:
+                break
+    if not tally.done:
+        raise RequestFailed("stream ended before data: [DONE]")
+    return tally
