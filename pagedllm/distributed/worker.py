@@ -20,6 +20,7 @@ from pagedllm.config import EngineConfig, torch_dtype
 from pagedllm.distributed.executor import PoolShape, backend_for
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.model.shard import load_model_shard
+from pagedllm.worker.block_moves import pretouch_pool
 from pagedllm.worker.model_runner import ModelRunner
 
 
@@ -47,6 +48,8 @@ def worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, 
         runner = ModelRunner(shard.model, shape.num_blocks, config.cache.block_size, device, torch_dtype(config.dtype),
                              eos_token_ids=[], num_swap_blocks=shape.num_swap_blocks,
                              kv_cache_dtype=config.cache.kv_cache_dtype, num_tail_slots=shape.num_tail_slots)
+        if config.cache.kv_cache_pretouch:
+            pretouch_pool(runner.kv_caches, runner.swap_pool)
         while (step := _receive()) is not None:
             runner.run_step(step)
     finally:

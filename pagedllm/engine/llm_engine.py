@@ -35,6 +35,7 @@ from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.draft_model import load_draft_model
 from pagedllm.structured_output import StructuredOutputManager
+from pagedllm.worker.block_moves import pretouch_pool
 from pagedllm.worker.memory import plan_kv_pool
 from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -103,6 +104,8 @@ class LLMEngine:
             max_num_seqs=self.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
             cuda_graphs=not config.enforce_eager and self.tp_size == 1, num_tail_slots=plan.num_tail_slots,
         )
+        if config.cache.kv_cache_pretouch:
+            pretouch_pool(self.runner.kv_caches, self.runner.swap_pool)
         self.vocab_size = self.model_config.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                               self.scheduler_config, config.cache, num_blocks, config.seed,

@@ -1,0 +1,91 @@
+"""The KV pool is reserved, not written, at start: a fresh process's resident
+memory grows with the blocks its requests fill, not with the pool's size, and
+``kv_cache_pretouch`` pays for the whole pool up front. Measured in a fresh
+process (as tests/model/test_load_memory.py does) on the default model with a
+1 GiB pool."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm import LLM
+from pagedllm.worker import block_moves
+from pagedllm.worker.swap import HostSwapPool
+from tests.poisoned_pool import poison_layer, poison_tensor
+
+POOL_BYTES = 2**30
+
+_MEASURE = """
+import json, sys
+from pagedllm import LLM, SamplingParams
+
+def rss_bytes():
+    return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS:")).split()[1]) * 1024
+
+llm = LLM(kv_cache_memory=int(sys.argv[1]), kv_cache_pretouch=sys.argv[2] == "1")
+built = rss_bytes()
+params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+llm.generate([f"Request {i}: count to ten." for i in range(4)], params, use_tqdm=False)
+print(json.dumps({"built": built, "served": rss_bytes(), "pool": llm.llm_engine.pool_plan.num_blocks
+                  * llm.llm_engine.pool_plan.block_size * llm.llm_engine.bytes_per_token}))
+"""
+
+
+def _measure(pretouch: bool) -> dict[str, int]:
+    result = subprocess.run([sys.executable, "-c", _MEASURE, str(POOL_BYTES), str(int(pretouch))],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def lazy() -> dict[str, int]:
+    return _measure(pretouch=False)
+
+
+@pytest.fixture(scope="module")
+def pretouched() -> dict[str, int]:
+    return _measure(pretouch=True)
+
+
+def test_the_pool_is_a_gibibyte(lazy):
+    assert 0.99 * POOL_BYTES <= lazy["pool"] <= POOL_BYTES
+
+
+def test_pretouch_makes_the_whole_pool_resident_at_start(lazy, pretouched):
+    assert pretouched["built"] - lazy["built"] >= 0.95 * POOL_BYTES, (lazy, pretouched)
+
+
+def test_resident_memory_grows_with_the_blocks_written(lazy, pretouched):
+    # 4 requests of ~80 tokens fill ~24 blocks (~15 MiB of 1 GiB): what serving them adds
+    # stays far below the pool, while the pretouched process already holds all of it.
+    assert lazy["served"] - lazy["built"] < 0.1 * POOL_BYTES, lazy
+    assert pretouched["served"] - lazy["served"] >= 0.85 * POOL_BYTES, (lazy, pretouched)
+
+
+def test_pretouch_writes_every_tensor_of_the_pool_and_the_swap_space(tiny_llama, monkeypatch):
+    """Allocations filled with NaN (fresh pages would read as zeros anyway) come out all zeros."""
+    allocate_layer, swap_init = block_moves.allocate_layer, HostSwapPool.__init__
+
+    def poisoned_layer(*args, **kwargs):
+        layer = allocate_layer(*args, **kwargs)
+        poison_layer(layer)
+        return layer
+
+    def poisoned_swap_pool(self, *args, **kwargs):
+        swap_init(self, *args, **kwargs)
+        for host_tensors in self.caches:
+            for tensor in host_tensors:
+                poison_tensor(tensor)
+
+    monkeypatch.setattr(block_moves, "allocate_layer", poisoned_layer)
+    monkeypatch.setattr(HostSwapPool, "__init__", poisoned_swap_pool)
+    options = dict(num_kv_blocks=16, kv_cache_dtype="int8", preemption_mode="swap", swap_space=0.001)
+    for pretouch in (False, True):
+        runner = LLM(tiny_llama, kv_cache_pretouch=pretouch, **options).llm_engine.runner
+        tensors = [t for layer in runner.kv_caches for t in (*layer.tensors(), layer.tail_key, layer.tail_value)]
+        tensors += [t for host_tensors in runner.swap_pool.caches for t in host_tensors]
+        assert len(tensors) == 6 * len(runner.kv_caches) + 4 * len(runner.swap_pool.caches)
+        assert all(bool((t == 0).all()) == pretouch for t in tensors)
