@@ -24,12 +24,14 @@ from pagedllm import LLM, SamplingParams
 def rss_bytes():
     return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS:")).split()[1]) * 1024
 
+imported = rss_bytes()
 llm = LLM(kv_cache_memory=int(sys.argv[1]), kv_cache_pretouch=sys.argv[2] == "1")
 built = rss_bytes()
-params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 llm.generate([f"Request {i}: count to ten." for i in range(4)], params, use_tqdm=False)
-print(json.dumps({"built": built, "served": rss_bytes(), "pool": llm.llm_engine.pool_plan.num_blocks
-                  * llm.llm_engine.pool_plan.block_size * llm.llm_engine.bytes_per_token}))
+plan = llm.llm_engine.pool_plan
+print(json.dumps({"imported": imported, "built": built, "served": rss_bytes(),
+                  "pool": plan.num_blocks * plan.block_size * plan.bytes_per_token}))
 """
 
 
@@ -45,24 +47,22 @@ def lazy() -> dict[str, int]:
     return _measure(pretouch=False)
 
 
-@pytest.fixture(scope="module")
-def pretouched() -> dict[str, int]:
-    return _measure(pretouch=True)
-
-
-def test_the_pool_is_a_gibibyte(lazy):
+def test_a_new_engine_holds_its_weights_not_its_pool(lazy):
     assert 0.99 * POOL_BYTES <= lazy["pool"] <= POOL_BYTES
+    # Weights (~100 MB packed), tokenizer and kernels; a written pool would add the whole GiB.
+    assert lazy["built"] - lazy["imported"] < 0.3 * POOL_BYTES, lazy
 
 
-def test_pretouch_makes_the_whole_pool_resident_at_start(lazy, pretouched):
-    assert pretouched["built"] - lazy["built"] >= 0.95 * POOL_BYTES, (lazy, pretouched)
-
-
-def test_resident_memory_grows_with_the_blocks_written(lazy, pretouched):
-    # 4 requests of ~80 tokens fill ~24 blocks (~15 MiB of 1 GiB): what serving them adds
-    # stays far below the pool, while the pretouched process already holds all of it.
+def test_resident_memory_grows_with_the_blocks_written(lazy):
+    # 4 requests of ~40 tokens fill ~12 blocks (~8 MiB of the 1 GiB pool).
     assert lazy["served"] - lazy["built"] < 0.1 * POOL_BYTES, lazy
-    assert pretouched["served"] - lazy["served"] >= 0.85 * POOL_BYTES, (lazy, pretouched)
+
+
+@pytest.mark.slow
+def test_pretouch_makes_the_whole_pool_resident_at_start(lazy):
+    pretouched = _measure(pretouch=True)
+    assert pretouched["built"] - lazy["built"] >= 0.95 * POOL_BYTES, (lazy, pretouched)
+    assert pretouched["served"] - lazy["served"] >= 0.9 * POOL_BYTES, (lazy, pretouched)
 
 
 def test_pretouch_writes_every_tensor_of_the_pool_and_the_swap_space(tiny_llama, monkeypatch):
