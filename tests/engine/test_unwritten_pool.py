@@ -13,6 +13,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.cpu import load_cpu_kernels
 from tests.conftest import assert_pool_free
 from tests.engine.test_engine_behaviour import token_prompts
+from tests.engine.test_speculative import NGRAM
 from tests.poisoned_pool import poison_engine_pools
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
@@ -37,7 +38,7 @@ def _prompts() -> list[dict]:
     return prompts + [{"prompt_token_ids": shared + [900 + i] * (3 + i)} for i in range(2)]
 
 
-def _run(llm: LLM, poisoned: bool) -> list:
+def _run(llm: LLM, poisoned: bool, runs: tuple[SamplingParams, ...] = (GREEDY, FORKED)) -> list:
     if poisoned:
         poison_engine_pools(llm)
     else:  # what the pool held before it was left uninitialised
@@ -46,7 +47,7 @@ def _run(llm: LLM, poisoned: bool) -> list:
                 if tensor is not None:
                     tensor.zero_()
     outputs = []
-    for params in (GREEDY, FORKED):
+    for params in runs:
         for output in llm.generate(_prompts(), params, use_tqdm=False):
             outputs += [(list(c.token_ids), c.cumulative_logprob) for c in output.outputs]
     assert_pool_free(llm)
@@ -63,6 +64,23 @@ def test_nan_filled_pool_gives_the_same_outputs(tiny_llama, cpu_path, kv_cache_d
     assert (llm.llm_engine.runner.attention.decode_kernel is None) == (cpu_path == "pytorch"
                                                                        or kv_cache_dtype == "fp8_e4m3")
     assert _run(llm, poisoned=True) == expected
+
+
+@pytest.mark.parametrize("options, runs", [
+    # Reserved blocks stay unwritten past the context; no forks in this layout.
+    ({"kv_layout": "contiguous", "max_model_len": 128}, (GREEDY,)),
+    # Drafts are verified as multi-token spans over the pool.
+    ({"speculative_config": NGRAM}, (GREEDY, FORKED)),
+], ids=["contiguous", "ngram"])
+def test_nan_filled_pool_with_other_layouts_and_speculation(tiny_llama, options, runs):
+    """On the PyTorch path, the one that gathers padded ranges."""
+    options = dict(num_kv_blocks=96, block_size=8, debug_invariants=True, **options)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PAGEDLLM_CPU_KERNEL", "0")
+        load_cpu_kernels.cache_clear()
+        expected = _run(LLM(tiny_llama, **options), poisoned=False, runs=runs)
+        assert _run(LLM(tiny_llama, **options), poisoned=True, runs=runs) == expected
+    load_cpu_kernels.cache_clear()
 
 
 def test_nan_filled_pools_survive_swapping(tiny_llama, cpu_path):
