@@ -29,9 +29,10 @@ llm = LLM(kv_cache_memory=int(sys.argv[1]), kv_cache_pretouch=sys.argv[2] == "1"
 built = rss_bytes()
 params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 llm.generate([f"Request {i}: count to ten." for i in range(4)], params, use_tqdm=False)
-plan = llm.llm_engine.pool_plan
+plan, stats = llm.llm_engine.pool_plan, llm.stats()
 print(json.dumps({"imported": imported, "built": built, "served": rss_bytes(),
-                  "pool": plan.num_blocks * plan.block_size * plan.bytes_per_token}))
+                  "pool": plan.num_blocks * plan.block_size * plan.bytes_per_token,
+                  "all_free": stats["num_free_blocks"] == stats["num_blocks"]}))
 """
 
 
@@ -39,7 +40,9 @@ def _measure(pretouch: bool) -> dict[str, int]:
     result = subprocess.run([sys.executable, "-c", _MEASURE, str(POOL_BYTES), str(int(pretouch))],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    assert measured.pop("all_free"), "the engine kept blocks after its requests finished"
+    return measured
 
 
 @pytest.fixture(scope="module")
