@@ -110,6 +110,11 @@ class CacheConfig:
         metadata={"help": "KV storage: auto (the model dtype), or int8 / fp8_e4m3 with an fp32 scale "
                           "per (token, KV head) vector"},
     )
+    kv_cache_pretouch: bool = field(
+        default=False,
+        metadata={"help": "write the whole KV pool (and the swap space) once at start, so its memory is "
+                          "resident from the first request instead of growing as blocks fill (for servers)"},
+    )
 
     def __post_init__(self) -> None:
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KVCacheDType)

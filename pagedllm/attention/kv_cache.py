@@ -99,6 +99,13 @@ class LayerKVCache:
         scales = [self.key_scale, self.value_scale] if self.quantized else []
         return [self.key, self.value, *scales]
 
+    def pretouch(self) -> None:
+        """Write every page of the layer's tensors (zeros), tails included, so that
+        their memory is resident now rather than as blocks fill (``allocate_layer``)."""
+        tails = [self.tail_key, self.tail_value] if self.has_tails else []
+        for tensor in (*self.tensors(), *tails):
+            tensor.zero_()
+
     @property
     def has_tails(self) -> bool:
         return self.tail_key is not None
@@ -236,24 +243,33 @@ def dequantize(stored: torch.Tensor, scale: torch.Tensor, kv_cache_dtype: str, d
 
 def allocate_layer(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                    kv_cache_dtype: str, device: torch.device, num_tail_slots: int = 0) -> LayerKVCache:
-    """A zeroed layer cache for ``num_blocks`` blocks (and, for int8 with
-    ``num_tail_slots`` > 0, that many full-precision tail slots)."""
+    """An uninitialised layer cache for ``num_blocks`` blocks (and, for int8 with
+    ``num_tail_slots`` > 0, that many full-precision tail slots).
+
+    Reserved, not written: on a CPU the operating system backs a page of a large
+    allocation only when it is first written, so the pool's resident memory
+    grows with the blocks in use (``LayerKVCache.pretouch`` pays it up front).
+    Safety rule: a slot holds garbage (NaN, inf) until a token is written to
+    it, so no reader may read one it did not write, not even under a mask (a
+    masked NaN still poisons a sum: 0 * NaN = NaN); readers that gather padded
+    ranges replace what they must not see (``torch_paged``), kernels skip it.
+    Copies and swaps move whole blocks, garbage included, which is harmless."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     if kv_cache_dtype == "auto":
-        return LayerKVCache(torch.zeros(shape, dtype=dtype, device=device),
-                            torch.zeros(shape, dtype=dtype, device=device))
+        return LayerKVCache(torch.empty(shape, dtype=dtype, device=device),
+                            torch.empty(shape, dtype=dtype, device=device))
     if num_tail_slots and kv_cache_dtype != "int8":
         raise ValueError(f"full-precision tails are for int8 pools, not {kv_cache_dtype}")
     storage = _STORAGE_DTYPE[kv_cache_dtype]
     tail_shape = (num_tail_slots, *shape[1:])
     return LayerKVCache(
-        torch.zeros(shape, dtype=storage, device=device),
-        torch.zeros(shape, dtype=storage, device=device),
+        torch.empty(shape, dtype=storage, device=device),
+        torch.empty(shape, dtype=storage, device=device),
         kv_cache_dtype,
-        torch.ones(shape[:3], dtype=torch.float32, device=device),
-        torch.ones(shape[:3], dtype=torch.float32, device=device),
-        torch.zeros(tail_shape, dtype=dtype, device=device) if num_tail_slots else None,
-        torch.zeros(tail_shape, dtype=dtype, device=device) if num_tail_slots else None,
+        torch.empty(shape[:3], dtype=torch.float32, device=device),
+        torch.empty(shape[:3], dtype=torch.float32, device=device),
+        torch.empty(tail_shape, dtype=dtype, device=device) if num_tail_slots else None,
+        torch.empty(tail_shape, dtype=dtype, device=device) if num_tail_slots else None,
     )
 
 

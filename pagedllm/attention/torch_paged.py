@@ -163,6 +163,11 @@ class TorchPagedAttention:
         mask = positions < context_lens
         if window is not None:
             mask &= positions >= context_lens - window
+        # The padding holds slots never written (the pool is uninitialised): a NaN
+        # there would survive the mask (-inf + NaN, 0 * NaN), so it is replaced, not weighted.
+        hidden = ~mask[:, None, :, None]
+        keys.masked_fill_(hidden, 0)
+        values.masked_fill_(hidden, 0)
         return _attend(query.unsqueeze(2), keys, values, mask[:, None, None, :], layer).squeeze(2)
 
     def _prefill(self, query, key, value, kv_cache: LayerKVCache, span, layer: _LayerOptions,

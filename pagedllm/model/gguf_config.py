@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from gguf import GGUFReader, GGUFValueType
 from transformers import AutoConfig, PretrainedConfig
+
+from pagedllm.model.gguf_reader import GGUFArray, GGUFFile
 
 _REQUIRED = object()  # marks a metadata key that has no default
 
@@ -103,22 +104,19 @@ def gguf_architecture(architecture: str) -> GGUFArchitecture:
     return GGUF_ARCHITECTURES[architecture]
 
 
-def metadata(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
+def metadata(reader: GGUFFile, key: str, default: Any = _REQUIRED) -> Any:
     """A scalar or string metadata value; `default` when absent (absent and no default: ValueError)."""
-    field = reader.get_field(key)
-    if field is None:
+    if key not in reader.metadata:
         if default is _REQUIRED:
             raise ValueError(f"GGUF metadata has no {key!r}")
         return default
-    if field.types[0] == GGUFValueType.ARRAY:  # e.g. per-layer head counts, which no supported model has
+    value = reader.metadata[key]
+    if isinstance(value, GGUFArray):  # e.g. per-layer head counts, which no supported model has
         raise ValueError(f"GGUF metadata {key!r} is an array; expected a single value")
-    value = field.parts[field.data[0]]
-    if field.types[0] == GGUFValueType.STRING:
-        return bytes(value).decode("utf-8")
-    return value[0].item()
+    return value
 
 
-def gguf_config(reader: GGUFReader, architecture: str, rope_tensors: dict[str, torch.Tensor]) -> PretrainedConfig:
+def gguf_config(reader: GGUFFile, architecture: str, rope_tensors: dict[str, torch.Tensor]) -> PretrainedConfig:
     """Build the transformers config from GGUF metadata and the file's rope tensors (fp32, 1-D).
 
     Built here rather than by `AutoConfig.from_pretrained(..., gguf_file=...)`: that path ignores

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import gguf
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 from transformers import PreTrainedTokenizerFast
 
 from pagedllm.logger import init_logger
 from pagedllm.model.checkpoint import Checkpoint, check_architecture
 from pagedllm.model.gguf_config import GLOBAL_NAMES, GGUFArchitecture, gguf_architecture, gguf_config, metadata
+from pagedllm.model.gguf_reader import GGUFFile, GGUFTensor, read_gguf
 from pagedllm.model.quantized.packed import DEQUANTIZED_TYPES, PACKED_TYPES, PackedWeight
 
 logger = init_logger(__name__)
@@ -36,13 +37,13 @@ def load_gguf(path: Path, dtype: torch.dtype, packed: bool = False) -> Checkpoin
     """Load a llama.cpp GGUF file. Architecture, tensor names and types are checked before any
     tensor is decoded. ``packed``: 2-D weights of a ``PACKED_TYPES`` type stay in their blocks."""
     try:
-        reader = GGUFReader(path)
-    except (ValueError, KeyError, IndexError) as error:  # what GGUFReader raises on a malformed file
+        reader = read_gguf(path)
+    except ValueError as error:
         raise ValueError(f"{str(path)!r} is not a valid GGUF file: {error}") from error
     architecture = metadata(reader, "general.architecture")
     layout = gguf_architecture(architecture)
     check_architecture(layout.model_type or architecture)
-    if reader.get_field("tokenizer.ggml.tokens") is None:
+    if "tokenizer.ggml.tokens" not in reader.metadata:
         raise ValueError(f"{str(path)!r} has no tokenizer in its metadata")
 
     hf_names: dict[str, str] = {}
@@ -74,7 +75,7 @@ def _rope_tensor_name(gguf_name: str) -> str:
     return gguf_name.removesuffix(".weight")
 
 
-def _read_weights(reader: GGUFReader, hf_names: dict[str, str], layout: GGUFArchitecture, config,
+def _read_weights(reader: GGUFFile, hf_names: dict[str, str], layout: GGUFArchitecture, config,
                   dtype: torch.dtype, packed: bool) -> dict[str, torch.Tensor | PackedWeight]:
     """Every named tensor, by Hugging Face name: decoded to ``dtype``, or kept in its blocks."""
     state_dict: dict[str, torch.Tensor | PackedWeight] = {}
@@ -116,14 +117,14 @@ def _hf_name(gguf_name: str, architecture: str, layout: GGUFArchitecture) -> str
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face counterpart for {architecture!r}")
 
 
-def _raise_unsupported_type(tensor: ReaderTensor) -> None:
+def _raise_unsupported_type(tensor: GGUFTensor) -> None:
     supported = ", ".join(sorted(t.name for t in SUPPORTED_GGUF_TYPES))
     raise ValueError(
         f"GGUF tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}; supported: {supported}"
     )
 
 
-def _dequantize(tensor: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize(tensor: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
     """One GGUF tensor as a torch tensor of `dtype` in Hugging Face (row-major, torch) shape."""
     if tensor.tensor_type not in SUPPORTED_GGUF_TYPES:
         _raise_unsupported_type(tensor)

@@ -5,6 +5,11 @@ EBNF/GBNF grammars into a pushdown automaton over the model's vocabulary;
 nothing here converts a schema by hand. Compiling is done when a request is
 added, so a bad schema, regex or grammar is a ``ValueError`` before the
 request reaches the scheduler, never an error in the engine loop.
+
+xgrammar is imported where a grammar is first compiled (here and in
+``manager``, ``worker.sampling.grammar``), not with the package: its import
+costs ~0.2 s that a run without structured outputs (a first ``generate``)
+should not pay.
 """
 
 from __future__ import annotations
@@ -12,11 +17,12 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import Any
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # With any_whitespace, a small model can emit whitespace forever between two
 # JSON tokens; this bound keeps pretty-printed JSON (a newline and an indent)
@@ -82,6 +88,8 @@ class GrammarCompiler:
 
     def _xgrammar_compiler(self) -> xgr.GrammarCompiler:
         if self._compiler is None:
+            import xgrammar as xgr
+
             info = xgr.TokenizerInfo.from_huggingface(
                 self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
             )
@@ -95,6 +103,8 @@ def json_schema_grammar(schema_text: str, disable_any_whitespace: bool) -> str:
     valid JSON string characters (see ``_LENGTH_BOUNDED_STRING_CHARACTER``).
     Cached: the server checks a request's schema before the engine compiles it,
     and clients send the same schema again and again."""
+    import xgrammar as xgr
+
     ebnf = str(xgr.Grammar.from_json_schema(schema_text, **_json_format(disable_any_whitespace)))
     return ebnf.replace(_LENGTH_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER)
 

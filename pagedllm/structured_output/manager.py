@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from pagedllm.core.runner_output import SampledTokens
 from pagedllm.core.scheduler_output import SchedulerOutput
@@ -31,6 +31,9 @@ from pagedllm.logger import init_logger
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.compiler import GrammarCompiler
 from pagedllm.worker.sampling.grammar import GrammarBitmask
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = init_logger(__name__)
 
@@ -79,6 +82,8 @@ class StructuredOutputManager:
         return self.compiler.compile(constraint)
 
     def add_sequence(self, sequence_id: str, grammar: xgr.CompiledGrammar) -> None:
+        import xgrammar as xgr  # loaded on first use (``compiler``'s docstring says why)
+
         self._sequences[sequence_id] = _SequenceGrammar(xgr.GrammarMatcher(grammar))
 
     def bitmask_for(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
@@ -92,6 +97,8 @@ class StructuredOutputManager:
         ]
         if not rows:
             return None
+        import xgrammar as xgr
+
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
         for index, (row, state) in enumerate(rows):
             if row.output_position != state.num_accepted:

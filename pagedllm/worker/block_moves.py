@@ -29,6 +29,14 @@ def allocate_caches(model: CausalLM, num_blocks: int, block_size: int, dtype: to
     ]
 
 
+def pretouch_pool(kv_caches: list[LayerKVCache], swap_pool: HostSwapPool) -> None:
+    """Make a pool and its host swap space resident now (``kv_cache_pretouch``):
+    both are allocated uninitialised and otherwise take memory as blocks are written."""
+    for layer in kv_caches:
+        layer.pretouch()
+    swap_pool.pretouch()
+
+
 def move_blocks(
     kv_caches: list[LayerKVCache],
     swap_pool: HostSwapPool,

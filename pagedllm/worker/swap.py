@@ -29,6 +29,12 @@ class HostSwapPool:
         # Host block -> per layer (K, V) of the tail that went out with it.
         self.tails: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
+    def pretouch(self) -> None:
+        """Write every host block once (zeros), so the swap space is resident before a preemption needs it."""
+        for host_tensors in self.caches:
+            for tensor in host_tensors:
+                tensor.zero_()
+
     def swap_out(self, device_caches: list[LayerKVCache], pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks: ``pairs`` of (device block, host block)."""
         if not pairs:

@@ -21,6 +21,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed.executor import backend_for
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.model.shard import load_model_shard
+from pagedllm.worker.block_moves import pretouch_pool
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.runner_spec import RunnerSpec
 
@@ -46,6 +47,8 @@ def worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, 
         config: EngineConfig = _receive(EngineConfig)
         shard = load_model_shard(config, device, TensorParallelGroup(rank=rank, world_size=world_size))
         runner = ModelRunner(shard.model, _receive(RunnerSpec), device)
+        if config.cache.kv_cache_pretouch:
+            pretouch_pool(runner.kv_caches, runner.swap_pool)
         while (step := _receive()) is not None:
             runner.run_step(step)
     finally:

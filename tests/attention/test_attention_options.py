@@ -45,8 +45,9 @@ def test_options_match_dense_attention(backend, options, block_size):
     torch.manual_seed(block_size)
     lens, chunk = [61, 23], 29
     tables, num_blocks = random_tables(lens, block_size, random.Random(block_size))
-    cache = LayerKVCache(torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM),
-                         torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM))
+    # NaN where nothing is written: the pool is uninitialised, and no read may touch those slots.
+    cache = LayerKVCache(torch.full((num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM), float("nan")),
+                         torch.full((num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM), float("nan")))
     seqs = [(torch.randn(n, NUM_HEADS, HEAD_DIM), torch.randn(n, NUM_KV_HEADS, HEAD_DIM),
              torch.randn(n, NUM_KV_HEADS, HEAD_DIM)) for n in lens]
     expected = [dense_reference(*seq, **options) for seq in seqs]
@@ -74,20 +75,20 @@ def test_options_match_dense_attention(backend, options, block_size):
 @pytest.mark.parametrize("window, block_size", [(5, 4), (12, 8), (16, 16)])
 def test_windowed_reads_never_touch_released_entries(backend, window, block_size):
     """Table entries wholly before the window (released by the KV manager) point
-    at a block of NaNs: any read of one, even masked, would poison the output."""
+    at a block of NaNs (as is every slot never written): any read of one, even
+    masked, would poison the output."""
     torch.manual_seed(window)
     lens = [61, 23, 3]
     tables, num_blocks = random_tables(lens, block_size, random.Random(window))
     poison = num_blocks  # one extra block, all NaN
-    cache = LayerKVCache(torch.zeros(num_blocks + 1, block_size, NUM_KV_HEADS, HEAD_DIM),
-                         torch.zeros(num_blocks + 1, block_size, NUM_KV_HEADS, HEAD_DIM))
+    cache = LayerKVCache(torch.full((num_blocks + 1, block_size, NUM_KV_HEADS, HEAD_DIM), float("nan")),
+                         torch.full((num_blocks + 1, block_size, NUM_KV_HEADS, HEAD_DIM), float("nan")))
     seqs = [(torch.randn(n, NUM_HEADS, HEAD_DIM), torch.randn(n, NUM_KV_HEADS, HEAD_DIM),
              torch.randn(n, NUM_KV_HEADS, HEAD_DIM)) for n in lens]
     for table, (_, k, v), n in zip(tables, seqs, lens):
         slots = torch.tensor(slots_of(table, range(n), block_size))
         cache.key.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = k
         cache.value.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = v
-    cache.key[poison], cache.value[poison] = float("nan"), float("nan")
     expected = [dense_reference(*seq, sliding_window=window) for seq in seqs]
 
     def released(table, first_query):

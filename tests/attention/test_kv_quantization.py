@@ -14,6 +14,7 @@ from pagedllm.attention.selector import cpu_decode, triton_decode
 from pagedllm.attention.torch_paged import TorchPagedAttention, _LayerOptions
 from pagedllm.kernels.cpu import load_cpu_kernels
 from tests.attention.test_torch_paged import random_tables, slots_of
+from tests.poisoned_pool import poison_layer
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 6, 2, 64, 16
 # (decode path, kv_cache_dtype): the kernels take int8 pools; fp8 goes through PyTorch.
@@ -117,6 +118,7 @@ def test_quantized_decode_attention_is_close_to_fp32(path, kv_cache_dtype):
     values = [torch.randn(n, NUM_KV_HEADS, HEAD_DIM) for n in lens]
     pool = allocate_layer(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, kv_cache_dtype,
                           torch.device("cpu"))
+    poison_layer(pool)  # slots never written must not be read, even masked
     for table, n, k, v in zip(tables, lens, keys, values):
         pool.write(k, v, torch.tensor(slots_of(table, range(n), BLOCK_SIZE)))
     width = max(len(t) for t in tables)

@@ -21,6 +21,7 @@ from pagedllm.attention.selector import cpu_decode
 from pagedllm.attention.torch_paged import TorchPagedAttention, _LayerOptions
 from pagedllm.kernels.cpu import load_cpu_kernels
 from tests.attention.test_torch_paged import random_tables, slots_of
+from tests.poisoned_pool import poison_layer
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 6, 2, 64, 4
 SCALE = HEAD_DIM**-0.5
@@ -59,6 +60,7 @@ def test_decode_reads_the_last_block_from_its_tail(path, window):
     tables, num_blocks = random_tables(lens, BLOCK_SIZE, random.Random(1))
     pool = allocate_layer(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "int8", CPU,
                           num_tail_slots=len(lens) + 2)
+    poison_layer(pool)  # slots and tail positions never written must not be read, even masked
     keys = [torch.randn(n, NUM_KV_HEADS, HEAD_DIM) for n in lens]
     values = [torch.randn(n, NUM_KV_HEADS, HEAD_DIM) for n in lens]
     tail_slots = []
@@ -147,8 +149,10 @@ def test_prefill_follows_the_rule_whatever_the_chunking(chunks, window, soft_cap
     v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM)
 
     def pool(tails: bool):
-        return allocate_layer(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "int8", CPU,
-                              num_tail_slots=len(table) if tails else 0)
+        layer = allocate_layer(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "int8", CPU,
+                               num_tail_slots=len(table) if tails else 0)
+        poison_layer(layer)  # slots and tail positions never written must not be read
+        return layer
 
     chunked = pool(True)
     attention = TorchPagedAttention()
@@ -185,6 +189,7 @@ def test_decode_after_prefill_matches_prefill_of_the_same_position(path):
     k = torch.randn(n, NUM_KV_HEADS, HEAD_DIM)
     v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM)
     pool = allocate_layer(6, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "int8", CPU, num_tail_slots=4)
+    poison_layer(pool)
     prefilled = _prefill_step(TorchPagedAttention(), pool, query, k, v, table, 0, n, slot_of_block)
     attention = TorchPagedAttention(cpu_decode if path == "cpp" else None)
     lens = torch.arange(1, n + 1)

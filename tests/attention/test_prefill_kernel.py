@@ -104,8 +104,8 @@ def test_backend_prefill_chunks_with_the_kernel(block_size):
     torch.manual_seed(block_size)
     heads, kv_heads, dim, lens, chunk = 6, 2, 64, [90, 40], 50
     tables, num_blocks = random_tables(lens, block_size, random.Random(block_size))
-    pool = LayerKVCache(torch.zeros(num_blocks, block_size, kv_heads, dim).bfloat16(),
-                        torch.zeros(num_blocks, block_size, kv_heads, dim).bfloat16())
+    pool = LayerKVCache(torch.full((num_blocks, block_size, kv_heads, dim), float("nan")).bfloat16(),
+                        torch.full((num_blocks, block_size, kv_heads, dim), float("nan")).bfloat16())
     seqs = [(torch.randn(n, heads, dim).bfloat16(), torch.randn(n, kv_heads, dim).bfloat16(),
              torch.randn(n, kv_heads, dim).bfloat16()) for n in lens]
     with_kernel, with_sdpa = TorchPagedAttention(cpu_decode, cpu_prefill), TorchPagedAttention(cpu_decode)

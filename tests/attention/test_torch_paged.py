@@ -107,8 +107,9 @@ def test_prefill_then_decode_equals_contiguous(block_size, backend):
     prompt_lens = [1, 5, 17, 64, 100]
     total_lens = [n + 1 for n in prompt_lens]
     tables, num_blocks = random_tables(total_lens, block_size, rng)
-    key_cache = torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-    value_cache = torch.zeros_like(key_cache)
+    # NaN where nothing is written: the pool is uninitialised, and no read may touch those slots.
+    key_cache = torch.full((num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM), float("nan"))
+    value_cache = torch.full_like(key_cache, float("nan"))
     seqs = [
         (torch.randn(n, NUM_HEADS, HEAD_DIM), torch.randn(n, NUM_KV_HEADS, HEAD_DIM), torch.randn(n, NUM_KV_HEADS, HEAD_DIM))
         for n in total_lens
@@ -155,8 +156,9 @@ def test_chunked_prefill_reads_earlier_context_from_pool(block_size, backend):
     torch.manual_seed(7)
     lens = [90, 33]
     tables, num_blocks = random_tables(lens, block_size, rng)
-    key_cache = torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-    value_cache = torch.zeros_like(key_cache)
+    # NaN where nothing is written: the pool is uninitialised, and no read may touch those slots.
+    key_cache = torch.full((num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM), float("nan"))
+    value_cache = torch.full_like(key_cache, float("nan"))
     seqs = [(torch.randn(n, NUM_HEADS, HEAD_DIM), torch.randn(n, NUM_KV_HEADS, HEAD_DIM), torch.randn(n, NUM_KV_HEADS, HEAD_DIM)) for n in lens]
     chunk = 50
     # Step 1: first chunk of seq 0 and all but the last token of seq 1.

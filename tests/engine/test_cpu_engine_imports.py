@@ -1,9 +1,12 @@
-"""A CPU engine never imports Triton.
+"""A CPU engine never imports Triton, and a run without grammars or a server
+never imports xgrammar or the server's libraries.
 
-Only the CUDA decode kernel uses it, and importing it costs seconds and makes
+Only the CUDA decode kernel uses Triton, and importing it costs seconds and makes
 the interpreter print dozens of "nanobind: leaked ..." lines at exit (they used
-to end every `make run`). The engine runs in a fresh interpreter, since this
-test process imports Triton itself for the interpreter-mode kernel tests.
+to end every `make run`). xgrammar (~0.2 s) is loaded when a grammar is first
+compiled, fastapi and uvicorn by `serve`: a first `generate` pays for neither.
+The engine runs in a fresh interpreter, since this test process imports Triton
+itself for the interpreter-mode kernel tests.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ llm = LLM(sys.argv[1], num_kv_blocks=64, device="cpu")
 out = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
 print("generated:", len(out[0].outputs[0].token_ids))
 print("triton imported:", "triton" in sys.modules)
+print("optional libraries imported:", [name for name in ("xgrammar", "fastapi", "uvicorn") if name in sys.modules])
 """
 
 
@@ -36,4 +40,5 @@ def test_a_cpu_engine_never_imports_triton(tiny_llama: str) -> None:
     assert result.returncode == 0, result.stderr
     assert "generated: 4" in result.stdout
     assert "triton imported: False" in result.stdout, result.stdout
+    assert "optional libraries imported: []" in result.stdout, result.stdout
     assert "nanobind" not in result.stderr

@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFWriter
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
@@ -30,6 +30,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from pagedllm.model.gguf_config import GGUF_ARCHITECTURES
 from pagedllm.model.gguf_file import SUPPORTED_GGUF_TYPES, _dequantize
+from pagedllm.model.gguf_reader import GGUFTensor, read_gguf
 from pagedllm.model.loader import SUPPORTED_ARCHITECTURES, Checkpoint, default_model_path, load_checkpoint
 
 SMOLLM_VOCAB = 49152
@@ -129,7 +130,7 @@ def _raw_blocks(tensor_type: GGMLQuantizationType, rng: np.random.Generator) -> 
 
 
 @pytest.fixture(scope="module")
-def typed_tensors(tmp_path_factory) -> tuple[dict[str, ReaderTensor], np.ndarray, dict[str, np.ndarray]]:
+def typed_tensors(tmp_path_factory) -> tuple[dict[str, GGUFTensor], np.ndarray, dict[str, np.ndarray]]:
     """A GGUF with one tensor per type: (its tensors by name, the values quantized, block bytes by type)."""
     rng = np.random.default_rng(0)
     values = rng.standard_normal((ROWS, COLS)).astype(np.float32)
@@ -151,7 +152,7 @@ def typed_tensors(tmp_path_factory) -> tuple[dict[str, ReaderTensor], np.ndarray
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    tensors = {tensor.name: tensor for tensor in GGUFReader(path).tensors}
+    tensors = {tensor.name: tensor for tensor in read_gguf(path).tensors}
     return tensors, values, stored
 
 

@@ -149,6 +149,7 @@ def test_dummy_step_writes_every_token_into_its_throwaway_pool(tiny_llama, monke
 
     def recording_allocate(*args, **kwargs):
         layers.append(allocate_layer(*args, **kwargs))
+        layers[-1].pretouch()  # zeros (the pool is allocated uninitialised): a written slot shows as non-zero
         return layers[-1]
 
     monkeypatch.setattr(memory, "allocate_layer", recording_allocate)

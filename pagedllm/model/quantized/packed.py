@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, ReaderTensor
+from gguf import GGMLQuantizationType
 
 from pagedllm.kernels.cpu import cpu_kernels_for
+from pagedllm.model.gguf_reader import GGUFTensor
 
 # The types that stay packed and run through the quantized matmul.
 PACKED_TYPES = frozenset(
@@ -72,7 +73,7 @@ class PackedWeight:
                              f"got {self.blocks.dtype} {tuple(self.blocks.shape)}")
 
     @classmethod
-    def from_gguf(cls, tensor: ReaderTensor, dtype: torch.dtype) -> PackedWeight:
+    def from_gguf(cls, tensor: GGUFTensor, dtype: torch.dtype) -> PackedWeight:
         """A 2-D GGUF tensor of a packed type, its blocks copied out of the read-only file mapping."""
         rows, in_features = (int(size) for size in reversed(tensor.shape))
         blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).reshape(rows, -1)

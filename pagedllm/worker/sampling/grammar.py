@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import xgrammar as xgr
 
 
 @dataclass(frozen=True)
@@ -38,6 +37,8 @@ def mask_guided_rows(logits: torch.Tensor, grammar: RowBitmask) -> None:
     Safety rule: ``logits`` must be the caller's own tensor (the runner's fresh
     logits); rows not in ``grammar.rows`` are left exactly as they are.
     """
+    import xgrammar as xgr  # loaded on first use: a run without grammars never pays its import
+
     bitmask = grammar.bitmask.to(logits.device, non_blocking=True)
     vocab = logits.shape[1]
     for index, row in enumerate(grammar.rows):
