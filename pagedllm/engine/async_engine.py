@@ -2,9 +2,14 @@
 
 Requests are added as they arrive; one background task runs ``LLMEngine.step``
 in a worker thread (so a forward pass never blocks the event loop) and routes
-each step's outputs to the per-request queues. The engine is only touched
-between steps, under ``_lock``, so adding and aborting never race a forward
-pass.
+each step's outputs to the per-request queues.
+
+This is the server's one door to the engine. What never changes after start-up
+(tokenizer, limits, defaults, the metrics registry) is ``info``, readable from
+any thread. Everything that reads or changes the scheduler or the block pool
+(adding, aborting, resetting the prefix cache, the pool snapshot) runs between
+steps, under ``_lock``, which the loop holds for the whole of each step: none
+of it can interleave with a step's bookkeeping in the worker thread.
 
 A step that raises kills the loop (vLLM's ``EngineDeadError``): the half-done
 step may have left the pool inconsistent, so every live request is aborted
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.logger import init_logger
 from pagedllm.outputs import RequestOutput
@@ -63,10 +69,13 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    """Safety rule: call ``start()`` from the running event loop before ``add_request``."""
+    """Safety rules: call ``start()`` from the running event loop before
+    ``add_request``; reach the ``LLMEngine`` only through these methods (its
+    ``step`` runs in another thread)."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        self._engine = engine
+        self.info = EngineInfo.of(engine)
         self.dead_error: BaseException | None = None  # why the loop died, once it has
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._pending_aborts: set[str] = set()
@@ -82,6 +91,10 @@ class AsyncLLMEngine:
 
     def start(self) -> None:
         if self._loop_task is None:
+            # Fresh ones on this event loop: asyncio's lock and event belong to the
+            # first loop that waits on them, and one app may be served by several
+            # loops in turn (a test client per test).
+            self._lock, self._wakeup = asyncio.Lock(), asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
 
     async def stop(self) -> None:
@@ -111,31 +124,54 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine loop died ({self.dead_error!r}); restart the server")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         async with self._lock:
-            self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+            self._engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
             self._queues[request_id] = queue
         self._wakeup.set()
-        return RequestStream(request_id, queue, self._abort_later)
+        return RequestStream(request_id, queue, self.abort)
 
-    def _abort_later(self, request_id: str) -> None:
-        # Applied by the loop before its next step: never in the middle of a forward pass.
+    def abort(self, request_id: str) -> None:
+        """Stop a request: its stream gets nothing more, and the loop frees its
+        blocks before the next step (never during one). Idempotent."""
         self._queues.pop(request_id, None)
         self._pending_aborts.add(request_id)
         self._wakeup.set()
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request uses, between steps; returns how many."""
+        async with self._lock:
+            return self._engine.reset_prefix_cache()
+
+    async def kv_pool_snapshot(self) -> dict:
+        """The block pool as data (``LLM.kv_pool_snapshot``), taken between
+        steps, so its blocks and its counters are from the same moment."""
+        async with self._lock:
+            return self._engine.kv_pool_snapshot()
+
+    def compile_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile ``params``' constraint (xgrammar caches it, so ``add_request``
+        does not compile it again); raises ``ValueError`` (a ``StructuredOutputError``
+        naming the constraint's field) when the engine cannot enforce it.
+
+        Safety rule: call it on the event loop's thread. It takes no lock: it
+        reads only the tokenizer and the grammar compiler, which no step uses
+        (steps use the compiled grammars' matchers) and only this thread calls
+        (``add_request`` compiles here too)."""
+        self._engine.structured_output.compile(params)
+
     async def _run_loop(self) -> None:
         while True:
-            if not self.engine.has_unfinished_requests() and not self._pending_aborts:
+            if not self._engine.has_unfinished_requests() and not self._pending_aborts:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             async with self._lock:
                 if self._pending_aborts:
-                    self.engine.abort_request(sorted(self._pending_aborts))
+                    self._engine.abort_request(sorted(self._pending_aborts))
                     self._pending_aborts.clear()
-                if not self.engine.has_unfinished_requests():
+                if not self._engine.has_unfinished_requests():
                     continue  # the aborts freed blocks (and updated the metrics); nothing to step
                 try:
-                    outputs = await asyncio.to_thread(self.engine.step)
+                    outputs = await asyncio.to_thread(self._engine.step)
                 except Exception as exc:
                     logger.exception("engine step failed: the engine loop stops")
                     self._die(exc)
@@ -150,7 +186,7 @@ class AsyncLLMEngine:
     def _die(self, exc: Exception) -> None:
         """Abort every live request (freeing its blocks) and fail every stream."""
         self.dead_error = exc
-        self.engine.abort_request(list(self.engine.requests))
+        self._engine.abort_request(list(self._engine.requests))
         for request_id, queue in self._queues.items():
             queue.put_nowait(EngineDeadError(f"request {request_id} failed: the engine step raised {exc!r}"))
         self._queues.clear()

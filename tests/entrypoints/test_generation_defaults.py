@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
+from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.api_server import ServerState, build_app
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tests.conftest import assert_pool_free
@@ -109,7 +110,8 @@ def test_request_fields_left_unset_take_the_defaults():
 
 def test_http_requests_without_the_fields_use_the_generation_config(greedy_three_tokens):
     llm = LLM(greedy_three_tokens, num_kv_blocks=32)
-    with TestClient(build_app(ServerState(engine=llm.llm_engine, served_model_name="tiny"))) as client:
+    state = ServerState(async_engine=AsyncLLMEngine(llm.llm_engine), served_model_name="tiny")
+    with TestClient(build_app(state)) as client:
         messages = [{"role": "user", "content": "Say something long."}]
         first = client.post("/v1/chat/completions", json={"messages": messages, "min_tokens": 3}).json()
         second = client.post("/v1/chat/completions", json={"messages": messages, "min_tokens": 3}).json()

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.api_server import ServerState, build_app
 from pagedllm.entrypoints.openai.serving_completion import fill_in_the_middle
 from tests.conftest import assert_pool_free
@@ -28,7 +29,8 @@ def llm(tiny_llama):
 
 @pytest.fixture(scope="module")
 def client(llm):
-    with TestClient(build_app(ServerState(engine=llm.llm_engine, served_model_name="tiny"))) as test_client:
+    state = ServerState(async_engine=AsyncLLMEngine(llm.llm_engine), served_model_name="tiny")
+    with TestClient(build_app(state)) as test_client:
         yield test_client
 
 

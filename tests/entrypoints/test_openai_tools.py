@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from pagedllm import LLM
 from pagedllm.bench.server_process import running_server
+from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.chat_utils import ChatRenderOptions, ChatSettings, load_chat_template, render_chat
 from pagedllm.entrypoints.openai.api_server import ServerState, build_app
 from tests.conftest import assert_pool_free
@@ -45,7 +46,7 @@ HISTORY = ASK + [
 def served(tiny_llama):
     """(openai client, server state, the LLM whose engine it serves, the plain HTTP client)."""
     llm = LLM(tiny_llama, num_kv_blocks=128, max_model_len=2048)
-    state = ServerState(engine=llm.llm_engine, served_model_name=MODEL,
+    state = ServerState(async_engine=AsyncLLMEngine(llm.llm_engine), served_model_name=MODEL,
                         chat=ChatSettings(chat_template=load_chat_template("hermes")))
     with TestClient(build_app(state)) as http:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)

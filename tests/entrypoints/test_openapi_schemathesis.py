@@ -21,6 +21,7 @@ from schemathesis.engine import Status, events, from_schema
 
 from pagedllm import LLM
 from pagedllm.bench.server_process import free_port
+from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.api_server import ServerState, build_app
 from tests.conftest import assert_pool_free
 from tests.entrypoints import schemathesis_hooks
@@ -36,7 +37,7 @@ def live_server(tiny_llama) -> Iterator[tuple[str, LLM]]:
     """(base URL, LLM) of a server listening on 127.0.0.1; when it stops, its pool must be all free."""
     llm = LLM(tiny_llama, **ENGINE)
     port = free_port()
-    app = build_app(ServerState(engine=llm.llm_engine, served_model_name="tiny"))
+    app = build_app(ServerState(async_engine=AsyncLLMEngine(llm.llm_engine), served_model_name="tiny"))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

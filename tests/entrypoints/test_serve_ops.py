@@ -14,17 +14,16 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 import pagedllm
 from pagedllm.bench.server_process import free_port, running_server
 from pagedllm.bench.soak import metric_value
-from pagedllm.entrypoints import cli, engine_args
 from pagedllm.entrypoints.cli import main
 from pagedllm.entrypoints.openai.state import tenant_of_key
 from tests.conftest import assert_pool_free
+from tests.entrypoints.live_server import uvicorn_thread
 
 # vLLM v1's Prometheus metrics (vllm/v1/metrics/loggers.py, PrometheusStatLogger, 2025 releases 0.10-0.11),
 # leaving out what does not apply here: LoRA (vllm:lora_requests_info), speculative decoding
@@ -43,30 +42,6 @@ VLLM_V1_METRICS = {
 # Ours beyond vLLM v1: swapping (vLLM v0's gauge name) and the pool in blocks.
 OUR_METRICS = {"num_requests_swapped", "kv_cache_free_blocks", "kv_cache_used_blocks", "kv_cache_cached_blocks",
                "kv_cache_total_blocks"}
-
-
-@pytest.fixture
-def serve(monkeypatch, tiny_llama):
-    """serve(*flags) -> (app, uvicorn options, the LLMs made so far) of `pagedllm serve TINY_MODEL *flags`
-    without listening; every engine built is checked for a free pool at the end."""
-    made = []
-    real_make_llm = engine_args.make_llm
-
-    def recording_make_llm(args, **overrides):
-        made.append(real_make_llm(args, **overrides))
-        return made[-1]
-
-    monkeypatch.setattr(cli, "make_llm", recording_make_llm)
-
-    def run(*flags: str):
-        served = {}
-        monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(options, app=app))
-        main(["serve", tiny_llama, "--num-kv-blocks", "64", *flags])
-        return served.pop("app"), served, made
-
-    yield run
-    for llm in made:
-        assert_pool_free(llm)
 
 
 @contextlib.contextmanager
@@ -215,15 +190,9 @@ def test_tls_flags_serve_https(serve, tmp_path):
     port = free_port()
     app, options, _ = serve("--host", "127.0.0.1", "--port", str(port), "--ssl-keyfile", str(key),
                             "--ssl-certfile", str(cert), "--uvicorn-log-level", "warning")
-    server = uvicorn.Server(uvicorn.Config(app, **options))  # exactly what uvicorn.run would have got
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     trusted = ssl.create_default_context(cafile=str(cert))
-    try:
+    with uvicorn_thread(app, options):  # exactly what uvicorn.run would have got
         deadline = time.time() + 30
-        while not server.started:
-            assert time.time() < deadline and thread.is_alive(), "the https server did not start"
-            time.sleep(0.05)
         while httpx.get(f"https://127.0.0.1:{port}/health", verify=trusted, timeout=5).status_code != 200:
             assert time.time() < deadline, "the model did not load"  # serve loads it once listening
             time.sleep(0.05)
@@ -234,9 +203,6 @@ def test_tls_flags_serve_https(serve, tmp_path):
             httpx.get(f"https://127.0.0.1:{port}/health", timeout=5)
         with pytest.raises(httpx.HTTPError):  # and plain http is not served
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.mark.parametrize("namespace", ["pagedllm", "vllm"])

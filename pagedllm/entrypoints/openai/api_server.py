@@ -41,17 +41,17 @@ _ANSWERED_WHILE_LOADING = frozenset({"/health", "/version"})
 
 
 def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> FastAPI:
-    """The app over ``state.engine``. ``allowed_origins``: the browser origins
+    """The app over ``state.async_engine``. ``allowed_origins``: the browser origins
     CORS lets call the API (``["*"]``: any); None sends no CORS headers, so
     browsers keep other sites' pages from reading responses."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loading = None
-        if state.engine is None:
+        if state.async_engine is None:
             loading = asyncio.create_task(_load_engine(state))
         else:
-            _start_engine_loop(state)
+            state.async_engine.start()
         yield
         if loading is not None:
             await loading  # a load still running finishes first: its thread cannot be interrupted
@@ -67,7 +67,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
 
     @app.middleware("http")
     async def refuse_while_loading(request: Request, call_next):
-        if state.engine is None and request.url.path not in _ANSWERED_WHILE_LOADING:
+        if state.async_engine is None and request.url.path not in _ANSWERED_WHILE_LOADING:
             return JSONResponse(error_body(state.not_ready_reason(), "server_error", code="model_loading"),
                                 status_code=503)
         return await call_next(request)
@@ -86,18 +86,15 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
 
 async def _load_engine(state: ServerState) -> None:
     """Build the engine in a thread (the event loop keeps answering /health),
-    then start its loop. A failed load is kept for /health and logged."""
+    hand it to an ``AsyncLLMEngine`` and start its loop. A failed load is kept
+    for /health and logged."""
     try:
-        state.engine = await asyncio.to_thread(state.load_engine)
+        engine = await asyncio.to_thread(state.load_engine)
     except Exception as exc:  # the server stays up to say so; the loader decides whether to exit
         state.load_error = exc
         logger.exception("loading the model failed")
         return
-    _start_engine_loop(state)
-
-
-def _start_engine_loop(state: ServerState) -> None:
-    state.async_engine = AsyncLLMEngine(state.engine)
+    state.async_engine = AsyncLLMEngine(engine)
     state.async_engine.start()
 
 
@@ -131,14 +128,13 @@ def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependen
     @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(503),
              description="Prometheus text exposition format")
     async def metrics() -> Response:
-        registry = state.engine.stats_reporter.prometheus.registry
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(state.engine_info.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", responses=error_responses(401, 503))
     async def models(tenant: str | None = Depends(tenant_of)) -> dict:
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": 0, "owned_by": "pagedllm",
-            "max_model_len": state.engine.max_model_len,
+            "max_model_len": state.engine_info.max_model_len,
         } for name in state.model_names]}
 
     @app.get("/dashboard", response_class=HTMLResponse, responses=error_responses(401, 503))
@@ -152,31 +148,31 @@ def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependen
 
     @app.get("/v1/kv_pool", responses=error_responses(401, 503))
     async def kv_pool(tenant: str | None = Depends(tenant_of)) -> dict:
-        """The live block pool (see ``LLM.kv_pool_snapshot``)."""
-        return state.engine.kv_pool_snapshot()
+        """The live block pool (see ``LLM.kv_pool_snapshot``), between two steps."""
+        return await state.async_engine.kv_pool_snapshot()
 
     @app.post("/reset_prefix_cache", responses=error_responses(401, 503))
     async def reset_prefix_cache(tenant: str | None = Depends(tenant_of)) -> dict:
-        return {"dropped_blocks": state.engine.reset_prefix_cache()}
+        return {"dropped_blocks": await state.async_engine.reset_prefix_cache()}
 
 
 def _add_token_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
     @app.post("/tokenize", responses=error_responses(400, 401, 404, 503))
     async def tokenize(body: TokenizeRequest, tenant: str | None = Depends(tenant_of)) -> dict:
         check_model(state, body.model)
-        tokenizer = state.engine.get_tokenizer()
+        tokenizer = state.engine_info.tokenizer
         if body.messages is not None:
             ids = chat_prompt(state, body)["prompt_token_ids"]
         elif body.prompt is not None:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             raise APIError(400, "pass either prompt or messages", param="prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine_info.max_model_len}
 
     @app.post("/detokenize", responses=error_responses(400, 401, 404, 503))
     async def detokenize(body: DetokenizeRequest, tenant: str | None = Depends(tenant_of)) -> dict:
         check_model(state, body.model)
-        check_limits(state.engine, body)
-        return {"prompt": state.engine.get_tokenizer().decode(body.tokens)}
+        check_limits(state.engine_info, body)
+        return {"prompt": state.engine_info.tokenizer.decode(body.tokens)}
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.entrypoints.openai.errors import APIError
 
 # Request fields holding token ids (every integer inside is one): the vocabulary bounds them.
@@ -24,22 +24,22 @@ class Limit:
     minimum: int | None = None  # None: the request model's own bound (``protocol``) stands
 
 
-def field_limits(engine: LLMEngine) -> dict[str, Limit]:
+def field_limits(info: EngineInfo) -> dict[str, Limit]:
     """Each bounded integer field's allowed range on this server."""
-    seqs = Limit(engine.scheduler_config.max_num_seqs, "--max-num-seqs")
-    length = Limit(engine.max_model_len, "--max-model-len")
-    logprobs = Limit(engine.config.max_logprobs, "--max-logprobs")
+    seqs = Limit(info.max_num_seqs, "--max-num-seqs")
+    length = Limit(info.max_model_len, "--max-model-len")
+    logprobs = Limit(info.max_logprobs, "--max-logprobs")
     limits = {"n": seqs, "best_of": seqs, "max_tokens": length, "max_completion_tokens": length,
               "min_tokens": length, "truncate_prompt_tokens": length, "logprobs": logprobs, "top_logprobs": logprobs,
               "prompt_logprobs": logprobs}
-    if engine.scheduler_config.scheduling_policy != "priority":
+    if info.scheduling_policy != "priority":
         limits["priority"] = Limit(0, "priorities need --scheduling-policy priority", minimum=0)
     return limits
 
 
-def check_limits(engine: LLMEngine, body: BaseModel) -> None:
+def check_limits(info: EngineInfo, body: BaseModel) -> None:
     """A 400 naming the first field of ``body`` outside this server's limits."""
-    for name, limit in field_limits(engine).items():
+    for name, limit in field_limits(info).items():
         value = getattr(body, name, None)
         # type() is int: chat's logprobs is a boolean, not a count
         if type(value) is not int:
@@ -47,7 +47,7 @@ def check_limits(engine: LLMEngine, body: BaseModel) -> None:
         if value > limit.maximum or (limit.minimum is not None and value < limit.minimum):
             allowed = f"<= {limit.maximum}" if limit.minimum is None else f"in [{limit.minimum}, {limit.maximum}]"
             raise APIError(400, f"{name} must be {allowed} on this server ({limit.source}), got {value}", param=name)
-    vocab = engine.vocab_size
+    vocab = info.vocab_size
     for name in TOKEN_ID_FIELDS:
         outside = [t for t in _integers(getattr(body, name, None)) if t >= vocab]
         if outside:
@@ -61,11 +61,11 @@ def _integers(value: Any) -> list[int]:
     return [t for item in value for t in _integers(item)] if isinstance(value, list) else []
 
 
-def bound_schema(engine: LLMEngine, schema: dict[str, Any]) -> None:
+def bound_schema(info: EngineInfo, schema: dict[str, Any]) -> None:
     """Write this server's limits into the request schemas of an OpenAPI
     document (``components.schemas``) as ``maximum``s, in place."""
-    limits = field_limits(engine)
-    limits.update(dict.fromkeys(TOKEN_ID_FIELDS, Limit(engine.vocab_size - 1, "the vocabulary")))
+    limits = field_limits(info)
+    limits.update(dict.fromkeys(TOKEN_ID_FIELDS, Limit(info.vocab_size - 1, "the vocabulary")))
     for component in schema.get("components", {}).get("schemas", {}).values():
         for name, field_schema in component.get("properties", {}).items():
             if name in limits:

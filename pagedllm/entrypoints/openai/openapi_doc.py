@@ -27,9 +27,9 @@ def install_openapi(app: FastAPI, state: ServerState) -> None:
             operation["responses"].pop("422", None)
         for name in _UNUSED_COMPONENTS:
             schema.get("components", {}).get("schemas", {}).pop(name, None)
-        if state.engine is None:
+        if state.async_engine is None:
             return schema  # the engine's limits are not known yet: not kept
-        bound_schema(state.engine, schema)
+        bound_schema(state.async_engine.info, schema)
         app.openapi_schema = schema
         return schema
 

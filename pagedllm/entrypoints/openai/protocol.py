@@ -14,6 +14,7 @@ truly unknown field is ignored and logged once per name, as vLLM does.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
@@ -190,7 +191,7 @@ class _SamplingFields(StrictModel):
     guided_decoding_backend: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None, *,
-                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """Raises ``ValueError`` (naming the field) for out-of-range values.
         ``defaults`` (the engine's, from generation_config.json) fill the
         fields the request left unset, max_tokens included."""

@@ -47,7 +47,7 @@ async def serve(state: ServerState, kind: str, prompts: list[PromptType], params
         for stream in streams:
             stream.abort()
         raise bad_request(exc, type(body).model_fields) from exc
-    response = ResponseBuilder(state.engine.get_tokenizer(), kind, params, chat, body.model or state.served_model_name,
+    response = ResponseBuilder(state.engine_info.tokenizer, kind, params, chat, body.model or state.served_model_name,
                                completion=completion, new_tool_parser=new_tool_parser)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -27,7 +27,7 @@ def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency
         check_model(state, body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        check_limits(state.engine, body)
+        check_limits(state.engine_info, body)
         try:
             prompt = chat_prompt(state, body)
             tools = _tools(body)
@@ -38,8 +38,8 @@ def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency
             # max_completion_tokens (OpenAI's newer name) wins; "is None", since a 0 must not fall through
             max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
             params = body.sampling_params(max_tokens, top_logprobs if body.logprobs else None,
-                                          defaults=state.engine.default_sampling_params)
-            check_structured_outputs(state.engine, body, params)
+                                          defaults=state.engine_info.default_sampling_params)
+            check_structured_outputs(state.async_engine, body, params)
             params = _with_tool_grammar(state, params, plan)
         except ValueError as exc:
             raise bad_request(exc, ChatCompletionRequest.model_fields) from exc
@@ -57,7 +57,7 @@ def _with_tool_grammar(state: ServerState, params: SamplingParams, plan: ToolPla
                          "it cannot be combined with response_format or structured outputs")
     params = dataclasses.replace(params, structured_outputs=plan.structured_outputs)
     try:
-        state.engine.structured_output.compile(params)
+        state.async_engine.compile_structured_outputs(params)
     except StructuredOutputError as exc:
         raise ValueError(f"tools: a function's parameters schema is invalid: {exc.reason}") from exc
     return params
@@ -81,6 +81,6 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeReques
     )
     conversation = [message.model_dump(exclude_none=True) for message in body.messages]
     try:
-        return render_chat(state.engine.get_tokenizer(), conversation, options)
+        return render_chat(state.engine_info.tokenizer, conversation, options)
     except ValueError as exc:
         raise bad_request(exc, ChatCompletionRequest.model_fields) from exc

@@ -24,7 +24,7 @@ def add_completion_route(app: FastAPI, state: ServerState, tenant_of: TenantDepe
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, tenant: str | None = Depends(tenant_of)):
         check_model(state, body.model)
-        check_limits(state.engine, body)
+        check_limits(state.engine_info, body)
         echo_only = body.max_tokens == 0
         if echo_only and not body.echo:
             raise APIError(400, "max_tokens 0 is only allowed with echo=true (it returns the prompt alone); "
@@ -33,7 +33,7 @@ def add_completion_route(app: FastAPI, state: ServerState, tenant_of: TenantDepe
         if body.suffix is not None:
             if body.echo:
                 raise APIError(400, "suffix cannot be used with echo", param="suffix")
-            prompts = [fill_in_the_middle(state.engine.get_tokenizer(), p, body.suffix) for p in prompts]
+            prompts = [fill_in_the_middle(state.engine_info.tokenizer, p, body.suffix) for p in prompts]
         # With echo, the prompt's tokens get the same logprobs as the generated ones (vLLM).
         prompt_logprobs = body.prompt_logprobs
         if prompt_logprobs is None and body.echo:
@@ -41,8 +41,8 @@ def add_completion_route(app: FastAPI, state: ServerState, tenant_of: TenantDepe
         try:
             # max_tokens 0: the engine runs the prefill and samples one token, which the response drops.
             params = body.sampling_params(1 if echo_only else body.max_tokens, body.logprobs, prompt_logprobs,
-                                          defaults=state.engine.default_sampling_params)
-            check_structured_outputs(state.engine, body, params)
+                                          defaults=state.engine_info.default_sampling_params)
+            check_structured_outputs(state.async_engine, body, params)
         except ValueError as exc:
             raise bad_request(exc, CompletionRequest.model_fields) from exc
         options = CompletionOptions(echo=body.echo, echo_only=echo_only, prompt_logprobs=body.prompt_logprobs is not None,

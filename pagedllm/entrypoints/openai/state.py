@@ -1,24 +1,31 @@
-"""What every route of the server shares: the engine, the served names, the keys."""
+"""What every route of the server shares: the async engine, the served names, the keys."""
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.entrypoints.chat_utils import ChatSettings
 from pagedllm.entrypoints.openai.errors import APIError
+
+if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import LLMEngine
 
 
 @dataclass
 class ServerState:
-    """Safety rule: ``engine`` is None only while ``load_engine`` runs; the app's
-    middleware answers every route but /health and /version with a 503 until
-    then, so a route never sees None."""
+    """Safety rules: routes reach the engine only through ``async_engine`` (its
+    ``info`` for the fixed facts, its methods for anything that reads or changes
+    the scheduler or the pool), never the ``LLMEngine`` under it, whose step
+    runs in another thread. ``async_engine`` is None only while ``load_engine``
+    runs; the app's middleware answers every route but /health and /version
+    with a 503 until then, so a route never sees None."""
 
     served_model_name: str  # the first name: reported when a request names no model
     # API key -> tenant name (None: a key without a tenant). Empty: no auth.
@@ -27,20 +34,26 @@ class ServerState:
     chat: ChatSettings = field(default_factory=ChatSettings)  # --chat-template, --trust-request-chat-template
     # Further names a request's "model" may use (--served-model-name A B C: B and C).
     model_aliases: list[str] = field(default_factory=list)
-    engine: LLMEngine | None = None
-    # Builds the engine when ``engine`` is not given: called in a thread once the
-    # server listens, so /health answers 503 (not "connection refused") while the
-    # model loads.
+    # Builds the engine when ``async_engine`` is not given: called in a thread once
+    # the server listens, so /health answers 503 (not "connection refused") while
+    # the model loads; the engine goes straight into an ``AsyncLLMEngine``.
     load_engine: Callable[[], LLMEngine] | None = None
     load_error: BaseException | None = None
 
     def __post_init__(self) -> None:
-        if (self.engine is None) == (self.load_engine is None):
-            raise ValueError("ServerState needs exactly one of engine and load_engine")
+        if (self.async_engine is None) == (self.load_engine is None):
+            raise ValueError("ServerState needs exactly one of async_engine and load_engine")
 
     @property
     def model_names(self) -> list[str]:
         return [self.served_model_name, *self.model_aliases]
+
+    @property
+    def engine_info(self) -> EngineInfo:
+        """The engine's fixed facts (tokenizer, limits, defaults); for routes, which never run while it loads."""
+        if self.async_engine is None:
+            raise RuntimeError("the engine is still loading")
+        return self.async_engine.info
 
     @property
     def is_ready(self) -> bool:
@@ -51,7 +64,7 @@ class ServerState:
     def not_ready_reason(self) -> str:
         if self.load_error is not None:
             return f"loading the model failed ({self.load_error!r}); see the server log"
-        if self.engine is None:
+        if self.async_engine is None:
             return "the model is still loading"
         return "the engine is not running (still starting, or its loop died: see the server log)"
 

@@ -5,14 +5,14 @@ names the request field the client set (``response_format``, ``guided_json``,
 
 from __future__ import annotations
 
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.errors import RequestFieldError
 from pagedllm.entrypoints.openai.protocol import _SamplingFields
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import StructuredOutputError
 
 
-def check_structured_outputs(engine: LLMEngine, body: _SamplingFields, params: SamplingParams) -> None:
+def check_structured_outputs(engine: AsyncLLMEngine, body: _SamplingFields, params: SamplingParams) -> None:
     """Raise ``ValueError`` (a ``RequestFieldError`` naming the request field when
     it is the constraint's fault) unless the engine can enforce the constraint
     ``params`` carries. The compiled grammar is cached, so adding the request
@@ -21,6 +21,6 @@ def check_structured_outputs(engine: LLMEngine, body: _SamplingFields, params: S
     if field is None:
         return
     try:
-        engine.structured_output.compile(params)
+        engine.compile_structured_outputs(params)
     except StructuredOutputError as exc:
         raise RequestFieldError(field, f"{field} is invalid: {exc.reason}") from exc
