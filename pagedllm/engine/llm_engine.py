@@ -5,7 +5,6 @@ runner, and turns sampled token ids into text, logprobs and finish reasons."""
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 import weakref
@@ -21,7 +20,8 @@ from pagedllm.core.runner_output import ModelRunnerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine.counters import engine_stats, kv_pool_snapshot
-from pagedllm.engine.setup import create_kv_cache_manager, eos_token_ids_of, sampling_defaults_of
+from pagedllm.engine.setup import (create_kv_cache_manager, eos_token_ids_of, freeze_long_lived_objects,
+                                   sampling_defaults_of)
 from pagedllm.engine.beam_search import BeamGroup, BeamSearchParams
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
@@ -61,14 +61,6 @@ class _AppliedStep:
     sampled: list[Request]  # sequences of sampled requests that got tokens (beams report as a group)
     beam_outputs: list[RequestOutput]
     iteration: IterationStats
-
-
-def _freeze_long_lived_objects() -> None:
-    """Move the long-lived model, tokenizer and pools out of the collector's view, so its
-    passes stay short. Loading's garbage is young: a full pass would also walk every module
-    object of torch and transformers (~0.2 s of a ~3 s cold start) to find a few dozen more."""
-    gc.collect(1)
-    gc.freeze()
 
 
 class LLMEngine:
@@ -137,7 +129,7 @@ class LLMEngine:
         self.default_sampling_params = sampling_defaults_of(config, self.model_path)
         self.stats_reporter = StatsReporter(metrics_context(config, self.pool_plan, self.scheduler_config), self.stats)
         logger.info(self.capacity_line())
-        _freeze_long_lived_objects()
+        freeze_long_lived_objects()
 
     # ------------------------------------------------------------- set-up
 
