@@ -7,6 +7,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
+from pagedllm.core.runner_output import SampledTokens
 from pagedllm.core.scheduler_output import SampleRow, ScheduledSequence, SchedulerOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output import StructuredOutputManager
@@ -32,6 +33,11 @@ def token(tokenizer, text: str) -> int:
     return token_id
 
 
+def one(token_id: int) -> SampledTokens:
+    """What the runner reports for a row that sampled one token (no speculation)."""
+    return SampledTokens([token_id], [0.0], [None])
+
+
 def test_forks_copy_the_state_then_advance_apart(manager, smollm_tokenizer):
     vocab, eos = len(smollm_tokenizer), smollm_tokenizer.eos_token_id
     grammar = manager.compile(SamplingParams(structured_outputs=StructuredOutputsParams(choice=["xy", "zw"])))
@@ -41,7 +47,7 @@ def test_forks_copy_the_state_then_advance_apart(manager, smollm_tokenizer):
     masks = [allowed_tokens(first.bitmask, i, vocab) for i in range(3)]
     x, z = token(smollm_tokenizer, "x"), token(smollm_tokenizer, "z")
     assert masks[0] == masks[1] == masks[2] and {x, z} <= masks[0] and eos not in masks[0]
-    manager.accept(step("r", 0, ["r::1", "r::2"]), {"r": x, "r::1": z, "r::2": x})
+    manager.accept(step("r", 0, ["r::1", "r::2"]), {"r": one(x), "r::1": one(z), "r::2": one(x)})
     assert manager.num_live_matchers == 3
     after = manager.bitmask_for(SchedulerOutput(scheduled=[
         ScheduledSequence(sid, 11, 1, sample_rows=[SampleRow(sid, 0, 1)]) for sid in ("r", "r::1")
@@ -55,7 +61,7 @@ def test_forks_copy_the_state_then_advance_apart(manager, smollm_tokenizer):
 def test_a_rejected_token_leaves_only_eos(manager, smollm_tokenizer):
     vocab, eos = len(smollm_tokenizer), smollm_tokenizer.eos_token_id
     manager.add_sequence("r", manager.compile(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))))
-    manager.accept(step("r", 0), {"r": token(smollm_tokenizer, "b")})
+    manager.accept(step("r", 0), {"r": one(token(smollm_tokenizer, "b"))})
     assert allowed_tokens(manager.bitmask_for(step("r", 1)).bitmask, 0, vocab) == {eos}
 
 
