@@ -66,6 +66,17 @@ class BeamSearchParams:
             )
 
 
+def _holds_position(beam: Request, output_position: int) -> bool:
+    """Whether a parked beam's distribution still describes it: the beam runs
+    with all its tokens computed, and the distribution is for its next output
+    position. A beam preempted since is being recomputed (no fork parent: its
+    blocks are partly gone) and parks again when its recompute samples; a row
+    sampled by such a recompute after the group ranked without it is for a
+    position already decided."""
+    return (beam.status is RequestStatus.RUNNING and beam.num_computed_tokens == beam.num_tokens
+            and output_position == beam.num_output_tokens)
+
+
 def _check_count(name: str, value: object, low: int, high: int | None = None) -> None:
     """A ValueError naming the field unless ``value`` is an int in [low, high]."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
@@ -119,8 +130,9 @@ class BeamGroup:
     improvement_possible: bool = True
     done: bool = False
     # Beams that reached their next position, waiting for the rest of the group
-    # (a sibling preempted this step catches up in a later one).
-    parked: dict[str, tuple[Request, PositionLogprobs]] = field(default_factory=dict)
+    # (a sibling preempted this step catches up in a later one): each with the
+    # output position its next-token distribution is for.
+    parked: dict[str, tuple[Request, int, PositionLogprobs]] = field(default_factory=dict)
     # Numbers the forks' ids ("<request id>::beam<k>") within the group.
     fork_numbers: itertools.count = field(default_factory=lambda: itertools.count(1))
 
@@ -205,16 +217,15 @@ class BeamGroup:
         beam has one, rank them and return the group's forks, appends and
         finishes (every beam finishes when the search is done)."""
         parked = self.parked
-        parked[request.request_id] = (request, sampled[request.request_id].position_logprobs[0])
-        # A parked beam preempted since is recomputed and parks again later;
-        # until then it is no fork parent (its blocks are gone).
-        for rid in [rid for rid, (r, _) in parked.items() if r.status is not RequestStatus.RUNNING]:
+        parked[request.request_id] = (request, rows[0].output_position,
+                                      sampled[request.request_id].position_logprobs[0])
+        for rid in [rid for rid, (r, position, _) in parked.items() if not _holds_position(r, position)]:
             del parked[rid]
         if set(parked) != set(self.running):
             return []  # every running beam needs its next-token distribution first
         self.parked = {}
-        beams = {rid: r for rid, (r, _) in parked.items()}
-        return self._decisions(beams, self.rank(beams, {rid: lp for rid, (_, lp) in parked.items()}))
+        beams = {rid: r for rid, (r, _, _) in parked.items()}
+        return self._decisions(beams, self.rank(beams, {rid: lp for rid, (_, _, lp) in parked.items()}))
 
     def _decisions(self, beams: dict[str, Request], plan: list[tuple[str, int, float]]) -> list[Decision]:
         """The ranking's plan as decisions: forks first (they must copy the
