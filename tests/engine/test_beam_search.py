@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -175,3 +177,34 @@ class _Ids:
     @staticmethod
     def decode(token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return " ".join(map(str, token_ids))
+
+
+def test_a_parked_beam_preempted_is_ranked_only_after_its_recompute_samples_again():
+    """A parked beam that is preempted and resumed has no usable distribution
+    while its recompute runs: a sibling's row must not rank the group then (the
+    recompute's row, for a position already decided, would rank the next step
+    with a stale distribution: repeated tokens)."""
+    expected_scheduler, _, expected = beam_scheduler(width=2, max_tokens=6)
+    for _ in range(50):
+        if expected.done:
+            break
+        fake_step(expected_scheduler)
+    scheduler, kv, group = beam_scheduler(width=2, max_tokens=6, max_num_batched_tokens=1)
+    for _ in range(50):  # one token per step: "r" parks while its sibling waits for budget
+        if len(group.running) == 2 and "r" in group.parked:
+            break
+        fake_step(scheduler)
+    assert "r" in group.parked
+    parked = scheduler.requests["r"]
+    scheduler.running.remove(parked)
+    scheduler._preempt(parked, SchedulerOutput())
+    scheduler.config = dataclasses.replace(scheduler.config, max_num_batched_tokens=4)
+    resumed = fake_step(scheduler)  # the sibling samples while "r" recomputes part of its tokens
+    assert {s.sequence_id for s in resumed.scheduled} == {"r", "r::beam1"}
+    assert parked.num_computed_tokens < parked.num_tokens and "r" not in group.parked
+    for _ in range(50):
+        if group.done:
+            break
+        fake_step(scheduler)
+    assert [h.output_token_ids for h in group.finished] == [h.output_token_ids for h in expected.finished]
+    assert not scheduler.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks
