@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import Field, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from pagedllm.kv_events_config import KVEventsConfig
+from pagedllm.kv_offload_config import KVOffloadConfig
 from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.utils import check_block_size
 
@@ -114,6 +116,22 @@ class CacheConfig:
         default=False,
         metadata={"help": "write the whole KV pool (and the swap space) once at start, so its memory is "
                           "resident from the first request instead of growing as blocks fill (for servers)"},
+    )
+
+    kv_offload_host_bytes: int | None = field(
+        default=None,
+        metadata={"help": "host-memory tier under the pool, in bytes: evicted prefix-cache blocks are kept "
+                          "there (LRU) and loaded back on a hit (None: no host tier)"},
+    )
+    kv_offload_dir: str | None = field(
+        default=None,
+        metadata={"help": "disk tier folder: cached blocks are written there behind the step and found again "
+                          "after a restart or by other engines sharing it (None: no disk tier)"},
+    )
+    kv_offload_disk_bytes: int | None = field(
+        default=None,
+        metadata={"help": "most bytes the disk tier keeps in kv_offload_dir, least recently used removed first "
+                          "(None: unbounded)"},
     )
 
     def __post_init__(self) -> None:
@@ -295,9 +313,26 @@ class EngineConfig:
                           "(JSON on the command line; None: off)"},
     )
 
+    kv_transfer_config: dict | None = field(
+        default=None,
+        metadata={"help": "vLLM's spelling of the host tier: '{\"kv_connector\": \"OffloadingConnector\", "
+                          "\"kv_role\": \"kv_both\", \"kv_connector_extra_config\": {\"cpu_bytes_to_use\": N}}' "
+                          "(instead of kv_offload_host_bytes)"},
+    )
+    kv_events_config: dict | None = field(
+        default=None,
+        metadata={"help": "publish KV cache events as vLLM does, e.g. '{\"enable_kv_cache_events\": true, "
+                          "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                          "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv\"}' (None: off)"},
+    )
+
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, ModelDType)
         SpeculativeConfig.from_option(self.speculative_config)  # validates
+        KVEventsConfig.from_option(self.kv_events_config)  # validates
+        offload = self.kv_offload  # validates
+        if offload.enabled:
+            self._check_offload_compatible()
         _check_choice("gguf_weights", self.gguf_weights, GGUFWeights)
         _check_choice("generation_config", self.generation_config, GenerationConfigSource)
         sampling_overrides(self.override_generation_config)  # validates
@@ -368,6 +403,27 @@ class EngineConfig:
             sliding_window=sliding_window,
             num_speculative_tokens=spec.num_speculative_tokens if (spec := self.speculative) else 0,
         )
+
+    @property
+    def kv_offload(self) -> KVOffloadConfig:
+        """The offload tiers, from either spelling (``pagedllm.kv_offload_config``)."""
+        cache = self.cache
+        return KVOffloadConfig.from_options(cache.kv_offload_host_bytes, cache.kv_offload_dir,
+                                            cache.kv_offload_disk_bytes, self.kv_transfer_config)
+
+    def _check_offload_compatible(self) -> None:
+        """The tiers keep prefix-cache blocks of one unsharded pool."""
+        why = None
+        if not self.cache.enable_prefix_caching:
+            why = "they hold prefix-cache blocks: keep enable_prefix_caching on"
+        elif self.cache.kv_layout != "paged":
+            why = "they need kv_layout='paged'"
+        elif self.tensor_parallel_size != 1:
+            why = "tensor_parallel_size > 1 is not supported with them yet"
+        elif (spec := self.speculative) is not None and spec.method == "draft_model":
+            why = "a draft model's own KV pool is not offloaded yet: use method 'ngram' or no speculation"
+        if why is not None:
+            raise ValueError(f"KV offload tiers (kv_offload_host_bytes / kv_offload_dir / kv_transfer_config): {why}")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -6,9 +6,10 @@ per-layer KV tensors owned by the model runner.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from pagedllm.core.block_hash import BlockHash
+from pagedllm.core.kv_events import MEDIUM_POOL, BlockRemoved, BlockStored, KVEventLog
 
 
 class KVCacheBlock:
@@ -18,14 +19,17 @@ class KVCacheBlock:
     is set once the block is full and registered in the prefix cache; from then
     on its contents never change. The ``prev_free`` / ``next_free`` links belong
     to :class:`FreeBlockQueue` and are only meaningful while the block is free.
+    ``origin`` (parent hash, token ids) is kept only while KV events are on:
+    a tier that takes the block over announces it with them.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "origin", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        self.origin: tuple[BlockHash | None, tuple[int, ...]] | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -111,9 +115,15 @@ class BlockPool:
     - A block is in the free queue exactly when its ``ref_cnt`` is 0; a block
       with ``ref_cnt`` > 0 is never evicted.
     - A hashed block is full and immutable; a hash maps to at most one block.
+    - ``on_evict`` sees an evicted block while it still holds its hash and its
+      contents: the caller may copy it down a tier, but must do so before the
+      block is written again (the tier moves of the same step).
+    - With ``events``, every hash that enters or leaves the cache is recorded
+      there (medium "GPU"), in order: the pool is the one source of pool events.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[KVCacheBlock], None] | None = None,
+                 events: KVEventLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got num_blocks={num_blocks}")
         self.num_blocks = num_blocks
@@ -121,6 +131,8 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.on_evict = on_evict
+        self.events = events
 
     @property
     def num_free_blocks(self) -> int:
@@ -143,19 +155,31 @@ class BlockPool:
         return new_blocks
 
     def _evict(self, block: KVCacheBlock) -> None:
+        if self.on_evict is not None:
+            self.on_evict(block)
+        if self.events is not None:
+            self.events.append(BlockRemoved([block.block_hash], MEDIUM_POOL))
         del self.cached_blocks[block.block_hash]
-        block.block_hash = None
+        block.block_hash = block.origin = None
         self.num_evictions += 1
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Register a full, in-use block under its hash. If another block already
-        holds that content it stays the cached one; this block stays unhashed."""
-        if block.block_hash is None and block_hash not in self.cached_blocks:
-            block.block_hash = block_hash
-            self.cached_blocks[block_hash] = block
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, parent: BlockHash | None = None,
+                    token_ids: Sequence[int] = ()) -> bool:
+        """Register a full, in-use block under its hash (``parent``: the previous
+        block's hash, ``token_ids``: its tokens, for the events). If another block
+        already holds that content it stays the cached one; this block stays
+        unhashed. Returns whether this block became the cached one."""
+        if block.block_hash is not None or block_hash in self.cached_blocks:
+            return False
+        block.block_hash = block_hash
+        self.cached_blocks[block_hash] = block
+        if self.events is not None:
+            block.origin = (parent, tuple(token_ids))
+            self.events.append(BlockStored([block_hash], parent, list(token_ids), len(token_ids), MEDIUM_POOL))
+        return True
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add one reference to each block, reviving cached free blocks out of
@@ -182,9 +206,11 @@ class BlockPool:
         """Forget every cached block nobody uses; returns how many were dropped.
         Blocks still in use keep their hashes."""
         dropped = [b for b in self.cached_blocks.values() if b.ref_cnt == 0]
+        if dropped and self.events is not None:
+            self.events.append(BlockRemoved([block.block_hash for block in dropped], MEDIUM_POOL))
         for block in dropped:
             del self.cached_blocks[block.block_hash]
-            block.block_hash = None
+            block.block_hash = block.origin = None
         return len(dropped)
 
     def check_invariants(self) -> None:

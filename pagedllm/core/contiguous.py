@@ -21,7 +21,8 @@ import bisect
 from collections.abc import Collection, Mapping
 
 from pagedllm.core.request import Request
-from pagedllm.core.kv_interface import BlockCopy, KVCacheStats
+from pagedllm.core.kv_interface import BlockCopy, KVCacheStats, PrefixHit
+from pagedllm.core.tier_index import TierMoves
 from pagedllm.utils import cdiv, check_block_size
 
 
@@ -91,18 +92,26 @@ class ContiguousKVCacheManager:
             raise ValueError(f"per-request reservations need reserve_for({request_id!r}, tokens) first")
         return self._sizes[request_id]
 
-    def get_computed_blocks(self, request: Request) -> tuple[list, int]:
+    def get_computed_blocks(self, request: Request) -> PrefixHit:
         """No cache hits. The scheduler calls this before admitting a request, so in
         per-request mode it is where the reservation size (prompt + max_tokens) is learnt."""
         if self.reservation_blocks is None:
             self.reserve_for(request.request_id, request.num_prompt_tokens + request.max_tokens)
-        return [], 0
+        return PrefixHit([], 0)
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """No prefix cache: nothing to count."""
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """No prefix cache: nothing to register."""
+
+    def take_tier_moves(self) -> TierMoves:
+        return TierMoves()  # no prefix cache, so no tiers below it
+
+    tiers_busy = False
+
+    def wait_for_tiers(self) -> bool:
+        return True
 
     def reset_prefix_cache(self) -> int:
         return 0

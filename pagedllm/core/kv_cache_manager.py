@@ -7,14 +7,16 @@ window the leading entries that fell out of it are None: released, owning nothin
 
 from __future__ import annotations
 
-from pagedllm.core.block_hash import extend_block_hashes
+from pagedllm.core.block_hash import BlockHash, extend_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.block_table import BlockTableRecord, SwappedTable, TableEntry
-from pagedllm.core.kv_interface import NULL_BLOCK_ID, BlockCopy, KVCacheStats
+from pagedllm.core.kv_events import KVEventLog
+from pagedllm.core.kv_interface import NULL_BLOCK_ID, BlockCopy, KVCacheStats, PrefixHit
 from pagedllm.core.request import Request
 from pagedllm.core.sliding_window import num_out_of_window_blocks
 from pagedllm.core.swap_space import SwapSpace
 from pagedllm.core.table_invariants import check_paged_tables
+from pagedllm.core.tier_index import TierCounters, TierIndex, TierMoves
 from collections.abc import Collection, Mapping
 
 from pagedllm.utils import cdiv, check_block_size
@@ -45,6 +47,11 @@ class KVCacheManager:
       prefix cache until evicted.
     - ``free`` releases tail-first, so (once prefix caching keeps freed blocks
       around) a shared prefix is evicted after the private tails that follow it.
+    - With ``tiers`` (``core/tier_index.py``), an evicted hashed block is
+      offloaded to host memory, a newly cached one is persisted to disk, and a
+      prefix lookup continues in the tiers where the pool misses: a tier hit
+      takes a fresh block (counted like any other before anything changes)
+      into which the block's bytes are loaded before the forward.
     """
 
     def __init__(
@@ -55,10 +62,16 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         num_swap_blocks: int = 0,
         sliding_window: int | None = None,
+        tiers: TierIndex | None = None,
+        events: KVEventLog | None = None,
     ) -> None:
         check_block_size(block_size)
+        if tiers is not None and (sliding_window is not None or not enable_prefix_caching):
+            raise ValueError("KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching and a "
+                             "model without a sliding window")
         self.block_size = block_size
-        self.block_pool = BlockPool(num_blocks)
+        self.tiers = tiers
+        self.block_pool = BlockPool(num_blocks, on_evict=self._offload if tiers is not None else None, events=events)
         # Each resident request's table, and each swapped-out one's (never both: ``block_table``).
         self.tables: dict[str, BlockTableRecord] = {}
         self.swapped_tables: dict[str, SwappedTable] = {}
@@ -98,9 +111,12 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Cached blocks holding the request's leading full blocks, up to the first
-        miss, and the number of tokens they cover.
+    def get_computed_blocks(self, request: Request) -> PrefixHit:
+        """The request's leading full blocks that need no compute: cached pool
+        blocks, then (with tiers) the hashes of blocks host memory holds, up to
+        the first miss, and the number of tokens they cover. ``loading`` is True
+        when the next blocks are being fetched from disk: the request should
+        wait for them rather than recompute them.
 
         The hit stops short of the last token: at least one token is always
         computed so there are logits to sample from. Because a hashed block is
@@ -110,16 +126,20 @@ class KVCacheManager:
         logits of cached positions are never computed, so it computes them all.
         """
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0
+            return PrefixHit([], 0)
         hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
+        hits: list[KVCacheBlock | BlockHash] = []
         for block_hash in hashes[:max_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        loading = False
+        if self.tiers is not None and len(hits) < max_blocks:
+            num_ready, loading = self.tiers.lookup(hashes[len(hits):max_blocks])
+            hits += hashes[len(hits):len(hits) + num_ready]
+        return PrefixHit(hits, len(hits) * self.block_size, loading)
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's prefix-cache lookup (in tokens)."""
@@ -138,7 +158,8 @@ class KVCacheManager:
 
         ``computed_blocks`` (from ``get_computed_blocks``, for a request with no
         table yet) become the head of the table with one more reference each;
-        cached free ones are revived, and count against the free blocks.
+        cached free ones are revived, and count against the free blocks, as do
+        the tier hits among them (hashes), each loaded into a fresh block.
         Grows the table with fresh blocks and, if the first token lands in a
         block shared with another table (a partly filled tail after a fork),
         replaces that entry by a private copy: copy-on-write. Returns the
@@ -162,14 +183,19 @@ class KVCacheManager:
         num_new_blocks = max(0, self.num_blocks_for(num_computed_tokens + num_new_tokens) - held)
         write_index = num_computed_tokens // self.block_size
         needs_copy = write_index < len(blocks) and blocks[write_index].ref_cnt > 1
-        revived = sum(1 for block in kept if block.ref_cnt == 0)
-        if num_new_blocks + needs_copy + revived > self.num_free_blocks:
+        num_from_pool = next((i for i, b in enumerate(kept) if not isinstance(b, KVCacheBlock)), len(kept))
+        revived = sum(1 for block in kept[:num_from_pool] if block.ref_cnt == 0)
+        num_loads = len(kept) - num_from_pool
+        if num_new_blocks + needs_copy + revived + num_loads > self.num_free_blocks:
             return None
         if record is None:  # a new table: the cached blocks are registered, those out of the window released
-            self.block_pool.touch(kept)
+            pooled = kept[:num_from_pool]
+            self.block_pool.touch(pooled)
+            loaded = self._load_from_tiers(kept[num_from_pool:])
             num_released = len(computed_blocks) - len(kept)
-            record = self.tables[request_id] = BlockTableRecord([None] * num_released + kept, num_released,
-                                                                len(computed_blocks))
+            # Loaded blocks are registered by the step's cache_full_blocks, which knows their tokens.
+            record = self.tables[request_id] = BlockTableRecord([None] * num_released + pooled + loaded,
+                                                                num_released, num_released + len(pooled))
         blocks = record.entries
         copies = []
         if needs_copy:
@@ -181,6 +207,30 @@ class KVCacheManager:
         blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
         return copies
+
+    def _load_from_tiers(self, block_hashes: list[BlockHash]) -> list[KVCacheBlock]:
+        """Fresh blocks into which the tiers load these blocks before the forward."""
+        if not block_hashes:
+            return []
+        blocks = self.block_pool.get_new_blocks(len(block_hashes))
+        for block, block_hash in zip(blocks, block_hashes):
+            self.tiers.load(block_hash, block.block_id)
+        return blocks
+
+    def _offload(self, block: KVCacheBlock) -> None:
+        """The pool evicts a hashed block: the tiers keep a copy (``BlockPool.on_evict``)."""
+        parent, token_ids = block.origin or (None, None)
+        self.tiers.offload(block.block_id, block.block_hash, parent, token_ids)
+
+    def take_tier_moves(self) -> TierMoves:
+        return self.tiers.take_moves() if self.tiers is not None else TierMoves()
+
+    @property
+    def tiers_busy(self) -> bool:
+        return self.tiers is not None and self.tiers.fetching
+
+    def wait_for_tiers(self) -> bool:
+        return self.tiers is None or self.tiers.wait_landed()
 
     def _release_out_of_window(self, request_id: str, num_released: int) -> None:
         """Release the request's table entries before ``num_released`` (None
@@ -216,12 +266,23 @@ class KVCacheManager:
         if num_full <= record.num_registered:
             return
         hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys)
+        # Token ids and parents only for the events and tiers that announce blocks.
+        described = self.block_pool.events is not None
+        tokens, size = request.all_token_ids, self.block_size
         # Released entries hold no block to register (after a swap-in restarts from 0).
         for index in range(max(record.num_registered, record.num_released), num_full):
-            self.block_pool.cache_block(record.entries[index], hashes[index])
+            parent = hashes[index - 1] if index else None
+            block_tokens = tokens[index * size:(index + 1) * size] if described else ()
+            block = record.entries[index]
+            if self.block_pool.cache_block(block, hashes[index], parent, block_tokens) and self.tiers is not None:
+                self.tiers.persist(block.block_id, hashes[index], parent, block_tokens or None)
         record.num_registered = num_full
 
     def reset_prefix_cache(self) -> int:
+        """Forget the cached blocks no request uses, in the pool and in host memory
+        (the disk tier is shared and persistent: it keeps its files)."""
+        if self.tiers is not None:
+            self.tiers.clear_host()
         return self.block_pool.reset_prefix_cache()
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
@@ -372,6 +433,7 @@ class KVCacheManager:
         return record.entries if record is not None else []
 
     def stats(self) -> KVCacheStats:
+        tiers = self.tiers.counters if self.tiers is not None else TierCounters()
         return KVCacheStats(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
@@ -383,6 +445,12 @@ class KVCacheManager:
             num_swap_blocks=self.swap_space.num_blocks,
             swap_out_blocks=self.num_swap_out_blocks,
             swap_in_blocks=self.num_swap_in_blocks,
+            host_tier_blocks=self.tiers.num_host_blocks if self.tiers is not None else 0,
+            host_tier_hits=tiers.host_hits,
+            disk_tier_hits=tiers.disk_hits,
+            tier_offloads=tiers.offloads,
+            tier_persists=tiers.persists,
+            tier_fetch_failures=tiers.fetch_failures,
         )  # external_fragmentation_waits stays 0: paging never refuses what free blocks would fit
 
     def check_invariants(self, running: Mapping[str, int], swapped: Collection[str]) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from pagedllm.core.request import Request
+    from pagedllm.core.tier_index import TierMoves
 
 
 # The block id the runner's tables hold for an entry the sliding window released.
@@ -35,6 +36,16 @@ class BlockCopy(NamedTuple):
     table_index: int
 
 
+class PrefixHit(NamedTuple):
+    """What a prefix lookup found: ``blocks`` (cached pool blocks, then the
+    hashes of blocks a tier will load) covering ``num_tokens`` tokens, and
+    whether more of the prefix is ``loading`` from disk (wait for it)."""
+
+    blocks: list[Any]
+    num_tokens: int
+    loading: bool = False
+
+
 @dataclass(frozen=True)
 class KVCacheStats:
     """A manager's counters at one moment (all in blocks unless named otherwise)."""
@@ -53,6 +64,13 @@ class KVCacheStats:
     swap_in_blocks: int = 0
     # Admissions refused although enough blocks were free in total (contiguous only).
     external_fragmentation_waits: int = 0
+    # The tiers below the pool (``core/tier_index.py``), in blocks.
+    host_tier_blocks: int = 0
+    host_tier_hits: int = 0
+    disk_tier_hits: int = 0
+    tier_offloads: int = 0
+    tier_persists: int = 0
+    tier_fetch_failures: int = 0
 
     @property
     def num_blocks_in_use(self) -> int:
@@ -91,8 +109,9 @@ class KVCacheManagerProtocol(Protocol):
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[Any], int]:
-        """Cached blocks of the request's prefix and the tokens they cover."""
+    def get_computed_blocks(self, request: Request) -> PrefixHit:
+        """Cached blocks of the request's prefix, the tokens they cover, and
+        whether more are loading from a tier."""
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's prefix-cache lookup."""
@@ -134,6 +153,16 @@ class KVCacheManagerProtocol(Protocol):
 
     def reset_prefix_cache(self) -> int:
         """Forget cached blocks no request uses; returns how many."""
+
+    def take_tier_moves(self) -> TierMoves:
+        """The tier moves owed since the last call, for this step's output (empty without tiers)."""
+
+    @property
+    def tiers_busy(self) -> bool:
+        """Whether a tier fetch is in flight (a waiting request waits for it)."""
+
+    def wait_for_tiers(self) -> bool:
+        """Land the fetches that arrived; True when none is left in flight."""
 
     def reset_peak_blocks_in_use(self) -> None:
         """Start a new peak measurement from the blocks in use now."""

@@ -144,8 +144,10 @@ class Scheduler:
         budget -= output.total_num_scheduled_tokens
         if not decodes_preempted:
             self._schedule_waiting(output, budget)
-        # Last, so the runner also forgets the sequences preempted just now.
+        # Last, so the runner also forgets the sequences preempted just now, and
+        # performs every tier move the step's allocations caused.
         output.released_sequence_ids = self.runner_views.take_released()
+        output.tier_moves = self.kv_cache_manager.take_tier_moves()
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> bool:
@@ -216,7 +218,9 @@ class Scheduler:
         """Start (or restart, after a recompute preemption) a request from its
         cached prefix, or None if its first chunk does not fit."""
         kv = self.kv_cache_manager
-        computed_blocks, num_cached = kv.get_computed_blocks(request)
+        computed_blocks, num_cached, loading = kv.get_computed_blocks(request)
+        if loading:
+            return None  # its prefix is coming from disk: admitted when it has landed
         remaining = request.num_tokens - num_cached
         if remaining > budget and not self.config.enable_chunked_prefill:
             return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.core.tier_index import TierMoves
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -90,9 +91,10 @@ class SchedulerOutput:
     The runner first forgets ``released_sequence_ids`` (finished, aborted or
     preempted since it last heard), then learns ``new_sequences``, then applies
     the diffs of ``scheduled``. It performs the block moves in this order
-    before the forward pass: ``swap_out`` (device -> host), ``block_copies``
-    (device -> device), ``swap_in`` (host -> device), because a block freed by
-    a swap-out may be reused as a copy or swap-in destination in the same step.
+    before the forward pass: tier offloads (a block evicted now is about to be
+    reused), ``swap_out`` (device -> host), ``block_copies`` (device -> device),
+    ``swap_in`` (host -> device), tier loads, because a block freed by a
+    swap-out may be reused as a copy, swap-in or load destination in the same step.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
@@ -104,6 +106,9 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # Offloads, loads, drops and persists of the tiers below the pool, in the
+    # order ``core/tier_index.py`` states (offloads first, persists after the forward).
+    tier_moves: TierMoves = field(default_factory=TierMoves)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

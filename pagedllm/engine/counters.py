@@ -57,4 +57,5 @@ def engine_stats(engine: LLMEngine) -> dict[str, int | float | str]:
         # A shared prefix shorter than one block never hits: only full blocks are cached.
         "min_cacheable_prefix_tokens": kv.block_size,
         **engine.runner.speculation_stats(),
+        **(engine.kv_tiers.stats() if engine.kv_tiers is not None else {}),
     }

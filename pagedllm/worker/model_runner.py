@@ -17,6 +17,7 @@ from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.core.runner_output import ModelRunnerOutput
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from pagedllm.kv_tiers.runner_tiers import RunnerTiers
 from pagedllm.logger import init_logger
 from pagedllm.model.base import CausalLM
 from pagedllm.speculative_config import SpeculativeConfig
@@ -101,6 +102,7 @@ class ModelRunner:
         self.decode_graphs = None if no_graphs else self._capture_graphs(spec.max_num_seqs, spec.max_model_len,
                                                                           spec.num_blocks)
         self.step_sampler = StepSampler(model.compute_logits, self.sampler, self.speculator, self.batch, device)
+        self.tiers: RunnerTiers | None = None  # ``attach_tiers``
 
     @torch.inference_mode()
     def _capture_graphs(self, max_num_seqs: int, max_model_len: int, pad_block: int) -> DecodeGraphs | None:
@@ -113,6 +115,10 @@ class ModelRunner:
                            "(enforce_eager skips the attempt)", error)
             return None
         return graphs
+
+    def attach_tiers(self, tiers: RunnerTiers) -> None:
+        """Carry out each step's tier moves with ``tiers`` (the driver of one rank only)."""
+        self.tiers = tiers
 
     def _update_sequences(self, scheduler_output: SchedulerOutput) -> None:
         """Forget released sequences, learn new ones, then apply the step's diffs
@@ -144,7 +150,8 @@ class ModelRunner:
         output = ModelRunnerOutput()
         self._update_sequences(scheduler_output)
         batch = None if scheduler_output.is_empty else self._prepare(scheduler_output)
-        step = StepInputs(scheduler_output.swap_out, scheduler_output.block_copies, scheduler_output.swap_in)
+        step = StepInputs(scheduler_output.swap_out, scheduler_output.block_copies, scheduler_output.swap_in,
+                          tier_moves=scheduler_output.tier_moves if self.tiers is not None else None)
         if self.tail_slots is not None:
             tokens = None if batch is None else StepTokens(batch.host_positions, batch.host_slots, batch.metadata)
             step.tail_moves = self.tail_slots.plan(scheduler_output, self.sequences, self.batch.block_table, tokens,
@@ -155,6 +162,8 @@ class ModelRunner:
             self.broadcast_step(step)
         prepared = time.perf_counter()
         hidden = self.run_step(step)
+        if step.tier_moves:
+            self.tiers.after_forward(self.kv_caches, step.tier_moves)
         if self.speculator is not None:
             self.speculator.observe(step)
         if batch is not None:
@@ -175,8 +184,13 @@ class ModelRunner:
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> torch.Tensor | None:
         """Move blocks, then run the forward: the part every rank runs. Returns
-        the final hidden states (None when the step has no tokens)."""
+        the final hidden states (None when the step has no tokens). Tier moves
+        wrap the block moves: offloads before them, loads after (see ``core/tier_index.py``)."""
+        if step.tier_moves:
+            self.tiers.before_block_moves(self.kv_caches, step.tier_moves)
         move_blocks(self.kv_caches, self.swap_pool, step.swap_out, step.block_copies, step.swap_in)
+        if step.tier_moves:
+            self.tiers.after_block_moves(self.kv_caches, step.tier_moves)
         if step.tail_moves is not None:
             move_tails(self.kv_caches, self.swap_pool, step.tail_moves)
         if step.input_ids is None:

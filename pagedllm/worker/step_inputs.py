@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.core.tier_index import TierMoves
 from pagedllm.worker.block_moves import TailMoves
 
 
@@ -27,6 +28,8 @@ class StepInputs:
     # slot copies (src slot, dst slot), tails back in (host block, slot), then
     # slots filled from a block's int8 values (block, slot).
     tail_moves: TailMoves | None = None
+    # The tiers below the pool (``core/tier_index.py``): the driver alone has them.
+    tier_moves: TierMoves | None = None
     input_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     metadata: AttentionMetadata | None = None

@@ -18,7 +18,7 @@ BLOCK_SIZE = 2
 def admit(kv: KVCacheManager, rid: str, prompt: list[int]) -> Request | None:
     """Admit with prefix-cache lookup, compute the whole prompt, register its full blocks."""
     request = Request(rid, prompt, SamplingParams(), [0], max_tokens=1)
-    hits, num_cached = kv.get_computed_blocks(request)
+    hits, num_cached, _ = kv.get_computed_blocks(request)
     if kv.allocate_slots(rid, num_cached, len(prompt) - num_cached, hits) is None:
         return None
     request.num_computed_tokens = len(prompt)
@@ -41,7 +41,7 @@ def test_least_recently_freed_cached_blocks_are_evicted_first():
     assert set(kv.get_block_ids("d")) == set(tables["b"]) | {tables["a"][1]}
     assert kv.block_pool.num_cached_blocks == 3 + 2  # a's head, c's two, and d's two full blocks
     # a's surviving head block is found again.
-    hits, _ = kv.get_computed_blocks(Request("e", [10, 11, 99, 98, 97], SamplingParams(), [0], 1))
+    hits, _, _ = kv.get_computed_blocks(Request("e", [10, 11, 99, 98, 97], SamplingParams(), [0], 1))
     assert [b.block_id for b in hits] == [tables["a"][0]]
 
 

@@ -180,7 +180,7 @@ def test_released_blocks_stay_cached_and_a_hit_takes_only_its_window():
     assert kv.num_released("a") == 3 and kv.num_cached_blocks == 6
     kv.free("a")
     second = Request("b", prompt + [7, 8], SamplingParams(), [0], max_tokens=1)
-    hits, num_cached = kv.get_computed_blocks(second)
+    hits, num_cached, _ = kv.get_computed_blocks(second)
     assert num_cached == 24
     free_before = kv.num_free_blocks
     kv.allocate_slots("b", num_cached, 2, hits)
@@ -190,7 +190,7 @@ def test_released_blocks_stay_cached_and_a_hit_takes_only_its_window():
     kv.free("b")
     # A lookup stops at the first block no longer cached.
     kv.block_pool._evict(hits[2])
-    hits, num_cached = kv.get_computed_blocks(second)
+    hits, num_cached, _ = kv.get_computed_blocks(second)
     assert num_cached == 8
 
 

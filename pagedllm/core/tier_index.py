@@ -1,0 +1,308 @@
+"""Which prefix blocks the tiers below the pool hold, and the moves that keep it true.
+
+Pure bookkeeping, like ``SwapSpace``: the bytes live on the runner's side
+(``pagedllm.kv_tiers``). The pool's prefix cache is the top of a hierarchy:
+
+- **host memory** (``host_capacity_blocks`` blocks, LRU): a hashed block the
+  pool evicts is copied here first (an *offload*);
+- **disk** (a ``DiskCatalog``): a block is written there when first cached,
+  behind the step, so it outlives evictions and restarts and can be shared.
+
+A prefix lookup that misses the pool asks host memory, then disk. A host hit
+is a *load*: the block's bytes are copied into a fresh pool block before the
+forward of the step that admits the request (a memory copy, never a wait).
+A disk hit starts a *fetch* (a reader thread brings the files into host
+memory) and the request waits in the queue, the batch carrying on without it,
+until the fetch lands; then it is a host hit. A file that fails its checks is
+a miss: the block is recomputed, never served.
+
+Safety rules:
+- Every decision is made here, on the scheduler's thread, and reaches the
+  runner as ``TierMoves`` in the step's ``SchedulerOutput``. The runner carries
+  them out in the order that makes them safe: offloads before any block of
+  the step is written (the evicted block is about to be reused), loads after
+  the step's swap-ins and before the forward, drops after the loads (an entry
+  loaded and dropped in one step is still there for its load), persists after
+  the forward (that is when a newly cached block's K/V exist).
+- An offload always copies into a new host entry, never over one, so an
+  offload and a load in one step cannot clash.
+- A landed fetch is pinned for ``pin_steps`` schedules or until it is loaded,
+  whichever comes first, and a lookup's host hits for the rest of that
+  schedule: the host LRU never drops what a request is about to load. Pinned entries may exceed the host capacity for that long
+  (a disk-only set-up has capacity 0 and keeps only pinned entries).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pagedllm.core.block_hash import BlockHash
+from pagedllm.core.kv_events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, KVEventLog
+
+# Most disk blocks one lookup stats and fetches: a long prompt's prefix is
+# found in pieces of this size, one fetch after the other.
+MAX_FETCH_BLOCKS = 512
+
+
+@dataclass
+class TierMoves:
+    """One step's tier moves, in the order the runner performs them (see the module rules)."""
+
+    offload: list[tuple[int, BlockHash]] = field(default_factory=list)  # (pool block, hash): pool -> host
+    load: list[tuple[BlockHash, int]] = field(default_factory=list)  # (hash, pool block): host -> pool
+    drop: list[BlockHash] = field(default_factory=list)  # host entries to forget
+    persist: list[tuple[int, BlockHash]] = field(default_factory=list)  # (pool block, hash): pool -> disk
+
+    def __bool__(self) -> bool:
+        return bool(self.offload or self.load or self.drop or self.persist)
+
+
+class DiskCatalog(Protocol):
+    """What the index asks of a disk tier (``pagedllm.kv_tiers.disk.DiskTier``).
+
+    ``fetch`` returns at once: a reader thread verifies each file and puts the
+    good blocks' bytes in host memory under their hash before reporting them;
+    ``take_fetched`` hands over the reports since the last call."""
+
+    @property
+    def enabled(self) -> bool:
+        """False once the tier turned itself off (disk full or unwritable)."""
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        """Whether a file for this block exists (it may still fail its checks)."""
+
+    def fetch(self, block_hashes: list[BlockHash]) -> None:
+        """Start reading these blocks into host memory."""
+
+    def take_fetched(self) -> list[tuple[BlockHash, str]]:
+        """(hash, outcome) for each block fetched since the last call: ``"landed"``
+        (its bytes are in host memory), ``"missing"`` (the file went away) or
+        ``"bad"`` (it failed its checks and was removed)."""
+
+    def take_removed(self) -> list[BlockHash]:
+        """Blocks whose files this tier removed or failed to write since the last call."""
+
+
+@dataclass
+class TierCounters:
+    """What the tiers did, in blocks (``LLM.stats()`` and ``/metrics`` read them)."""
+
+    host_hits: int = 0
+    disk_hits: int = 0
+    offloads: int = 0
+    persists: int = 0
+    fetches: int = 0
+    fetch_failures: int = 0
+
+
+class TierIndex:
+    """The host tier's LRU index, the disk tier's catalog, and the moves owed to the runner."""
+
+    def __init__(self, host_capacity_blocks: int, disk: DiskCatalog | None = None,
+                 events: KVEventLog | None = None, block_size: int = 16, pin_steps: int = 64) -> None:
+        if host_capacity_blocks < 0:
+            raise ValueError(f"the host tier needs a non-negative capacity, got {host_capacity_blocks} blocks")
+        self.host_capacity_blocks = host_capacity_blocks
+        self.disk = disk
+        self.events = events
+        self.block_size = block_size
+        self.pin_steps = pin_steps
+        # Hash -> the schedule number its pin lasts until (0: not pinned); order is the LRU, oldest first.
+        self._host: OrderedDict[BlockHash, int] = OrderedDict()
+        self._fetching: set[BlockHash] = set()
+        # Landed by a fetch and not yet loaded: a load of these counts as a disk hit.
+        self._from_disk: set[BlockHash] = set()
+        # Files that failed their checks this process: never asked for again.
+        self._bad: set[BlockHash] = set()
+        # Blocks this process knows are on disk (its writes, its fetches): not persisted again.
+        self._on_disk: set[BlockHash] = set()
+        self._schedule = 1  # pins hold a schedule number; 0 means unpinned
+        self._moves = TierMoves()
+        self._dropping: set[BlockHash] = set()  # this step's drops
+        self.counters = TierCounters()
+
+    @property
+    def num_host_blocks(self) -> int:
+        return len(self._host)
+
+    @property
+    def host_hashes(self) -> list[BlockHash]:
+        return list(self._host)
+
+    @property
+    def fetching(self) -> bool:
+        """Whether a disk fetch is in flight (a request waits for it)."""
+        return bool(self._fetching)
+
+    @property
+    def has_disk(self) -> bool:
+        return self.disk is not None and self.disk.enabled
+
+    # ----------------------------------------------------------- lookups
+
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> tuple[int, bool]:
+        """How many leading ``block_hashes`` are in host memory now (loadable this
+        step), and whether the request must wait: the next ones are on disk,
+        being fetched (a fetch is started here for those not yet asked for)."""
+        self._land_fetches()
+        num_ready = 0
+        for block_hash in block_hashes:
+            until = self._host.get(block_hash)
+            if until is None:
+                break
+            # Pinned for this schedule: the pool evictions that making room for
+            # the request may cause must not drop what it is about to load.
+            self._host[block_hash] = max(until, self._schedule)
+            num_ready += 1
+        rest = block_hashes[num_ready:num_ready + MAX_FETCH_BLOCKS]
+        if not rest or not self.has_disk:
+            return num_ready, False
+        if rest[0] in self._fetching:
+            return num_ready, True
+        if rest[0] in self._dropping:
+            # Its host entry is dropped this step, after the loads: a fetch started
+            # now could land before that drop and be dropped with it. Next step.
+            return num_ready, True
+        to_fetch: list[BlockHash] = []
+        for block_hash in rest:
+            if block_hash in self._bad or block_hash in self._host or not self.disk.contains(block_hash):
+                break
+            to_fetch.append(block_hash)
+        if not to_fetch:
+            return num_ready, False
+        self._fetching.update(to_fetch)
+        self.counters.fetches += len(to_fetch)
+        self.disk.fetch(to_fetch)
+        return num_ready, True
+
+    def _land_fetches(self) -> None:
+        """Take the disk tier's reports: landed blocks become pinned host entries."""
+        if self.disk is None or not self._fetching:
+            return
+        for block_hash, outcome in self.disk.take_fetched():
+            self._fetching.discard(block_hash)
+            if outcome != "landed":
+                if outcome == "bad":  # removed, but if it cannot be, never read again
+                    self._bad.add(block_hash)
+                self.counters.fetch_failures += 1
+                continue
+            self._on_disk.add(block_hash)
+            self._from_disk.add(block_hash)
+            # Offloaded meanwhile or not, the runner holds one entry per hash (the
+            # same block's bytes either way): pin it for the request that waits.
+            self._host[block_hash] = self._schedule + self.pin_steps
+            self._host.move_to_end(block_hash)
+
+    def wait_landed(self) -> bool:
+        """Land what has arrived; True if nothing is in flight any more."""
+        self._land_fetches()
+        return not self._fetching
+
+    # ------------------------------------------------------------- moves
+
+    def load(self, block_hash: BlockHash, block_id: int) -> None:
+        """Copy a host entry into pool block ``block_id`` this step; the entry
+        stays (unpinned, most recently used), so a later eviction of that block
+        costs no copy."""
+        if block_hash not in self._host:
+            raise ValueError("a tier load names a block the host tier does not hold")
+        self._moves.load.append((block_hash, block_id))
+        if block_hash in self._from_disk:
+            self._from_disk.discard(block_hash)
+            self.counters.disk_hits += 1
+        else:
+            self.counters.host_hits += 1
+        self._host[block_hash] = 0
+        self._host.move_to_end(block_hash)
+        self._shrink()
+
+    def offload(self, block_id: int, block_hash: BlockHash, parent: BlockHash | None,
+                token_ids: Sequence[int] | None) -> None:
+        """The pool evicts ``block_id`` (holding ``block_hash``): keep a copy in host memory."""
+        if self.host_capacity_blocks == 0 or block_hash in self._dropping:
+            # (An entry dropped this step: the runner drops after it offloads, so a
+            # new copy would be dropped with the old one.)
+            return
+        if block_hash in self._host:
+            self._host.move_to_end(block_hash)
+            return
+        self._moves.offload.append((block_id, block_hash))
+        self._host[block_hash] = 0
+        self.counters.offloads += 1
+        self._announce(MEDIUM_HOST, block_hash, parent, token_ids)
+        self._shrink()
+
+    def persist(self, block_id: int, block_hash: BlockHash, parent: BlockHash | None,
+                token_ids: Sequence[int] | None) -> None:
+        """A block was just cached in the pool: write it to disk after this step's forward."""
+        if not self.has_disk or block_hash in self._on_disk:
+            return
+        self._on_disk.add(block_hash)
+        self._moves.persist.append((block_id, block_hash))
+        self.counters.persists += 1
+        self._announce(MEDIUM_DISK, block_hash, parent, token_ids)
+
+    def take_moves(self) -> TierMoves:
+        """The moves since the last call (the scheduler puts them in its output);
+        starts the next schedule: pins that ran out are released."""
+        self._schedule += 1
+        if self.disk is not None:
+            self.note_disk_removed(self.disk.take_removed())
+        expired = [h for h, until in self._host.items() if until and until < self._schedule]
+        for block_hash in expired:
+            self._host[block_hash] = 0
+            self._from_disk.discard(block_hash)
+        if expired:
+            self._shrink()
+        moves, self._moves = self._moves, TierMoves()
+        self._dropping = set()
+        return moves
+
+    def clear_host(self) -> int:
+        """Forget every unpinned host entry (a prefix-cache reset); returns how many."""
+        dropped = [h for h, until in self._host.items() if not until]
+        self._drop(dropped)
+        return len(dropped)
+
+    def _shrink(self) -> None:
+        """Drop least recently used unpinned entries while over capacity."""
+        excess = len(self._host) - self.host_capacity_blocks
+        if excess <= 0:
+            return
+        victims = []
+        for block_hash, until in self._host.items():
+            if len(victims) == excess:
+                break
+            if not until:
+                victims.append(block_hash)
+        self._drop(victims)
+
+    def _drop(self, block_hashes: list[BlockHash]) -> None:
+        for block_hash in block_hashes:
+            del self._host[block_hash]
+            self._moves.drop.append(block_hash)
+            self._dropping.add(block_hash)
+        if block_hashes and self.events is not None:
+            self.events.append(BlockRemoved(list(block_hashes), MEDIUM_HOST))
+
+    def _announce(self, medium: str, block_hash: BlockHash, parent: BlockHash | None,
+                  token_ids: Sequence[int] | None) -> None:
+        if self.events is not None:
+            self.events.append(BlockStored([block_hash], parent, list(token_ids or ()), self.block_size, medium))
+
+    def note_disk_removed(self, block_hashes: list[BlockHash]) -> None:
+        """The disk tier lost these files (evicted for its budget, or a write failed)."""
+        for block_hash in block_hashes:
+            self._on_disk.discard(block_hash)
+        if block_hashes and self.events is not None:
+            self.events.append(BlockRemoved(list(block_hashes), MEDIUM_DISK))
+
+    def check_invariants(self) -> None:
+        """Raise ``RuntimeError`` if the host index breaks its capacity rule."""
+        unpinned = sum(1 for until in self._host.values() if not until)
+        if unpinned > self.host_capacity_blocks:
+            raise RuntimeError(f"the host tier holds {unpinned} unpinned blocks over its "
+                               f"capacity of {self.host_capacity_blocks}")

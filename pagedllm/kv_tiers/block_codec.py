@@ -1,0 +1,67 @@
+"""One pool block as one flat byte string, and back: the unit the tiers store.
+
+A block of the pool is one slab per tensor per layer (block-major: K, V and,
+for a quantized pool, their scales). The codec concatenates those slabs, in
+layer order and ``LayerKVCache.tensors()`` order, as raw bytes: an int8 block
+stays int8 with its fp32 scales (4x less than fp32 K/V), a bf16 block stays
+bf16. Moving the bytes unchanged is what makes a tier hit exact: the block
+loaded is the block that was evicted, bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+from pagedllm.attention.kv_cache import LayerKVCache
+
+
+class BlockCodec:
+    """The byte layout of one block of a given pool (``layout`` names it)."""
+
+    def __init__(self, kv_caches: list[LayerKVCache]) -> None:
+        if not kv_caches:
+            raise ValueError("a KV tier needs a pool with at least one layer")
+        first = kv_caches[0].tensors()
+        self.device = first[0].device
+        # (shape of one block, dtype) per tensor, every layer alike.
+        self.slabs = [(tuple(t.shape[1:]), str(t.dtype)) for layer in kv_caches for t in layer.tensors()]
+        self.slab_bytes = [t[0].numel() * t.element_size() for layer in kv_caches for t in layer.tensors()]
+        self.block_bytes = sum(self.slab_bytes)
+
+    @property
+    def layout(self) -> str:
+        """A digest of the layout: part of the tiers' fingerprint."""
+        return hashlib.sha256(json.dumps(self.slabs).encode()).hexdigest()
+
+    def gather(self, kv_caches: list[LayerKVCache], block_ids: list[int]) -> list[torch.Tensor]:
+        """Each block's bytes, as its own uint8 host tensor (owned: nothing else shares it)."""
+        if not block_ids:
+            return []
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        parts = [_as_bytes(t).index_select(0, index) for layer in kv_caches for t in layer.tensors()]
+        stacked = torch.cat(parts, dim=1).cpu()
+        return [row.clone() for row in stacked]
+
+    def scatter(self, kv_caches: list[LayerKVCache], payloads: list[torch.Tensor], block_ids: list[int]) -> None:
+        """Write each payload into its pool block (every layer, every tensor)."""
+        if not block_ids:
+            return
+        for payload in payloads:
+            if payload.numel() != self.block_bytes:
+                raise ValueError(f"a tier block of {payload.numel()} bytes does not fit this pool's "
+                                 f"{self.block_bytes}-byte blocks")
+        stacked = torch.stack(payloads).to(self.device, non_blocking=True)
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        offset = 0
+        slabs = (t for layer in kv_caches for t in layer.tensors())
+        for tensor, size in zip(slabs, self.slab_bytes):
+            _as_bytes(tensor).index_copy_(0, index, stacked[:, offset:offset + size])
+            offset += size
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A block-major tensor as ``[num_blocks, bytes per block]`` uint8, sharing its storage."""
+    return tensor.view(tensor.shape[0], -1).view(torch.uint8)

@@ -1,0 +1,164 @@
+"""The tier index's bookkeeping alone: which moves it owes the runner, and when.
+
+The disk here is a ``DiskCatalog`` held in a dict (the protocol is all the
+index sees); the real disk tier is tested through the engine in test_tiers.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.core.kv_events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, KVEventLog
+from pagedllm.core.tier_index import TierIndex
+
+
+class DictDisk:
+    """A disk catalog whose files are dict entries; fetches land when ``complete`` is called."""
+
+    enabled = True
+
+    def __init__(self, files: set[bytes], bad: set[bytes] = frozenset()) -> None:
+        self.files, self.bad = set(files), set(bad)
+        self.requested: list[bytes] = []
+        self.reports: list[tuple[bytes, str]] = []
+
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self.files
+
+    def fetch(self, block_hashes: list[bytes]) -> None:
+        self.requested += block_hashes
+
+    def complete(self) -> None:
+        self.reports += [(h, "bad" if h in self.bad else "landed") for h in self.requested]
+        self.requested = []
+
+    def take_fetched(self) -> list[tuple[bytes, str]]:
+        reports, self.reports = self.reports, []
+        return reports
+
+    def take_removed(self) -> list[bytes]:
+        return []
+
+
+def h(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+def test_offloads_fill_the_host_lru_and_evict_the_oldest():
+    events = KVEventLog()
+    index = TierIndex(host_capacity_blocks=2, events=events)
+    for block_id in range(3):
+        index.offload(block_id, h(block_id), None, [block_id] * 16)
+    moves = index.take_moves()
+    assert moves.offload == [(0, h(0)), (1, h(1)), (2, h(2))]
+    assert moves.drop == [h(0)]  # the runner drops after it offloads, so the copy made was short-lived
+    assert index.host_hashes == [h(1), h(2)]
+    assert [type(e) for e in events.take()] == [BlockStored, BlockStored, BlockStored, BlockRemoved]
+    index.check_invariants()
+
+
+def test_a_lookup_finds_the_leading_host_blocks_and_a_load_keeps_them():
+    index = TierIndex(host_capacity_blocks=4)
+    for block_id in range(3):
+        index.offload(block_id, h(block_id), None, None)
+    index.take_moves()
+    assert index.lookup([h(0), h(1), h(9), h(2)]) == (2, False)  # stops at the first miss
+    index.load(h(0), 7)
+    moves = index.take_moves()
+    assert moves.load == [(h(0), 7)] and not moves.drop
+    assert index.counters.host_hits == 1
+    assert index.host_hashes[-1] == h(0)  # most recently used
+
+
+def test_a_lookup_pins_its_hits_against_the_evictions_of_the_same_schedule():
+    index = TierIndex(host_capacity_blocks=2)
+    index.offload(0, h(0), None, None)
+    index.offload(1, h(1), None, None)
+    index.take_moves()
+    assert index.lookup([h(0), h(1)]) == (2, False)
+    index.offload(2, h(2), None, None)  # admitting the request evicts a pool block
+    assert set(index.host_hashes) >= {h(0), h(1)}  # over capacity rather than dropping a pinned hit
+    index.load(h(0), 5)
+    index.load(h(1), 6)
+    moves = index.take_moves()
+    assert moves.load == [(h(0), 5), (h(1), 6)]
+    index.check_invariants()
+
+
+def test_an_entry_dropped_this_step_is_not_offloaded_again_in_it():
+    index = TierIndex(host_capacity_blocks=1)
+    index.offload(0, h(0), None, None)
+    index.offload(1, h(1), None, None)  # drops h(0)
+    index.offload(2, h(0), None, None)  # h(0) evicted from the pool again in the same step
+    moves = index.take_moves()
+    assert moves.offload == [(0, h(0)), (1, h(1))] and moves.drop == [h(0)]
+
+
+def test_disk_hits_are_fetched_and_the_request_waits_until_they_land():
+    disk = DictDisk({h(1), h(2)})
+    index = TierIndex(host_capacity_blocks=0, disk=disk)
+    assert index.lookup([h(1), h(2), h(3)]) == (0, True)
+    assert disk.requested == [h(1), h(2)] and index.fetching
+    assert index.lookup([h(1), h(2), h(3)]) == (0, True)  # still in flight: not asked twice
+    assert disk.requested == [h(1), h(2)]
+    disk.complete()
+    assert index.lookup([h(1), h(2), h(3)]) == (2, False)
+    index.load(h(1), 0)
+    index.load(h(2), 1)
+    moves = index.take_moves()
+    # Disk only: host memory keeps nothing once the loads are done.
+    assert moves.load == [(h(1), 0), (h(2), 1)] and moves.drop == [h(1), h(2)]
+    assert index.counters.disk_hits == 2 and index.counters.fetches == 2
+
+
+def test_a_bad_file_is_a_miss_and_is_not_fetched_again():
+    disk = DictDisk({h(1), h(2)}, bad={h(1)})
+    index = TierIndex(host_capacity_blocks=4, disk=disk)
+    assert index.lookup([h(1), h(2)]) == (0, True)
+    disk.complete()
+    assert index.wait_landed()
+    assert index.lookup([h(1), h(2)]) == (0, False)  # h(1) is a miss: the prefix stops there
+    assert disk.requested == []
+    assert index.counters.fetch_failures == 1
+
+
+def test_landed_fetches_stay_pinned_until_loaded_or_expired():
+    disk = DictDisk({h(1)})
+    index = TierIndex(host_capacity_blocks=0, disk=disk, pin_steps=2)
+    index.lookup([h(1)])
+    disk.complete()
+    index.wait_landed()
+    assert index.host_hashes == [h(1)]
+    index.take_moves()
+    index.take_moves()
+    assert index.host_hashes == [h(1)]
+    moves = index.take_moves()  # the pin ran out: a disk-only host keeps nothing
+    assert moves.drop == [h(1)] and index.host_hashes == []
+
+
+def test_persist_writes_each_block_once_and_announces_it():
+    disk = DictDisk(set())
+    events = KVEventLog()
+    index = TierIndex(host_capacity_blocks=0, disk=disk, events=events)
+    index.persist(3, h(3), h(2), list(range(16)))
+    index.persist(4, h(3), h(2), list(range(16)))  # the same content cached again later
+    assert index.take_moves().persist == [(3, h(3))]
+    (stored,) = events.take()
+    assert stored == BlockStored([h(3)], h(2), list(range(16)), 16, MEDIUM_DISK)
+
+
+def test_clear_host_drops_everything_unpinned():
+    events = KVEventLog()
+    index = TierIndex(host_capacity_blocks=4, events=events)
+    index.offload(0, h(0), None, None)
+    index.offload(1, h(1), None, None)
+    index.take_moves()
+    events.take()
+    assert index.clear_host() == 2
+    assert index.take_moves().drop == [h(0), h(1)]
+    assert events.take() == [BlockRemoved([h(0), h(1)], MEDIUM_HOST)]
+
+
+def test_a_negative_capacity_is_refused():
+    with pytest.raises(ValueError, match="capacity"):
+        TierIndex(host_capacity_blocks=-1)
