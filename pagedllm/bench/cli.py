@@ -92,6 +92,14 @@ def _add_kv_pool_benches(benches: argparse._SubParsersAction) -> None:
     px.add_argument("--question-min", type=int, default=32)
     px.add_argument("--question-max", type=int, default=128)
     px.add_argument("--output-len", type=int, default=64)
+    kt = add_bench_command(benches, "kv-tiers", "multi-turn conversations past the pool: host and disk tiers vs "
+                                                "none, and TTFT after a restart", commands.cmd_bench_kv_tiers)
+    kt.add_argument("--num-conversations", type=int, default=16)
+    kt.add_argument("--turns", type=int, default=4)
+    kt.add_argument("--system-len", type=int, default=256)
+    kt.add_argument("--turn-len", type=int, default=64)
+    kt.add_argument("--output-len", type=int, default=32)
+    kt.add_argument("--restart-prompt-len", type=int, default=2000)
     pe = add_bench_command(benches, "preemption", "recompute vs swap under a pool that forces preemption",
                            commands.cmd_bench_preemption)
     pe.add_argument("--prompt-len", type=int, nargs="+", default=[64, 1500])

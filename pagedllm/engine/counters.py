@@ -28,7 +28,23 @@ def kv_pool_snapshot(engine: LLMEngine) -> dict:
             "num_running": engine.scheduler.num_running,
             "num_waiting": engine.scheduler.num_waiting,
         },
+        "tiers": _tiers_view(engine, kv),
     }
+
+
+def _tiers_view(engine: LLMEngine, kv) -> dict | None:
+    """The tiers below the pool for the live view: what each holds and what it served."""
+    tiers = engine.kv_tiers
+    if tiers is None:
+        return None
+    stats = tiers.stats()
+    view = {"host": {"blocks": kv.host_tier_blocks, "capacity_blocks": tiers.index.host_capacity_blocks,
+                     "bytes": stats["host_tier_bytes"], "hits": kv.host_tier_hits, "offloads": kv.tier_offloads}}
+    if tiers.runner.disk is not None:
+        view["disk"] = {"enabled": stats["disk_tier_enabled"], "bytes": stats["disk_tier_bytes"],
+                        "hits": kv.disk_tier_hits, "files_written": stats["disk_tier_files_written"],
+                        "bad_files": kv.tier_fetch_failures}
+    return view
 
 
 def engine_stats(engine: LLMEngine) -> dict[str, int | float | str]:

@@ -53,6 +53,22 @@ CUMULATIVE_COUNTERS = {
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
 }
 
+# The tiers below the pool (present when the engine has them): name -> (stats key per medium, help).
+# ``external_prefix_cache_hits`` is vLLM's name for prompt tokens a KV connector supplied.
+TIER_COUNTERS = {
+    "kv_tier_hits": ({"CPU": "host_tier_hits", "DISK": "disk_tier_hits"}, "Prefix blocks loaded from a tier"),
+    "kv_tier_stored_blocks": ({"CPU": "tier_offloads", "DISK": "tier_persists"},
+                              "Blocks copied down to a tier (host: evicted from the pool; disk: first cached)"),
+    "kv_tier_bytes_read": ({"CPU": "tier_loaded_bytes", "DISK": "disk_tier_bytes_read"},
+                           "Bytes read from a tier (host: copied into the pool; disk: files read)"),
+    "kv_tier_read_seconds": ({"CPU": "tier_load_seconds", "DISK": "disk_tier_read_seconds"},
+                             "Seconds spent reading a tier (host: copies into the pool, on the step; disk: "
+                             "reads and checks, on the reader thread)"),
+}
+TIER_GAUGES = {"kv_tier_usage_bytes": ({"CPU": "host_tier_bytes", "DISK": "disk_tier_bytes"},
+                                       "Bytes a tier holds now")}
+BAD_FILE_REASONS = ("truncated", "corrupt", "foreign", "stale")
+
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
@@ -91,6 +107,7 @@ class PrometheusStatLogger:
         info = Gauge(self.name("cache_config_info"), "Information of the KV cache configuration",
                      list(context.cache_config), registry=self.registry)
         info.labels(**context.cache_config).set(1)
+        self._tier_metrics: dict[str, Any] | None = None  # made on the first stats that show tiers
 
     def name(self, suffix: str) -> str:
         return f"{self.namespace}:{suffix}"
@@ -162,10 +179,47 @@ class PrometheusStatLogger:
         for key, value in values.items():
             self.gauges[key].set(value)
         for stat, counter in self.cumulative.values():
-            delta = stats[stat] - self._last_counts.get(stat, 0)
-            if delta > 0:
-                counter.inc(delta)
-            self._last_counts[stat] = stats[stat]
+            self._advance(counter, stat, stats[stat])
+        self._record_tiers(stats)
+
+    def _record_tiers(self, stats: Mapping[str, Any]) -> None:
+        """Per-medium tier counters and gauges, and vLLM's external_prefix_cache_hits (tokens)."""
+        if "host_tier_capacity_bytes" not in stats:
+            return
+        if self._tier_metrics is None:
+            labelled = {name: Counter(self.name(name), text, ["model_name", "medium"], registry=self.registry)
+                        for name, (_, text) in TIER_COUNTERS.items()}
+            labelled.update({name: Gauge(self.name(name), text, ["model_name", "medium"], registry=self.registry)
+                             for name, (_, text) in TIER_GAUGES.items()})
+            labelled["kv_tier_bad_files"] = Counter(
+                self.name("kv_tier_bad_files"), "Disk tier files that failed their checks (recomputed), by reason",
+                ["model_name", "reason"], registry=self.registry)
+            labelled["external_prefix_cache_hits"] = self._labelled(
+                Counter, "external_prefix_cache_hits", "Prompt tokens loaded from the tiers below the pool")
+            self._tier_metrics = labelled
+        metrics = self._tier_metrics
+        for name, (keys, _) in TIER_COUNTERS.items():
+            for medium, key in keys.items():
+                if key in stats:
+                    self._advance(metrics[name].labels(model_name=self.model_name, medium=medium), key, stats[key])
+        for name, (keys, _) in TIER_GAUGES.items():
+            for medium, key in keys.items():
+                if key in stats:
+                    metrics[name].labels(model_name=self.model_name, medium=medium).set(stats[key])
+        for reason in BAD_FILE_REASONS:
+            key = f"disk_tier_{reason}_files"
+            if key in stats:
+                self._advance(metrics["kv_tier_bad_files"].labels(model_name=self.model_name, reason=reason), key,
+                              stats[key])
+        tier_tokens = (stats["host_tier_hits"] + stats["disk_tier_hits"]) * stats["block_size"]
+        self._advance(metrics["external_prefix_cache_hits"], "external_prefix_cache_hits", tier_tokens)
+
+    def _advance(self, counter: Any, key: str, total: float) -> None:
+        """Bring a counter up to a cumulative ``total`` from the stats."""
+        delta = total - self._last_counts.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self._last_counts[key] = total
 
     def _record_finished(self, finished: FinishedRequestStats) -> None:
         self.request_success.labels(model_name=self.model_name, finished_reason=finished.finish_reason).inc()

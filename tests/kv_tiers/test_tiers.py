@@ -268,3 +268,23 @@ def test_bad_tier_options_are_refused_by_name(options, message):
 
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_options(**options)
+
+
+def test_tiers_show_in_stats_metrics_and_the_pool_view(tiny_llama, reference, tmp_path):
+    llm = _small(tiny_llama, kv_offload_host_bytes=8 << 20, kv_offload_dir=str(tmp_path))
+    _assert_same_tokens(_run(llm), reference)
+    stats = llm.stats()
+    metrics = {(m.name, tuple(sorted(m.labels.items()))): m.value for m in llm.get_metrics() if hasattr(m, "value")}
+
+    def metric(name: str, **labels: str) -> float:
+        return metrics[(f"pagedllm:{name}", tuple(sorted({"model_name": tiny_llama, **labels}.items())))]
+
+    assert metric("kv_tier_hits", medium="CPU") == stats["host_tier_hits"] > 0
+    assert metric("kv_tier_stored_blocks", medium="DISK") == stats["tier_persists"] > 0
+    assert metric("external_prefix_cache_hits") == (stats["host_tier_hits"] + stats["disk_tier_hits"]) * 16
+    assert metric("kv_tier_usage_bytes", medium="CPU") == stats["host_tier_bytes"] > 0
+    view = llm.kv_pool_snapshot()["tiers"]
+    assert view["host"]["hits"] == stats["host_tier_hits"] and view["disk"]["enabled"]
+    assert "KV offload tiers: host memory 8.0 MiB" in llm.llm_engine.capacity_line()
+    assert_pool_free(llm)
+    llm.shutdown()
