@@ -37,29 +37,23 @@ class BlockCodec:
         return hashlib.sha256(json.dumps(self.slabs).encode()).hexdigest()
 
     def gather(self, kv_caches: list[LayerKVCache], block_ids: list[int]) -> list[torch.Tensor]:
-        """Each block's bytes, as its own uint8 host tensor (owned: nothing else shares it)."""
-        if not block_ids:
-            return []
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        parts = [_as_bytes(t).index_select(0, index) for layer in kv_caches for t in layer.tensors()]
-        stacked = torch.cat(parts, dim=1).cpu()
-        return [row.clone() for row in stacked]
+        """Each block's bytes, as its own uint8 host tensor (owned: nothing else shares it).
+
+        One copy per block (``torch.cat`` of its slabs): a block's bytes are
+        copied once, straight into the tensor the tier keeps."""
+        slabs = [_as_bytes(t) for layer in kv_caches for t in layer.tensors()]
+        return [torch.cat([slab[block_id] for slab in slabs]).cpu() for block_id in block_ids]
 
     def scatter(self, kv_caches: list[LayerKVCache], payloads: list[torch.Tensor], block_ids: list[int]) -> None:
         """Write each payload into its pool block (every layer, every tensor)."""
-        if not block_ids:
-            return
-        for payload in payloads:
+        slabs = [_as_bytes(t) for layer in kv_caches for t in layer.tensors()]
+        for payload, block_id in zip(payloads, block_ids):
             if payload.numel() != self.block_bytes:
                 raise ValueError(f"a tier block of {payload.numel()} bytes does not fit this pool's "
                                  f"{self.block_bytes}-byte blocks")
-        stacked = torch.stack(payloads).to(self.device, non_blocking=True)
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        offset = 0
-        slabs = (t for layer in kv_caches for t in layer.tensors())
-        for tensor, size in zip(slabs, self.slab_bytes):
-            _as_bytes(tensor).index_copy_(0, index, stacked[:, offset:offset + size])
-            offset += size
+            source = payload.to(self.device, non_blocking=True)
+            for slab, part in zip(slabs, torch.split(source, self.slab_bytes)):
+                slab[block_id].copy_(part)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
