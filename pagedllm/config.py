@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from dataclasses import Field, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from pagedllm.cache_config import KV_CACHE_DTYPES, CacheConfig, check_choice  # the first two re-exported
 from pagedllm.kv_events_config import KVEventsConfig
 from pagedllm.kv_offload_config import KVOffloadConfig
 from pagedllm.speculative_config import SpeculativeConfig
-from pagedllm.utils import check_block_size
 
 if TYPE_CHECKING:
     import torch
@@ -34,125 +34,20 @@ GENERATION_CONFIG_FIELDS = {
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
 }
-KVCacheDType = Literal["auto", "int8", "fp8_e4m3"]
-KVLayout = Literal["paged", "contiguous"]
-ContiguousReservation = Literal["max_model_len", "request"]
 PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 GGUFWeights = Literal["packed", "dequantize"]
 
 _DTYPES = get_args(DType)
-KV_CACHE_DTYPES = get_args(KVCacheDType)
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a ``dtype`` option value (torch is imported only here,
     so the bookkeeping that reads this module stays torch-free)."""
-    _check_choice("dtype", name, DType)
+    check_choice("dtype", name, DType)
     import torch
 
     return getattr(torch, name)
-
-
-def _check_choice(option: str, value: object, choices: object) -> None:
-    allowed = get_args(choices)
-    if value not in allowed:
-        raise ValueError(f"{option} must be one of {', '.join(allowed)}, got {value!r}")
-
-
-@dataclass
-class CacheConfig:
-    """How big the paged KV pool is.
-
-    Exactly one sizing rule applies, in this order: ``num_kv_blocks`` (exact,
-    for tests and benchmarks, like vLLM's ``num_gpu_blocks_override``), then
-    ``kv_cache_memory`` (bytes), then ``kv_cache_fraction`` of the memory
-    available after the weights are loaded. With none of those, on CUDA the
-    engine follows vLLM's ``gpu_memory_utilization`` (weights + the largest
-    step's activations + the pool within that fraction of the GPU's total
-    memory, 0.9 by default); on CPU the pool gets ``DEFAULT_KV_CACHE_MEMORY``
-    bytes (``gpu_memory_utilization`` there is a ``ValueError``).
-    """
-
-    DEFAULT_KV_CACHE_MEMORY = 2 * 2**30
-    DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
-
-    block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})
-    kv_cache_memory: int | None = field(default=None, metadata={"help": "KV pool size in bytes"})
-    kv_cache_fraction: float | None = field(
-        default=None, metadata={"help": "KV pool as a fraction of the memory free after the weights are loaded"}
-    )
-    gpu_memory_utilization: float | None = field(
-        default=None,
-        metadata={"help": "CUDA only: fraction of GPU memory for weights + activations + KV pool (None: 0.9)"},
-    )
-    num_kv_blocks: int | None = field(
-        default=None, metadata={"help": "exact number of KV blocks (overrides the other sizing options)"}
-    )
-    enable_block_sharing: bool = field(
-        default=True,
-        metadata={"help": "forked sequences (n > 1, beam search) share their parent's blocks; off, each "
-                          "gets private copies: the baseline `pagedllm bench sharing` compares against"},
-    )
-    enable_prefix_caching: bool = field(
-        default=True, metadata={"help": "automatic prefix caching: full blocks are found again by their chained hash"}
-    )
-    kv_layout: KVLayout = field(
-        default="paged",
-        metadata={"help": "paged (blocks on demand) or contiguous (the baseline: one first-fit reservation "
-                          "per request of contiguous_reservation tokens)"},
-    )
-    contiguous_reservation: int | ContiguousReservation = field(
-        default="max_model_len",
-        metadata={"help": "tokens a contiguous-layout request reserves: max_model_len, request "
-                          "(its prompt + max_tokens) or a number of tokens"},
-    )
-    kv_cache_dtype: KVCacheDType = field(
-        default="auto",
-        metadata={"help": "KV storage: auto (the model dtype), or int8 / fp8_e4m3 with an fp32 scale "
-                          "per (token, KV head) vector"},
-    )
-    kv_cache_pretouch: bool = field(
-        default=False,
-        metadata={"help": "write the whole KV pool (and the swap space) once at start, so its memory is "
-                          "resident from the first request instead of growing as blocks fill (for servers)"},
-    )
-
-    kv_offload_host_bytes: int | None = field(
-        default=None,
-        metadata={"help": "host-memory tier under the pool, in bytes: evicted prefix-cache blocks are kept "
-                          "there (LRU) and loaded back on a hit (None: no host tier)"},
-    )
-    kv_offload_dir: str | None = field(
-        default=None,
-        metadata={"help": "disk tier folder: cached blocks are written there behind the step and found again "
-                          "after a restart or by other engines sharing it (None: no disk tier)"},
-    )
-    kv_offload_disk_bytes: int | None = field(
-        default=None,
-        metadata={"help": "most bytes the disk tier keeps in kv_offload_dir, least recently used removed first "
-                          "(None: unbounded)"},
-    )
-
-    def __post_init__(self) -> None:
-        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KVCacheDType)
-        _check_choice("kv_layout", self.kv_layout, KVLayout)
-        reservation = self.contiguous_reservation
-        if reservation not in get_args(ContiguousReservation) and (
-            isinstance(reservation, bool) or not isinstance(reservation, int) or reservation < 1
-        ):
-            raise ValueError(
-                f"contiguous_reservation must be 'max_model_len', 'request' or a number of tokens >= 1, got {reservation!r}"
-            )
-        check_block_size(self.block_size)
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
-        if self.kv_cache_fraction is not None and not 0.0 < self.kv_cache_fraction <= 1.0:
-            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
-        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
-            raise ValueError(f"num_kv_blocks must be an integer >= 1, got {self.num_kv_blocks!r}")
 
 
 @dataclass
@@ -183,8 +78,8 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
-        _check_choice("preemption_mode", self.preemption_mode, PreemptionMode)
-        _check_choice("scheduling_policy", self.scheduling_policy, SchedulingPolicy)
+        check_choice("preemption_mode", self.preemption_mode, PreemptionMode)
+        check_choice("scheduling_policy", self.scheduling_policy, SchedulingPolicy)
         threshold = self.long_prefill_token_threshold
         if threshold is not None:
             if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
@@ -327,14 +222,14 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        _check_choice("dtype", self.dtype, ModelDType)
+        check_choice("dtype", self.dtype, ModelDType)
         SpeculativeConfig.from_option(self.speculative_config)  # validates
         KVEventsConfig.from_option(self.kv_events_config)  # validates
         offload = self.kv_offload  # validates
         if offload.enabled:
             self._check_offload_compatible()
-        _check_choice("gguf_weights", self.gguf_weights, GGUFWeights)
-        _check_choice("generation_config", self.generation_config, GenerationConfigSource)
+        check_choice("gguf_weights", self.gguf_weights, GGUFWeights)
+        check_choice("generation_config", self.generation_config, GenerationConfigSource)
         sampling_overrides(self.override_generation_config)  # validates
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or None (auto), got {self.device!r}")

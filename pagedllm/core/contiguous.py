@@ -108,11 +108,6 @@ class ContiguousKVCacheManager:
     def take_tier_moves(self) -> TierMoves:
         return TierMoves()  # no prefix cache, so no tiers below it
 
-    tiers_busy = False
-
-    def wait_for_tiers(self) -> bool:
-        return True
-
     def reset_prefix_cache(self) -> int:
         return 0
 

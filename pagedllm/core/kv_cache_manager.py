@@ -7,11 +7,11 @@ window the leading entries that fell out of it are None: released, owning nothin
 
 from __future__ import annotations
 
-from pagedllm.core.block_hash import BlockHash, extend_block_hashes
-from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.block_table import BlockTableRecord, SwappedTable, TableEntry
 from pagedllm.core.kv_events import KVEventLog
 from pagedllm.core.kv_interface import NULL_BLOCK_ID, BlockCopy, KVCacheStats, PrefixHit
+from pagedllm.core.prefix_cache import PrefixCache
 from pagedllm.core.request import Request
 from pagedllm.core.sliding_window import num_out_of_window_blocks
 from pagedllm.core.swap_space import SwapSpace
@@ -47,11 +47,9 @@ class KVCacheManager:
       prefix cache until evicted.
     - ``free`` releases tail-first, so (once prefix caching keeps freed blocks
       around) a shared prefix is evicted after the private tails that follow it.
-    - With ``tiers`` (``core/tier_index.py``), an evicted hashed block is
-      offloaded to host memory, a newly cached one is persisted to disk, and a
-      prefix lookup continues in the tiers where the pool misses: a tier hit
-      takes a fresh block (counted like any other before anything changes)
-      into which the block's bytes are loaded before the forward.
+    - Lookups and registration are the ``PrefixCache``'s (with ``tiers``, it
+      reaches below the pool); a tier hit takes a fresh block, counted like
+      any other before anything changes, into which its bytes are loaded.
     """
 
     def __init__(
@@ -71,7 +69,8 @@ class KVCacheManager:
                              "model without a sliding window")
         self.block_size = block_size
         self.tiers = tiers
-        self.block_pool = BlockPool(num_blocks, on_evict=self._offload if tiers is not None else None, events=events)
+        self.prefix_cache = PrefixCache(num_blocks, block_size, enable_prefix_caching, tiers, events)
+        self.block_pool = self.prefix_cache.block_pool
         # Each resident request's table, and each swapped-out one's (never both: ``block_table``).
         self.tables: dict[str, BlockTableRecord] = {}
         self.swapped_tables: dict[str, SwappedTable] = {}
@@ -80,13 +79,9 @@ class KVCacheManager:
         self.peak_blocks_in_use = 0
         # False only for the no-sharing baseline of `pagedllm bench sharing`.
         self.enable_block_sharing = enable_block_sharing
-        self.enable_prefix_caching = enable_prefix_caching
         self.swap_space = SwapSpace(num_swap_blocks)
         self.num_swap_out_blocks = 0
         self.num_swap_in_blocks = 0
-        # Prefix-cache lookups, in tokens.
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
 
     @property
     def num_blocks(self) -> int:
@@ -112,40 +107,12 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     def get_computed_blocks(self, request: Request) -> PrefixHit:
-        """The request's leading full blocks that need no compute: cached pool
-        blocks, then (with tiers) the hashes of blocks host memory holds, up to
-        the first miss, and the number of tokens they cover. ``loading`` is True
-        when the next blocks are being fetched from disk: the request should
-        wait for them rather than recompute them.
-
-        The hit stops short of the last token: at least one token is always
-        computed so there are logits to sample from. Because a hashed block is
-        never written, a fully cached block-aligned prompt recomputes its whole
-        last block rather than writing one token into a shared cached block.
-        A request that asks for prompt logprobs never hits (as in vLLM): the
-        logits of cached positions are never computed, so it computes them all.
-        """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return PrefixHit([], 0)
-        hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock | BlockHash] = []
-        for block_hash in hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        loading = False
-        if self.tiers is not None and len(hits) < max_blocks:
-            num_ready, loading = self.tiers.lookup(hashes[len(hits):max_blocks])
-            hits += hashes[len(hits):len(hits) + num_ready]
-        return PrefixHit(hits, len(hits) * self.block_size, loading)
+        """The request's cached prefix in the pool and the tiers (``PrefixCache.lookup``)."""
+        return self.prefix_cache.lookup(request)
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's prefix-cache lookup (in tokens)."""
-        if self.enable_prefix_caching:
-            self.prefix_cache_queries += num_tokens
-            self.prefix_cache_hits += num_hit_tokens
+        self.prefix_cache.record_lookup(num_tokens, num_hit_tokens)
 
     def allocate_slots(
         self,
@@ -191,7 +158,7 @@ class KVCacheManager:
         if record is None:  # a new table: the cached blocks are registered, those out of the window released
             pooled = kept[:num_from_pool]
             self.block_pool.touch(pooled)
-            loaded = self._load_from_tiers(kept[num_from_pool:])
+            loaded = self.prefix_cache.load_from_tiers(kept[num_from_pool:])
             num_released = len(computed_blocks) - len(kept)
             # Loaded blocks are registered by the step's cache_full_blocks, which knows their tokens.
             record = self.tables[request_id] = BlockTableRecord([None] * num_released + pooled + loaded,
@@ -208,29 +175,8 @@ class KVCacheManager:
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
         return copies
 
-    def _load_from_tiers(self, block_hashes: list[BlockHash]) -> list[KVCacheBlock]:
-        """Fresh blocks into which the tiers load these blocks before the forward."""
-        if not block_hashes:
-            return []
-        blocks = self.block_pool.get_new_blocks(len(block_hashes))
-        for block, block_hash in zip(blocks, block_hashes):
-            self.tiers.load(block_hash, block.block_id)
-        return blocks
-
-    def _offload(self, block: KVCacheBlock) -> None:
-        """The pool evicts a hashed block: the tiers keep a copy (``BlockPool.on_evict``)."""
-        parent, token_ids = block.origin or (None, None)
-        self.tiers.offload(block.block_id, block.block_hash, parent, token_ids)
-
     def take_tier_moves(self) -> TierMoves:
-        return self.tiers.take_moves() if self.tiers is not None else TierMoves()
-
-    @property
-    def tiers_busy(self) -> bool:
-        return self.tiers is not None and self.tiers.fetching
-
-    def wait_for_tiers(self) -> bool:
-        return self.tiers is None or self.tiers.wait_landed()
+        return self.prefix_cache.take_tier_moves()
 
     def _release_out_of_window(self, request_id: str, num_released: int) -> None:
         """Release the request's table entries before ``num_released`` (None
@@ -259,31 +205,12 @@ class KVCacheManager:
         writes every new token's K/V of a layer before any query of that layer
         reads, and a block in use (ref_cnt > 0) is never evicted.
         """
-        if not self.enable_prefix_caching:
-            return
-        record = self.tables.get(request.request_id, BlockTableRecord())
-        num_full = min(num_tokens // self.block_size, len(record.entries))
-        if num_full <= record.num_registered:
-            return
-        hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys)
-        # Token ids and parents only for the events and tiers that announce blocks.
-        described = self.block_pool.events is not None
-        tokens, size = request.all_token_ids, self.block_size
-        # Released entries hold no block to register (after a swap-in restarts from 0).
-        for index in range(max(record.num_registered, record.num_released), num_full):
-            parent = hashes[index - 1] if index else None
-            block_tokens = tokens[index * size:(index + 1) * size] if described else ()
-            block = record.entries[index]
-            if self.block_pool.cache_block(block, hashes[index], parent, block_tokens) and self.tiers is not None:
-                self.tiers.persist(block.block_id, hashes[index], parent, block_tokens or None)
-        record.num_registered = num_full
+        record = self.tables.get(request.request_id)
+        if record is not None:
+            self.prefix_cache.register(request, record, num_tokens)
 
     def reset_prefix_cache(self) -> int:
-        """Forget the cached blocks no request uses, in the pool and in host memory
-        (the disk tier is shared and persistent: it keeps its files)."""
-        if self.tiers is not None:
-            self.tiers.clear_host()
-        return self.block_pool.reset_prefix_cache()
+        return self.prefix_cache.reset()
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
         """Move the request's private blocks to host memory and free them.
@@ -440,8 +367,8 @@ class KVCacheManager:
             num_free_blocks=self.num_free_blocks,
             peak_blocks_in_use=self.peak_blocks_in_use,
             num_cached_blocks=self.num_cached_blocks,
-            prefix_cache_queries=self.prefix_cache_queries,
-            prefix_cache_hits=self.prefix_cache_hits,
+            prefix_cache_queries=self.prefix_cache.queries,
+            prefix_cache_hits=self.prefix_cache.hits,
             num_swap_blocks=self.swap_space.num_blocks,
             swap_out_blocks=self.num_swap_out_blocks,
             swap_in_blocks=self.num_swap_in_blocks,

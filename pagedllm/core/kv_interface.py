@@ -157,13 +157,6 @@ class KVCacheManagerProtocol(Protocol):
     def take_tier_moves(self) -> TierMoves:
         """The tier moves owed since the last call, for this step's output (empty without tiers)."""
 
-    @property
-    def tiers_busy(self) -> bool:
-        """Whether a tier fetch is in flight (a waiting request waits for it)."""
-
-    def wait_for_tiers(self) -> bool:
-        """Land the fetches that arrived; True when none is left in flight."""
-
     def reset_peak_blocks_in_use(self) -> None:
         """Start a new peak measurement from the blocks in use now."""
 

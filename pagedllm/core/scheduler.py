@@ -144,8 +144,7 @@ class Scheduler:
         budget -= output.total_num_scheduled_tokens
         if not decodes_preempted:
             self._schedule_waiting(output, budget)
-        # Last, so the runner also forgets the sequences preempted just now, and
-        # performs every tier move the step's allocations caused.
+        # Last: the runner forgets the sequences preempted just now, and moves what the allocations evicted.
         output.released_sequence_ids = self.runner_views.take_released()
         output.tier_moves = self.kv_cache_manager.take_tier_moves()
         return output
@@ -203,9 +202,8 @@ class Scheduler:
             self._add_scheduled(output, request, num_new, copies)
             budget -= num_new
 
-    def _admit_swapped(
-        self, request: Request, output: SchedulerOutput, budget: int
-    ) -> tuple[int, list[BlockCopy]] | None:
+    def _admit_swapped(self, request: Request, output: SchedulerOutput,
+                       budget: int) -> tuple[int, list[BlockCopy]] | None:
         """Bring a swapped request's blocks back and allocate its next tokens, or None if they do not fit."""
         kv = self.kv_cache_manager
         num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
@@ -219,8 +217,8 @@ class Scheduler:
         cached prefix, or None if its first chunk does not fit."""
         kv = self.kv_cache_manager
         computed_blocks, num_cached, loading = kv.get_computed_blocks(request)
-        if loading:
-            return None  # its prefix is coming from disk: admitted when it has landed
+        if loading:  # its prefix is coming from disk: admitted once it has landed
+            return None
         remaining = request.num_tokens - num_cached
         if remaining > budget and not self.config.enable_chunked_prefill:
             return None
@@ -249,9 +247,7 @@ class Scheduler:
         logger.info("no request could run: swapped requests fall back to recompute to release their blocks")
         return True
 
-    def _add_scheduled(
-        self, output: SchedulerOutput, request: Request, num_new: int, copies: list[BlockCopy]
-    ) -> None:
+    def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int, copies: list[BlockCopy]) -> None:
         # Blocks holding draft tokens are never cached: the drafts may be rejected.
         num_known = request.num_computed_tokens + num_new - len(request.draft_token_ids)
         self.kv_cache_manager.cache_full_blocks(request, num_known)

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.kv_events import KVEventLog
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner_output import ModelRunnerOutput
 from pagedllm.core.scheduler import Scheduler
@@ -25,8 +24,7 @@ from pagedllm.engine.setup import (create_kv_cache_manager, eos_token_ids_of, fr
                                    sampling_defaults_of)
 from pagedllm.engine.beam_search import BeamGroup, BeamSearchParams
 from pagedllm.engine.input_processor import InputProcessor, PromptType
-from pagedllm.kv_events_config import KVEventsConfig
-from pagedllm.kv_tiers.setup import build_kv_tiers
+from pagedllm.engine.kv_channels import KVChannels
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.logger import init_logger
 from pagedllm.metrics.stats import IterationStats
@@ -93,9 +91,7 @@ class LLMEngine:
         self.pool_plan = plan_kv_pool(config, self.model, self.scheduler_config, self.device, self.draft_model)
         self.bytes_per_token = self.pool_plan.bytes_per_token
         self.executor = self._start_tensor_parallel()
-
         plan = self.pool_plan
-        block_size, num_blocks, num_swap_blocks = plan.block_size, plan.num_blocks, plan.num_swap_blocks
         self.eos_token_ids = eos_token_ids_of(self.tokenizer, self.model_config, config, self.model_path)
         # Every rank's runner is built from this one spec: the other ranks receive it.
         self.runner_spec = RunnerSpec.from_plan(plan, config, self.scheduler_config)
@@ -108,25 +104,13 @@ class LLMEngine:
         )
         if config.cache.kv_cache_pretouch:
             pretouch_pool(self.runner.kv_caches, self.runner.swap_pool)
-        events_config = KVEventsConfig.from_option(config.kv_events_config)
-        # What the pool and the tiers record, drained to the publisher once a step.
-        self.kv_events = KVEventLog() if events_config is not None else None
-        self.kv_tiers = build_kv_tiers(config, self.runner.kv_caches, self.model_path, block_size, self.kv_events)
-        if self.kv_tiers is not None:
-            self.runner.attach_tiers(self.kv_tiers.runner)
-        self.kv_cache_manager = create_kv_cache_manager(
-            config.cache, num_blocks, block_size, num_swap_blocks, self.scheduler_config,
-            tiers=self.kv_tiers.index if self.kv_tiers is not None else None, events=self.kv_events,
-        )
+        self.kv_channels = KVChannels(config, self.runner, self.model_path, plan.block_size)
+        self.kv_tiers = self.kv_channels.tiers
+        self.kv_cache_manager = create_kv_cache_manager(config.cache, plan, self.scheduler_config, self.kv_channels)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
-        self.event_publisher = None
-        if events_config is not None:
-            from pagedllm.kv_tiers.events import make_event_publisher  # zmq is imported only when asked for
-
-            self.event_publisher = make_event_publisher(events_config)
         self.vocab_size = self.model_config.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                              self.scheduler_config, config.cache, num_blocks, config.seed,
+                                              self.scheduler_config, config.cache, plan.num_blocks, config.seed,
                                               max_logprobs=config.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Grammar state of guided sequences; the driver alone samples, so it lives here.
@@ -170,8 +154,7 @@ class LLMEngine:
 
     def capacity_line(self) -> str:
         """The start-up description of the KV pool and its tiers (the CLI and the server print it)."""
-        line = self.pool_plan.capacity_line()
-        return line if self.kv_tiers is None else f"{line}. {self.kv_tiers.describe()}"
+        return self.kv_channels.describe(self.pool_plan.capacity_line())
 
     def kv_pool_snapshot(self) -> dict:
         """The block pool as data: every block (state, ref count, owners, hashed)
@@ -183,18 +166,7 @@ class LLMEngine:
         and stop the event publisher. Safe to call twice."""
         if self.executor is not None:
             self.executor.shutdown()
-        if self.kv_tiers is not None:
-            self.kv_tiers.runner.shutdown()
-        if self.event_publisher is not None:
-            self._publish_kv_events()
-            self.event_publisher.shutdown()
-
-    def _publish_kv_events(self) -> None:
-        """Hand the events recorded since the last call to the publisher (its thread sends them)."""
-        if self.kv_events is not None:
-            events = self.kv_events.take()
-            if events:
-                self.event_publisher.publish(events)
+        self.kv_channels.shutdown()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -324,14 +296,11 @@ class LLMEngine:
         """Schedule a step and start its forward (inline without async
         scheduling); None when nothing was scheduled (its block moves are done)."""
         scheduler_output = self.scheduler.schedule()
-        self._publish_kv_events()
+        self.kv_channels.publish()
         if scheduler_output.is_empty:
             self.runner.execute(scheduler_output)  # block moves owed by preemptions, forks or tiers
-            if self.kv_cache_manager.tiers_busy:
-                # Only requests waiting for their prefix from disk are left: let the reader work.
-                if not self.kv_cache_manager.wait_for_tiers():
-                    time.sleep(0.001)
-            elif not scheduler_output.preempted_request_ids and self.scheduler.has_unfinished_requests():
+            stuck = not scheduler_output.preempted_request_ids and self.scheduler.has_unfinished_requests()
+            if stuck and not self.kv_channels.wait_for_disk():  # (a prefix from disk is worth the wait)
                 raise RuntimeError("the scheduler could not schedule any unfinished request (this is a bug)")
             self.stats_reporter.record(self.stats_reporter.begin())
             return None
@@ -417,10 +386,9 @@ class LLMEngine:
         return engine_stats(self)
 
     def reset_prefix_cache(self) -> int:
-        """Forget all cached blocks no request is using (in the pool and in host
-        memory; the disk tier keeps its files); returns how many pool blocks."""
+        """Forget the cached blocks no request uses (pool and host tier); returns how many pool blocks."""
         dropped = self.kv_cache_manager.reset_prefix_cache()
-        self._publish_kv_events()
+        self.kv_channels.publish()
         return dropped
 
     def check_invariants(self) -> None:

@@ -10,27 +10,27 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig, sampling_overrides
 from pagedllm.core.contiguous import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.kv_events import KVEventLog
 from pagedllm.core.kv_interface import KVCacheManagerProtocol
-from pagedllm.core.tier_index import TierIndex
+from pagedllm.engine.kv_channels import KVChannels
 from pagedllm.logger import init_logger
 from pagedllm.model.loader import generation_defaults, generation_eos_token_ids
+from pagedllm.worker.memory import PoolPlan
 
 logger = init_logger(__name__)
 
 
-def create_kv_cache_manager(cache: CacheConfig, num_blocks: int, block_size: int, num_swap_blocks: int,
-                            scheduler_config: SchedulerConfig, tiers: TierIndex | None = None,
-                            events: KVEventLog | None = None) -> KVCacheManagerProtocol:
-    """The block bookkeeping over the planned pool: paged (with its tiers and
-    event log, if any), or the contiguous baseline."""
+def create_kv_cache_manager(cache: CacheConfig, plan: PoolPlan, scheduler_config: SchedulerConfig,
+                            channels: KVChannels) -> KVCacheManagerProtocol:
+    """The block bookkeeping over the planned pool: paged (with the tiers'
+    index and the event log, if any), or the contiguous baseline."""
+    num_blocks, block_size = plan.num_blocks, plan.block_size
     if cache.kv_layout == "contiguous":
         reservation = cache.contiguous_reservation
         tokens = {"max_model_len": scheduler_config.max_model_len, "request": None}.get(reservation, reservation)
         return ContiguousKVCacheManager(num_blocks, block_size, tokens)
     return KVCacheManager(num_blocks, block_size, cache.enable_block_sharing, cache.enable_prefix_caching,
-                          num_swap_blocks, sliding_window=scheduler_config.sliding_window, tiers=tiers,
-                          events=events)
+                          plan.num_swap_blocks, sliding_window=scheduler_config.sliding_window,
+                          tiers=channels.tier_index, events=channels.events)
 
 
 def eos_token_ids_of(tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig, config: EngineConfig,

@@ -188,7 +188,7 @@ def test_admission_reuses_cached_prefix_blocks_and_computes_the_rest():
     scheduler.add_request(make_request("b", 0, max_tokens=1, prompt=shared + [60]))
     out = run_step(scheduler)
     assert out.scheduled[0].num_scheduled_tokens == 3  # 8 cached, tokens 8..10 computed
-    assert kv.prefix_cache_hits == 8 and kv.prefix_cache_queries == 12 + 11
+    assert kv.stats().prefix_cache_hits == 8 and kv.stats().prefix_cache_queries == 12 + 11
     # A different salt shares nothing.
     scheduler.add_request(make_request("c", 0, max_tokens=1, prompt=shared + [60], cache_salt="tenant-2"))
     assert run_step(scheduler).scheduled[0].num_scheduled_tokens == 11
