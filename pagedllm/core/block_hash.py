@@ -7,6 +7,17 @@ extra keys (the tenant's ``cache_salt``, room for a LoRA id or multimodal
 hashes) match. sha256 is stable across processes (unlike Python's salted
 ``hash()``) and collision resistant: an accidental collision, which would let
 one request read another's K/V, has probability ~2^-128 even after 2^64 blocks.
+
+The algorithm, exactly (a router in any language can recompute it):
+
+1. Split the token ids into blocks of ``block_size``; a partial last block has no hash.
+2. ``ROOT_HASH = sha256(b"pagedllm-block-hash-v1")`` is block 0's parent.
+3. ``hash_i = sha256(parent || len(block) as 8-byte little-endian || each token id
+   as 8-byte little-endian signed || JSON of the extra keys)``, where the extra keys
+   are ``[]`` or ``[cache_salt]`` (a JSON string), written with separators ``,`` and
+   ``:`` and no spaces, e.g. ``[]`` or ``["tenant-a"]``; ``parent`` is ``hash_{i-1}``.
+4. On the wire (KV events, ``hash_request_tokens``) a hash is the unsigned 64-bit
+   integer of its last 8 bytes, big-endian, as vLLM sends its block hashes.
 """
 
 from __future__ import annotations
@@ -16,6 +27,8 @@ import json
 import sys
 from array import array
 from collections.abc import Sequence
+
+from pagedllm.utils import check_block_size
 
 BlockHash = bytes
 
@@ -46,3 +59,17 @@ def extend_block_hashes(
         parent = hashes[index - 1] if index else ROOT_HASH
         hashes.append(hash_block(parent, token_ids[index * block_size : (index + 1) * block_size], extra_keys))
     return hashes
+
+
+def external_block_hash(block_hash: BlockHash) -> int:
+    """A block hash as KV events carry it: the last 8 bytes, big-endian (vLLM's int form)."""
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+def hash_request_tokens(token_ids: Sequence[int], block_size: int = 16, cache_salt: str | None = None) -> list[int]:
+    """The hashes of a request's full blocks exactly as ``BlockStored`` events
+    carry them: what a router compares with a replica's events to know how
+    many leading blocks of a prompt it already holds."""
+    check_block_size(block_size)
+    extra_keys = (cache_salt,) if cache_salt is not None else ()
+    return [external_block_hash(h) for h in extend_block_hashes([], list(token_ids), block_size, extra_keys)]

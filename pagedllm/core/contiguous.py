@@ -59,7 +59,7 @@ class ContiguousKVCacheManager:
         owner = {block: request_id for request_id, blocks in list(self.req_to_blocks.items()) for block in blocks}
         return [
             {"block_id": block, "state": "used" if block in owner else "free", "ref_cnt": int(block in owner),
-             "owners": [owner[block]] if block in owner else [], "hashed": False}
+             "owners": [owner[block]] if block in owner else [], "hashed": False, "block_hash": None}
             for block in range(self.num_blocks)
         ]
 

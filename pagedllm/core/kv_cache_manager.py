@@ -7,6 +7,7 @@ window the leading entries that fell out of it are None: released, owning nothin
 
 from __future__ import annotations
 
+from pagedllm.core.block_hash import external_block_hash
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.block_table import BlockTableRecord, SwappedTable, TableEntry
 from pagedllm.core.kv_events import KVEventLog
@@ -342,6 +343,8 @@ class KVCacheManager:
                 "ref_cnt": block.ref_cnt,
                 "owners": owners.get(block.block_id, []),
                 "hashed": block.block_hash is not None,
+                # As KV events name it (``external_block_hash``), so a subscriber's view can be checked.
+                "block_hash": None if block.block_hash is None else external_block_hash(block.block_hash),
             }
             for block in self.block_pool.blocks
         ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pagedllm.core.block_hash import BlockHash, extend_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.block_table import BlockTableRecord
-from pagedllm.core.kv_events import KVEventLog
+from pagedllm.core.kv_events import AllBlocksCleared, KVEventLog
 from pagedllm.core.kv_interface import PrefixHit
 from pagedllm.core.request import Request
 from pagedllm.core.tier_index import TierIndex, TierMoves
@@ -103,10 +103,17 @@ class PrefixCache:
 
     def reset(self) -> int:
         """Forget the cached blocks no request uses, in the pool and in host memory
-        (the disk tier is shared and persistent: it keeps its files)."""
+        (the disk tier is shared and persistent: it keeps its files). The events
+        say which went; when nothing is left anywhere, ``AllBlocksCleared`` too."""
         if self.tiers is not None:
             self.tiers.clear_host()
-        return self.block_pool.reset_prefix_cache()
+        dropped = self.block_pool.reset_prefix_cache()
+        events = self.block_pool.events
+        nothing_left = not self.block_pool.cached_blocks and (
+            self.tiers is None or (not self.tiers.num_host_blocks and not self.tiers.has_disk))
+        if events is not None and nothing_left:
+            events.append(AllBlocksCleared())
+        return dropped
 
     def take_tier_moves(self) -> TierMoves:
         return self.tiers.take_moves() if self.tiers is not None else TierMoves()
