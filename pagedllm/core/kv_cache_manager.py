@@ -387,3 +387,5 @@ class KVCacheManager:
         """Raise ``RuntimeError`` on the first broken invariant (see the protocol
         and ``table_invariants``)."""
         check_paged_tables(self, running, swapped)
+        if self.tiers is not None:
+            self.tiers.check_invariants()

@@ -106,6 +106,13 @@ class AsyncLLMEngine:
                 pass
             self._loop_task = None
 
+    def shutdown(self) -> None:
+        """Shut the engine down once the loop is stopped (``LLMEngine.shutdown``:
+        the disk tier's queued writes, the event publisher, tensor-parallel ranks)."""
+        if self._loop_task is not None:
+            raise RuntimeError("stop() the engine loop before shutting the engine down")
+        self._engine.shutdown()
+
     def next_request_id(self, prefix: str) -> str:
         self._ids += 1
         return f"{prefix}-{self._ids}"

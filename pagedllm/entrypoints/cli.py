@@ -82,6 +82,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 log_level=args.uvicorn_log_level, timeout_keep_alive=args.timeout_keep_alive,
                 ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
                 ssl_cert_reqs=args.ssl_cert_reqs)
+    if state.async_engine is not None:  # finish the disk tier's queued writes, close the event sockets
+        state.async_engine.shutdown()
     if state.load_error is not None:
         sys.exit(1)
 

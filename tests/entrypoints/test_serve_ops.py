@@ -250,3 +250,22 @@ def test_live_server_counts_tokens_while_a_stream_runs(tiny_llama):
         assert metric("vllm:generation_tokens_total") == tokens
         assert metric("vllm:inter_token_latency_seconds_count") == tokens - 1
         assert metric("vllm:time_to_first_token_seconds_count") == 1
+
+
+def test_serve_takes_the_tier_and_event_flags(serve, tmp_path):
+    events = '{"enable_kv_cache_events": true, "publisher": "null"}'
+    app, _, made = serve("--kv-offload-host-bytes", str(1 << 20), "--kv-offload-dir", str(tmp_path),
+                         "--kv-offload-disk-bytes", str(1 << 30), "--kv-events-config", events,
+                         "--num-kv-blocks", "12", "--max-num-seqs", "2")
+    with ready(app) as client:
+        prompts = [" ".join(f"word{i}-{j}" for j in range(15)) for i in range(4)]
+        for _ in range(2):  # the second round finds the first round's prefixes below the pool
+            for prompt in prompts:
+                assert complete(client, prompt=prompt, max_tokens=4).status_code == 200
+        tiers = client.get("/v1/kv_pool").json()["tiers"]
+        text = client.get("/metrics").text
+    assert tiers["host"]["hits"] > 0 and tiers["disk"]["enabled"]
+    assert metric_value(text, "pagedllm:kv_tier_hits_total", medium="CPU") == tiers["host"]["hits"]
+    assert metric_value(text, "pagedllm:external_prefix_cache_hits_total") == tiers["host"]["hits"] * 16
+    engine = made[-1].llm_engine
+    assert engine.kv_tiers.runner.disk.budget_bytes == 1 << 30 and engine.kv_channels.publisher is not None

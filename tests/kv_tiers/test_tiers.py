@@ -288,3 +288,19 @@ def test_tiers_show_in_stats_metrics_and_the_pool_view(tiny_llama, reference, tm
     assert "KV offload tiers: host memory 8.0 MiB" in llm.llm_engine.capacity_line()
     assert_pool_free(llm)
     llm.shutdown()
+
+
+def test_int8_blocks_go_down_as_int8_with_their_scales(tiny_llama, tmp_path):
+    """An int8 pool's tier blocks are its int8 bytes and fp32 scales, and hits give pool hits' outputs."""
+    expected = _run(LLM(tiny_llama, num_kv_blocks=256, max_num_seqs=2, kv_cache_dtype="int8"))
+    llm = _small(tiny_llama, kv_cache_dtype="int8", kv_offload_host_bytes=8 << 20, kv_offload_dir=str(tmp_path))
+    assert _run(llm) == expected  # host hits: the same bytes as the pool's, so the same logprobs
+    # Per layer and block: K and V of 16 tokens x 2 KV heads x 16 dims, one byte each, plus an fp32 scale
+    # per token and head for each; the fp32 pool's block is 8192 bytes.
+    int8_bytes = 2 * (2 * 16 * 2 * 16 + 2 * 16 * 2 * 4)
+    assert llm.llm_engine.kv_tiers.block_bytes == int8_bytes == 2560
+    llm.shutdown()
+    sizes = {os.path.getsize(path) for path in _block_files(tmp_path)}
+    assert sizes == {112 + int8_bytes}
+    assert llm.stats()["host_tier_hits"] > 0
+    assert_pool_free(llm)
