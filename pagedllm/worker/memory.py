@@ -73,8 +73,13 @@ class PoolPlan:
                      f"all {self.tensor_parallel_size} ranks together: {self.total_bytes_per_token} bytes/token, "
                      f"{tokens * self.total_bytes_per_token / 2**20:.1f} MiB")
         if self.num_tail_slots:
-            line += (f"; plus full-precision tails for {self.num_tail_slots} still-filling blocks "
-                     f"({self.num_tail_slots * self.tail_bytes_per_slot / 2**20:.1f} MiB)")
+            tails = self.num_tail_slots * self.tail_bytes_per_slot
+            line += (f"; full-precision tails for {self.num_tail_slots} still-filling blocks "
+                     f"({tails / 2**20:.1f} MiB, {(tokens * self.bytes_per_token + tails) / 2**20:.1f} MiB "
+                     f"with the blocks)")
+        if self.num_swap_blocks:
+            swap = self.num_swap_blocks * self.block_size * (self.bytes_per_token + self.draft_bytes_per_token)
+            line += f"; host swap space {self.num_swap_blocks} blocks ({swap / 2**20:.1f} MiB, taken as used)"
         if self.draft_bytes_per_token:
             line += (f"; the draft model's pool over the same blocks: {self.draft_bytes_per_token} bytes/token, "
                      f"{tokens * self.draft_bytes_per_token / 2**20:.1f} MiB")
@@ -131,7 +136,8 @@ def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: Schedu
                                                                              cache.kv_cache_dtype)
     bytes_per_block = (bytes_per_token + draft_bytes_per_token) * cache.block_size
     num_tail_slots, tail_bytes_per_slot = _tails_of(config, model, scheduler_config, dtype)
-    num_blocks = _num_blocks(config, model, scheduler_config, device, bytes_per_block)
+    num_blocks, num_tail_slots = _num_blocks(config, model, scheduler_config, device, bytes_per_block,
+                                             num_tail_slots, tail_bytes_per_slot)
     num_swap_blocks = 0
     if config.preemption_mode == "swap" and cache.kv_layout == "paged":
         num_swap_blocks = int(config.swap_space * 2**30) // bytes_per_block
@@ -150,16 +156,15 @@ def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: Schedu
         kv_cache_dtype=cache.kv_cache_dtype,
         device_type=device.type,
         draft_bytes_per_token=draft_bytes_per_token,
-        num_tail_slots=min(num_tail_slots, num_blocks),  # never more slots than blocks
+        num_tail_slots=num_tail_slots,
         tail_bytes_per_slot=tail_bytes_per_slot,
     )
 
 
 def _tails_of(config: EngineConfig, model: CausalLM, scheduler_config: SchedulerConfig,
               dtype: torch.dtype) -> tuple[int, int]:
-    """(slots, bytes per slot) of an int8 pool's full-precision tails; (0, 0) for
-    other pools. They sit beside the pool, not in its budget (which is sized in
-    blocks): the capacity line reports both."""
+    """(slots wanted, bytes per slot) of an int8 pool's full-precision tails;
+    (0, 0) for other pools. A byte budget pays for them (``_num_blocks``)."""
     cache = config.cache
     if cache.kv_cache_dtype != "int8":
         return 0, 0
@@ -168,21 +173,29 @@ def _tails_of(config: EngineConfig, model: CausalLM, scheduler_config: Scheduler
     return num_tail_slots, kv_bytes_per_token(model.config, dtype, "auto", model.num_kv_heads) * cache.block_size
 
 
-def _num_blocks(config: EngineConfig, model: CausalLM, scheduler_config: SchedulerConfig,
-                device: torch.device, bytes_per_block: int) -> int:
-    """``num_kv_blocks``, else the blocks of ``bytes_per_block`` the first memory
-    rule's budget holds; ``ValueError`` when it holds none."""
+def _num_blocks(config: EngineConfig, model: CausalLM, scheduler_config: SchedulerConfig, device: torch.device,
+                bytes_per_block: int, tail_slots: int, tail_bytes_per_slot: int) -> tuple[int, int]:
+    """(blocks, tail slots): ``num_kv_blocks`` exactly (its tails on top), else
+    the most blocks the first memory rule's budget holds *with* their tails.
+
+    A sequence fills at most one block at a time and holds at least one, so
+    never more slots than blocks: with fewer blocks than ``tail_slots`` each
+    block is paid with its slot; with more, the ``tail_slots`` come off the
+    budget first. ``ValueError`` when the budget holds no block."""
     cache = config.cache
     if cache.num_kv_blocks is not None:
-        return cache.num_kv_blocks
+        return cache.num_kv_blocks, min(tail_slots, cache.num_kv_blocks)
     budget = _kv_budget_bytes(config, model, scheduler_config, device)
-    num_blocks = budget // bytes_per_block
+    num_blocks = budget // (bytes_per_block + tail_bytes_per_slot)
+    if num_blocks > tail_slots:
+        num_blocks = (budget - tail_slots * tail_bytes_per_slot) // bytes_per_block
     if num_blocks < 1:
+        tails = f" with its full-precision tail ({tail_bytes_per_slot} bytes)" if tail_bytes_per_slot else ""
         raise ValueError(
             f"the KV budget of {budget} bytes holds no block of {cache.block_size} tokens "
-            f"({bytes_per_block} bytes); raise kv_cache_memory or kv_cache_fraction"
+            f"({bytes_per_block} bytes){tails}; raise kv_cache_memory or kv_cache_fraction"
         )
-    return num_blocks
+    return num_blocks, min(tail_slots, num_blocks)
 
 
 def _kv_budget_bytes(config: EngineConfig, model: CausalLM, scheduler_config: SchedulerConfig,

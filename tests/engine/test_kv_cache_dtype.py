@@ -16,13 +16,15 @@ from tests.engine.test_engine_behaviour import token_ids, token_prompts
 
 def test_int8_pool_holds_more_tokens_in_the_same_memory(tiny_llama, caplog):
     memory = 1 << 20
-    auto = LLM(tiny_llama, kv_cache_memory=memory)
+    auto = LLM(tiny_llama, kv_cache_memory=memory, max_num_seqs=8)
     with caplog.at_level(logging.INFO, logger="pagedllm"):
-        int8 = LLM(tiny_llama, kv_cache_memory=memory, kv_cache_dtype="int8")
+        int8 = LLM(tiny_llama, kv_cache_memory=memory, kv_cache_dtype="int8", max_num_seqs=8)
     # The tiny model: head_dim 16, so int8 + an fp32 scale is 20 bytes per vector vs 64 in fp32.
     assert auto.stats()["bytes_per_token"] == 2 * 2 * 2 * 16 * 4
     assert int8.stats()["bytes_per_token"] == 2 * 2 * 2 * (16 + 4)
-    assert int8.stats()["num_blocks"] == memory // (16 * 2 * 2 * 2 * 20)
+    # The budget pays for the 8 sequences' full-precision tail slots (a block of fp32 K/V each) first.
+    tails = 8 * 16 * auto.stats()["bytes_per_token"]
+    assert int8.stats()["num_blocks"] == (memory - tails) // (16 * 2 * 2 * 2 * 20)
     assert int8.stats()["num_blocks"] >= 3 * auto.stats()["num_blocks"]
     assert any("int8 KV with per-token scales" in r.getMessage() and "3.20x the tokens of a float32 pool"
                in r.getMessage() for r in caplog.records)

@@ -94,19 +94,41 @@ def test_bytes_per_token_int8_against_the_model_dtype():
     (8, {"method": "ngram", "num_speculative_tokens": 20}, 100, 24),
     (256, None, 100, 100),  # never more than blocks
 ])
-def test_int8_tails_are_planned_per_sequence_beside_the_pool(max_num_seqs, speculative, num_kv_blocks,
-                                                            expected_slots):
+def test_int8_tails_are_planned_per_sequence(max_num_seqs, speculative, num_kv_blocks, expected_slots):
     config = EngineConfig(cache=CacheConfig(num_kv_blocks=num_kv_blocks, kv_cache_dtype="int8"),
                           speculative_config=speculative)
     planned = plan_kv_pool(config, tiny_model(), SchedulerConfig(max_model_len=64, max_num_seqs=max_num_seqs), CPU)
     # A slot is one block of K and V in the model's dtype: 16 tokens x 512 bytes for the tiny model.
     assert (planned.num_blocks, planned.num_tail_slots, planned.tail_bytes_per_slot) == (
         num_kv_blocks, expected_slots, 16 * TINY_FP32_BYTES_PER_TOKEN)
+    tails = expected_slots * 16 * TINY_FP32_BYTES_PER_TOKEN
     assert planned.capacity_line().endswith(
-        f"; plus full-precision tails for {expected_slots} still-filling blocks "
-        f"({expected_slots * 16 * TINY_FP32_BYTES_PER_TOKEN / 2**20:.1f} MiB)")
+        f"; full-precision tails for {expected_slots} still-filling blocks ({tails / 2**20:.1f} MiB, "
+        f"{(num_kv_blocks * 16 * planned.bytes_per_token + tails) / 2**20:.1f} MiB with the blocks)")
     for kv_cache_dtype in ("auto", "fp8_e4m3"):
         assert plan(num_kv_blocks=8, kv_cache_dtype=kv_cache_dtype).num_tail_slots == 0
+
+
+@pytest.mark.parametrize("max_num_seqs", [4, 256])
+def test_an_int8_budget_pays_for_its_tails(max_num_seqs):
+    """kv_cache_memory bounds the int8 blocks and their full-precision tails together
+    (they used to sit beside it: 180 MiB on top of 64 MiB for SmolLM2 at 256 sequences)."""
+    budget = 1 << 20
+    scheduler = SchedulerConfig(max_model_len=64, max_num_seqs=max_num_seqs)
+    planned = plan_kv_pool(EngineConfig(cache=CacheConfig(kv_cache_memory=budget, kv_cache_dtype="int8")),
+                           tiny_model(), scheduler, CPU)
+    block_bytes, tail_bytes = 16 * planned.bytes_per_token, planned.tail_bytes_per_slot
+    used = planned.num_blocks * block_bytes + planned.num_tail_slots * tail_bytes
+    assert used <= budget < used + block_bytes + tail_bytes  # as many blocks as fit, no more
+    assert planned.num_tail_slots == min(max_num_seqs, planned.num_blocks)
+    auto = plan_kv_pool(EngineConfig(cache=CacheConfig(kv_cache_memory=budget)), tiny_model(), scheduler, CPU)
+    assert auto.num_blocks == budget // (16 * TINY_FP32_BYTES_PER_TOKEN) and auto.num_tail_slots == 0
+
+
+def test_a_budget_too_small_for_a_block_and_its_tail_is_refused():
+    config = EngineConfig(cache=CacheConfig(kv_cache_memory=9000, kv_cache_dtype="int8"))
+    with pytest.raises(ValueError, match="full-precision tail.*raise kv_cache_memory"):
+        plan_kv_pool(config, tiny_model(), SchedulerConfig(max_model_len=64), CPU)
 
 
 def test_a_rank_plans_with_its_own_kv_heads():
