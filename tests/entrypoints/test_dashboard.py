@@ -45,7 +45,8 @@ def test_dashboard_shows_blocks_in_use(tiny_llama, tmp_path):
     from playwright.sync_api import sync_playwright
 
     chromium = chromium_path()
-    with running_server(["--model", tiny_llama, "--num-kv-blocks", "256", "--api-key", KEY]) as (base, _pid):
+    flags = ["--model", tiny_llama, "--num-kv-blocks", "256", "--api-key", KEY, "--kv-offload-host-bytes", "1048576"]
+    with running_server(flags) as (base, _pid):
         assert httpx.get(f"{base}/dashboard").status_code == 401
         stop = threading.Event()
         traffic = threading.Thread(target=keep_busy, args=(base, stop), daemon=True)
@@ -65,6 +66,7 @@ def test_dashboard_shows_blocks_in_use(tiny_llama, tmp_path):
                 ref_counts = {int(v) for v in page.locator(".block.shared").evaluate_all(
                     "cells => cells.map(c => c.dataset.refCnt)")}
                 in_use = int(page.locator("#in-use").inner_text())
+                host_tier = page.locator("#host-tier").inner_text()  # the tier below the pool, beside it
                 browser.close()
         finally:
             stop.set()
@@ -72,3 +74,4 @@ def test_dashboard_shows_blocks_in_use(tiny_llama, tmp_path):
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 5_000
         assert blocks == 256 and used > 0 and in_use > 0
         assert 4 in ref_counts
+        assert host_tier.startswith("host tier ") and "/128 blocks" in host_tier
