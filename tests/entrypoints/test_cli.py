@@ -296,19 +296,20 @@ def test_bench_throughput_async_against_synchronous_steps(tiny_model_dir, capsys
 
 
 def test_bench_throughput_int8_kv_against_auto_at_the_same_memory(tiny_model_dir, capsys):
-    # 80 KiB: 10 fp32 blocks of 16 tokens for the tiny model (8 KiB each), 32 int8 blocks (2.5 KiB each).
+    # 160 KiB: 20 fp32 blocks of 16 tokens for the tiny model (8 KiB each); int8 first pays for 8
+    # sequences' full-precision tail slots (8 KiB each), then holds 38 int8 blocks (2.5 KiB each).
     main([
         "bench", "throughput", "--model", tiny_model_dir("llama"), "--num-prompts", "8", "--input-len", "40",
         "--output-len", "20", "--kv-cache-dtype", "int8", "--baseline", "kv-auto",
-        "--kv-cache-memory", str(80 * 1024), "--max-model-len", "128",
+        "--kv-cache-memory", str(160 * 1024), "--max-model-len", "128", "--max-num-seqs", "8",
     ])
     lines = capsys.readouterr().out.splitlines()
     pools = {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")]
              for line in lines if line.startswith("| pagedllm") and line.count("|") == 9)}
     int8, auto = pools["pagedllm (int8 KV)"], pools["pagedllm (auto KV, float32)"]
-    assert (int8[1], int8[2]) == ("160", "32") and (auto[1], auto[2]) == ("512", "10")
-    # 8 requests of 60 tokens need 4 blocks each: int8 runs all 8 at once, fp32 at most 3.
-    assert int(int8[5]) == 8 and int(auto[5]) <= 3
+    assert (int8[1], int8[2]) == ("160", "38") and (auto[1], auto[2]) == ("512", "20")
+    # 8 requests of 60 tokens need 4 blocks each (3 at admission): int8 runs all 8 at once, fp32 at most 6.
+    assert int(int8[5]) == 8 and int(auto[5]) <= 6
     assert int(auto[7]) >= int(int8[7])
 
 
