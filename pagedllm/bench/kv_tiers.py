@@ -77,7 +77,7 @@ def format_turns(runs: list[TierRun], pool_tokens: int, reused_tokens: int) -> s
         stats = run.stats
         rows.append([
             run.label, f"{run.hit_tokens} of {run.prompt_tokens}",
-            f"{run.hit_tokens / max(1, base.hit_tokens):.2f}x",
+            f"{run.hit_tokens / base.hit_tokens:.2f}x" if base.hit_tokens else ("-" if run is base else "all new"),
             f"{run.ttft_p50:.3f}", f"{run.ttft_p50 / base.ttft_p50:.2f}x",
             f"{(run.prompt_tokens + run.output_tokens) / run.elapsed_s:.0f}", f"{run.elapsed_s:.1f}",
             f"{stats.get('host_tier_hits', 0)} / {stats.get('disk_tier_hits', 0)}",

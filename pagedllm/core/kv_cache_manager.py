@@ -380,6 +380,7 @@ class KVCacheManager:
             disk_tier_hits=tiers.disk_hits,
             tier_offloads=tiers.offloads,
             tier_persists=tiers.persists,
+            tier_fetches=tiers.fetches,
             tier_fetch_failures=tiers.fetch_failures,
         )  # external_fragmentation_waits stays 0: paging never refuses what free blocks would fit
 

@@ -70,6 +70,7 @@ class KVCacheStats:
     disk_tier_hits: int = 0
     tier_offloads: int = 0
     tier_persists: int = 0
+    tier_fetches: int = 0
     tier_fetch_failures: int = 0
 
     @property

@@ -26,16 +26,19 @@ Safety rules:
   the forward (that is when a newly cached block's K/V exist).
 - An offload always copies into a new host entry, never over one, so an
   offload and a load in one step cannot clash.
-- A landed fetch is pinned for ``pin_steps`` schedules or until it is loaded,
-  whichever comes first, and a lookup's host hits for the rest of that
-  schedule: the host LRU never drops what a request is about to load. Pinned entries may exceed the host capacity for that long
-  (a disk-only set-up has capacity 0 and keeps only pinned entries).
+- A landed fetch is pinned until it is loaded (or ``fetch_pin_s`` seconds
+  pass: its request may have gone), and a lookup's host hits for the rest of
+  that schedule: the host LRU never drops what a request is about to load.
+  Pinned entries may exceed the host capacity meanwhile (a disk-only set-up
+  has capacity 0 and keeps only pinned entries). Pins are counted in time,
+  not schedules: an idle engine waiting for a fetch runs many empty schedules.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -102,16 +105,21 @@ class TierIndex:
     """The host tier's LRU index, the disk tier's catalog, and the moves owed to the runner."""
 
     def __init__(self, host_capacity_blocks: int, disk: DiskCatalog | None = None,
-                 events: KVEventLog | None = None, block_size: int = 16, pin_steps: int = 64) -> None:
+                 events: KVEventLog | None = None, block_size: int = 16, fetch_pin_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if host_capacity_blocks < 0:
             raise ValueError(f"the host tier needs a non-negative capacity, got {host_capacity_blocks} blocks")
         self.host_capacity_blocks = host_capacity_blocks
         self.disk = disk
         self.events = events
         self.block_size = block_size
-        self.pin_steps = pin_steps
-        # Hash -> the schedule number its pin lasts until (0: not pinned); order is the LRU, oldest first.
-        self._host: OrderedDict[BlockHash, int] = OrderedDict()
+        self.fetch_pin_s = fetch_pin_s
+        self._clock = clock
+        # The host tier's hashes, least recently used first.
+        self._host: OrderedDict[BlockHash, None] = OrderedDict()
+        # Landed fetches not loaded yet -> when their pin runs out; and this schedule's lookup hits.
+        self._fetch_pins: dict[BlockHash, float] = {}
+        self._lookup_pins: set[BlockHash] = set()
         self._fetching: set[BlockHash] = set()
         # Landed by a fetch and not yet loaded: a load of these counts as a disk hit.
         self._from_disk: set[BlockHash] = set()
@@ -119,7 +127,6 @@ class TierIndex:
         self._bad: set[BlockHash] = set()
         # Blocks this process knows are on disk (its writes, its fetches): not persisted again.
         self._on_disk: set[BlockHash] = set()
-        self._schedule = 1  # pins hold a schedule number; 0 means unpinned
         self._moves = TierMoves()
         self._dropping: set[BlockHash] = set()  # this step's drops
         self.counters = TierCounters()
@@ -150,12 +157,11 @@ class TierIndex:
         self._land_fetches()
         num_ready = 0
         for block_hash in block_hashes:
-            until = self._host.get(block_hash)
-            if until is None:
+            if block_hash not in self._host:
                 break
             # Pinned for this schedule: the pool evictions that making room for
             # the request may cause must not drop what it is about to load.
-            self._host[block_hash] = max(until, self._schedule)
+            self._lookup_pins.add(block_hash)
             num_ready += 1
         rest = block_hashes[num_ready:num_ready + MAX_FETCH_BLOCKS]
         if not rest or not self.has_disk:
@@ -193,8 +199,9 @@ class TierIndex:
             self._from_disk.add(block_hash)
             # Offloaded meanwhile or not, the runner holds one entry per hash (the
             # same block's bytes either way): pin it for the request that waits.
-            self._host[block_hash] = self._schedule + self.pin_steps
+            self._host[block_hash] = None
             self._host.move_to_end(block_hash)
+            self._fetch_pins[block_hash] = self._clock() + self.fetch_pin_s
 
     def wait_landed(self) -> bool:
         """Land what has arrived; True if nothing is in flight any more."""
@@ -215,7 +222,7 @@ class TierIndex:
             self.counters.disk_hits += 1
         else:
             self.counters.host_hits += 1
-        self._host[block_hash] = 0
+        self._fetch_pins.pop(block_hash, None)
         self._host.move_to_end(block_hash)
         self._shrink()
 
@@ -230,7 +237,7 @@ class TierIndex:
             self._host.move_to_end(block_hash)
             return
         self._moves.offload.append((block_id, block_hash))
-        self._host[block_hash] = 0
+        self._host[block_hash] = None
         self.counters.offloads += 1
         self._announce(MEDIUM_HOST, block_hash, parent, token_ids)
         self._shrink()
@@ -247,15 +254,16 @@ class TierIndex:
 
     def take_moves(self) -> TierMoves:
         """The moves since the last call (the scheduler puts them in its output);
-        starts the next schedule: pins that ran out are released."""
-        self._schedule += 1
+        starts the next schedule: its lookup pins, and fetch pins that ran out, are released."""
         if self.disk is not None:
             self.note_disk_removed(self.disk.take_removed())
-        expired = [h for h, until in self._host.items() if until and until < self._schedule]
+        now = self._clock()
+        expired = [h for h, until in self._fetch_pins.items() if until < now]
         for block_hash in expired:
-            self._host[block_hash] = 0
+            del self._fetch_pins[block_hash]
             self._from_disk.discard(block_hash)
-        if expired:
+        if expired or self._lookup_pins:
+            self._lookup_pins.clear()
             self._shrink()
         moves, self._moves = self._moves, TierMoves()
         self._dropping = set()
@@ -263,9 +271,12 @@ class TierIndex:
 
     def clear_host(self) -> int:
         """Forget every unpinned host entry (a prefix-cache reset); returns how many."""
-        dropped = [h for h, until in self._host.items() if not until]
+        dropped = [h for h in self._host if not self._pinned(h)]
         self._drop(dropped)
         return len(dropped)
+
+    def _pinned(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._fetch_pins or block_hash in self._lookup_pins
 
     def _shrink(self) -> None:
         """Drop least recently used unpinned entries while over capacity."""
@@ -273,10 +284,10 @@ class TierIndex:
         if excess <= 0:
             return
         victims = []
-        for block_hash, until in self._host.items():
+        for block_hash in self._host:
             if len(victims) == excess:
                 break
-            if not until:
+            if not self._pinned(block_hash):
                 victims.append(block_hash)
         self._drop(victims)
 
@@ -302,7 +313,7 @@ class TierIndex:
 
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` if the host index breaks its capacity rule."""
-        unpinned = sum(1 for until in self._host.values() if not until)
+        unpinned = sum(1 for block_hash in self._host if not self._pinned(block_hash))
         if unpinned > self.host_capacity_blocks:
             raise RuntimeError(f"the host tier holds {unpinned} unpinned blocks over its "
                                f"capacity of {self.host_capacity_blocks}")

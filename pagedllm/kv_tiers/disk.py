@@ -37,6 +37,7 @@ import time
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -77,9 +78,10 @@ class DiskTier:
             self._scan()
         except OSError as error:
             self._turn_off(f"cannot use {self.folder}: {error}")
-        self._threads = [threading.Thread(target=loop, daemon=True, name=name)
-                         for loop, name in ((self._write_loop, "pagedllm-kv-disk-writer"),
-                                            (self._read_loop, "pagedllm-kv-disk-reader"))]
+        self._threads = [threading.Thread(target=_serve, args=(work, handle), daemon=True, name=name)
+                         for work, handle, name in (
+                             (self._writes, lambda item: self._write(*item), "pagedllm-kv-disk-writer"),
+                             (self._reads, self._read_batch, "pagedllm-kv-disk-reader"))]
         for thread in self._threads:
             thread.start()
 
@@ -137,16 +139,6 @@ class DiskTier:
 
     # -------------------------------------------------------------- writes
 
-    def _write_loop(self) -> None:
-        while True:
-            item = self._writes.get()
-            try:
-                if item is None:
-                    return
-                self._write(*item)
-            finally:
-                self._writes.task_done()
-
     def _write(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
         if not self.enabled:
             self._removed.put(block_hash)
@@ -199,16 +191,15 @@ class DiskTier:
 
     # --------------------------------------------------------------- reads
 
-    def _read_loop(self) -> None:
-        while True:
-            batch = self._reads.get()
+    def _read_batch(self, block_hashes: list[BlockHash]) -> None:
+        """Report every block, whatever happens: a request waits until its fetch is reported."""
+        for block_hash in block_hashes:
             try:
-                if batch is None:
-                    return
-                for block_hash in batch:
-                    self._fetched.put((block_hash, self._read(block_hash)))
-            finally:
-                self._reads.task_done()
+                outcome = self._read(block_hash)
+            except Exception:
+                logger.exception("KV disk tier: reading block %s failed; it is recomputed", block_hash.hex())
+                outcome = "missing"
+            self._fetched.put((block_hash, outcome))
 
     def _read(self, block_hash: BlockHash) -> str:
         """Check one file and hand its block to the host store: "landed", "missing" or "bad"."""
@@ -274,6 +265,20 @@ class DiskTier:
                     found.append((stat.st_mtime, block_hash, stat.st_size))
         for _, block_hash, size in sorted(found):
             self._files[block_hash] = size
+
+
+def _serve(work: queue.Queue, handle: Callable[[Any], None]) -> None:
+    """A worker thread's loop: handle each item until None; every item is marked done (``flush`` waits on it)."""
+    while True:
+        item = work.get()
+        try:
+            if item is None:
+                return
+            handle(item)
+        except Exception:  # a bug here must not end the thread: the next item is served
+            logger.exception("KV disk tier: a %s failed", threading.current_thread().name)
+        finally:
+            work.task_done()
 
 
 def _drain(source: queue.SimpleQueue) -> list:

@@ -123,16 +123,19 @@ def test_a_bad_file_is_a_miss_and_is_not_fetched_again():
 
 
 def test_landed_fetches_stay_pinned_until_loaded_or_expired():
-    disk = DictDisk({h(1)})
-    index = TierIndex(host_capacity_blocks=0, disk=disk, pin_steps=2)
-    index.lookup([h(1)])
-    disk.complete()
-    index.wait_landed()
+    """Pins count seconds, not schedules: an idle engine waiting for a long fetch runs
+    many empty schedules, and its first landed blocks must still be there at the end."""
+    now = [0.0]
+    disk = DictDisk({h(1), h(2)})
+    index = TierIndex(host_capacity_blocks=0, disk=disk, fetch_pin_s=30.0, clock=lambda: now[0])
+    assert index.lookup([h(1), h(2)]) == (0, True)
+    disk.reports.append((h(1), "landed"))  # the first block lands; the second is still being read
+    assert index.lookup([h(1), h(2)]) == (1, True)
+    for _ in range(1000):
+        assert not index.take_moves().drop
     assert index.host_hashes == [h(1)]
-    index.take_moves()
-    index.take_moves()
-    assert index.host_hashes == [h(1)]
-    moves = index.take_moves()  # the pin ran out: a disk-only host keeps nothing
+    now[0] = 31.0
+    moves = index.take_moves()  # the pin ran out (its request may be gone): a disk-only host keeps nothing
     assert moves.drop == [h(1)] and index.host_hashes == []
 
 

@@ -121,6 +121,7 @@ def test_the_disk_tier_survives_a_restart(tiny_llama, reference, tmp_path):
     stats = restarted.stats()
     assert stats["disk_tier_hits"] >= NUM_PROMPTS * 4, stats
     assert stats["tier_fetch_failures"] == 0
+    assert stats["tier_fetches"] == stats["disk_tier_hits"]  # each block read once, none dropped before use
     # What came back is what went out, byte for byte (every block both pools still hold).
     loaded = _pool_bytes(restarted)
     common = set(written) & set(loaded)
