@@ -105,6 +105,9 @@ class ContiguousKVCacheManager:
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """No prefix cache: nothing to register."""
 
+    def prefetch(self, request: Request) -> None:
+        return  # no prefix cache, nothing to fetch
+
     def take_tier_moves(self) -> TierMoves:
         return TierMoves()  # no prefix cache, so no tiers below it
 

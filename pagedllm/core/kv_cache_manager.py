@@ -111,6 +111,10 @@ class KVCacheManager:
         """The request's cached prefix in the pool and the tiers (``PrefixCache.lookup``)."""
         return self.prefix_cache.lookup(request)
 
+    def prefetch(self, request: Request) -> None:
+        """A new request: its prefix may start coming up from the disk tier now."""
+        self.prefix_cache.prefetch(request)
+
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's prefix-cache lookup (in tokens)."""
         self.prefix_cache.record_lookup(num_tokens, num_hit_tokens)

@@ -114,6 +114,9 @@ class KVCacheManagerProtocol(Protocol):
         """Cached blocks of the request's prefix, the tokens they cover, and
         whether more are loading from a tier."""
 
+    def prefetch(self, request: Request) -> None:
+        """A request arrived: start bringing its prefix up from slow tiers (no-op without them)."""
+
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's prefix-cache lookup."""
 

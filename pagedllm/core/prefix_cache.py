@@ -43,6 +43,13 @@ class PrefixCache:
         self.queries = 0
         self.hits = 0
 
+    def prefetch(self, request: Request) -> None:
+        """Start fetching from disk the prefix blocks a new request will look up, so
+        the reads overlap the steps it waits through (its lookup then finds them
+        in host memory, or waits only for what is still being read)."""
+        if self.tiers is not None and self.tiers.has_disk:
+            self.lookup(request)
+
     def lookup(self, request: Request) -> PrefixHit:
         """Cached pool blocks of the request's leading full blocks, then the
         hashes of those host memory holds, up to the first miss; ``loading``

@@ -116,6 +116,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._arrival_order[request.request_id] = next(self._arrival_counter)
         self._transition(request, RequestStatus.WAITING, is_new=True)
+        self.kv_cache_manager.prefetch(request)
 
     def _rank(self, request: Request) -> tuple[int, int, int]:
         priority = request.priority if self.config.scheduling_policy == "priority" else 0
@@ -127,9 +128,8 @@ class Scheduler:
     def _chunk(self, num_tokens: int, budget: int) -> int:
         """Tokens of a pending span that fit in this step."""
         threshold = self.config.long_prefill_token_threshold
-        if threshold is not None and num_tokens > 1:
-            num_tokens = min(num_tokens, threshold)
-        return min(num_tokens, budget)
+        capped = min(num_tokens, threshold) if threshold is not None and num_tokens > 1 else num_tokens
+        return min(capped, budget)
 
     # -------------------------------------------------------------- schedule
 
