@@ -94,7 +94,8 @@ def _add_kv_pool_benches(benches: argparse._SubParsersAction) -> None:
     px.add_argument("--output-len", type=int, default=64)
     kt = add_bench_command(benches, "kv-tiers", "multi-turn conversations past the pool: host and disk tiers vs "
                                                 "none, and TTFT after a restart", commands.cmd_bench_kv_tiers)
-    kt.add_argument("--num-conversations", type=int, default=16)
+    kt.add_argument("--num-conversations", type=int, default=24)
+    kt.add_argument("--concurrency", type=int, default=4, help="conversations whose turns are submitted together")
     kt.add_argument("--turns", type=int, default=4)
     kt.add_argument("--system-len", type=int, default=256)
     kt.add_argument("--turn-len", type=int, default=64)

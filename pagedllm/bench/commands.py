@@ -48,41 +48,36 @@ def cmd_bench_kv_tiers(args: argparse.Namespace) -> None:
 
     from pagedllm.bench import kv_tiers
 
-    num_blocks = args.num_kv_blocks or 96
+    num_blocks = args.num_kv_blocks or 160
     host_bytes = args.kv_offload_host_bytes or 2 << 30
     with tempfile.TemporaryDirectory(prefix="pagedllm-kv-bench-") as scratch:
         def make(**tiers) -> LLM:
             return make_llm(args, **{"num_kv_blocks": num_blocks, "kv_offload_host_bytes": None,
                                      "kv_offload_dir": None, "kv_offload_disk_bytes": None, **tiers})
 
-        configs = [
-            ("none", {}),
-            ("host", {"kv_offload_host_bytes": host_bytes}),
-            ("disk", {"kv_offload_dir": f"{scratch}/disk-only"}),
-            ("host + disk", {"kv_offload_host_bytes": host_bytes, "kv_offload_dir": f"{scratch}/both"}),
-        ]
-        runs = []
-        for label, tiers in configs:
-            llm = make(**tiers)
-            openings = kv_tiers.conversations(args.num_conversations, args.system_len, llm.llm_engine.vocab_size)
-            runs.append(kv_tiers.run_turns(llm, label, openings, args.turns, args.turn_len, args.output_len))
-            block_size, vocab_size = llm.llm_engine.kv_cache_manager.block_size, llm.llm_engine.vocab_size
-            llm.shutdown()
-        history = args.system_len + (args.turns - 1) * (args.turn_len + args.output_len)
-        report(args, kv_tiers.format_turns(runs, num_blocks * block_size, args.num_conversations * history),
-               f"{args.num_conversations} conversations x {args.turns} turns, round-robin: a "
-               f"{args.system_len}-token opening, {args.turn_len} new tokens and {args.output_len} answer tokens "
-               f"per turn (greedy); pool {num_blocks} blocks; host tier {host_bytes / 2**30:.1f} GiB, disk tier "
-               f"a fresh folder per run.")
-
         def make_restart(with_disk: bool) -> LLM:
             # A pool that holds the prompt: the restart measures the disk, not the pool.
-            blocks = max(num_blocks, -(-(args.restart_prompt_len + args.output_len) // block_size) + 1)
-            tiers = {"kv_offload_dir": f"{scratch}/restart"} if with_disk else {}
-            return make(num_kv_blocks=blocks, **tiers)
+            blocks = max(num_blocks, -(-(args.restart_prompt_len + args.output_len) // args.block_size) + 1)
+            return make(num_kv_blocks=blocks, **({"kv_offload_dir": f"{scratch}/restart"} if with_disk else {}))
 
-        rows = kv_tiers.run_restart(make_restart, args.restart_prompt_len, args.output_len, vocab_size)
-    report(args, kv_tiers.format_restart(rows),
+        # First, while the process is fresh: the other runs leave gigabytes of host tiers behind.
+        restart_rows = kv_tiers.run_restart(make_restart, args.restart_prompt_len, args.output_len)
+        runs = []
+        for label, tiers in [("none", {}), ("host", {"kv_offload_host_bytes": host_bytes}),
+                             ("disk", {"kv_offload_dir": f"{scratch}/disk-only"}),
+                             ("host + disk", {"kv_offload_host_bytes": host_bytes, "kv_offload_dir": f"{scratch}/both"})]:
+            llm = make(**tiers)
+            openings = kv_tiers.conversations(args.num_conversations, args.system_len, llm.llm_engine.vocab_size)
+            runs.append(kv_tiers.run_turns(llm, label, openings, args.turns, args.turn_len, args.output_len,
+                                           args.concurrency))
+            llm.shutdown()
+    history = args.system_len + (args.turns - 1) * (args.turn_len + args.output_len)
+    report(args, kv_tiers.format_turns(runs, num_blocks * args.block_size, args.num_conversations * history),
+           f"{args.num_conversations} conversations x {args.turns} turns, round-robin, {args.concurrency} "
+           f"conversations' requests submitted together: a {args.system_len}-token opening, {args.turn_len} new "
+           f"tokens and {args.output_len} answer tokens per turn (greedy); pool {num_blocks} blocks; host tier "
+           f"{host_bytes / 2**30:.1f} GiB, disk tier a fresh folder per run.")
+    report(args, kv_tiers.format_restart(restart_rows),
            f"One {args.restart_prompt_len}-token prompt, {args.output_len} output tokens: recomputed by an engine "
            f"without tiers, then written by an engine with a disk tier and read back by a new engine on the "
            f"same folder.")

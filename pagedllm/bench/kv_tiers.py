@@ -45,19 +45,21 @@ def conversations(num: int, system_len: int, vocab_size: int, seed: int = 0) -> 
 
 
 def run_turns(llm: LLM, label: str, openings: list[list[int]], turns: int, turn_len: int, output_len: int,
-              seed: int = 0) -> TierRun:
-    """All turns, round-robin; every conversation's turn is one request, a turn's requests submitted together."""
+              concurrency: int, seed: int = 0) -> TierRun:
+    """All turns, round-robin; every conversation's turn is one request, ``concurrency``
+    conversations' requests submitted together (users who speak at about the same time)."""
     rng = random.Random(seed + 1)
     low, high = token_range(llm.llm_engine.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     histories = [list(opening) for opening in openings]
     result = TierRun(label)
     started = time.perf_counter()
-    for _ in range(turns):
-        for history in histories:
+    groups = [histories[i:i + concurrency] for i in range(0, len(histories), concurrency)]
+    for _, group in ((turn, group) for turn in range(turns) for group in groups):
+        for history in group:
             history += [rng.randrange(low, high) for _ in range(turn_len)]
-        outputs = llm.generate([{"prompt_token_ids": list(h)} for h in histories], params, use_tqdm=False)
-        for history, output in zip(histories, outputs):
+        outputs = llm.generate([{"prompt_token_ids": list(h)} for h in group], params, use_tqdm=False)
+        for history, output in zip(group, outputs):
             tokens = list(output.outputs[0].token_ids)
             result.prompt_tokens += len(output.prompt_token_ids)
             result.hit_tokens += output.num_cached_tokens
@@ -98,11 +100,12 @@ class RestartRow:
     outputs: list[int]
 
 
-def run_restart(make: Callable[[bool], LLM], prompt_len: int, output_len: int, vocab_size: int) -> list[RestartRow]:
+def run_restart(make: Callable[[bool], LLM], prompt_len: int, output_len: int) -> list[RestartRow]:
     """TTFT of one long prompt: recomputed (no tiers), then from disk after a
     restart (one engine writes it, a new engine on the same folder reads it)."""
+    recompute = make(False)
     rng = random.Random(7)
-    low, high = token_range(vocab_size)
+    low, high = token_range(recompute.llm_engine.vocab_size)
     prompt = {"prompt_token_ids": [rng.randrange(low, high) for _ in range(prompt_len)]}
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
 
@@ -111,7 +114,7 @@ def run_restart(make: Callable[[bool], LLM], prompt_len: int, output_len: int, v
         return RestartRow(label, output.metrics.first_token_time - output.metrics.arrival_time,
                           output.num_cached_tokens, list(output.outputs[0].token_ids))
 
-    rows = [once(make(False), "recompute (no tiers)")]
+    rows = [once(recompute, "recompute (no tiers)")]
     writer = make(True)
     rows.append(once(writer, "first run, writing the disk tier"))
     writer.shutdown()  # its queued writes are finished: the "crash" comes after them

@@ -313,6 +313,24 @@ def test_bench_throughput_int8_kv_against_auto_at_the_same_memory(tiny_model_dir
     assert int(auto[7]) >= int(int8[7])
 
 
+def test_bench_kv_tiers_reports_hits_and_the_restart(tiny_model_dir, capsys, tmp_path):
+    record = tmp_path / "bench.md"
+    main(["bench", "kv-tiers", "--model", tiny_model_dir("llama"), "--num-conversations", "4", "--turns", "2",
+          "--system-len", "64", "--turn-len", "8", "--output-len", "4", "--concurrency", "2",
+          "--num-kv-blocks", "16", "--restart-prompt-len", "100", "--record", str(record)])
+    rows = {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| "))}
+    # Second turns reuse each conversation's 4 full blocks (64 of its 72 + 4 tokens); the 16-block pool
+    # has evicted some of them by then, every tier brings them back.
+    none_hits = int(rows["none"][1].split(" of ")[0])
+    for label in ("host", "disk", "host + disk"):
+        assert rows[label][1] == "256 of 624" and rows[label][8] == "yes", rows[label]
+    assert none_hits < 256
+    assert rows["host"][7] == f"{(256 - none_hits) // 16} / 0" and rows["disk"][7] == f"0 / {(256 - none_hits) // 16}"
+    assert rows["after a restart, from disk"][3] == "96" and rows["after a restart, from disk"][4] == "yes"
+    assert "Reused prefixes" in record.read_text() and "after a restart" in record.read_text()
+
+
 def pagedllm_rows(lines: list[str]) -> dict[str, list[str]]:
     """The cells of a bench table's pagedllm rows, by engine label."""
     return {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")]
