@@ -168,13 +168,12 @@ class TierIndex:
             return num_ready, False
         if rest[0] in self._fetching:
             return num_ready, True
-        if rest[0] in self._dropping:
-            # Its host entry is dropped this step, after the loads: a fetch started
-            # now could land before that drop and be dropped with it. Next step.
-            return num_ready, True
         to_fetch: list[BlockHash] = []
         for block_hash in rest:
-            if block_hash in self._bad or block_hash in self._host or not self.disk.contains(block_hash):
+            # Not a block whose host entry this step drops (after the loads): a fetch
+            # started now could land before that drop and be dropped with it.
+            if block_hash in self._bad or block_hash in self._host or block_hash in self._dropping \
+                    or not self.disk.contains(block_hash):
                 break
             to_fetch.append(block_hash)
         if not to_fetch:
@@ -229,9 +228,10 @@ class TierIndex:
     def offload(self, block_id: int, block_hash: BlockHash, parent: BlockHash | None,
                 token_ids: Sequence[int] | None) -> None:
         """The pool evicts ``block_id`` (holding ``block_hash``): keep a copy in host memory."""
-        if self.host_capacity_blocks == 0 or block_hash in self._dropping:
-            # (An entry dropped this step: the runner drops after it offloads, so a
-            # new copy would be dropped with the old one.)
+        if self.host_capacity_blocks == 0 or block_hash in self._dropping or block_hash in self._fetching:
+            # An entry dropped this step: the runner drops after it offloads, so a new
+            # copy would be dropped with the old one. One being fetched: the fetch
+            # brings it, and an entry dropped meanwhile could take the fetched bytes along.
             return
         if block_hash in self._host:
             self._host.move_to_end(block_hash)

@@ -165,3 +165,23 @@ def test_clear_host_drops_everything_unpinned():
 def test_a_negative_capacity_is_refused():
     with pytest.raises(ValueError, match="capacity"):
         TierIndex(host_capacity_blocks=-1)
+
+
+def test_a_block_dropped_this_step_is_not_fetched_in_it_and_a_fetched_one_not_offloaded():
+    """The runner drops after everything else of a step, and a fetch thread writes the host
+    store at any time: a fetch of a block whose entry this step drops, or an entry made for
+    a block being fetched, could lose the fetched bytes to that drop."""
+    disk = DictDisk({h(1), h(2), h(3)})
+    index = TierIndex(host_capacity_blocks=1, disk=disk)
+    index.offload(0, h(1), None, None)
+    index.offload(1, h(2), None, None)  # drops h(1) this step
+    assert index.lookup([h(2), h(1), h(3)]) == (1, False)  # h(1) is not fetched while its drop is pending
+    assert disk.requested == []
+    index.take_moves()
+    assert index.lookup([h(2), h(1), h(3)]) == (1, True)  # next step it is
+    assert disk.requested == [h(1), h(3)]
+    index.offload(5, h(3), None, None)  # evicted from the pool while being fetched: the fetch brings it
+    assert index.take_moves().offload == []
+    disk.complete()
+    assert index.lookup([h(2), h(1), h(3)]) == (3, False)
+    index.check_invariants()
