@@ -7,7 +7,7 @@ window the leading entries that fell out of it are None: released, owning nothin
 
 from __future__ import annotations
 
-from pagedllm.core.block_hash import external_block_hash
+from pagedllm.core.block_hash import BlockHash, external_block_hash
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.block_table import BlockTableRecord, SwappedTable, TableEntry
 from pagedllm.core.kv_events import KVEventLog
@@ -124,7 +124,7 @@ class KVCacheManager:
         request_id: str,
         num_computed_tokens: int,
         num_new_tokens: int,
-        computed_blocks: list[KVCacheBlock] | None = None,
+        computed_blocks: list[KVCacheBlock | BlockHash] | None = None,
     ) -> list[BlockCopy] | None:
         """Make room to write tokens ``[num_computed_tokens, num_computed_tokens + num_new_tokens)``.
 

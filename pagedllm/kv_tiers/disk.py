@@ -16,9 +16,10 @@ Safety rules:
   (*corrupt*), another fingerprint, block or size (*foreign*) or another
   format version (*stale*) is counted, removed, and reported as a miss: the
   block is recomputed, never served.
-- Nothing here runs on the step path: writes go through a bounded queue to a
-  writer thread (a full queue drops the write and counts it), reads run on a
-  reader thread that puts good blocks into the host store, then reports.
+- Nothing here runs on the step path: writes go through a queue bounded in
+  bytes (256 MiB) to a writer thread (a full queue drops the write and counts
+  it), reads run on a reader thread that puts good blocks into the host store,
+  then reports.
 - Disk full or unwritable: a warning, and the tier turns itself off
   (``enabled`` False); requests carry on, served by the pool and host memory.
 - ``budget_bytes``: when this process's view of the folder exceeds it, the
@@ -49,7 +50,8 @@ logger = init_logger(__name__)
 MAGIC = b"PGLKV\x00\x01\x00"  # the last bytes are the format version
 _HEADER = struct.Struct("<8s32s32sQ32s")
 _SUFFIX = ".kvblock"
-_WRITE_QUEUE_BLOCKS = 4096
+# Bytes of blocks waiting for the writer at most (at least 16 blocks): past that, writes are dropped.
+_WRITE_QUEUE_BYTES = 256 << 20
 
 
 class DiskTier:
@@ -68,10 +70,11 @@ class DiskTier:
         self.counters: Counter[str] = Counter()  # files_written, bytes_written, files_read, bytes_read, ...
         self.read_seconds = 0.0
         self._files: OrderedDict[BlockHash, int] = OrderedDict()  # this process's view, LRU first
+        self._files_bytes = 0  # their sizes summed (read on every step's stats: never re-summed)
         self._files_lock = threading.Lock()
         self._fetched: queue.SimpleQueue[tuple[BlockHash, str]] = queue.SimpleQueue()
         self._removed: queue.SimpleQueue[BlockHash] = queue.SimpleQueue()
-        self._writes: queue.Queue = queue.Queue(maxsize=_WRITE_QUEUE_BLOCKS)
+        self._writes: queue.Queue = queue.Queue(maxsize=max(16, _WRITE_QUEUE_BYTES // block_bytes))
         self._reads: queue.Queue = queue.Queue()
         try:
             os.makedirs(self.folder, exist_ok=True)
@@ -106,8 +109,7 @@ class DiskTier:
     @property
     def num_bytes(self) -> int:
         """Bytes of the files this process knows of."""
-        with self._files_lock:
-            return sum(self._files.values())
+        return self._files_bytes
 
     def write_behind(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
         """Queue a block for writing; never waits (a full queue drops it)."""
@@ -169,16 +171,14 @@ class DiskTier:
     def _remember(self, block_hash: BlockHash, size: int) -> None:
         """Put a file at the recent end of the view; remove the oldest past the budget."""
         with self._files_lock:
+            self._files_bytes += size - self._files.get(block_hash, 0)
             self._files[block_hash] = size
             self._files.move_to_end(block_hash)
-            if self.budget_bytes is None:
-                return
-            total = sum(self._files.values())
             victims = []
-            while total > self.budget_bytes and len(self._files) > 1:
+            while self.budget_bytes is not None and self._files_bytes > self.budget_bytes and len(self._files) > 1:
                 victim, victim_size = self._files.popitem(last=False)
                 victims.append(victim)
-                total -= victim_size
+                self._files_bytes -= victim_size
         for victim in victims:
             _remove(self.path_of(victim))
             self.counters["files_evicted"] += 1
@@ -227,7 +227,7 @@ class DiskTier:
             logger.warning("KV disk tier: %s is %s; removed, the block is recomputed", path, problem)
             _remove(path)
             with self._files_lock:
-                self._files.pop(block_hash, None)
+                self._files_bytes -= self._files.pop(block_hash, 0)
             return "bad"
         self._put(block_hash, payload)
         self.read_seconds += time.perf_counter() - started
@@ -265,6 +265,7 @@ class DiskTier:
                     found.append((stat.st_mtime, block_hash, stat.st_size))
         for _, block_hash, size in sorted(found):
             self._files[block_hash] = size
+            self._files_bytes += size
 
 
 def _serve(work: queue.Queue, handle: Callable[[Any], None]) -> None:
