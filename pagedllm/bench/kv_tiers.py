@@ -54,8 +54,8 @@ def run_turns(llm: LLM, label: str, openings: list[list[int]], turns: int, turn_
     histories = [list(opening) for opening in openings]
     result = TierRun(label)
     started = time.perf_counter()
-    groups = [histories[i:i + concurrency] for i in range(0, len(histories), concurrency)]
-    for _, group in ((turn, group) for turn in range(turns) for group in groups):
+    groups = [histories[i:i + concurrency] for i in range(0, len(histories), concurrency)] * turns
+    for group in groups:  # every group's turn, then every group's next turn
         for history in group:
             history += [rng.randrange(low, high) for _ in range(turn_len)]
         outputs = llm.generate([{"prompt_token_ids": list(h)} for h in group], params, use_tqdm=False)
