@@ -16,6 +16,9 @@ Safety rules:
   (*corrupt*), another fingerprint, block or size (*foreign*) or another
   format version (*stale*) is counted, removed, and reported as a miss: the
   block is recomputed, never served.
+- A block queued for writing already counts as on disk: ``contains`` says so
+  and a fetch takes the queued bytes, so a lookup right after a block is
+  cached never misses for the writer's lag.
 - Nothing here runs on the step path: writes go through a queue bounded in
   bytes (256 MiB) to a writer thread (a full queue drops the write and counts
   it), reads run on a reader thread that puts good blocks into the host store,
@@ -75,6 +78,8 @@ class DiskTier:
         self._fetched: queue.SimpleQueue[tuple[BlockHash, str]] = queue.SimpleQueue()
         self._removed: queue.SimpleQueue[BlockHash] = queue.SimpleQueue()
         self._writes: queue.Queue = queue.Queue(maxsize=max(16, _WRITE_QUEUE_BYTES // block_bytes))
+        # Blocks queued for writing: already "on disk" to a lookup, read from memory until written.
+        self._pending: dict[BlockHash, torch.Tensor] = {}
         self._reads: queue.Queue = queue.Queue()
         try:
             os.makedirs(self.folder, exist_ok=True)
@@ -83,7 +88,7 @@ class DiskTier:
             self._turn_off(f"cannot use {self.folder}: {error}")
         self._threads = [threading.Thread(target=_serve, args=(work, handle), daemon=True, name=name)
                          for work, handle, name in (
-                             (self._writes, lambda item: self._write(*item), "pagedllm-kv-disk-writer"),
+                             (self._writes, self._write_queued, "pagedllm-kv-disk-writer"),
                              (self._reads, self._read_batch, "pagedllm-kv-disk-reader"))]
         for thread in self._threads:
             thread.start()
@@ -95,7 +100,7 @@ class DiskTier:
         return os.path.join(self.folder, name[:2], name + _SUFFIX)
 
     def contains(self, block_hash: BlockHash) -> bool:
-        return self.enabled and os.path.exists(self.path_of(block_hash))
+        return self.enabled and (block_hash in self._pending or os.path.exists(self.path_of(block_hash)))
 
     def fetch(self, block_hashes: list[BlockHash]) -> None:
         self._reads.put(list(block_hashes))
@@ -118,6 +123,7 @@ class DiskTier:
             return
         try:
             self._writes.put_nowait((block_hash, payload))
+            self._pending[block_hash] = payload
         except queue.Full:
             self.counters["writes_dropped"] += 1
             self._removed.put(block_hash)
@@ -140,6 +146,12 @@ class DiskTier:
             thread.join(timeout=5.0)
 
     # -------------------------------------------------------------- writes
+
+    def _write_queued(self, item: tuple[BlockHash, torch.Tensor]) -> None:
+        try:
+            self._write(*item)
+        finally:  # written (then read from the file) or failed (then a miss)
+            self._pending.pop(item[0], None)
 
     def _write(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
         if not self.enabled:
@@ -203,6 +215,10 @@ class DiskTier:
 
     def _read(self, block_hash: BlockHash) -> str:
         """Check one file and hand its block to the host store: "landed", "missing" or "bad"."""
+        queued = self._pending.get(block_hash)
+        if queued is not None:  # not written yet: the bytes the writer holds are the block's
+            self._put(block_hash, queued)
+            return "landed"
         path = self.path_of(block_hash)
         started = time.perf_counter()
         try:
