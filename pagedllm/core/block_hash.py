@@ -1,4 +1,4 @@
-"""Chained block hashes: the identity of a full block's contents for prefix caching.
+r"""Chained block hashes: the identity of a full block's contents for prefix caching.
 
 ``hash(block i) = sha256(hash(block i-1) || token ids of block i || extra keys)``.
 Because each hash covers its parent's, two requests share block ``i`` only if
@@ -15,9 +15,16 @@ The algorithm, exactly (a router in any language can recompute it):
 3. ``hash_i = sha256(parent || len(block) as 8-byte little-endian || each token id
    as 8-byte little-endian signed || JSON of the extra keys)``, where the extra keys
    are ``[]`` or ``[cache_salt]`` (a JSON string), written with separators ``,`` and
-   ``:`` and no spaces, e.g. ``[]`` or ``["tenant-a"]``; ``parent`` is ``hash_{i-1}``.
+   ``:`` and no spaces, e.g. ``[]`` or ``["tenant-a"]``, as Python's ``json.dumps``
+   writes it (non-ASCII characters as ``\uXXXX`` escapes: ``["caf\u00e9"]``);
+   ``parent`` is ``hash_{i-1}``.
 4. On the wire (KV events, ``hash_request_tokens``) a hash is the unsigned 64-bit
-   integer of its last 8 bytes, big-endian, as vLLM sends its block hashes.
+   integer of its last 8 bytes, big-endian, as vLLM sends its block hashes
+   (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
+
+Test vectors for a reimplementation (``hash_request_tokens``, block size 16):
+token ids ``0..15`` twice -> ``[3033277805137351077, 14884897223833445823]``;
+``0..15`` with ``cache_salt="tenant-a"`` -> ``[6873969315485558001]``.
 """
 
 from __future__ import annotations
