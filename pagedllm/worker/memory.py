@@ -55,35 +55,87 @@ class PoolPlan:
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def pool_bytes(self) -> int:
+        """This rank's blocks (quantization scales included)."""
+        return self.num_tokens * self.bytes_per_token
+
+    @property
+    def draft_pool_bytes(self) -> int:
+        """The draft model's pool over the same blocks (0: none)."""
+        return self.num_tokens * self.draft_bytes_per_token
+
+    @property
+    def tail_bytes(self) -> int:
+        """The int8 pool's full-precision tail slots (0: none)."""
+        return self.num_tail_slots * self.tail_bytes_per_slot
+
+    @property
+    def swap_bytes(self) -> int:
+        """The host swap space, allocated up front (the draft model's blocks included)."""
+        return self.num_swap_blocks * self.block_size * (self.bytes_per_token + self.draft_bytes_per_token)
+
     def capacity_line(self) -> str:
         """The start-up log line: blocks, tokens, bytes per token, storage, and with
-        quantization or tensor parallelism what they change."""
+        quantization or tensor parallelism what they change; then every other byte
+        the pool takes (tails, the draft model's pool, swap space) and, with a draft
+        pool or swap space, the sum of it all (else the line already states the
+        sum: the blocks' MiB, or the tails' "with the blocks"). The offload tiers are
+        not here: ``KVChannels.describe`` (engine/kv_channels.py) appends their own
+        sentence to this line.
+
+        Safety rule: the line's start, ``KV cache: N blocks x B tokens = T tokens
+        (P bytes/token, M MiB, storage) on device``, is parsed by tests, docs and
+        BENCHMARKS.md readers; add to the line after it, never change it."""
         tokens = self.num_tokens
         storage = self.dtype if self.kv_cache_dtype == "auto" else f"{self.kv_cache_dtype} KV with per-token scales"
         line = (
             f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {tokens} tokens "
-            f"({self.bytes_per_token} bytes/token, {tokens * self.bytes_per_token / 2**20:.1f} MiB, "
-            f"{storage}) on {self.device_type}"
+            f"({self.bytes_per_token} bytes/token, {_mib(self.pool_bytes)}, {storage}) on {self.device_type}"
         )
         if self.kv_cache_dtype != "auto":
             gain = self.unquantized_bytes_per_token / self.bytes_per_token
             line += f"; {gain:.2f}x the tokens of a {self.dtype} pool of the same size"
+            if self.tail_bytes:
+                # Per byte of what the budget pays for: with many sequences and a
+                # small budget the tails can leave int8 fewer tokens than the model dtype.
+                paid = tokens * self.unquantized_bytes_per_token / (self.pool_bytes + self.tail_bytes)
+                line += f" ({paid:.2f}x counting the tails)"
         if self.tensor_parallel_size > 1:
             line += (f"; that is rank 0, with {self.num_kv_heads} of {self.total_num_kv_heads} KV heads; "
                      f"all {self.tensor_parallel_size} ranks together: {self.total_bytes_per_token} bytes/token, "
-                     f"{tokens * self.total_bytes_per_token / 2**20:.1f} MiB")
+                     f"{_mib(tokens * self.total_bytes_per_token)}")
+        return line + self._other_bytes()
+
+    def _other_bytes(self) -> str:
+        """The capacity line's tail: tails, draft pool, swap space, their sum."""
+        text = ""
         if self.num_tail_slots:
-            tails = self.num_tail_slots * self.tail_bytes_per_slot
-            line += (f"; full-precision tails for {self.num_tail_slots} still-filling blocks "
-                     f"({tails / 2**20:.1f} MiB, {(tokens * self.bytes_per_token + tails) / 2**20:.1f} MiB "
-                     f"with the blocks)")
-        if self.num_swap_blocks:
-            swap = self.num_swap_blocks * self.block_size * (self.bytes_per_token + self.draft_bytes_per_token)
-            line += f"; host swap space {self.num_swap_blocks} blocks ({swap / 2**20:.1f} MiB, taken as used)"
+            text += (f"; full-precision tails for {self.num_tail_slots} still-filling blocks "
+                     f"({_mib(self.tail_bytes)}, {_mib(self.pool_bytes + self.tail_bytes)} with the blocks)")
         if self.draft_bytes_per_token:
-            line += (f"; the draft model's pool over the same blocks: {self.draft_bytes_per_token} bytes/token, "
-                     f"{tokens * self.draft_bytes_per_token / 2**20:.1f} MiB")
-        return line
+            text += (f"; the draft model's pool over the same blocks: {self.draft_bytes_per_token} bytes/token, "
+                     f"{_mib(self.draft_pool_bytes)}")
+        if self.num_swap_blocks:
+            text += f"; host swap space {self.num_swap_blocks} blocks ({_mib(self.swap_bytes)}, taken as used"
+            if self.num_tail_slots:
+                # Not preallocated: a swapped block's tail is copied out when it goes (worker/swap.py).
+                text += f", plus {self.tail_bytes_per_slot} bytes per swapped block that carries a tail"
+            text += ")"
+        if self.draft_bytes_per_token or self.num_swap_blocks:
+            # Otherwise the sum is already stated: the blocks' MiB, or the tails' "with the blocks".
+            on_device = self.pool_bytes + self.tail_bytes + self.draft_pool_bytes
+            text += f"; in all {_mib(on_device + self.swap_bytes)}"
+            if self.device_type != "cpu" and self.swap_bytes:
+                text += f" ({_mib(on_device)} on {self.device_type}, {_mib(self.swap_bytes)} of host memory)"
+            if self.tensor_parallel_size > 1:
+                text += " on rank 0"
+        return text
+
+
+def _mib(num_bytes: int | float) -> str:
+    """Bytes as the capacity line writes them."""
+    return f"{num_bytes / 2**20:.1f} MiB"
 
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto",
@@ -112,8 +164,12 @@ def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: Schedu
     ``kv_cache_memory``, then ``kv_cache_fraction`` of the memory available
     now, then on CUDA ``gpu_memory_utilization`` (0.9 by default), else on CPU
     ``DEFAULT_KV_CACHE_MEMORY``. A speculative ``draft_model`` keeps a pool
-    over the same block ids, so a block costs both models' bytes. Swap blocks exist only with
-    ``preemption_mode="swap"`` and the paged layout, ``swap_space`` GiB of them.
+    over the same block ids, so a block costs both models' bytes. An int8
+    pool's full-precision tail slots come out of a byte budget with the blocks
+    (``_num_blocks``); ``num_kv_blocks`` stays an exact block count, its tails
+    on top (the capacity line states them). Swap blocks exist only with
+    ``preemption_mode="swap"`` and the paged layout, ``swap_space`` GiB of them,
+    beside the budget.
 
     Safety rules: call it after the weights are on the device and before any
     pool is allocated, since the memory rules measure what is left. On CUDA

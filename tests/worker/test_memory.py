@@ -3,6 +3,8 @@ vLLM's gpu_memory_utilization arithmetic and the profiling step."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -102,9 +104,10 @@ def test_int8_tails_are_planned_per_sequence(max_num_seqs, speculative, num_kv_b
     assert (planned.num_blocks, planned.num_tail_slots, planned.tail_bytes_per_slot) == (
         num_kv_blocks, expected_slots, 16 * TINY_FP32_BYTES_PER_TOKEN)
     tails = expected_slots * 16 * TINY_FP32_BYTES_PER_TOKEN
+    total = (num_kv_blocks * 16 * planned.bytes_per_token + tails) / 2**20
     assert planned.capacity_line().endswith(
         f"; full-precision tails for {expected_slots} still-filling blocks ({tails / 2**20:.1f} MiB, "
-        f"{(num_kv_blocks * 16 * planned.bytes_per_token + tails) / 2**20:.1f} MiB with the blocks)")
+        f"{total:.1f} MiB with the blocks)")  # the sum is that, stated once
     for kv_cache_dtype in ("auto", "fp8_e4m3"):
         assert plan(num_kv_blocks=8, kv_cache_dtype=kv_cache_dtype).num_tail_slots == 0
 
@@ -123,6 +126,62 @@ def test_an_int8_budget_pays_for_its_tails(max_num_seqs):
     assert planned.num_tail_slots == min(max_num_seqs, planned.num_blocks)
     auto = plan_kv_pool(EngineConfig(cache=CacheConfig(kv_cache_memory=budget)), tiny_model(), scheduler, CPU)
     assert auto.num_blocks == budget // (16 * TINY_FP32_BYTES_PER_TOKEN) and auto.num_tail_slots == 0
+
+
+def smollm2_shaped_model() -> LlamaForCausalLM:
+    """SmolLM2-135M's KV shape (30 layers x 3 KV heads x head_dim 64: 46,080 fp32
+    bytes a token) on a tiny body: planning reads the shape, not the weights."""
+    from transformers import LlamaConfig
+
+    return LlamaForCausalLM(LlamaConfig(hidden_size=192, intermediate_size=64, num_hidden_layers=30,
+                                        num_attention_heads=3, num_key_value_heads=3, vocab_size=256),
+                            tp=TensorParallelGroup(0, 1))
+
+
+def test_smollm2_int8_at_64_mib_and_256_sequences_stays_within_the_budget():
+    """Issue 41: the tails used to sit beside kv_cache_memory (342 int8 blocks of
+    64 MiB plus 180 MiB of tails); now blocks and tails share the 64 MiB."""
+    budget = 64 * 2**20
+    scheduler = SchedulerConfig(max_model_len=2048, max_num_seqs=256)
+    int8 = plan_kv_pool(EngineConfig(cache=CacheConfig(kv_cache_memory=budget, kv_cache_dtype="int8")),
+                        smollm2_shaped_model(), scheduler, CPU)
+    # int8 + an fp32 scale per vector: 30 x 3 x 2 x (64 + 4) bytes a token; a tail slot is 16 fp32 tokens.
+    assert (int8.bytes_per_token, int8.tail_bytes_per_slot) == (12_240, 16 * 46_080)
+    assert (int8.num_blocks, int8.num_tail_slots) == (71, 71)  # 71 x (195,840 + 737,280) <= 64 MiB < 72 x ...
+    assert int8.pool_bytes + int8.tail_bytes == 71 * (16 * 12_240 + 16 * 46_080) <= budget
+    # The same budget in the model dtype: unchanged by the tails, 64 MiB // 737,280 bytes a block.
+    auto = plan_kv_pool(EngineConfig(cache=CacheConfig(kv_cache_memory=budget)), smollm2_shaped_model(), scheduler,
+                        CPU)
+    assert (auto.num_blocks, auto.num_tail_slots) == (91, 0)
+    assert int8.capacity_line() == (
+        "KV cache: 71 blocks x 16 tokens = 1136 tokens (12240 bytes/token, 13.3 MiB, int8 KV with per-token scales) "
+        "on cpu; 3.76x the tokens of a float32 pool of the same size (0.79x counting the tails); "
+        "full-precision tails for 71 still-filling blocks (49.9 MiB, 63.2 MiB with the blocks)"
+    )
+
+
+def test_the_capacity_line_states_swap_space_and_the_sum():
+    """Every byte of the pool: blocks, tails, swap space (allocated up front) and
+    their sum; the offload tiers are KVChannels.describe's sentence, not here."""
+    planned = plan(preemption_mode="swap", swap_space=1.0, num_kv_blocks=64, kv_cache_dtype="int8")
+    blocks, tails = 64 * 16 * planned.bytes_per_token, 64 * 16 * TINY_FP32_BYTES_PER_TOKEN  # 256 sequences > blocks
+    swap = planned.num_swap_blocks * 16 * planned.bytes_per_token
+    assert (planned.num_tail_slots, swap) == (64, GIB // (16 * planned.bytes_per_token) * 16 * planned.bytes_per_token)
+    line = planned.capacity_line()
+    assert line.startswith("KV cache: 64 blocks x 16 tokens = 1024 tokens (160 bytes/token, 0.2 MiB, ")
+    assert line.endswith(f"; host swap space {planned.num_swap_blocks} blocks ({swap / 2**20:.1f} MiB, taken as used, "
+                         f"plus {16 * TINY_FP32_BYTES_PER_TOKEN} bytes per swapped block that carries a tail); "
+                         f"in all {(blocks + tails + swap) / 2**20:.1f} MiB")
+    # On a GPU the sum is split between the device and host memory.
+    gpu = dataclasses.replace(planned, device_type="cuda")
+    assert gpu.capacity_line().endswith(
+        f"; in all {(blocks + tails + swap) / 2**20:.1f} MiB ({(blocks + tails) / 2**20:.1f} MiB on cuda, "
+        f"{swap / 2**20:.1f} MiB of host memory)")
+    # The draft model's pool counts in the sum; without swap space it is all on the device.
+    drafted = dataclasses.replace(planned, num_swap_blocks=0, draft_bytes_per_token=100, device_type="cuda")
+    assert drafted.capacity_line().endswith(
+        f"; the draft model's pool over the same blocks: 100 bytes/token, {1024 * 100 / 2**20:.1f} MiB; "
+        f"in all {(blocks + tails + 1024 * 100) / 2**20:.1f} MiB")
 
 
 def test_a_budget_too_small_for_a_block_and_its_tail_is_refused():
