@@ -56,12 +56,12 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
                  const scalar_t* tail_value, int64_t tail_slot,
                  const int64_t* table, int64_t block_begin, int64_t block_end, int64_t first_token, int64_t context_len,
                  int64_t block_size, int64_t num_kv_heads, int64_t runtime_head_dim, int64_t group, float scale,
-                 float soft_cap, int64_t after, Scratch& s, Partial part) {
+                 float soft_cap, int64_t after, bool dpbf16, Scratch& s, Partial part) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
   const int64_t rows = num_kv_heads * group;
   const int64_t token_stride = num_kv_heads * head_dim;
   s.q.resize(rows * head_dim);
-  s.scores.resize(rows * block_size);
+  s.scores.resize(rows * (block_size + 1));  // the VDPBF16PS path: rows * 17
   std::fill(part.acc, part.acc + rows * head_dim, 0.0f);
   std::fill(part.max, part.max + rows, -std::numeric_limits<float>::infinity());
   std::fill(part.sum, part.sum + rows, 0.0f);
@@ -73,6 +73,12 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
 #if defined(__AVX512F__)
   const GroupedBlockFn<cache_t> grouped =
       grouped_block_fn<cache_t, kHeadDim>(block_size, group, key_scale != nullptr, soft_cap > 0.0f);
+#endif
+#if defined(__AVX512BF16__)
+  Dpbf16BlockFn grouped_dpbf16 = nullptr;
+  if constexpr (std::is_same_v<cache_t, c10::BFloat16> && std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (dpbf16) grouped_dpbf16 = dpbf16_block_fn<kHeadDim>(block_size, group, soft_cap > 0.0f);
+  }
 #endif
   for (int64_t b = block_begin; b < block_end; ++b) {
     // The block's tokens before the window are skipped (none in a plain layer).
@@ -98,6 +104,15 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
     }
     const cache_t* k_block = key_cache + first_slot * token_stride;
     const cache_t* v_block = value_cache + first_slot * token_stride;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<cache_t, c10::BFloat16> && std::is_same_v<scalar_t, c10::BFloat16>) {
+      if (grouped_dpbf16 != nullptr) {
+        grouped_dpbf16(query, scale, k_block, v_block, num_kv_heads, n, part.max, part.sum, part.acc,
+                       s.scores.data(), k_next, v_next, block_lines);
+        continue;
+      }
+    }
+#endif
 #if defined(__AVX512F__)
     if (grouped != nullptr) {
       // Each KV head's call fetches an equal share of the next block's lines.
@@ -163,6 +178,7 @@ void run_decode(const torch::Tensor& query, const torch::Tensor& key_cache, cons
   const cache_t* kc = key_cache.data_ptr<cache_t>();
   const cache_t* vc = value_cache.data_ptr<cache_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
+  const bool dpbf16 = dpbf16_decode_enabled();
   auto run_task = head_dim == 64    ? decode_task<scalar_t, cache_t, 64>
                   : head_dim == 128 ? decode_task<scalar_t, cache_t, 128>
                                     : decode_task<scalar_t, cache_t, 0>;
@@ -189,7 +205,7 @@ void run_decode(const torch::Tensor& query, const torch::Tensor& key_cache, cons
       run_task(q + b * query_stride, kc, vc, key_scale, value_scale, tail_key, tail_value,
                tail_slots != nullptr ? tail_slots[b] : -1, bt + b * max_blocks, block_begin, block_end,
                first_token(b), cl[b], block_size, num_kv_heads, head_dim, group, static_cast<float>(scale),
-               static_cast<float>(soft_cap), after, scratch, parts[task]);
+               static_cast<float>(soft_cap), after, dpbf16, scratch, parts[task]);
       // One partition per sequence (the usual decode batch): finish it here,
       // with its blocks' values still in cache and no second pass over the batch.
       if (parts_per_seq == 1) normalize<scalar_t>(parts[task], num_heads, head_dim, o + b * num_heads * head_dim);
