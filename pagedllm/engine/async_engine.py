@@ -97,6 +97,10 @@ class AsyncLLMEngine:
             self._lock, self._wakeup = asyncio.Lock(), asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
 
+    async def wait_ready(self) -> None:
+        """Ready once started (the engine is built before this object): the
+        engine-core client's counterpart waits for its process."""
+
     async def stop(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -147,6 +151,13 @@ class AsyncLLMEngine:
         """Forget every cached block no request uses, between steps; returns how many."""
         async with self._lock:
             return self._engine.reset_prefix_cache()
+
+    async def metrics_text(self) -> bytes:
+        """The engine's metrics in Prometheus' text format (prometheus_client makes
+        reading the registry while a step updates it safe)."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self._engine.metrics_registry())
 
     async def kv_pool_snapshot(self) -> dict:
         """The block pool as data (``LLM.kv_pool_snapshot``), taken between

@@ -9,8 +9,6 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
-
     from pagedllm.engine.llm_engine import LLMEngine
 
 
@@ -18,23 +16,21 @@ if TYPE_CHECKING:
 class EngineInfo:
     """Fixed at start-up, so any thread may read them while a step runs.
 
-    Safety rules: build it once the engine is configured (``StatsReporter.configure``
-    replaces the metrics registry). ``tokenizer`` is shared with the step thread,
+    Safety rule: ``tokenizer`` may be shared with the step thread (in-process),
     which decodes with it: readers only encode, decode and render chat templates,
-    and never change its settings (truncation, padding, added tokens).
-    ``metrics_registry`` is updated by the step thread; prometheus_client makes
-    reading it while that happens safe.
+    and never change its settings (truncation, padding, added tokens). With the
+    engine core in its own process it is the API process's own copy.
     """
 
     tokenizer: Any
     max_model_len: int
     vocab_size: int  # the width of the logits: token ids at or above it are refused
+    eos_token_ids: tuple[int, ...]
     max_num_seqs: int  # most sequences in one step: bounds n and best_of
     max_logprobs: int
     scheduling_policy: str  # "fcfs" or "priority"
     # What a request leaves unset runs with (generation_config.json and --override-generation-config).
     default_sampling_params: Mapping[str, Any]
-    metrics_registry: CollectorRegistry
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
@@ -42,9 +38,9 @@ class EngineInfo:
             tokenizer=engine.get_tokenizer(),
             max_model_len=engine.max_model_len,
             vocab_size=engine.vocab_size,
+            eos_token_ids=tuple(engine.eos_token_ids),
             max_num_seqs=engine.scheduler_config.max_num_seqs,
             max_logprobs=engine.config.max_logprobs,
             scheduling_policy=engine.scheduler_config.scheduling_policy,
             default_sampling_params=MappingProxyType(dict(engine.default_sampling_params)),
-            metrics_registry=engine.stats_reporter.prometheus.registry,
         )

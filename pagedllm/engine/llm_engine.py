@@ -144,12 +144,10 @@ class LLMEngine:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
         return executor
 
-    def get_default_sampling_params(self) -> SamplingParams:
-        """What a request without SamplingParams runs with (vLLM's ``get_default_sampling_params``)."""
+    def get_default_sampling_params(self) -> SamplingParams:  # what a request without SamplingParams runs with
         return SamplingParams(**self.default_sampling_params)
 
-    def reset_step_timings(self) -> None:
-        """Seconds spent per phase of step(), for the benchmarks' split."""
+    def reset_step_timings(self) -> None:  # seconds spent per phase of step(), for the benchmarks' split
         self.step_timings = {"bookkeeping": 0.0, "input preparation": 0.0, "forward": 0.0, "sampling": 0.0}
 
     def capacity_line(self) -> str:
@@ -170,6 +168,12 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def metrics_registry(self):
+        return self.stats_reporter.prometheus.registry
+    def weight_bytes(self) -> int:  # LLM.weight_bytes: parameters and buffers, tied ones once
+        tensors = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     # ------------------------------------------------------------ requests
 
@@ -255,12 +259,10 @@ class LLMEngine:
         """Live requests, or a step in flight (its results must be collected)."""
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
-    def has_request(self, request_id: str) -> bool:
-        """Whether a user request with this id is live (queued, running or being reported)."""
+    def has_request(self, request_id: str) -> bool:  # live: queued, running or being reported
         return request_id in self.requests
 
-    def get_num_unfinished_requests(self) -> int:
-        """Live user requests (a request forked into n samples counts once)."""
+    def get_num_unfinished_requests(self) -> int:  # a request forked into n samples counts once
         return len(self.requests)
 
     # ---------------------------------------------------------------- step
@@ -391,10 +393,8 @@ class LLMEngine:
         self.kv_channels.publish()
         return dropped
 
-    def check_invariants(self) -> None:
-        """Raise ``RuntimeError`` on the first broken block-manager invariant."""
+    def check_invariants(self) -> None:  # RuntimeError on the first broken block-manager invariant
         self.scheduler.check_invariants()
 
-    def reset_peak_blocks_in_use(self) -> None:
-        """Start a new ``stats()["peak_blocks_in_use"]`` measurement from the blocks in use now."""
+    def reset_peak_blocks_in_use(self) -> None:  # a new stats()["peak_blocks_in_use"] from the blocks in use now
         self.kv_cache_manager.reset_peak_blocks_in_use()

@@ -62,26 +62,33 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from pagedllm.entrypoints.chat_utils import ChatSettings, load_chat_template
-    from pagedllm.entrypoints.openai.api_server import ServerState, build_app
+    from pagedllm.entrypoints.chat_utils import load_chat_template
+    from pagedllm.entrypoints.openai.api_server import build_app
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"the model is given twice ({args.model_tag!r} and --model {args.model!r}); give it once")
         args.model = args.model_tag
-    chat = ChatSettings(load_chat_template(args.chat_template), args.trust_request_chat_template)  # fails fast
-    api_keys = _api_keys(args)
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
+    if not args.engine_process and (args.api_server_count != 1 or args.restart_engine_on_failure):
+        raise ValueError("--api-server-count and --restart-engine-on-failure need the engine-core process; "
+                         "add --engine-process")
+    from pagedllm.entrypoints.serve_setup import api_keys_of, served_model_names, server_state, uvicorn_options
+
+    api_keys = api_keys_of(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_keys:
         logger.warning("serving on %s without --api-key: anyone who can reach this port can use the model",
                        args.host)
     EngineConfig.from_options(**engine_options_from_args(args))  # bad flags stop serve before it listens
-    names = args.served_model_name or ["SmolLM2-135M-Instruct" if args.model is None else args.model]
-    state = ServerState(served_model_name=names[0], api_keys=api_keys, model_aliases=names[1:], chat=chat,
-                        load_engine=lambda: _load_served_engine(args, names[0]))
-    uvicorn.run(build_app(state, args.allowed_origins), host=args.host, port=args.port,
-                log_level=args.uvicorn_log_level, timeout_keep_alive=args.timeout_keep_alive,
-                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-                ssl_cert_reqs=args.ssl_cert_reqs)
+    load_chat_template(args.chat_template)  # and so does a bad template, before a core process starts
+    names = served_model_names(args)
+    if args.engine_process:
+        from pagedllm.entrypoints.serve_processes import serve_with_engine_process
+
+        sys.exit(serve_with_engine_process(args, names))
+    state = server_state(args, names, lambda: _load_served_engine(args, names[0]))
+    uvicorn.run(build_app(state, args.allowed_origins), **uvicorn_options(args))
     if state.async_engine is not None:  # finish the disk tier's queued writes, close the event sockets
         state.async_engine.shutdown()
     if state.load_error is not None:
@@ -106,22 +113,6 @@ def _load_served_engine(args: argparse.Namespace, model_name: str) -> LLMEngine:
     if not args.disable_log_stats:
         engine.stats_reporter.loggers.append(LoggingStatLogger(args.log_stats_interval))
     return engine
-
-
-def _api_keys(args: argparse.Namespace) -> dict[str, str | None]:
-    """API key -> tenant: --api-key (or $PAGEDLLM_API_KEY) keys have none, --api-keys-file's have theirs."""
-    import json
-    import os
-
-    keys = args.api_key or ([os.environ["PAGEDLLM_API_KEY"]] if os.environ.get("PAGEDLLM_API_KEY") else [])
-    api_keys: dict[str, str | None] = dict.fromkeys(keys)
-    if args.api_keys_file:
-        with open(args.api_keys_file, encoding="utf-8") as f:
-            tenants = json.load(f)
-        if not isinstance(tenants, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tenants.items()):
-            raise ValueError(f"{args.api_keys_file}: expected a JSON object mapping API keys to tenant names")
-        api_keys.update(tenants)
-    return api_keys
 
 
 def cmd_explain(args: argparse.Namespace) -> None:
@@ -219,6 +210,14 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                             "(the shipped Hermes/Qwen tool-calling template)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let requests send their own chat_template (Jinja run in a sandbox; off by default)")
+    serve.add_argument("--engine-process", action="store_true",
+                       help="run the engine core (scheduler, runner, outputs) in a process of its own, reached over "
+                            "ZMQ; without it the engine loop runs in a thread of the API server")
+    serve.add_argument("--api-server-count", type=int, default=1,
+                       help="API server processes sharing the port in front of the one engine core (default 1)")
+    serve.add_argument("--restart-engine-on-failure", action="store_true",
+                       help="start a new engine core when it dies (open requests still fail with a 503); "
+                            "without it the server exits with status 1")
     serve.set_defaults(func=cmd_serve)
 
 

@@ -30,15 +30,24 @@ class LLM:
     otherwise on CUDA by ``gpu_memory_utilization`` (vLLM's meaning, 0.9 by
     default) and on CPU 2 GiB; with ``tensor_parallel_size`` > 1 the budget is
     per rank (each rank holds 1/N of the KV heads of every block).
+
+    ``engine_process=True`` runs the engine core (scheduler, runner, outputs) in
+    a process of its own, as ``pagedllm serve`` does; this object then talks to
+    it over ZMQ (``engine/core_proxy.py``). The results are the same.
     """
 
-    def __init__(self, model: str | None = None, **options: Any) -> None:
-        config = EngineConfig.from_options(model=model, **options)
-        self.llm_engine = LLMEngine(config)
+    def __init__(self, model: str | None = None, *, engine_process: bool = False, **options: Any) -> None:
+        config = EngineConfig.from_options(model=model, **options)  # bad options raise here, in this process
+        if engine_process:
+            from pagedllm.engine.core_proxy import EngineCoreProxy
+
+            self.llm_engine: LLMEngine | EngineCoreProxy = EngineCoreProxy({"model": model, **options})
+        else:
+            self.llm_engine = LLMEngine(config)
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel worker processes (a no-op with one rank). They
-        also stop when this object is garbage-collected or the program exits."""
+        """Stop tensor-parallel worker processes (a no-op with one rank) and the
+        engine-core process. They also stop when the program exits."""
         self.llm_engine.shutdown()
 
     def get_tokenizer(self):
@@ -57,7 +66,7 @@ class LLM:
         """The engine's metrics now, as vLLM's ``LLM.get_metrics()``: one
         Counter / Gauge / Histogram object (name, labels, value) per series,
         named as on the server's /metrics (``pagedllm:`` prefix)."""
-        return get_metrics_snapshot(self.llm_engine.stats_reporter.prometheus.registry)
+        return get_metrics_snapshot(self.llm_engine.metrics_registry())
 
     def kv_pool_snapshot(self) -> dict:
         """Every KV block's state ("used", "cached", "free"), ref count, owning
@@ -88,9 +97,7 @@ class LLM:
         """Bytes this process holds for the model's parameters and buffers (a tensor
         tied to another counted once, packed GGUF weights at their packed size);
         with tensor parallelism, rank 0's shard."""
-        model = self.llm_engine.model
-        tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return self.llm_engine.weight_bytes()
 
     def generate(
         self,

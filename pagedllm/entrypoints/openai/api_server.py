@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP server: FastAPI + uvicorn over one AsyncLLMEngine.
+"""OpenAI-compatible HTTP server: FastAPI + uvicorn over one engine client (the
+engine-core process's, or an AsyncLLMEngine in this process).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE
 streaming), GET /v1/models, GET /health (503 while the model loads, until the
@@ -17,11 +18,12 @@ from pathlib import Path
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm.version import __version__
 from pagedllm.logger import init_logger
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.core_client import AsyncEngineCoreClient
 from pagedllm.entrypoints.openai.errors import APIError, error_body, error_responses, install_error_handlers
 from pagedllm.entrypoints.openai.limits import check_limits
 from pagedllm.entrypoints.openai.openapi_doc import install_openapi
@@ -85,17 +87,22 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
 
 
 async def _load_engine(state: ServerState) -> None:
-    """Build the engine in a thread (the event loop keeps answering /health),
-    hand it to an ``AsyncLLMEngine`` and start its loop. A failed load is kept
-    for /health and logged."""
+    """Build the engine in a thread (the event loop keeps answering /health), or
+    start the client of an engine-core process and wait until the core is
+    ready; then serve. A failed load is kept for /health and logged."""
+    client = None
     try:
-        engine = await asyncio.to_thread(state.load_engine)
+        loaded = await asyncio.to_thread(state.load_engine)
+        client = loaded if isinstance(loaded, AsyncEngineCoreClient) else AsyncLLMEngine(loaded)
+        client.start()
+        await client.wait_ready()
     except Exception as exc:  # the server stays up to say so; the loader decides whether to exit
         state.load_error = exc
         logger.exception("loading the model failed")
+        if client is not None:
+            await client.stop()
         return
-    state.async_engine = AsyncLLMEngine(engine)
-    state.async_engine.start()
+    state.async_engine = client
 
 
 def _tenant_dependency(state: ServerState) -> TenantDependency:
@@ -128,7 +135,7 @@ def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependen
     @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(503),
              description="Prometheus text exposition format")
     async def metrics() -> Response:
-        return Response(generate_latest(state.engine_info.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await state.async_engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", responses=error_responses(401, 503))
     async def models(tenant: str | None = Depends(tenant_of)) -> dict:

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
-from pagedllm.engine.async_engine import RequestStream
+from pagedllm.engine.async_engine import EngineDeadError, RequestStream
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.entrypoints.openai.completion_choices import CompletionOptions
-from pagedllm.entrypoints.openai.errors import bad_request, error_responses
+from pagedllm.entrypoints.openai.errors import bad_request, error_body, error_responses
 from pagedllm.entrypoints.openai.responses import ResponseBuilder
 from pagedllm.entrypoints.openai.state import ServerState
 from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallRecord
@@ -69,12 +69,17 @@ async def _last(stream: RequestStream) -> RequestOutput:
 
 async def _stream(response: ResponseBuilder, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
     """SSE events of every prompt's outputs as they come; aborts everything left
-    if the client goes away (the generator is cancelled or closed)."""
-    merged: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+    if the client goes away (the generator is cancelled or closed). When the
+    engine dies mid-stream the last event is the error a 503 would carry
+    (``{"error": {..., "code": "engine_dead"}}``), and the stream ends."""
+    merged: asyncio.Queue[tuple[int, RequestOutput | EngineDeadError | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
-        async for output in stream:
-            await merged.put((index, output))
+        try:
+            async for output in stream:
+                await merged.put((index, output))
+        except EngineDeadError as exc:
+            await merged.put((index, exc))
         await merged.put((index, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
@@ -86,12 +91,15 @@ async def _stream(response: ResponseBuilder, streams: list[RequestStream], inclu
             if output is None:
                 remaining -= 1
                 continue
+            if isinstance(output, EngineDeadError):
+                yield f"data: {json.dumps(error_body(str(output), 'server_error', code='engine_dead'))}\n\n"
+                return
             for chunk in response.chunks(index, output, include_usage):
                 yield f"data: {json.dumps(chunk)}\n\n"
             if output.finished:
                 finals[index] = output
         for task in tasks:
-            task.result()  # re-raise an engine failure
+            task.result()  # re-raise a failure of the stream itself
         if include_usage:
             yield f"data: {json.dumps(response.usage_chunk([finals[i] for i in sorted(finals)]))}\n\n"
         yield "data: [DONE]\n\n"

@@ -1,0 +1,128 @@
+"""The processes of `pagedllm serve`: one engine core, one or more API servers.
+
+With ``--api-server-count 1`` (the default) the API server runs in this process
+and supervises the core itself (``AsyncEngineCoreClient``). With N > 1 this
+process binds the port, starts N API server processes that share the
+listening socket (the kernel spreads connections over them) and supervises
+them and the core: a core that dies is started again with
+``--restart-engine-on-failure`` (the API servers reconnect), otherwise, like an
+API server that dies, it stops everything with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import signal
+import socket
+import time
+
+from pagedllm.engine.core_client import LIVENESS_INTERVAL_S, AsyncEngineCoreClient
+from pagedllm.engine.core_process import CoreLaunch, EngineCoreProcess
+from pagedllm.entrypoints.serve_setup import server_state, uvicorn_options
+from pagedllm.entrypoints.engine_args import engine_options_from_args
+from pagedllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def serve_with_engine_process(args: argparse.Namespace, names: list[str]) -> int:
+    """Run the server with the engine core in its own process; the exit status."""
+    launch = CoreLaunch(engine_options_from_args(args), CoreLaunch.new_address(), served_model_name=names[0],
+                        metrics_namespace=args.metrics_namespace,
+                        log_stats_interval=None if args.disable_log_stats else args.log_stats_interval)
+    core = EngineCoreProcess(launch)
+    core.start()
+    try:
+        if args.api_server_count == 1:
+            return _serve_here(args, names, core)
+        return _serve_with_api_processes(args, names, core)
+    finally:
+        core.shutdown()
+
+
+def _serve_here(args: argparse.Namespace, names: list[str], core: EngineCoreProcess) -> int:
+    import uvicorn
+
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    status = 0
+
+    def core_exited(exitcode: int | None) -> None:
+        nonlocal status
+        status = 1
+        logger.error("the engine core exited (status %s): the server stops", exitcode)
+        os.kill(os.getpid(), signal.SIGTERM)  # uvicorn shuts down gracefully: open streams have ended with a 503
+
+    state = server_state(args, names, lambda: AsyncEngineCoreClient(
+        core.launch.address, core, restart=args.restart_engine_on_failure, on_core_exit=core_exited))
+    uvicorn.run(build_app(state, args.allowed_origins), **uvicorn_options(args))
+    return 1 if state.load_error is not None else status
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _api_server_main(args: argparse.Namespace, names: list[str], sock: socket.socket, address: str,
+                     index: int) -> None:
+    """One API server process: the app over a client of the shared core, on the shared socket."""
+    import uvicorn
+
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    state = server_state(args, names, lambda: AsyncEngineCoreClient(address, name=f"api{index}"))
+    config = uvicorn.Config(build_app(state, args.allowed_origins), **uvicorn_options(args))
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _serve_with_api_processes(args: argparse.Namespace, names: list[str], core: EngineCoreProcess) -> int:
+    sock = _listening_socket(args.host, args.port)
+    context = multiprocessing.get_context("spawn")
+    servers = [context.Process(target=_api_server_main, args=(args, names, sock, core.launch.address, index),
+                               name=f"pagedllm-api-{index}") for index in range(args.api_server_count)]
+    for server in servers:
+        server.start()
+    logger.info("%d API servers on %s:%d in front of the engine core (pid %d)",
+                len(servers), args.host, args.port, core.pid)
+    stopping = False
+
+    def stop(signum, frame) -> None:
+        nonlocal stopping
+        stopping = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    status = 0
+    try:
+        while not stopping:
+            time.sleep(LIVENESS_INTERVAL_S)
+            if core.exitcode is not None:
+                if not args.restart_engine_on_failure:
+                    logger.error("the engine core exited (status %s): the server stops", core.exitcode)
+                    status = 1
+                    break
+                logger.warning("the engine core exited (status %s): starting another", core.exitcode)
+                core.start()
+            dead = [server.name for server in servers if server.exitcode is not None]
+            if dead:
+                logger.error("API server %s exited: the server stops", ", ".join(dead))
+                status = 1
+                break
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for server in servers:
+            server.terminate()  # uvicorn's graceful shutdown: open streams have ended
+        for server in servers:
+            server.join(30)
+            if server.exitcode is None:
+                server.kill()
+        sock.close()
+    return status

@@ -1,0 +1,49 @@
+"""What every API server of `pagedllm serve` is built from: its state (served
+names, keys, chat settings) and its uvicorn options, read from the flags. The
+serve command and the API server processes it starts both use these."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.openai.state import ServerState
+
+
+def served_model_names(args: argparse.Namespace) -> list[str]:
+    return args.served_model_name or ["SmolLM2-135M-Instruct" if args.model is None else args.model]
+
+
+def server_state(args: argparse.Namespace, names: list[str], load_engine: Callable[[], Any]) -> ServerState:
+    """The state of one API server of ``pagedllm serve`` (the chat template is read here: a bad one fails fast)."""
+    from pagedllm.entrypoints.chat_utils import ChatSettings, load_chat_template
+    from pagedllm.entrypoints.openai.state import ServerState
+
+    chat = ChatSettings(load_chat_template(args.chat_template), args.trust_request_chat_template)
+    return ServerState(served_model_name=names[0], api_keys=api_keys_of(args), model_aliases=names[1:], chat=chat,
+                       load_engine=load_engine)
+
+
+def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``uvicorn.run`` gets from the serve flags."""
+    return dict(host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                timeout_keep_alive=args.timeout_keep_alive, ssl_keyfile=args.ssl_keyfile,
+                ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
+
+
+def api_keys_of(args: argparse.Namespace) -> dict[str, str | None]:
+    """API key -> tenant: --api-key (or $PAGEDLLM_API_KEY) keys have none, --api-keys-file's have theirs."""
+    import json
+    import os
+
+    keys = args.api_key or ([os.environ["PAGEDLLM_API_KEY"]] if os.environ.get("PAGEDLLM_API_KEY") else [])
+    api_keys: dict[str, str | None] = dict.fromkeys(keys)
+    if args.api_keys_file:
+        with open(args.api_keys_file, encoding="utf-8") as f:
+            tenants = json.load(f)
+        if not isinstance(tenants, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tenants.items()):
+            raise ValueError(f"{args.api_keys_file}: expected a JSON object mapping API keys to tenant names")
+        api_keys.update(tenants)
+    return api_keys
