@@ -89,17 +89,15 @@ UTILITY_METHODS: dict[str, Callable[..., Any]] = {
 
 
 def engine_facts(engine) -> EngineFacts:
+    """``EngineInfo.of(engine)`` as plain data, with the tokenizer pickled."""
+    from pagedllm.engine.engine_info import EngineInfo
+
+    info = EngineInfo.of(engine)
     return EngineFacts(
-        pid=os.getpid(),
-        tokenizer_pickle=pickle.dumps(engine.get_tokenizer()),
-        max_model_len=engine.max_model_len,
-        vocab_size=engine.vocab_size,
-        eos_token_ids=list(engine.eos_token_ids),
-        max_num_seqs=engine.scheduler_config.max_num_seqs,
-        max_logprobs=engine.config.max_logprobs,
-        scheduling_policy=engine.scheduler_config.scheduling_policy,
-        default_sampling_params=dict(engine.default_sampling_params),
-        capacity_line=engine.capacity_line(),
+        pid=os.getpid(), tokenizer_pickle=pickle.dumps(info.tokenizer), max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size, eos_token_ids=list(info.eos_token_ids), max_num_seqs=info.max_num_seqs,
+        max_logprobs=info.max_logprobs, scheduling_policy=info.scheduling_policy,
+        default_sampling_params=dict(info.default_sampling_params), capacity_line=engine.capacity_line(),
     )
 
 
