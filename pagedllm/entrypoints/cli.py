@@ -73,7 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
     if not args.engine_process and (args.api_server_count != 1 or args.restart_engine_on_failure):
         raise ValueError("--api-server-count and --restart-engine-on-failure need the engine-core process; "
-                         "add --engine-process")
+                         "drop --no-engine-process")
     from pagedllm.entrypoints.serve_setup import api_keys_of, served_model_names, server_state, uvicorn_options
 
     api_keys = api_keys_of(args)
@@ -210,9 +210,10 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                             "(the shipped Hermes/Qwen tool-calling template)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let requests send their own chat_template (Jinja run in a sandbox; off by default)")
-    serve.add_argument("--engine-process", action="store_true",
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="run the engine core (scheduler, runner, outputs) in a process of its own, reached over "
-                            "ZMQ; without it the engine loop runs in a thread of the API server")
+                            "ZMQ (the default); with --no-engine-process the engine loop runs in a thread of the "
+                            "API server")
     serve.add_argument("--api-server-count", type=int, default=1,
                        help="API server processes sharing the port in front of the one engine core (default 1)")
     serve.add_argument("--restart-engine-on-failure", action="store_true",

@@ -27,7 +27,7 @@ def serve(monkeypatch, tiny_llama):
     def run(*flags: str):
         served = {}
         monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(options, app=app))
-        main(["serve", tiny_llama, "--num-kv-blocks", "64", *flags])
+        main(["serve", tiny_llama, "--no-engine-process", "--num-kv-blocks", "64", *flags])
         return served.pop("app"), served, made
 
     yield run

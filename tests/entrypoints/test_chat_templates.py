@@ -129,7 +129,7 @@ def test_serve_flags_set_the_servers_chat_template(tiny_llama, monkeypatch, caps
     states = []
     monkeypatch.setattr("pagedllm.entrypoints.openai.api_server.build_app", lambda state, *_: states.append(state))
     monkeypatch.setattr("uvicorn.run", lambda app, **options: None)
-    main(["serve", "--model", tiny_llama, "--num-kv-blocks", "16", "--chat-template", "hermes",
+    main(["serve", "--model", tiny_llama, "--no-engine-process", "--num-kv-blocks", "16", "--chat-template", "hermes",
           "--trust-request-chat-template"])
     assert states[0].chat.chat_template == load_chat_template("hermes")
     assert states[0].chat.trust_request_chat_template

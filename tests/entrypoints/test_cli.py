@@ -121,7 +121,8 @@ def test_serve_shows_the_capacity_line_once(tiny_model_dir, monkeypatch, capsys,
     served = {}
     monkeypatch.setattr("uvicorn.run", lambda app, **options: served.update(options, app=app))
     with caplog.at_level(logging.INFO, logger="pagedllm"):
-        main(["serve", "--model", tiny_model_dir("llama"), "--num-kv-blocks", "16", "--port", "8123"])
+        main(["serve", "--model", tiny_model_dir("llama"), "--no-engine-process", "--num-kv-blocks", "16",
+              "--port", "8123"])
         with TestClient(served["app"]) as client:  # the model loads once the server runs
             deadline = time.monotonic() + 60
             while client.get("/health").status_code != 200 and time.monotonic() < deadline:

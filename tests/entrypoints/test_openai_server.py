@@ -37,12 +37,22 @@ def metric(base: str, name: str) -> float:
     return metric_value(httpx.get(f"{base}/metrics").text, name)
 
 
+IDLE_GAUGES = ("pagedllm:num_requests_running", "pagedllm:num_requests_waiting", "pagedllm:kv_cache_used_blocks")
+
+
 def wait_until_idle(base: str) -> None:
+    """Every request gone and every block free, within a minute. All three gauges
+    are read from one scrape and must be zero together: between two aborts the
+    pool can read "nothing running, nothing held" while requests still wait."""
     deadline = time.time() + 60
-    while metric(base, "pagedllm:num_requests_running") or metric(base, "pagedllm:kv_cache_used_blocks"):
-        assert time.time() < deadline, "requests still hold blocks"
+    while busy := busy_gauges(base):
+        assert time.time() < deadline, f"still not idle after a minute: {busy}"
         time.sleep(0.2)
-    assert metric(base, "pagedllm:num_requests_waiting") == 0
+
+
+def busy_gauges(base: str) -> list[str]:
+    scrape = httpx.get(f"{base}/metrics").text
+    return [name for name in IDLE_GAUGES if metric_value(scrape, name)]
 
 
 def test_completion_streamed_equals_non_streamed(server):
