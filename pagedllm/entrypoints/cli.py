@@ -60,8 +60,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
     from pagedllm.entrypoints.chat_utils import load_chat_template
     from pagedllm.entrypoints.openai.api_server import build_app
 
@@ -74,7 +72,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if not args.engine_process and (args.api_server_count != 1 or args.restart_engine_on_failure):
         raise ValueError("--api-server-count and --restart-engine-on-failure need the engine-core process; "
                          "drop --no-engine-process")
-    from pagedllm.entrypoints.serve_setup import api_keys_of, served_model_names, server_state, uvicorn_options
+    from pagedllm.entrypoints.serve_setup import (ServerStopper, api_keys_of, run_uvicorn, served_model_names,
+                                                  server_state, uvicorn_options)
 
     api_keys = api_keys_of(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_keys:
@@ -87,8 +86,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
         from pagedllm.entrypoints.serve_processes import serve_with_engine_process
 
         sys.exit(serve_with_engine_process(args, names))
-    state = server_state(args, names, lambda: _load_served_engine(args, names[0]))
-    uvicorn.run(build_app(state, args.allowed_origins), **uvicorn_options(args))
+    stop_server = ServerStopper()
+    state = server_state(args, names, lambda: _load_served_engine(args, names[0]), stop_server)
+    run_uvicorn(build_app(state, args.allowed_origins), uvicorn_options(args), stop_server)
     if state.async_engine is not None:  # finish the disk tier's queued writes, close the event sockets
         state.async_engine.shutdown()
     if state.load_error is not None:
@@ -97,18 +97,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def _load_served_engine(args: argparse.Namespace, model_name: str) -> LLMEngine:
     """The engine of ``pagedllm serve``, built while the server already answers
-    /health with 503. A failed load stops the server (SIGTERM to itself, which
-    uvicorn handles as a graceful shutdown) after the error is logged."""
-    import os
-    import signal
-
+    /health with 503 (a failed load stops the server: ``ServerState.on_load_failure``)."""
     from pagedllm.metrics import LoggingStatLogger
 
-    try:
-        engine = make_llm(args).llm_engine  # it logs the capacity line as it starts
-    except Exception:
-        os.kill(os.getpid(), signal.SIGTERM)
-        raise
+    engine = make_llm(args).llm_engine  # it logs the capacity line as it starts
     engine.stats_reporter.configure(model_name, args.metrics_namespace)
     if not args.disable_log_stats:
         engine.stats_reporter.loggers.append(LoggingStatLogger(args.log_stats_interval))

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import os
 import signal
 import socket
+import sys
 import time
 
 from pagedllm.engine.core_client import LIVENESS_INTERVAL_S, AsyncEngineCoreClient
 from pagedllm.engine.core_process import CoreLaunch, EngineCoreProcess
-from pagedllm.entrypoints.serve_setup import server_state, uvicorn_options
+from pagedllm.entrypoints.serve_setup import ServerStopper, run_uvicorn, server_state, uvicorn_options
 from pagedllm.entrypoints.engine_args import engine_options_from_args
 from pagedllm.logger import init_logger
 
@@ -43,22 +43,21 @@ def serve_with_engine_process(args: argparse.Namespace, names: list[str]) -> int
 
 
 def _serve_here(args: argparse.Namespace, names: list[str], core: EngineCoreProcess) -> int:
-    import uvicorn
-
     from pagedllm.entrypoints.openai.api_server import build_app
 
-    status = 0
+    core_died = False
+    stop_server = ServerStopper()
 
     def core_exited(exitcode: int | None) -> None:
-        nonlocal status
-        status = 1
+        nonlocal core_died
+        core_died = True
         logger.error("the engine core exited (status %s): the server stops", exitcode)
-        os.kill(os.getpid(), signal.SIGTERM)  # uvicorn shuts down gracefully: open streams have ended with a 503
+        stop_server()  # open streams have ended with their error event
 
     state = server_state(args, names, lambda: AsyncEngineCoreClient(
-        core.launch.address, core, restart=args.restart_engine_on_failure, on_core_exit=core_exited))
-    uvicorn.run(build_app(state, args.allowed_origins), **uvicorn_options(args))
-    return 1 if state.load_error is not None else status
+        core.launch.address, core, restart=args.restart_engine_on_failure, on_core_exit=core_exited), stop_server)
+    run_uvicorn(build_app(state, args.allowed_origins), uvicorn_options(args), stop_server)
+    return 1 if core_died or state.load_error is not None else 0
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -73,14 +72,15 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 def _api_server_main(args: argparse.Namespace, names: list[str], sock: socket.socket, address: str,
                      index: int) -> None:
-    """One API server process: the app over a client of the shared core, on the shared socket."""
-    import uvicorn
-
+    """One API server process: the app over a client of the shared core, on the shared socket.
+    It exits with status 1 when the core never became ready (the supervisor then stops all)."""
     from pagedllm.entrypoints.openai.api_server import build_app
 
-    state = server_state(args, names, lambda: AsyncEngineCoreClient(address, name=f"api{index}"))
-    config = uvicorn.Config(build_app(state, args.allowed_origins), **uvicorn_options(args))
-    uvicorn.Server(config).run(sockets=[sock])
+    stop_server = ServerStopper()
+    state = server_state(args, names, lambda: AsyncEngineCoreClient(address, name=f"api{index}"), stop_server)
+    run_uvicorn(build_app(state, args.allowed_origins), uvicorn_options(args), stop_server, sockets=[sock])
+    if state.load_error is not None:
+        sys.exit(1)
 
 
 def _serve_with_api_processes(args: argparse.Namespace, names: list[str], core: EngineCoreProcess) -> int:

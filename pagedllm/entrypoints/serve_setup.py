@@ -16,18 +16,50 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
     return args.served_model_name or ["SmolLM2-135M-Instruct" if args.model is None else args.model]
 
 
-def server_state(args: argparse.Namespace, names: list[str], load_engine: Callable[[], Any]) -> ServerState:
-    """The state of one API server of ``pagedllm serve`` (the chat template is read here: a bad one fails fast)."""
+class ServerStopper:
+    """Stops this process's uvicorn server gracefully, from its event loop (open
+    streams end first). Not a SIGTERM to ourselves: uvicorn re-raises a signal it
+    caught once it has shut down, so the process would end killed by it rather
+    than with the status `pagedllm serve` returns. Calls before the server runs
+    are remembered."""
+
+    def __init__(self) -> None:
+        self._server: Any = None
+        self.stopped = False
+
+    def attach(self, server: Any) -> None:
+        self._server = server
+        server.should_exit = self.stopped
+
+    def __call__(self) -> None:
+        self.stopped = True
+        if self._server is not None:
+            self._server.should_exit = True
+
+
+def server_state(args: argparse.Namespace, names: list[str], load_engine: Callable[[], Any],
+                 stop_server: ServerStopper) -> ServerState:
+    """The state of one API server of ``pagedllm serve`` (the chat template is read here: a bad one
+    fails fast); a failed load stops the server (``stop_server``), which then exits with status 1."""
     from pagedllm.entrypoints.chat_utils import ChatSettings, load_chat_template
     from pagedllm.entrypoints.openai.state import ServerState
 
     chat = ChatSettings(load_chat_template(args.chat_template), args.trust_request_chat_template)
     return ServerState(served_model_name=names[0], api_keys=api_keys_of(args), model_aliases=names[1:], chat=chat,
-                       load_engine=load_engine)
+                       load_engine=load_engine, on_load_failure=stop_server)
+
+
+def run_uvicorn(app: Any, options: dict[str, Any], stop_server: ServerStopper, sockets: list | None = None) -> None:
+    """Serve ``app`` until a signal or ``stop_server()`` stops it."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, **options))
+    stop_server.attach(server)
+    server.run(sockets=sockets)
 
 
 def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
-    """What ``uvicorn.run`` gets from the serve flags."""
+    """What ``uvicorn.Config`` gets from the serve flags."""
     return dict(host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                 timeout_keep_alive=args.timeout_keep_alive, ssl_keyfile=args.ssl_keyfile,
                 ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)

@@ -147,3 +147,36 @@ def test_a_core_that_cannot_load_says_so(tmp_path):
     (tmp_path / "broken" / "config.json").write_text("{not json")
     with pytest.raises(RuntimeError, match="exited with status 1 while loading"):
         LLM(str(tmp_path / "broken"), engine_process=True)
+
+
+def test_a_client_that_stops_reading_holds_up_no_one(tiny_llama):
+    """A raw API client adds a long request and never reads its outputs: the core's
+    sends never block, so another client is served meanwhile (the same outputs as
+    in-process), and once the silent client is gone its request is aborted."""
+    llm = LLM(tiny_llama, engine_process=True, num_kv_blocks=256, seed=3)
+    context = zmq.Context()
+    silent = context.socket(zmq.DEALER)
+    silent.setsockopt(zmq.LINGER, 0)
+    try:
+        silent.connect(llm.llm_engine.core.launch.address)
+        encode = input_codec()[0].encode
+        silent.send(encode(AddRequest("silent", [5, 17, 99], SamplingParams(max_tokens=4000, ignore_eos=True))))
+        params = SamplingParams(max_tokens=24, temperature=0)
+        reference = LLM(tiny_llama, num_kv_blocks=256, seed=3)
+        expected = reference.generate(PROMPTS, params, use_tqdm=False)
+        assert_pool_free(reference)
+        assert_same_outputs(llm.generate(PROMPTS, params, use_tqdm=False), expected)
+        assert llm.llm_engine.call("num_unfinished_requests") == 1  # the silent one still runs, unread
+        silent.close()
+        deadline = time.monotonic() + 30
+        while llm.llm_engine.call("num_unfinished_requests"):
+            assert time.monotonic() < deadline, "the gone client's request was never aborted"
+            time.sleep(0.1)
+        aborted = [m for m in llm.get_metrics() if m.name == "pagedllm:request_success"
+                   and m.labels.get("finished_reason") == "abort"]
+        assert sum(m.value for m in aborted) == 1
+        assert_pool_free(llm)
+    finally:
+        silent.close()
+        context.term()
+        llm.shutdown()

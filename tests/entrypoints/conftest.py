@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import uvicorn
 
-from pagedllm.entrypoints import cli, engine_args
+from pagedllm.entrypoints import cli, engine_args, serve_setup
 from pagedllm.entrypoints.cli import main
 from tests.conftest import assert_pool_free
 
@@ -26,7 +25,7 @@ def serve(monkeypatch, tiny_llama):
 
     def run(*flags: str):
         served = {}
-        monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(options, app=app))
+        monkeypatch.setattr(serve_setup, "run_uvicorn", lambda app, options, *_: served.update(options, app=app))
         main(["serve", tiny_llama, "--no-engine-process", "--num-kv-blocks", "64", *flags])
         return served.pop("app"), served, made
 

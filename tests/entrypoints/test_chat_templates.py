@@ -128,7 +128,7 @@ def test_serve_flags_set_the_servers_chat_template(tiny_llama, monkeypatch, caps
 
     states = []
     monkeypatch.setattr("pagedllm.entrypoints.openai.api_server.build_app", lambda state, *_: states.append(state))
-    monkeypatch.setattr("uvicorn.run", lambda app, **options: None)
+    monkeypatch.setattr("pagedllm.entrypoints.serve_setup.run_uvicorn", lambda app, options, *_: None)
     main(["serve", "--model", tiny_llama, "--no-engine-process", "--num-kv-blocks", "16", "--chat-template", "hermes",
           "--trust-request-chat-template"])
     assert states[0].chat.chat_template == load_chat_template("hermes")

@@ -119,7 +119,8 @@ def test_engine_refusals_of_a_flag_combination_are_error_messages(tiny_model_dir
 
 def test_serve_shows_the_capacity_line_once(tiny_model_dir, monkeypatch, capsys, caplog):
     served = {}
-    monkeypatch.setattr("uvicorn.run", lambda app, **options: served.update(options, app=app))
+    monkeypatch.setattr("pagedllm.entrypoints.serve_setup.run_uvicorn",
+                        lambda app, options, *_: served.update(options, app=app))
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         main(["serve", "--model", tiny_model_dir("llama"), "--no-engine-process", "--num-kv-blocks", "16",
               "--port", "8123"])

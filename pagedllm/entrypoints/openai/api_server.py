@@ -96,11 +96,13 @@ async def _load_engine(state: ServerState) -> None:
         client = loaded if isinstance(loaded, AsyncEngineCoreClient) else AsyncLLMEngine(loaded)
         client.start()
         await client.wait_ready()
-    except Exception as exc:  # the server stays up to say so; the loader decides whether to exit
+    except Exception as exc:
         state.load_error = exc
         logger.exception("loading the model failed")
         if client is not None:
             await client.stop()
+        if state.on_load_failure is not None:
+            state.on_load_failure()
         return
     state.async_engine = client
 

@@ -43,6 +43,9 @@ class ServerState:
     # ``AsyncEngineCoreClient`` (of a core process starting) serves once the core is ready.
     load_engine: Callable[[], LLMEngine | AsyncEngineCoreClient] | None = None
     load_error: BaseException | None = None
+    # Called on the event loop once a failed load is logged (`pagedllm serve` stops with
+    # status 1); None keeps the server up, answering /health with the error.
+    on_load_failure: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         if (self.async_engine is None) == (self.load_engine is None):
