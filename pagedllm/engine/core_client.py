@@ -70,6 +70,11 @@ def request_error(error: RequestError) -> ValueError:
     return ValueError(error.message)
 
 
+def _log_send_failure(sent: asyncio.Future) -> None:
+    if not sent.cancelled() and sent.exception() is not None:
+        logger.warning("a message to the engine core could not be sent: %r", sent.exception())
+
+
 def core_process_alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -136,7 +141,7 @@ class AsyncEngineCoreClient:
         this client launched exits first (the model did not load)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._ready.is_set():
-            if self.core is not None and self.core.exitcode is not None and not self.restart:
+            if self.core is not None and self.core.exitcode is not None:  # (restarts are of a core once ready)
                 raise RuntimeError(f"the engine-core process exited with status {self.core.exitcode} before it "
                                    "was ready (see its error in the log above)")
             if deadline is not None and time.monotonic() > deadline:
@@ -198,7 +203,7 @@ class AsyncEngineCoreClient:
             result = await answer
         except BaseException:  # a client that left while the core had not answered yet
             if self._streams.pop(request_id, None) is not None and self.dead_error is None:
-                self._socket.send(self._encoder.encode(AbortRequests([request_id])))
+                self._send_soon(AbortRequests([request_id]))
             raise
         finally:
             self._adds.pop(request_id, None)
@@ -214,7 +219,12 @@ class AsyncEngineCoreClient:
             return
         self._assembler.forget(request_id)
         if self._socket is not None and self.dead_error is None:
-            self._socket.send(self._encoder.encode(AbortRequests([request_id])))
+            self._send_soon(AbortRequests([request_id]))
+
+    def _send_soon(self, message: Any) -> None:
+        """Send from code that cannot wait (an abort): zmq queues it; a failure is logged."""
+        sent = self._socket.send(self._encoder.encode(message))
+        sent.add_done_callback(_log_send_failure)
 
     def compile_structured_outputs(self, params: SamplingParams) -> None:
         """Check ``params``' constraint here, with this process's own compiler
@@ -316,6 +326,15 @@ class AsyncEngineCoreClient:
         last_hello = 0.0
         while True:
             now = time.monotonic()
+            if self._core_pid is None and self.info is not None and self.core is not None \
+                    and self.core.exitcode is not None:
+                # A restarted core that exited before it was ready (the model no longer
+                # loads): starting it again would loop, so stop as without --restart.
+                logger.error("the restarted engine core exited (status %s) before it was ready",
+                             self.core.exitcode)
+                if self.on_core_exit is not None:
+                    self.on_core_exit(self.core.exitcode)
+                return
             if self._core_pid is None and now - last_hello >= _HELLO_INTERVAL_S:
                 await self._socket.send(self._encoder.encode(Hello(self.identity.decode())))
                 last_hello = now

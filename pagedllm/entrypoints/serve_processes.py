@@ -26,6 +26,10 @@ from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
 
+# With --api-server-count N > 1 the supervisor cannot tell a core that failed to load from one
+# that crashed later; one that exits within this long of its start is not restarted.
+MIN_CORE_UPTIME_TO_RESTART_S = 30.0
+
 
 def serve_with_engine_process(args: argparse.Namespace, names: list[str]) -> int:
     """Run the server with the engine core in its own process; the exit status."""
@@ -100,16 +104,22 @@ def _serve_with_api_processes(args: argparse.Namespace, names: list[str], core: 
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     status = 0
+    started = time.monotonic()
     try:
         while not stopping:
             time.sleep(LIVENESS_INTERVAL_S)
             if core.exitcode is not None:
-                if not args.restart_engine_on_failure:
-                    logger.error("the engine core exited (status %s): the server stops", core.exitcode)
+                # A core that dies this soon after its start most likely cannot load the model:
+                # starting it again would loop, so stop as without --restart-engine-on-failure.
+                early = time.monotonic() - started < MIN_CORE_UPTIME_TO_RESTART_S
+                if not args.restart_engine_on_failure or early:
+                    logger.error("the engine core exited (status %s%s): the server stops", core.exitcode,
+                                 f", {MIN_CORE_UPTIME_TO_RESTART_S:.0f} s or less after its start" if early else "")
                     status = 1
                     break
                 logger.warning("the engine core exited (status %s): starting another", core.exitcode)
                 core.start()
+                started = time.monotonic()
             dead = [server.name for server in servers if server.exitcode is not None]
             if dead:
                 logger.error("API server %s exited: the server stops", ", ".join(dead))

@@ -297,3 +297,39 @@ def test_cli_rejects_bad_rates():
     for bad in ("0", "-2", "fast"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--request-rate", bad])
+
+
+def launch_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.build_arg_parser(parser)
+    args = parser.parse_args(list(argv))
+    args.argv = ["bench", "serve", *argv]
+    return args
+
+
+@pytest.mark.slow
+def test_launch_compares_the_servers_it_starts_with_offline(tiny_llama, tmp_path):
+    """--launch starts both pagedllm servers in turn and --offline times LLM.generate first, all on
+    the same requests and engine flags: every request completes, each row has its ratio to offline."""
+    record = tmp_path / "bench.md"
+    table = cli.main(launch_args("--launch", "pagedllm", "pagedllm-thread", "--offline", "--dataset", "mixed",
+                                 "--num-prompts", "4", "--serve-args", f"--model {tiny_llama} --num-kv-blocks 128",
+                                 "--record", str(record)))
+    rows = table.splitlines()[2:]
+    assert [row.split("|")[1].strip() for row in rows] == [
+        "offline LLM.generate", "pagedllm serve", "pagedllm serve --no-engine-process"]
+    assert all(row.split("|")[3].strip() == "0" for row in rows)  # no request failed
+    assert rows[0].split("|")[-3].strip() == "1.00x" and all(row.split("|")[-3].strip().endswith("x") for row in rows)
+    text = record.read_text()
+    assert "Machine: " in text and "engine flags: --model" in text and text.rstrip().endswith(rows[-1])
+
+
+def test_launch_refusals_say_what_to_change(tmp_path):
+    with pytest.raises(ValueError, match="unknown server 'vllm'"):
+        cli.main(launch_args("--launch", "vllm"))
+    with pytest.raises(ValueError, match="--launch llama-server needs --llama-server PATH"):
+        cli.main(launch_args("--launch", "llama-server", "--llama-server", str(tmp_path / "none")))
+    with pytest.raises(ValueError, match="--serve-args applies to the servers --launch starts"):
+        cli.main(launch_args("--serve-args", "--dtype bfloat16"))
+    with pytest.raises(ValueError, match="one --request-rate"):
+        cli.main(launch_args("--launch", "pagedllm", "--request-rate", "1", "2"))

@@ -98,10 +98,11 @@ def test_several_api_servers_share_one_core(tiny_llama):
         assert server.wait(timeout=30) == 1
 
 
-@pytest.mark.parametrize("engine_process", ["--engine-process", "--no-engine-process"])
-def test_a_model_that_cannot_load_stops_the_server_with_status_1(tmp_path, engine_process):
+@pytest.mark.parametrize("flags", [["--engine-process"], ["--no-engine-process"],
+                                   ["--restart-engine-on-failure"]])  # (restarts are of a core once ready)
+def test_a_model_that_cannot_load_stops_the_server_with_status_1(tmp_path, flags):
     (tmp_path / "config.json").write_text("{not json")
-    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(tmp_path), engine_process,
+    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(tmp_path), *flags,
                "--port", str(free_port())]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert finished.returncode == 1, finished.stderr[-2000:]

@@ -137,7 +137,12 @@ def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependen
     @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(503),
              description="Prometheus text exposition format")
     async def metrics() -> Response:
-        return Response(await state.async_engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+        try:
+            text = await state.async_engine.metrics_text()
+        except TimeoutError:  # (asyncio's is the builtin since 3.11)
+            raise APIError(503, "the engine core did not answer for its metrics within 10 s", "server_error",
+                           code="engine_busy") from None
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", responses=error_responses(401, 503))
     async def models(tenant: str | None = Depends(tenant_of)) -> dict:
