@@ -28,6 +28,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,12 @@ logger = init_logger(__name__)
 # Messages queued for one client before the core gives up on it (about that many steps of outputs).
 CLIENT_QUEUE_LIMIT = 4096
 _IDLE_POLL_MS = 1000  # how often an idle core checks that its parent lives
+# Requests come one message each (one HTTP request, or one add of LLM.generate's loop, which
+# waits for its answer). A step taken after the first of a burst would run a small batch and
+# the rest would join a step later: after adds, the core keeps taking messages until none
+# comes for _BURST_GAP_MS, for at most _BURST_LIMIT_S, so the burst is scheduled together.
+_BURST_GAP_MS = 1
+_BURST_LIMIT_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -117,23 +124,31 @@ class EngineCore:
     def run(self, parent_pid: int | None) -> None:
         while not self.stopping:
             busy = self.engine.has_unfinished_requests()
-            if self.socket.poll(0 if busy else _IDLE_POLL_MS):
-                self._take_messages()
+            if self.socket.poll(0 if busy else _IDLE_POLL_MS) and self._take_messages():
+                self._take_burst()
             if parent_pid is not None and os.getppid() != parent_pid:
                 logger.warning("the engine core's parent process is gone: the core stops")
                 return
             if self.engine.has_unfinished_requests():
                 self._step()
 
-    def _take_messages(self) -> None:
+    def _take_burst(self) -> None:
+        limit = time.monotonic() + _BURST_LIMIT_S
+        while time.monotonic() < limit and self.socket.poll(_BURST_GAP_MS):
+            self._take_messages()
+
+    def _take_messages(self) -> int:
+        """Handle every message waiting; how many were requests added."""
+        added = 0
         while True:
             try:
                 identity, payload = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return added
             message = self._decoder.decode(payload)
             if isinstance(message, AddRequest):
                 self._add(identity, message)
+                added += 1
             elif isinstance(message, AbortRequests):
                 self._abort(message.request_ids)
             elif isinstance(message, UtilityCall):
