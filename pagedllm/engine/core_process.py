@@ -24,12 +24,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import shutil
 import signal
 import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -71,8 +71,16 @@ class CoreLaunch:
 
     @staticmethod
     def new_address() -> str:
-        """A fresh IPC endpoint in the temporary folder."""
-        return f"ipc://{tempfile.gettempdir()}/pagedllm-core-{uuid.uuid4().hex[:12]}.sock"
+        """A fresh IPC endpoint in a folder of its own that only this user may enter
+        (``mkdtemp``'s 0700): another local user can neither send the core requests nor
+        answer an API process in its place (the API side unpickles the core's tokenizer)."""
+        return f"ipc://{tempfile.mkdtemp(prefix='pagedllm-core-')}/core.sock"
+
+    def remove_address(self) -> None:
+        """Remove the endpoint's folder (its sockets are gone once the core stopped)."""
+        folder = os.path.dirname(self.address.removeprefix("ipc://"))
+        if self.address.startswith("ipc://") and os.path.basename(folder).startswith("pagedllm-core-"):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def metrics_address(address: str) -> str:
@@ -317,13 +325,13 @@ class EngineCoreProcess:
         return self._process.exitcode if self._process is not None else None
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout_s``. Safe to call twice."""
+        """SIGTERM, then SIGKILL after ``timeout_s``; the endpoint's folder goes too. Safe to call twice."""
         process = self._process
-        if process is None or process.exitcode is not None:
-            return
-        process.terminate()
-        process.join(timeout_s)
-        if process.exitcode is None:
-            process.kill()
-            process.join()
+        if process is not None and process.exitcode is None:
+            process.terminate()
+            process.join(timeout_s)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+        self.launch.remove_address()
 

@@ -50,12 +50,29 @@ def server_state(args: argparse.Namespace, names: list[str], load_engine: Callab
 
 
 def run_uvicorn(app: Any, options: dict[str, Any], stop_server: ServerStopper, sockets: list | None = None) -> None:
-    """Serve ``app`` until a signal or ``stop_server()`` stops it."""
+    """Serve ``app`` until SIGTERM, SIGINT or ``stop_server()`` stops it, then return.
+
+    uvicorn re-raises the signal that stopped it once it has shut down, to the handler
+    that was there before it ran: with the default one the process would die there, and
+    the caller's cleanup (stopping the engine core, removing its socket folder) would
+    never run. A handler that ignores it is put there for the run, so a signal stops the
+    server gracefully and returns here like ``stop_server()`` does. Call from the main thread."""
+    import signal
+
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(app, **options))
     stop_server.attach(server)
-    server.run(sockets=sockets)
+    previous = {sig: signal.signal(sig, _ignore_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run(sockets=sockets)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _ignore_signal(signum: int, frame: Any) -> None:
+    """The re-raised stop signal, after uvicorn's graceful shutdown (``run_uvicorn``)."""
 
 
 def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:

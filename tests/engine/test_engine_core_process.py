@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import stat
 import time
 
 import pytest
@@ -154,6 +155,7 @@ def test_a_client_that_stops_reading_holds_up_no_one(tiny_llama):
     sends never block, so another client is served meanwhile (the same outputs as
     in-process), and once the silent client is gone its request is aborted."""
     llm = LLM(tiny_llama, engine_process=True, num_kv_blocks=256, seed=3)
+    folder = private_folder_of(llm)
     context = zmq.Context()
     silent = context.socket(zmq.DEALER)
     silent.setsockopt(zmq.LINGER, 0)
@@ -180,3 +182,11 @@ def test_a_client_that_stops_reading_holds_up_no_one(tiny_llama):
         silent.close()
         context.term()
         llm.shutdown()
+    assert not os.path.exists(folder)  # the endpoint's private folder went with the core
+
+
+def private_folder_of(llm) -> str:
+    """The folder of the core's socket, checked to be this user's alone."""
+    folder = os.path.dirname(llm.llm_engine.core.launch.address.removeprefix("ipc://"))
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    return folder

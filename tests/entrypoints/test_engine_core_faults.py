@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -107,3 +108,18 @@ def test_a_model_that_cannot_load_stops_the_server_with_status_1(tmp_path, flags
     finished = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert finished.returncode == 1, finished.stderr[-2000:]
     assert "loading the model failed" in finished.stderr
+
+
+def test_sigterm_stops_the_server_and_its_core_cleanly(tiny_llama):
+    """SIGTERM: uvicorn's graceful shutdown, then the core is stopped and its private socket
+    folder removed, and serve exits with status 0 (not killed by the re-raised signal)."""
+    with running_server([tiny_llama, "--num-kv-blocks", "64"], start_timeout_s=120) as (base, pid):
+        server = psutil.Process(pid)
+        core = engine_core_of(server)
+        sockets = [c.laddr for c in core.net_connections(kind="unix") if c.laddr.endswith("core.sock")]
+        folder = os.path.dirname(sockets[0])
+        assert os.path.isdir(folder)
+        server.terminate()
+        assert server.wait(timeout=60) == 0
+        core.wait(timeout=10)
+        assert not os.path.exists(folder)
