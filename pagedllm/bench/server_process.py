@@ -1,4 +1,4 @@
-"""A `pagedllm serve` child process on a free local port, for benches and tests."""
+"""A `pagedllm serve` (or any HTTP server) child process on a free local port, for benches and tests."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 
@@ -23,14 +23,26 @@ def free_port() -> int:
 @contextlib.contextmanager
 def running_server(server_args: list[str], start_timeout_s: float = 300.0) -> Iterator[tuple[str, int]]:
     """Start ``pagedllm serve *server_args``, wait until /health answers, yield
-    (base URL, process id), and stop it on exit. The server's output goes to a
-    temporary file (a pipe nobody reads would block a chatty server); its tail
-    is in the error when the server exits or never becomes healthy. The first
-    start on a machine may compile the CPU kernels, hence the long timeout."""
+    (base URL, process id), and stop it on exit. The first start on a machine may
+    compile the CPU kernels, hence the long timeout."""
+    def command(port: int) -> list[str]:
+        return [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), *server_args]
+
+    with running_command(command, start_timeout_s) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def running_command(command_of_port: Callable[[int], list[str]],
+                    start_timeout_s: float = 300.0) -> Iterator[tuple[str, int]]:
+    """Start any HTTP server's command (given the free port it is to listen on), wait
+    until its /health answers 200, yield (base URL, process id), and stop it on exit
+    (SIGTERM, SIGKILL after 30 s). Its output goes to a temporary file (a pipe nobody
+    reads would block a chatty server); its tail is in the error when the server exits
+    or never becomes healthy."""
     port = free_port()
-    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), *server_args]
     with tempfile.TemporaryFile("w+") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+        server = subprocess.Popen(command_of_port(port), stdout=log, stderr=subprocess.STDOUT,
                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
         base_url = f"http://127.0.0.1:{port}"
         try:
@@ -39,11 +51,10 @@ def running_server(server_args: list[str], start_timeout_s: float = 300.0) -> It
                 if server.poll() is not None or time.time() > deadline:
                     log.seek(0)
                     raise RuntimeError(f"the server did not start:\n{log.read()[-3000:]}")
-                try:
+                with contextlib.suppress(httpx.HTTPError):
                     if httpx.get(f"{base_url}/health", timeout=1.0).status_code == 200:
                         break
-                except httpx.HTTPError:
-                    time.sleep(0.5)
+                time.sleep(0.5)  # refused, or 503 while the model loads
             yield base_url, server.pid
         finally:
             server.terminate()

@@ -16,17 +16,13 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-
-import httpx
 
 from pagedllm.bench.serve.cli import LAUNCHABLE
 from pagedllm.bench.serve.client import run_serve_benchmark
 from pagedllm.bench.serve.results import ServeResult
-from pagedllm.bench.server_process import free_port, running_server
+from pagedllm.bench.server_process import running_command, running_server
 from pagedllm.bench.tables import markdown_table
 from pagedllm.bench.throughput import BenchRequest, BenchResult
 
@@ -111,40 +107,13 @@ def _started(name: str, engine_flags: list[str], llama: LlamaServer | None,
              requests: list[BenchRequest]) -> Iterator[str]:
     if name == "llama-server":
         context = max(len(r.prompt_token_ids) + r.max_tokens for r in requests) * len(requests)
-        with _running_command(lambda port: llama.command(port, len(requests), context)) as base_url:
+        with running_command(lambda port: llama.command(port, len(requests), context)) as (base_url, _pid):
             yield base_url
         return
     quiet = ["--uvicorn-log-level", "warning", "--disable-log-stats"]
     process_flag = "--engine-process" if name == "pagedllm" else "--no-engine-process"
     with running_server([process_flag, *quiet, *engine_flags]) as (base_url, _pid):
         yield base_url
-
-
-@contextlib.contextmanager
-def _running_command(command_of_port, start_timeout_s: float = 300.0) -> Iterator[str]:
-    """Start a server command on a free port, yield its URL once /health answers 200, stop it."""
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile("w+") as log:
-        server = subprocess.Popen(command_of_port(port), stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.time() + start_timeout_s
-            while True:
-                if server.poll() is not None or time.time() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(f"the server did not start:\n{log.read()[-3000:]}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{base_url}/health", timeout=1.0).status_code == 200:
-                        break
-                time.sleep(0.5)
-            yield base_url
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
 
 
 def format_comparison(runs: list[ComparedRun]) -> str:
