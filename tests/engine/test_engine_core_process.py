@@ -127,7 +127,8 @@ def test_counters_and_metrics_come_from_the_core(core_llm):
     assert core_llm.llm_engine.capacity_line().startswith("KV cache: 64 blocks x 16 tokens")
 
 
-def test_a_killed_core_is_noticed_within_a_second(tiny_llama):
+def test_a_killed_core_fails_requests_at_once(tiny_llama):
+    """Liveness is checked every 0.25 s; the bound leaves room for a loaded CI machine."""
     llm = LLM(tiny_llama, engine_process=True, num_kv_blocks=64)
     try:
         os.kill(llm.llm_engine.pid, signal.SIGKILL)
