@@ -123,3 +123,14 @@ def test_sigterm_stops_the_server_and_its_core_cleanly(tiny_llama):
         assert server.wait(timeout=60) == 0
         core.wait(timeout=10)
         assert not os.path.exists(folder)
+
+
+def test_several_api_servers_stop_when_the_model_cannot_load(tmp_path):
+    """With N API servers the supervisor sees only the core's exit: one soon after its start
+    is not restarted (it would loop), even with --restart-engine-on-failure."""
+    (tmp_path / "config.json").write_text("{not json")
+    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(tmp_path), "--api-server-count", "2",
+               "--restart-engine-on-failure", "--port", str(free_port())]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 1, finished.stderr[-2000:]
+    assert "30 s or less after its start" in finished.stderr

@@ -12,6 +12,7 @@ each route's statuses and content types (``openapi_doc``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -55,8 +56,13 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
         else:
             state.async_engine.start()
         yield
-        if loading is not None:
-            await loading  # a load still running finishes first: its thread cannot be interrupted
+        if loading is not None and not loading.done():
+            # Stop waiting for a core that is still loading (with N API servers one that never
+            # loads is waited for until now). An engine being built in a thread cannot be
+            # interrupted: the interpreter joins that thread at exit.
+            loading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loading
         if state.async_engine is not None:
             await state.async_engine.stop()
 
@@ -96,6 +102,10 @@ async def _load_engine(state: ServerState) -> None:
         client = loaded if isinstance(loaded, AsyncEngineCoreClient) else AsyncLLMEngine(loaded)
         client.start()
         await client.wait_ready()
+    except asyncio.CancelledError:  # the server stops while the core loads
+        if client is not None:
+            await client.stop()
+        raise
     except Exception as exc:
         state.load_error = exc
         logger.exception("loading the model failed")
