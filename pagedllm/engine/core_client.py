@@ -25,8 +25,8 @@ import zmq.asyncio
 from pagedllm.engine.async_engine import EngineDeadError, RequestStream
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.core_messages import (AbortRequests, AddRequest, AddResult, EngineFacts, EngineFailed, Hello,
-                                           OutputBatch, Ready, RequestError, UtilityCall, UtilityResult,
-                                           input_codec, output_codec)
+                                           OutputBatch, Ready, RequestError, RequestsDropped, UtilityCall,
+                                           UtilityResult, input_codec, output_codec)
 from pagedllm.engine.core_process import EngineCoreProcess, metrics_address
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.output_deltas import OutputAssembler
@@ -309,6 +309,13 @@ class AsyncEngineCoreClient:
             self._on_ready(message.facts)
         elif isinstance(message, EngineFailed):
             self._die(EngineDeadError(message.message))
+        elif isinstance(message, RequestsDropped):
+            for request_id in message.request_ids:
+                self._assembler.forget(request_id)
+                queue = self._streams.pop(request_id, None)
+                if queue is not None:  # a 503 like a dead core's: the request cannot finish
+                    queue.put_nowait(EngineDeadError(f"request {request_id} was dropped by the engine core: "
+                                                     f"{message.reason}"))
 
     def _on_ready(self, facts: EngineFacts) -> None:
         if facts.pid == self._core_pid:

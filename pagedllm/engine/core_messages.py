@@ -136,7 +136,16 @@ class EngineFailed(msgspec.Struct, tag="failed", array_like=True):
     message: str
 
 
-EngineCoreOutput = Ready | AddResult | OutputBatch | UtilityResult | EngineFailed
+class RequestsDropped(msgspec.Struct, tag="dropped", array_like=True):
+    """Requests the core aborted because a message to their API client could not be
+    queued (it stopped reading): sent once that client can take messages again, so
+    its streams end with an error instead of waiting for outputs that will not come."""
+
+    request_ids: list[str]
+    reason: str
+
+
+EngineCoreOutput = Ready | AddResult | OutputBatch | UtilityResult | EngineFailed | RequestsDropped
 
 
 def input_codec() -> tuple[msgspec.msgpack.Encoder, msgspec.msgpack.Decoder]:

@@ -37,8 +37,8 @@ from typing import Any
 import zmq
 
 from pagedllm.engine.core_messages import (AbortRequests, AddRequest, AddResult, EngineFacts, EngineFailed, Hello,
-                                           OutputBatch, OutputDelta, Ready, RequestError, UtilityCall, UtilityResult,
-                                           input_codec, output_codec)
+                                           OutputBatch, OutputDelta, Ready, RequestError, RequestsDropped, UtilityCall,
+                                           UtilityResult, input_codec, output_codec)
 from pagedllm.engine.output_deltas import DeltaEncoder
 from pagedllm.logger import init_logger
 
@@ -127,6 +127,7 @@ class EngineCore:
         self._facts = engine_facts(engine)
         self._deltas = DeltaEncoder()
         self._owner: dict[str, bytes] = {}  # live request id -> the client identity that added it
+        self._dropped: dict[bytes, list[str]] = {}  # client -> requests aborted while its queue was full
         self.stopping = False
 
     def run(self, parent_pid: int | None) -> None:
@@ -137,6 +138,8 @@ class EngineCore:
             if parent_pid is not None and os.getppid() != parent_pid:
                 logger.warning("the engine core's parent process is gone: the core stops")
                 return
+            if self._dropped:
+                self._tell_dropped()
             if self.engine.has_unfinished_requests():
                 self._step()
 
@@ -234,6 +237,22 @@ class EngineCore:
             logger.warning("API client %r cannot take messages (%s): aborting its %d requests",
                            identity, exc, len(lost))
             self._abort(lost)
+            if isinstance(exc, zmq.Again) and lost:  # alive but full: it hears of it once it reads again
+                self._dropped.setdefault(identity, []).extend(lost)
+
+    def _tell_dropped(self) -> None:
+        """Send each client the requests aborted while its queue was full, once it has room
+        (a client that is gone by then is forgotten)."""
+        for identity in list(self._dropped):
+            message = RequestsDropped(self._dropped[identity], "the API server did not read the engine core's "
+                                                               f"outputs in time (queue of {CLIENT_QUEUE_LIMIT} full)")
+            try:
+                self.socket.send_multipart([identity, self._encoder.encode(message)], zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            except zmq.ZMQError:
+                pass
+            del self._dropped[identity]
 
 
 def run_engine_core(launch: CoreLaunch, parent_pid: int | None = None) -> None:

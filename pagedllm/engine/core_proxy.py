@@ -19,7 +19,8 @@ import zmq
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.core_client import LIVENESS_INTERVAL_S, core_process_alive, info_of, request_error, tokenized
 from pagedllm.engine.core_messages import (AbortRequests, AddRequest, AddResult, EngineFailed, Hello, OutputBatch,
-                                           Ready, UtilityCall, UtilityResult, input_codec, output_codec)
+                                           Ready, RequestsDropped, UtilityCall, UtilityResult, input_codec,
+                                           output_codec)
 from pagedllm.engine.core_process import CoreLaunch, EngineCoreProcess
 from pagedllm.engine.async_engine import EngineDeadError
 from pagedllm.engine.output_deltas import OutputAssembler
@@ -95,6 +96,11 @@ class EngineCoreProxy:
         if isinstance(message, EngineFailed):
             self._live.clear()
             raise EngineDeadError(message.message)
+        if isinstance(message, RequestsDropped):  # the core aborted them already
+            for request_id in message.request_ids:
+                self._live.discard(request_id)
+                self._assembler.forget(request_id)
+            raise EngineDeadError(f"the engine core dropped requests {message.request_ids}: {message.reason}")
         return message
 
     def _answer(self, kind: type, key: Any) -> Any:

@@ -3,10 +3,10 @@ refusals, no block left behind, and a dead core is noticed, not waited on."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import stat
+import threading
 import time
 
 import pytest
@@ -15,9 +15,8 @@ import zmq
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.async_engine import EngineDeadError
 from pagedllm.engine.beam_search import BeamSearchParams
-from pagedllm.engine.core_client import AsyncEngineCoreClient
-from pagedllm.engine.core_messages import AddRequest, Hello, input_codec
-from pagedllm.engine.core_process import CoreLaunch, EngineCoreProcess
+from pagedllm.engine.core_messages import AddRequest, RequestsDropped, input_codec, output_codec
+from pagedllm.engine.core_process import EngineCore
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output import StructuredOutputError
 from tests.conftest import assert_pool_free
@@ -191,3 +190,45 @@ def private_folder_of(llm) -> str:
     folder = os.path.dirname(llm.llm_engine.core.launch.address.removeprefix("ipc://"))
     assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
     return folder
+
+
+def test_requests_dropped_while_a_client_was_full_are_reported_once_it_reads(tiny_llama):
+    """The core's queue to a client that stops reading fills up (here after a few messages):
+    its request is aborted, and once the client reads again it is told which requests were
+    dropped and why, so no stream of a resumed API server waits forever."""
+    llm = LLM(tiny_llama, num_kv_blocks=256)
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    router.setsockopt(zmq.SNDHWM, 2)
+    router.bind("inproc://core")
+    core = EngineCore(llm.llm_engine, router)
+    loop = threading.Thread(target=core.run, args=(None,))
+    loop.start()
+    client = context.socket(zmq.DEALER)
+    client.setsockopt(zmq.RCVHWM, 2)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect("inproc://core")
+    decode = output_codec()[1].decode
+    try:
+        client.send(input_codec()[0].encode(AddRequest("slow", [5, 17, 99],
+                                                       SamplingParams(max_tokens=2000, ignore_eos=True))))
+        deadline = time.monotonic() + 30
+        while not core._dropped:
+            assert time.monotonic() < deadline, "the full client's request was never dropped"
+            time.sleep(0.05)
+        messages = []
+        while not any(isinstance(m, RequestsDropped) for m in messages):
+            assert time.monotonic() < deadline, f"no RequestsDropped after {messages}"
+            if client.poll(100):
+                messages.append(decode(client.recv()))
+        dropped = next(m for m in messages if isinstance(m, RequestsDropped))
+        assert dropped.request_ids == ["slow"] and "did not read" in dropped.reason
+        assert not isinstance(messages[0], RequestsDropped)  # what was queued came first
+    finally:
+        core.stopping = True
+        loop.join()
+        client.close()
+        router.close()
+        context.term()
+    assert_pool_free(llm)
