@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from pagedllm import LLM
-from pagedllm.bench.record import report
+from pagedllm.bench.record import cpu_description, report
 from pagedllm.bench.tables import markdown_table
 from pagedllm.config import torch_dtype
 from pagedllm.entrypoints.engine_args import engine_flags_from_args, make_llm
@@ -129,7 +129,7 @@ def cmd_bench_quant(args: argparse.Namespace) -> None:
     shape = dict(quant.QWEN25_05B, layers=args.layers or quant.QWEN25_05B["layers"])
     results = quant.run(Path(args.workdir), shape, args.batch_size, args.prompt_len, args.output_len)
     report(args, quant.format_table(results),
-           f"CPU: {quant.cpu_description()}. Random Qwen2.5-0.5B-shaped model ({shape}) as GGUF; fp32/bf16 are the "
+           f"CPU: {cpu_description()}. Random Qwen2.5-0.5B-shaped model ({shape}) as GGUF; fp32/bf16 are the "
            f"Q8_0 file dequantized at load. {args.batch_size} sequences, {args.prompt_len}-token prompts, "
            f"{args.output_len} output tokens (ignore_eos), each run in its own process.")
 

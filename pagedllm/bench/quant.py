@@ -141,13 +141,3 @@ def format_table(results: list[QuantResult]) -> str:
         ["weights", "GGUF file (GiB)", "weights held (GiB)", "process RSS (GiB)", "load (s)", "decode tok/s"],
         [[r.label, f"{r.file_bytes / gib:.2f}", f"{r.weight_bytes / gib:.2f}", f"{r.rss_bytes / gib:.2f}",
           f"{r.load_s:.1f}", f"{r.decode_tokens_per_s:.1f}"] for r in results])
-
-
-def cpu_description() -> str:
-    """lscpu's model name and the AVX-512 / VNNI / AMX flags this CPU has."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                 "unknown CPU")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    wanted = sorted(f for f in set(flags) if f.startswith(("avx512f", "avx512_vnni", "avx512_bf16", "amx", "avx_vnni")))
-    return f"{model}, {multiprocessing.cpu_count()} CPUs, flags: {' '.join(wanted) or 'no AVX-512'}"

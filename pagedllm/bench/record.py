@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import multiprocessing
 import shlex
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -30,3 +32,14 @@ def report(args: argparse.Namespace, table: str, setup: str, device: torch.devic
     print(table)
     if args.record:
         append_result(args.record, args.argv, f"Machine: {machine_description(device)}. {setup}", table, args.program)
+
+
+def cpu_description() -> str:
+    """The CPU's model name and the AVX-512 / VNNI / AMX flags it has (optimisations rank
+    differently per CPU, so every record names it)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 "unknown CPU")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    wanted = sorted(f for f in set(flags) if f.startswith(("avx512f", "avx512_vnni", "avx512_bf16", "amx", "avx_vnni")))
+    return f"{model}, {multiprocessing.cpu_count()} CPUs, flags: {' '.join(wanted) or 'no AVX-512'}"

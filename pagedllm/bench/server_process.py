@@ -25,11 +25,14 @@ def running_server(server_args: list[str], start_timeout_s: float = 300.0) -> It
     """Start ``pagedllm serve *server_args``, wait until /health answers, yield
     (base URL, process id), and stop it on exit. The first start on a machine may
     compile the CPU kernels, hence the long timeout."""
-    def command(port: int) -> list[str]:
-        return [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), *server_args]
-
-    with running_command(command, start_timeout_s) as started:
+    with running_command(serve_command(server_args), start_timeout_s) as started:
         yield started
+
+
+def serve_command(server_args: list[str]) -> Callable[[int], list[str]]:
+    """``pagedllm serve *server_args`` on a given port, as ``running_command`` takes it."""
+    return lambda port: [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
+                         *server_args]
 
 
 @contextlib.contextmanager

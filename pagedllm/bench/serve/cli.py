@@ -12,7 +12,7 @@ import shlex
 import sys
 
 from pagedllm.bench.arg_types import positive_int, positive_rate
-from pagedllm.bench.record import append_result
+from pagedllm.bench.record import append_result, cpu_description
 from pagedllm.bench.serve.results import ServeResult, format_rate, format_table
 from pagedllm.bench.throughput import BenchRequest, load_requests, mixed_requests, random_requests
 
@@ -162,7 +162,7 @@ def _compare(args: argparse.Namespace, requests: list[BenchRequest], description
                       "request." if "llama-server" in names else "")
         append_result(
             args.record, getattr(args, "argv", None),
-            f"Machine: {compare.machine_line()}. Requests: {description}; rate {format_rate(args.request_rate[0])}, greedy, "
+            f"Machine: {cpu_description()}. Requests: {description}; rate {format_rate(args.request_rate[0])}, greedy, "
             f"ignore_eos, streamed by one client; engine flags: {' '.join(engine_flags) or 'the defaults'}."
             f"{llama_note} Each server got one short untimed request first; the offline run a warm-up.",
             table,

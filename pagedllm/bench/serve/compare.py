@@ -10,21 +10,19 @@ across runs.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import gc
 import math
 import os
-import subprocess
-import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pagedllm.bench.serve.cli import LAUNCHABLE
 from pagedllm.bench.serve.client import run_serve_benchmark
 from pagedllm.bench.serve.results import ServeResult
-from pagedllm.bench.server_process import running_command, running_server
+from pagedllm.bench.server_process import running_command, serve_command
 from pagedllm.bench.tables import markdown_table
 from pagedllm.bench.throughput import BenchRequest, BenchResult
+
 
 @dataclass(frozen=True)
 class LlamaServer:
@@ -56,13 +54,13 @@ class ComparedRun:
         return (self.served.total_prompt_tokens + self.served.total_output_tokens) / self.served.duration_s
 
 
-def check_launch(names: list[str], llama: LlamaServer | None) -> None:
+def check_launch(names: list[str], llama: LlamaServer) -> None:
     """``ValueError`` saying what to change for an unknown server name or a missing llama.cpp build."""
     unknown = [name for name in names if name not in LAUNCHABLE]
     if unknown:
         raise ValueError(f"--launch: unknown server {unknown[0]!r}; the servers are: {', '.join(LAUNCHABLE)}")
     if "llama-server" in names:
-        if llama is None or not os.access(llama.binary, os.X_OK):
+        if not os.access(llama.binary, os.X_OK):
             raise ValueError("--launch llama-server needs --llama-server PATH of a built llama-server "
                              "(scripts/llamacpp_compare.sh builds one into /tmp/llamacpp/bin)")
         if not os.path.isfile(llama.gguf):
@@ -94,26 +92,19 @@ def run_offline(engine_options: dict, requests: list[BenchRequest]) -> ComparedR
     return ComparedRun("offline LLM.generate", offline=result)
 
 
-def run_launched(name: str, engine_flags: list[str], llama: LlamaServer | None, requests: list[BenchRequest],
+def run_launched(name: str, engine_flags: list[str], llama: LlamaServer, requests: list[BenchRequest],
                  request_rate: float, seed: int) -> ComparedRun:
     """Start one server, load it once untimed with one short request, then with the requests."""
-    with _started(name, engine_flags, llama, requests) as base_url:
-        run_serve_benchmark(base_url, [BenchRequest([0] * 8, 4)], math.inf, seed=seed)  # warm-up
-        return ComparedRun(LAUNCHABLE[name], served=run_serve_benchmark(base_url, requests, request_rate, seed=seed))
-
-
-@contextlib.contextmanager
-def _started(name: str, engine_flags: list[str], llama: LlamaServer | None,
-             requests: list[BenchRequest]) -> Iterator[str]:
     if name == "llama-server":
         context = max(len(r.prompt_token_ids) + r.max_tokens for r in requests) * len(requests)
-        with running_command(lambda port: llama.command(port, len(requests), context)) as (base_url, _pid):
-            yield base_url
-        return
-    quiet = ["--uvicorn-log-level", "warning", "--disable-log-stats"]
-    process_flag = "--engine-process" if name == "pagedllm" else "--no-engine-process"
-    with running_server([process_flag, *quiet, *engine_flags]) as (base_url, _pid):
-        yield base_url
+        command = functools.partial(llama.command, num_requests=len(requests), context_tokens=context)
+    else:
+        process_flag = "--engine-process" if name == "pagedllm" else "--no-engine-process"
+        command = serve_command([process_flag, "--uvicorn-log-level", "warning", "--disable-log-stats",
+                                 *engine_flags])
+    with running_command(command) as (base_url, _pid):
+        run_serve_benchmark(base_url, [BenchRequest([0] * 8, 4)], math.inf, seed=seed)  # warm-up
+        return ComparedRun(LAUNCHABLE[name], served=run_serve_benchmark(base_url, requests, request_rate, seed=seed))
 
 
 def format_comparison(runs: list[ComparedRun]) -> str:
@@ -142,18 +133,3 @@ def format_comparison(runs: list[ComparedRun]) -> str:
               "TTFT p99 (ms)", "TPOT p50 (ms)", "TPOT p90 (ms)", "e2e p99 (s)", "vs offline",
               "TTFT p50 vs llama-server"]
     return markdown_table(header, rows)
-
-
-def machine_line() -> str:
-    """The CPU model and core count (lscpu's), for the record: optimisations rank differently per CPU."""
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return f"{os.cpu_count()} CPUs (lscpu unavailable)"
-    fields = {key.strip(): value.strip() for key, value in
-              (line.split(":", 1) for line in lscpu.splitlines() if ":" in line)}
-    flags = set(fields.get("Flags", "").split())
-    has = {name: "yes" if flag in flags else "no" for name, flag in (("AVX-512 BF16", "avx512_bf16"),
-                                                                     ("AMX", "amx_tile"))}
-    return (f"{fields.get('Model name', 'unknown CPU')}, {os.cpu_count()} CPUs "
-            f"({', '.join(f'{name} {answer}' for name, answer in has.items())}), Python {sys.version.split()[0]}")
