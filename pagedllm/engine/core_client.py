@@ -309,13 +309,8 @@ class AsyncEngineCoreClient:
             self._on_ready(message.facts)
         elif isinstance(message, EngineFailed):
             self._die(EngineDeadError(message.message))
-        elif isinstance(message, RequestsDropped):
-            for request_id in message.request_ids:
-                self._assembler.forget(request_id)
-                queue = self._streams.pop(request_id, None)
-                if queue is not None:  # a 503 like a dead core's: the request cannot finish
-                    queue.put_nowait(EngineDeadError(f"request {request_id} was dropped by the engine core: "
-                                                     f"{message.reason}"))
+        elif isinstance(message, RequestsDropped):  # a 503 like a dead core's: they cannot finish
+            self._fail_streams(message.request_ids, f"dropped by the engine core: {message.reason}")
 
     def _on_ready(self, facts: EngineFacts) -> None:
         if facts.pid == self._core_pid:
@@ -366,10 +361,15 @@ class AsyncEngineCoreClient:
         if self.dead_error is None:
             logger.error("%s", error)
         self.dead_error = error
-        for request_id, queue in self._streams.items():
-            queue.put_nowait(EngineDeadError(f"request {request_id} failed: {error}"))
-            self._assembler.forget(request_id)
-        self._streams.clear()
+        self._fail_streams(list(self._streams), f"failed: {error}")
         for future in (*self._adds.values(), *self._calls.values()):
             if not future.done():
                 future.set_exception(EngineDeadError(str(error)))
+
+    def _fail_streams(self, request_ids: list[str], why: str) -> None:
+        """End these requests' streams with ``EngineDeadError`` (the server's 503)."""
+        for request_id in request_ids:
+            self._assembler.forget(request_id)
+            queue = self._streams.pop(request_id, None)
+            if queue is not None:
+                queue.put_nowait(EngineDeadError(f"request {request_id} {why}"))

@@ -1,5 +1,6 @@
-"""The engine's public counters (``LLM.stats()``) and the live pool view's data,
-read from the KV manager, the scheduler, the runner and the engine's step totals."""
+"""The engine's public counters (``LLM.stats()``, ``LLM.weight_bytes()``) and the live
+pool view's data, read from the KV manager, the scheduler, the runner and the engine's
+step totals."""
 
 from __future__ import annotations
 
@@ -75,3 +76,9 @@ def engine_stats(engine: LLMEngine) -> dict[str, int | float | str]:
         **engine.runner.speculation_stats(),
         **(engine.kv_tiers.stats() if engine.kv_tiers is not None else {}),
     }
+
+
+def weight_bytes(engine: LLMEngine) -> int:
+    """Bytes held for the model's parameters and buffers, a tensor tied to another counted once."""
+    tensors = {id(t): t for t in (*engine.model.parameters(), *engine.model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -19,7 +19,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner_output import ModelRunnerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
-from pagedllm.engine.counters import engine_stats, kv_pool_snapshot
+from pagedllm.engine.counters import engine_stats, kv_pool_snapshot, weight_bytes
 from pagedllm.engine.setup import (create_kv_cache_manager, eos_token_ids_of, freeze_long_lived_objects,
                                    sampling_defaults_of)
 from pagedllm.engine.beam_search import BeamGroup, BeamSearchParams
@@ -169,11 +169,11 @@ class LLMEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def metrics_registry(self):
+    def metrics_registry(self):  # the Prometheus registry the stats reporter fills
         return self.stats_reporter.prometheus.registry
-    def weight_bytes(self) -> int:  # LLM.weight_bytes: parameters and buffers, tied ones once
-        tensors = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def weight_bytes(self) -> int:
+        return weight_bytes(self)
 
     # ------------------------------------------------------------ requests
 
