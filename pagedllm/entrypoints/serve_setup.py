@@ -46,7 +46,8 @@ def server_state(args: argparse.Namespace, names: list[str], load_engine: Callab
 
     chat = ChatSettings(load_chat_template(args.chat_template), args.trust_request_chat_template)
     return ServerState(served_model_name=names[0], api_keys=api_keys_of(args), model_aliases=names[1:], chat=chat,
-                       load_engine=load_engine, on_load_failure=stop_server)
+                       load_engine=load_engine, on_load_failure=stop_server,
+                       engine_settings={"block_size": args.block_size, "kv_events": args.kv_events_config})
 
 
 def run_uvicorn(app: Any, options: dict[str, Any], stop_server: ServerStopper, sockets: list | None = None) -> None:
@@ -84,15 +85,21 @@ def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def api_keys_of(args: argparse.Namespace) -> dict[str, str | None]:
     """API key -> tenant: --api-key (or $PAGEDLLM_API_KEY) keys have none, --api-keys-file's have theirs."""
-    import json
     import os
 
     keys = args.api_key or ([os.environ["PAGEDLLM_API_KEY"]] if os.environ.get("PAGEDLLM_API_KEY") else [])
     api_keys: dict[str, str | None] = dict.fromkeys(keys)
     if args.api_keys_file:
-        with open(args.api_keys_file, encoding="utf-8") as f:
-            tenants = json.load(f)
-        if not isinstance(tenants, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tenants.items()):
-            raise ValueError(f"{args.api_keys_file}: expected a JSON object mapping API keys to tenant names")
-        api_keys.update(tenants)
+        api_keys.update(read_tenants_file(args.api_keys_file))
     return api_keys
+
+
+def read_tenants_file(path: str) -> dict[str, str]:
+    """An --api-keys-file: a JSON object {api_key: tenant}."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        tenants = json.load(f)
+    if not isinstance(tenants, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tenants.items()):
+        raise ValueError(f"{path}: expected a JSON object mapping API keys to tenant names")
+    return tenants

@@ -58,6 +58,11 @@ def load_gguf(path: Path, dtype: torch.dtype, packed: bool = False) -> Checkpoin
     config = gguf_config(reader, architecture, rope_tensors)
     state_dict = _read_weights(reader, hf_names, layout, config, dtype, packed)
 
+    return Checkpoint(config=config, state_dict=state_dict, tokenizer=gguf_tokenizer(path, reader), path=str(path))
+
+
+def gguf_tokenizer(path: Path, reader: GGUFFile) -> PreTrainedTokenizerFast:
+    """The tokenizer in a GGUF file's metadata, with the file's chat template."""
     # PreTrainedTokenizerFast builds the tokenizer straight from the metadata. AutoTokenizer would
     # build the same one, but first rebuilds the config through transformers' slow GGUF path (~5 s).
     tokenizer = PreTrainedTokenizerFast.from_pretrained(
@@ -67,7 +72,7 @@ def load_gguf(path: Path, dtype: torch.dtype, packed: bool = False) -> Checkpoin
     chat_template = metadata(reader, "tokenizer.chat_template", None)
     if tokenizer.chat_template is None and chat_template is not None:
         tokenizer.chat_template = chat_template
-    return Checkpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, path=str(path))
+    return tokenizer
 
 
 def _rope_tensor_name(gguf_name: str) -> str:

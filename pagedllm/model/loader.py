@@ -31,12 +31,13 @@ import torch
 
 from pagedllm.config import GENERATION_CONFIG_FIELDS
 from pagedllm.model.checkpoint import WHAT_TO_PASS, Checkpoint
-from pagedllm.model.gguf_file import SUPPORTED_GGUF_TYPES, load_gguf
+from pagedllm.model.gguf_file import SUPPORTED_GGUF_TYPES, gguf_tokenizer, load_gguf
+from pagedllm.model.gguf_reader import read_gguf
 from pagedllm.model.hf_folder import load_hf_folder
 from pagedllm.model.registry import SUPPORTED_ARCHITECTURES
 
 __all__ = ["Checkpoint", "SUPPORTED_ARCHITECTURES", "SUPPORTED_GGUF_TYPES", "checkpoint_dtype", "default_model_path",
-           "generation_defaults", "generation_eos_token_ids", "load_checkpoint"]
+           "generation_defaults", "generation_eos_token_ids", "load_checkpoint", "load_tokenizer"]
 
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -79,6 +80,24 @@ def load_checkpoint(model: str | None = None, dtype: torch.dtype = torch.float32
     if path.is_dir():
         return load_hf_folder(path, dtype)
     raise ValueError(f"cannot load {str(path)!r}: it is neither a .gguf file nor a folder; {WHAT_TO_PASS}")
+
+
+def load_tokenizer(model: str | None = None) -> Any:
+    """Only the tokenizer of ``model`` (a GGUF file or a Hugging Face folder; None:
+    the default model), as ``load_checkpoint`` builds it, without reading weights:
+    for a router that tokenizes prompts as the engine does."""
+    path = Path(default_model_path() if model is None else model).expanduser().resolve()
+    if path.is_file() and path.suffix == ".gguf":
+        try:
+            reader = read_gguf(path)
+        except ValueError as error:
+            raise ValueError(f"{str(path)!r} is not a valid GGUF file: {error}") from error
+        return gguf_tokenizer(path, reader)
+    if path.is_dir():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    raise ValueError(f"cannot read a tokenizer from {str(path)!r}: {WHAT_TO_PASS}")
 
 
 # transformers' GenerationConfig defaults: vLLM applies only the values that differ from them

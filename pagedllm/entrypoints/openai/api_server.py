@@ -144,6 +144,14 @@ def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependen
     async def version() -> dict:
         return {"version": __version__}
 
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        """What a fleet router needs to hash prompts as this server does and to follow its cache."""
+        from pagedllm.fleet.request_prefix import prompt_fingerprint
+
+        return {"model": state.served_model_name, "version": __version__, **state.engine_settings,
+                "prompt_fingerprint": prompt_fingerprint(state.engine_info.tokenizer, state.chat.chat_template)}
+
     @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(503),
              description="Prometheus text exposition format")
     async def metrics() -> Response:

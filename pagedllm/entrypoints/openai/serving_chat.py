@@ -67,6 +67,19 @@ def _tools(body: ChatCompletionRequest | TokenizeRequest) -> list[dict] | None:
     return [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
 
 
+def render_inputs(body: ChatCompletionRequest | TokenizeRequest,
+                  server_template: str | None) -> tuple[list[dict], ChatRenderOptions]:
+    """The conversation and render options of a chat request, for ``render_chat``
+    (the request's template, when it sends one, else ``server_template``): shared
+    with the fleet router, which must render prompts exactly as replicas do."""
+    options = ChatRenderOptions(
+        tools=_tools(body), add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        chat_template=body.chat_template or server_template, chat_template_kwargs=body.chat_template_kwargs,
+    )
+    return [message.model_dump(exclude_none=True) for message in body.messages], options
+
+
 def chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeRequest) -> dict:
     """The prompt of a chat request's messages and template fields, rendered with
     the server's chat template (/tokenize gives the same tokens). Raises
@@ -74,12 +87,7 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeReques
     if body.chat_template is not None and not state.chat.trust_request_chat_template:
         raise APIError(400, "chat_template: this server does not run templates sent in requests; start it with "
                             "--trust-request-chat-template, or use its own (--chat-template)", param="chat_template")
-    options = ChatRenderOptions(
-        tools=_tools(body), add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
-        chat_template=body.chat_template or state.chat.chat_template, chat_template_kwargs=body.chat_template_kwargs,
-    )
-    conversation = [message.model_dump(exclude_none=True) for message in body.messages]
+    conversation, options = render_inputs(body, state.chat.chat_template)
     try:
         return render_chat(state.engine_info.tokenizer, conversation, options)
     except ValueError as exc:

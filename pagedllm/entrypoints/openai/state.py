@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
@@ -46,6 +46,9 @@ class ServerState:
     # Called on the event loop once a failed load is logged (`pagedllm serve` stops with
     # status 1); None keeps the server up, answering /health with the error.
     on_load_failure: Callable[[], None] | None = None
+    # What a fleet router reads from GET /server_info: the engine's block size and
+    # KV-events sockets as configured (``{"block_size": 16, "kv_events": {...} | None}``).
+    engine_settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.async_engine is None) == (self.load_engine is None):

@@ -1,0 +1,1 @@
+"""A fleet of engine replicas: data-parallel launch, the prefix-aware router and its policy."""

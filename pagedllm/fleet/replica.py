@@ -1,0 +1,203 @@
+"""One replica as the router sees it: up or down, its load, and its KV events.
+
+A ``ReplicaWatch`` runs on the router's event loop: it polls the replica's
+``/health`` (a replica that fails ``DOWN_AFTER_FAILURES`` polls in a row, or
+does not answer within the timeout, is down: a hung one as well as a dead one),
+reads its ``/server_info`` when it comes up (block size, KV-event sockets, and
+a prompt fingerprint that must equal the router's), subscribes to its KV events
+and feeds them to the shared ``PrefixIndex``, and reads its KV usage from
+``/metrics``. When the replica goes down everything it was known to hold is
+forgotten and ``down`` is set, which fails the requests in flight to it at once;
+when it answers again (restarted) it rejoins with an empty record, filled from
+its events (and their replay buffer, for what it cached before the router saw it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pagedllm.fleet.prefix_index import PrefixIndex
+from pagedllm.kv_tiers.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from pagedllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+DOWN_AFTER_FAILURES = 2
+_POOL_MEDIUM = "GPU"  # only blocks in a replica's pool count as held (vLLM's name for the pool)
+_KV_USAGE = re.compile(r"^\w+:kv_cache_usage_perc(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]")
+
+
+class ReplicaMismatch(ValueError):
+    """A replica renders or hashes prompts differently from the router."""
+
+
+@dataclass
+class Replica:
+    """Shared between the watch (which writes ``up``, ``kv_usage``, ``block_size``)
+    and the router (which counts ``in_flight``); both on one event loop."""
+
+    index: int
+    url: str
+    up: bool = False
+    in_flight: int = 0
+    kv_usage: float = 0.0
+    block_size: int = 16
+    down: asyncio.Event = field(default_factory=asyncio.Event)  # set while the replica is down
+    last_error: str = "not contacted yet"
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+        self.down.set()
+
+
+def events_address(endpoint: str, replica_url: str) -> str:
+    """A replica's KV-events endpoint as the router connects to it: a wildcard
+    host (the replica bound every interface) becomes the replica's own host."""
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme == "tcp" and host in _WILDCARD_HOSTS:
+        return f"tcp://{urlsplit(replica_url).hostname}:{port}"
+    return endpoint
+
+
+class ReplicaWatch:
+    """Keeps one ``Replica`` current; ``run`` until cancelled."""
+
+    def __init__(self, replica: Replica, index: PrefixIndex, client: httpx.AsyncClient, fingerprint: str,
+                 context: zmq.asyncio.Context, interval_s: float = 0.5, timeout_s: float = 2.0) -> None:
+        self.replica, self.index, self.client = replica, index, client
+        self.fingerprint, self.context = fingerprint, context
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self._events_task: asyncio.Task | None = None
+        self._failures = 0
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await self._poll()
+                await asyncio.sleep(self.interval_s)
+        finally:
+            self._mark_down("the router stops")
+
+    async def _poll(self) -> None:
+        replica = self.replica
+        try:
+            health = await self.client.get(f"{replica.url}/health", timeout=self.timeout_s)
+            healthy = health.status_code == 200
+            reason = f"/health answered {health.status_code}"
+        except httpx.HTTPError as exc:
+            healthy, reason = False, f"/health failed: {type(exc).__name__}"
+        if not healthy:
+            self._failures += 1
+            if replica.up and self._failures >= DOWN_AFTER_FAILURES:
+                self._mark_down(reason)
+            replica.last_error = reason
+            return
+        self._failures = 0
+        try:
+            if not replica.up:
+                await self._join()
+            await self._read_usage()
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            replica.last_error = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, ReplicaMismatch):
+                logger.error("replica %s: %s", replica.url, exc)
+
+    async def _join(self) -> None:
+        info = (await self.client.get(f"{self.replica.url}/server_info", timeout=self.timeout_s)).json()
+        if info.get("prompt_fingerprint") != self.fingerprint:
+            raise ReplicaMismatch(
+                "it renders prompts differently from this router (another model or chat template): start the "
+                "router with the replicas' --model and --chat-template, or prefix routing can never hit")
+        self.replica.block_size = int(info["block_size"])
+        kv_events = info.get("kv_events") or {}
+        if kv_events.get("enable_kv_cache_events"):
+            self._events_task = asyncio.create_task(self._follow_events(kv_events))
+        else:
+            logger.warning("replica %s publishes no KV events (--kv-events-config): the router cannot see its "
+                           "cache and routes to it by what it sent there alone", self.replica.url)
+        self.index.cleared(self.replica.index)
+        self.replica.up = True
+        self.replica.down = asyncio.Event()
+        logger.info("replica %s is up", self.replica.url)
+
+    def _mark_down(self, reason: str) -> None:
+        replica = self.replica
+        if replica.up:
+            logger.warning("replica %s is down: %s", replica.url, reason)
+        replica.up = False
+        replica.down.set()
+        self.index.cleared(replica.index)
+        if self._events_task is not None:
+            self._events_task.cancel()
+            self._events_task = None
+
+    async def _read_usage(self) -> None:
+        text = (await self.client.get(f"{self.replica.url}/metrics", timeout=self.timeout_s)).text
+        match = _KV_USAGE.search(text)
+        if match:
+            self.replica.kv_usage = float(match.group(1))
+
+    async def _follow_events(self, settings: dict) -> None:
+        decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+        subscriber = self.context.socket(zmq.SUB)
+        subscriber.setsockopt(zmq.LINGER, 0)
+        topic = settings.get("topic", "")
+        subscriber.setsockopt_string(zmq.SUBSCRIBE, topic)
+        subscriber.connect(events_address(settings.get("endpoint", "tcp://*:5557"), self.replica.url))
+        try:
+            if settings.get("replay_endpoint"):
+                await self._replay(events_address(settings["replay_endpoint"], self.replica.url), decode)
+            while True:
+                _, _, payload = await subscriber.recv_multipart()
+                self._apply(decode(payload))
+        finally:
+            subscriber.close()
+
+    async def _replay(self, address: str, decode) -> None:
+        """What the replica cached before the router subscribed: its buffered batches."""
+        dealer = self.context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(address)
+        try:
+            await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            while await dealer.poll(int(self.timeout_s * 1000)):
+                _, seq, payload = await dealer.recv_multipart()
+                if seq == b"\xff" * 8:
+                    return
+                self._apply(decode(payload))
+        finally:
+            dealer.close()
+
+    def _apply(self, batch: KVEventBatch) -> None:
+        replica = self.replica.index
+        for event in batch.events:
+            if isinstance(event, AllBlocksCleared):
+                self.index.cleared(replica)
+            elif isinstance(event, BlockStored) and event.medium == _POOL_MEDIUM:
+                self.index.stored(replica, event.block_hashes)
+            elif isinstance(event, BlockRemoved) and event.medium == _POOL_MEDIUM:
+                self.index.removed(replica, event.block_hashes)
+
+
+async def stop_watches(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def now() -> float:
+    return time.monotonic()

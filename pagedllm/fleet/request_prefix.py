@@ -1,0 +1,70 @@
+"""A request body's prompt as the replica will tokenize it: what the router hashes.
+
+The router renders and tokenizes exactly as a replica's API server does (the
+same ``render_chat`` and the same tokenizer, read from the same model, with the
+same ``--chat-template``), so its block hashes equal the ones the replica's KV
+events announce. ``prompt_fingerprint`` lets the router check that at start-up:
+a replica whose fingerprint differs renders prompts differently, and prefix
+routing to it would never hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from pagedllm.entrypoints.chat_utils import ChatRenderOptions, render_chat
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.serving_chat import render_inputs
+
+# Routes whose body carries a prompt, and how to read it.
+CHAT_PATH = "/v1/chat/completions"
+COMPLETION_PATH = "/v1/completions"
+
+_PROBE_CONVERSATION = [{"role": "system", "content": "You route requests."},
+                       {"role": "user", "content": "Which replica holds this prefix?"}]
+
+
+def routing_token_ids(path: str, body: Any, tokenizer: Any, chat_template: str | None) -> list[int]:
+    """The prompt token ids of a request to ``path`` (the first prompt of a
+    batch); empty when the body has no prompt the router can read (the replica
+    will judge the request; the router then routes by load alone)."""
+    if not isinstance(body, dict):
+        return []
+    try:
+        if path == CHAT_PATH:
+            # Validated by the server's own request model, so the messages are normalised as the replica's are.
+            conversation, options = render_inputs(ChatCompletionRequest.model_validate(body), chat_template)
+            return list(render_chat(tokenizer, conversation, options)["prompt_token_ids"])
+        if path == COMPLETION_PATH:
+            return _completion_token_ids(body.get("prompt"), tokenizer)
+    except (ValueError, TypeError):  # pydantic's ValidationError is a ValueError
+        return []  # a request the replica will refuse with its own 400
+    return []
+
+
+def _completion_token_ids(prompt: Any, tokenizer: Any) -> list[int]:
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        prompt = prompt[0]  # a batch of prompts: route by the first
+    if isinstance(prompt, str) and prompt:
+        return list(tokenizer.encode(prompt))
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    return []
+
+
+def routing_salt(body: Any, tenant: str | None) -> str | None:
+    """The cache salt the replica will apply: a tenant's overrides the body's
+    (``pagedllm.entrypoints.openai.serving``), so tenants never share blocks."""
+    if tenant is not None:
+        return f"tenant:{tenant}"
+    salt = body.get("cache_salt") if isinstance(body, dict) else None
+    return salt if isinstance(salt, str) else None
+
+
+def prompt_fingerprint(tokenizer: Any, chat_template: str | None) -> str:
+    """A short digest of how a probe conversation renders and tokenizes: equal on
+    the router and a replica exactly when both would hash prompts alike."""
+    token_ids = render_chat(tokenizer, _PROBE_CONVERSATION, ChatRenderOptions(chat_template=chat_template)) \
+        if (chat_template or tokenizer.chat_template) else {"prompt_token_ids": tokenizer.encode("probe")}
+    return hashlib.sha256(repr(list(token_ids["prompt_token_ids"])).encode()).hexdigest()[:16]
