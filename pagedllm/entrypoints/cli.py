@@ -82,6 +82,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     EngineConfig.from_options(**engine_options_from_args(args))  # bad flags stop serve before it listens
     load_chat_template(args.chat_template)  # and so does a bad template, before a core process starts
     names = served_model_names(args)
+    if args.data_parallel_size != 1:
+        sys.exit(_serve_data_parallel(args))
     if args.engine_process:
         from pagedllm.entrypoints.serve_processes import serve_with_engine_process
 
@@ -93,6 +95,17 @@ def cmd_serve(args: argparse.Namespace) -> None:
         state.async_engine.shutdown()
     if state.load_error is not None:
         sys.exit(1)
+
+
+def _serve_data_parallel(args: argparse.Namespace) -> int:
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    if args.api_server_count != 1 or not args.engine_process:
+        raise ValueError("--data-parallel-size runs each replica with its own engine-core process and one API "
+                         "server; leave out --api-server-count and --no-engine-process")
+    from pagedllm.fleet.launch import serve_data_parallel
+
+    return serve_data_parallel(args)
 
 
 def _load_served_engine(args: argparse.Namespace, model_name: str) -> LLMEngine:
@@ -211,6 +224,18 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--restart-engine-on-failure", action="store_true",
                        help="start a new engine core when it dies (open requests still fail with a 503); "
                             "without it the server exits with status 1")
+    serve.add_argument("--data-parallel-size", type=int, default=1,
+                       help="run N whole engine replicas (each its own processes and KV pool, with 1/N of the "
+                            "cores) behind a prefix-aware router on this port (default 1: no router)")
+    serve.add_argument("--data-parallel-backend", default="mp", choices=["mp", "ray"],
+                       help="mp: replicas are processes on this machine; ray: Ray actors placed on the "
+                            "cluster's nodes (default: %(default)s)")
+    serve.add_argument("--ray-address", default=None,
+                       help="the Ray cluster to place replicas on (HEAD:6379, as `ray start --address`); "
+                            "default: a local Ray instance")
+    from pagedllm.fleet.router_command import add_routing_options
+
+    add_routing_options(serve)
     serve.set_defaults(func=cmd_serve)
 
 

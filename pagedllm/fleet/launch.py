@@ -1,0 +1,196 @@
+"""``pagedllm serve --data-parallel-size N``: N replicas and the router in front of them.
+
+Each replica is a whole ``pagedllm serve`` (its own API server, engine-core
+process and KV pool) with ``1/N`` of the cores, publishing its KV events to the
+router. ``--data-parallel-backend mp`` starts them as child processes of this
+one, on 127.0.0.1, each pinned to its share of the cores; ``ray`` starts each
+inside a Ray actor that Ray places on any node of the cluster
+(``--ray-address``), bound to that node's address. This process serves the
+router on ``--host``/``--port`` and supervises the replicas: one that exits is
+started again (the router marks it down at once and takes it back once it
+answers), unless it exits within ``MIN_UPTIME_TO_RESTART_S`` of its start,
+which means it cannot start at all; then the whole server stops with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Protocol
+
+from pagedllm.entrypoints.engine_args import engine_flags_from_args
+from pagedllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+MIN_UPTIME_TO_RESTART_S = 30.0
+_SUPERVISE_INTERVAL_S = 0.5
+# serve flags that every replica gets as they are (the engine's own come from engine_flags_from_args).
+_PASSED_FLAGS = ("served_model_name", "api_key", "api_keys_file", "chat_template", "metrics_namespace",
+                 "log_stats_interval", "uvicorn_log_level", "timeout_keep_alive")
+_PASSED_SWITCHES = ("trust_request_chat_template", "disable_log_stats", "restart_engine_on_failure")
+
+
+class ReplicaProcess(Protocol):
+    """A replica wherever it runs: ``start`` returns its base URL."""
+
+    def start(self) -> str: ...
+    def exit_code(self) -> int | None: ...
+    def stop(self) -> None: ...
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def replica_command(args: argparse.Namespace, host: str, port: int, events: str, replay: str,
+                    threads: int) -> list[str]:
+    """The ``pagedllm serve`` command line of one replica."""
+    command = [sys.executable, "-m", "pagedllm.cli", "serve", *engine_flags_from_args(args),
+               "--host", host, "--port", str(port), "--num-threads", str(threads),
+               "--kv-events-config", f'{{"enable_kv_cache_events": true, "endpoint": "{events}", '
+                                     f'"replay_endpoint": "{replay}"}}']
+    for name in _PASSED_FLAGS:
+        value = getattr(args, name)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name == "api_key":
+            for key in value:
+                command += [flag, key]
+        else:
+            command += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
+    command += ["--" + name.replace("_", "-") for name in _PASSED_SWITCHES if getattr(args, name)]
+    return command
+
+
+def threads_per_replica(args: argparse.Namespace) -> int:
+    given = getattr(args, "num_threads", None)
+    return given or max(1, (os.cpu_count() or 1) // (args.data_parallel_size * args.tensor_parallel_size))
+
+
+class LocalReplica:
+    """A replica as a child process on this machine (``mp``), pinned to ``cores``.
+    It keeps its port and sockets across restarts, so the router finds it again."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, cores: set[int] | None, socket_dir: str) -> None:
+        base = os.path.join(socket_dir, f"replica-{rank}")
+        self.port = free_port()
+        self.command = replica_command(args, "127.0.0.1", self.port, f"ipc://{base}-events",
+                                       f"ipc://{base}-replay", threads_per_replica(args))
+        self.cores = cores
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> str:
+        cores = self.cores
+        self.process = subprocess.Popen(self.command,
+                                        preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+        return f"http://127.0.0.1:{self.port}"
+
+    def exit_code(self) -> int | None:
+        return self.process.poll() if self.process is not None else None
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def core_shares(replicas: int) -> list[set[int] | None]:
+    """Disjoint core sets, one per replica, when this process may use enough cores; else no pinning."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) < replicas:
+        return [None] * replicas
+    share = len(cores) // replicas
+    return [set(cores[i * share:(i + 1) * share]) for i in range(replicas)]
+
+
+class Supervisor:
+    """Restarts replicas that exit; stops everything (``failed``) when one cannot start."""
+
+    def __init__(self, replicas: list[ReplicaProcess], stop_router) -> None:
+        self.replicas, self.stop_router = replicas, stop_router
+        self.urls: list[str] = []
+        self.started_at: list[float] = []
+        self.failed = False
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="replica-supervisor", daemon=True)
+
+    def start(self) -> list[str]:
+        for replica in self.replicas:
+            self.urls.append(replica.start())
+            self.started_at.append(time.monotonic())
+        self._thread.start()
+        return self.urls
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(_SUPERVISE_INTERVAL_S):
+            for rank, replica in enumerate(self.replicas):
+                code = replica.exit_code()
+                if code is None or self._stopping.is_set():
+                    continue
+                if time.monotonic() - self.started_at[rank] < MIN_UPTIME_TO_RESTART_S:
+                    logger.error("replica %d exited (status %s) within %.0f s of its start: the server stops",
+                                 rank, code, MIN_UPTIME_TO_RESTART_S)
+                    self.failed = True
+                    self.stop_router()
+                    return
+                logger.warning("replica %d exited (status %s): starting it again", rank, code)
+                self._restart(rank, replica)
+
+    def _restart(self, rank: int, replica: ReplicaProcess) -> None:
+        url = replica.start()
+        self.started_at[rank] = time.monotonic()
+        if url != self.urls[rank]:
+            logger.error("replica %d came back at %s, not %s: the router cannot follow it", rank, url, self.urls[rank])
+
+    def stop(self) -> None:
+        self._stopping.set()
+        for replica in self.replicas:
+            replica.stop()
+
+
+def serve_data_parallel(args: argparse.Namespace) -> int:
+    """Run the replicas and the router until SIGTERM/SIGINT; the exit status."""
+    from pagedllm.entrypoints.serve_setup import ServerStopper, run_uvicorn
+    from pagedllm.fleet.router_app import build_router_app
+    from pagedllm.fleet.router_command import router_state
+
+    if args.kv_events_config:
+        raise ValueError("--kv-events-config: with --data-parallel-size the server sets each replica's event "
+                         "sockets itself (the router follows them); leave it out")
+    socket_dir = tempfile.mkdtemp(prefix="pagedllm-fleet-")
+    if args.data_parallel_backend == "ray":
+        from pagedllm.fleet.ray_replicas import ray_replicas
+
+        replicas, release = ray_replicas(args, threads_per_replica(args))
+    else:
+        release = None
+        replicas: list[ReplicaProcess] = [LocalReplica(args, rank, cores, socket_dir)
+                    for rank, cores in enumerate(core_shares(args.data_parallel_size))]
+    stop_router = ServerStopper()
+    supervisor = Supervisor(replicas, stop_router)
+    try:
+        urls = supervisor.start()
+        options = dict(host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                       timeout_keep_alive=args.timeout_keep_alive)
+        run_uvicorn(build_router_app(router_state(args, urls)), options, stop_router)
+    finally:
+        supervisor.stop()
+        if release is not None:
+            release()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    return 1 if supervisor.failed else 0
