@@ -43,3 +43,12 @@ def mix_seed(seed: int, value: int) -> int:
     mixed too). The sampler derives a row's generator seed from (request seed,
     output position); forks derive a sample's seed from (request seed, index)."""
     return splitmix64(splitmix64(seed & MASK64) ^ (value & MASK64)) >> 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the OS's pick; another process may take it before it is bound)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,11 +12,9 @@ from collections.abc import Callable, Iterator
 
 import httpx
 
+from pagedllm.utils import free_port
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["free_port", "running_command", "running_server", "serve_command"]
 
 
 @contextlib.contextmanager

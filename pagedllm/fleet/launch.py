@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from typing import Protocol
 
 from pagedllm.entrypoints.engine_args import engine_flags_from_args
 from pagedllm.logger import init_logger
+from pagedllm.utils import free_port
 
 logger = init_logger(__name__)
 
@@ -44,12 +44,6 @@ class ReplicaProcess(Protocol):
     def start(self) -> str: ...
     def exit_code(self) -> int | None: ...
     def stop(self) -> None: ...
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def replica_command(args: argparse.Namespace, host: str, port: int, events: str, replay: str,

@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 import ray
 
-from pagedllm.fleet.launch import ReplicaProcess, free_port, replica_command
+from pagedllm.fleet.launch import ReplicaProcess, replica_command
+from pagedllm.utils import free_port
 
 _PR_SET_PDEATHSIG = 1
 

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from pagedllm.bench.server_process import running_server
+from tests.entrypoints.live_server import assert_server_pool_free
 
 pytestmark = pytest.mark.slow
 
@@ -70,19 +70,6 @@ def server(smollm_fp32):
     with running_server(["--model", smollm_fp32[0], "--served-model-name", NAME, "--num-kv-blocks", "256"],
                         start_timeout_s=300) as (base, _pid):
         yield base
-
-
-def assert_server_pool_free(base: str) -> None:
-    deadline = time.time() + 60
-    while True:
-        counters = httpx.get(f"{base}/v1/kv_pool").json()["counters"]
-        if counters["blocks_in_use"] == 0 and counters["num_running"] == 0 and counters["num_waiting"] == 0:
-            break
-        assert time.time() < deadline, counters
-        time.sleep(0.2)
-    httpx.post(f"{base}/reset_prefix_cache")
-    pool = httpx.get(f"{base}/v1/kv_pool").json()
-    assert pool["counters"]["free_blocks"] == pool["num_blocks"] and pool["counters"]["cached_blocks"] == 0
 
 
 def test_echoed_prompt_logprobs_equal_hugging_face(server, smollm_fp32) -> None:
