@@ -8,6 +8,7 @@ line generates one flag per field (``pagedllm/entrypoints/engine_args.py``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import Field, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -173,6 +174,12 @@ class EngineConfig:
     distributed_timeout_s: float = field(
         default=60.0, metadata={"help": "seconds a collective may wait before it raises"}
     )
+    num_threads: int | None = field(
+        default=None,
+        metadata={"help": "torch intra-op threads of each rank (None: torch's default with one rank, the "
+                          "machine's cores // tensor_parallel_size with several; LLM(data_parallel_size=N): "
+                          "cores // (N x tensor_parallel_size) per replica)"},
+    )
 
     generation_config: GenerationConfigSource = field(
         default="auto",
@@ -238,6 +245,9 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        threads = self.num_threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"num_threads must be an integer >= 1 or None, got {threads!r}")
         if not isinstance(self.distributed_timeout_s, (int, float)) or self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got {self.distributed_timeout_s!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
@@ -339,6 +349,15 @@ def sampling_overrides(override: dict | None) -> dict[str, Any]:
     fields_ = {GENERATION_CONFIG_FIELDS[key]: value for key, value in override.items()}
     SamplingParams(**fields_)  # raises ValueError naming a bad value
     return fields_
+
+
+def threads_per_rank(num_threads: int | None, world_size: int) -> int | None:
+    """The torch intra-op threads of each of ``world_size`` tensor-parallel ranks:
+    ``num_threads``, else the machine's cores shared among the ranks; None (leave
+    torch's default) for one rank without ``num_threads``."""
+    if num_threads is not None:
+        return num_threads
+    return max(1, (os.cpu_count() or 1) // world_size) if world_size > 1 else None
 
 
 def engine_option_fields() -> dict[str, Field]:

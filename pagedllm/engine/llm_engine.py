@@ -5,7 +5,6 @@ runner, and turns sampled token ids into text, logprobs and finish reasons."""
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -14,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, threads_per_rank
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner_output import ModelRunnerOutput
 from pagedllm.core.scheduler import Scheduler
@@ -82,6 +81,8 @@ class LLMEngine:
         # starts the other ranks, so a size the model or the memory refuses
         # raises here with no worker process to stop.
         self.tp_size = config.tensor_parallel_size
+        if (threads := threads_per_rank(config.num_threads, self.tp_size)) is not None:
+            torch.set_num_threads(threads)  # the ranks share the machine's cores rather than each taking all
         shard = load_model_shard(config, self.device, TensorParallelGroup(rank=0, world_size=self.tp_size))
         self.model, self.model_config, self.tokenizer = shard.model, shard.model_config, shard.tokenizer
         self.model_path = shard.path
@@ -140,8 +141,6 @@ class LLMEngine:
             return None
         executor = DistributedExecutor(self.config, self.tp_size, self.device.type, worker_main)
         self._finalizer = weakref.finalize(self, executor.shutdown)
-        # The ranks share the machine's cores rather than each taking all of them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
         return executor
 
     def get_default_sampling_params(self) -> SamplingParams:  # what a request without SamplingParams runs with

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -14,6 +14,10 @@ from pagedllm.entrypoints.chat_utils import ChatRenderOptions, load_chat_templat
 from pagedllm.metrics.reader import Metric, get_metrics_snapshot
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.core_proxy import EngineCoreProxy
+    from pagedllm.fleet.offline import OfflineFleet
 
 ChatMessages = list[dict[str, Any]]
 
@@ -34,26 +38,47 @@ class LLM:
     ``engine_process=True`` runs the engine core (scheduler, runner, outputs) in
     a process of its own, as ``pagedllm serve`` does; this object then talks to
     it over ZMQ (``engine/core_proxy.py``). The results are the same.
+
+    ``data_parallel_size=N`` (> 1) starts N engine-core processes, each with its
+    own pool built from the same options (``engine_process`` is implied; an unset
+    ``num_threads`` gives each cores // (N x tensor_parallel_size) threads).
+    ``generate``, ``chat`` and ``beam_search`` split their prompts among them,
+    prompts sharing a prefix to the same replica, the prompt tokens balanced
+    (``fleet/offline.py``); the outputs come back in prompt order. The other
+    methods' answers with N > 1 are in their docstrings.
     """
 
-    def __init__(self, model: str | None = None, *, engine_process: bool = False, **options: Any) -> None:
+    def __init__(self, model: str | None = None, *, engine_process: bool = False, data_parallel_size: int = 1,
+                 **options: Any) -> None:
+        from pagedllm.fleet.offline import check_data_parallel_size
+
+        self.data_parallel_size = check_data_parallel_size(data_parallel_size)
         config = EngineConfig.from_options(model=model, **options)  # bad options raise here, in this process
-        if engine_process:
+        if data_parallel_size > 1:
+            from pagedllm.fleet.offline import OfflineFleet
+
+            self.llm_engine: LLMEngine | EngineCoreProxy | OfflineFleet = OfflineFleet(
+                {"model": model, **options}, data_parallel_size)
+        elif engine_process:
             from pagedllm.engine.core_proxy import EngineCoreProxy
 
-            self.llm_engine: LLMEngine | EngineCoreProxy = EngineCoreProxy({"model": model, **options})
+            self.llm_engine = EngineCoreProxy({"model": model, **options})
         else:
             self.llm_engine = LLMEngine(config)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes (a no-op with one rank) and the
-        engine-core process. They also stop when the program exits."""
+        engine-core process(es). They also stop when the program exits."""
         self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
 
     def stats(self) -> dict[str, int | float]:
+        """The engine's counters (blocks, prefix-cache hits, steps...). With
+        ``data_parallel_size`` > 1: summed over the replicas, except the per-replica
+        constants (block_size, bytes_per_token, ...) given once, peak_running_per_step
+        (the largest) and mean_running_per_step (recomputed); plus data_parallel_size."""
         return self.llm_engine.stats()
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -65,28 +90,31 @@ class LLM:
     def get_metrics(self) -> list[Metric]:
         """The engine's metrics now, as vLLM's ``LLM.get_metrics()``: one
         Counter / Gauge / Histogram object (name, labels, value) per series,
-        named as on the server's /metrics (``pagedllm:`` prefix)."""
+        named as on the server's /metrics (``pagedllm:`` prefix). With
+        ``data_parallel_size`` > 1 every replica's series, labelled ``engine`` = its index."""
         return get_metrics_snapshot(self.llm_engine.metrics_registry())
 
     def kv_pool_snapshot(self) -> dict:
         """Every KV block's state ("used", "cached", "free"), ref count, owning
         request ids and whether it is hashed, plus usage, hit-rate and
-        preemption counters: the data behind the server's /v1/kv_pool."""
+        preemption counters: the data behind the server's /v1/kv_pool. With
+        ``data_parallel_size`` > 1: ``{"data_parallel_size": N, "replicas": [one snapshot each]}``."""
         return self.llm_engine.kv_pool_snapshot()
 
     def reset_prefix_cache(self) -> int:
-        """Drop every cached block that no running request uses; returns how many."""
+        """Drop every cached block that no running request uses; returns how many
+        (over all replicas with ``data_parallel_size`` > 1)."""
         return self.llm_engine.reset_prefix_cache()
 
     def reset_peak_blocks_in_use(self) -> None:
         """Start a new ``stats()["peak_blocks_in_use"]`` measurement from the blocks
-        in use now (so a benchmark reads one workload's peak)."""
+        in use now (so a benchmark reads one workload's peak); on every replica."""
         self.llm_engine.reset_peak_blocks_in_use()
 
     def step_timings(self) -> dict[str, float]:
         """Seconds the engine's steps spent per phase ("bookkeeping", "input
         preparation", "forward", "sampling") since it started or since
-        ``reset_step_timings()``: a copy, in that order."""
+        ``reset_step_timings()``: a copy, in that order (summed over replicas)."""
         return dict(self.llm_engine.step_timings)
 
     def reset_step_timings(self) -> None:
@@ -96,7 +124,8 @@ class LLM:
     def weight_bytes(self) -> int:
         """Bytes this process holds for the model's parameters and buffers (a tensor
         tied to another counted once, packed GGUF weights at their packed size);
-        with tensor parallelism, rank 0's shard."""
+        with tensor parallelism, rank 0's shard; with data parallelism, summed over
+        the replicas' processes."""
         return self.llm_engine.weight_bytes()
 
     def generate(
@@ -177,15 +206,12 @@ class LLM:
         """Beam search for each prompt (vLLM's shape). Hypotheses share their
         common prefix blocks; each output lists ``beam_width`` sequences (prompt
         + generated tokens), best score first."""
-        engine = self.llm_engine
         prompt_list = _as_prompt_list(prompts)
-        request_ids = [engine.next_request_id() for _ in prompt_list]
         finished = self._drive(
-            request_ids, lambda rid, i: engine.add_beam_request(rid, prompt_list[i], params), use_tqdm
+            prompt_list, lambda engine, rid, prompt, i: engine.add_beam_request(rid, prompt, params), use_tqdm
         )
         results = []
-        for rid in request_ids:
-            out = finished[rid]
+        for out in finished:
             results.append(
                 BeamSearchOutput(
                     [
@@ -209,23 +235,24 @@ class LLM:
         priorities: list[int],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        engine = self.llm_engine
-        request_ids = [engine.next_request_id() for _ in prompts]
-        finished = self._drive(
-            request_ids,
-            lambda rid, i: engine.add_request(rid, prompts[i], params_list[i], priority=priorities[i]),
+        return self._drive(
+            prompts,
+            lambda engine, rid, prompt, i: engine.add_request(rid, prompt, params_list[i], priority=priorities[i]),
             use_tqdm,
         )
-        return [finished[rid] for rid in request_ids]
 
-    def _drive(self, request_ids: list[str], add, use_tqdm: bool) -> dict[str, RequestOutput]:
-        """Queue every request with ``add(request_id, index)``, step until all
-        finish, and return the final outputs by id."""
+    def _drive(self, prompts: list[PromptType], add, use_tqdm: bool) -> list[RequestOutput]:
+        """Queue every prompt with ``add(engine, request_id, prompt, index)``, step
+        until all finish, and return the final outputs in prompt order (with
+        ``data_parallel_size`` > 1 the fleet routes, queues and steps them)."""
         engine = self.llm_engine
+        if self.data_parallel_size > 1:
+            return engine.run(prompts, add, use_tqdm)
+        request_ids = [engine.next_request_id() for _ in prompts]
         finished: dict[str, RequestOutput] = {}
         try:
             for i, rid in enumerate(request_ids):
-                add(rid, i)
+                add(engine, rid, prompts[i], i)
             with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
                 while engine.has_unfinished_requests():
                     for output in engine.step():
@@ -235,7 +262,7 @@ class LLM:
         finally:
             # On any error (bad prompt midway, interrupt) nothing stays queued or holds blocks.
             engine.abort_request([rid for rid in request_ids if rid not in finished])
-        return finished
+        return [finished[rid] for rid in request_ids]
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

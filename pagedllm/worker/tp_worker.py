@@ -45,6 +45,8 @@ def worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, 
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
         config: EngineConfig = _receive(EngineConfig)
+        if config.num_threads is not None:  # the driver's choice, once it is known
+            torch.set_num_threads(config.num_threads)
         shard = load_model_shard(config, device, TensorParallelGroup(rank=rank, world_size=world_size))
         runner = ModelRunner(shard.model, _receive(RunnerSpec), device)
         if config.cache.kv_cache_pretouch:
