@@ -1,6 +1,6 @@
 """The `pagedllm` command: the serving commands (``pagedllm.entrypoints.cli``:
 run, generate, serve, explain, worker), the fleet's router
-(``pagedllm.fleet.router_command``) and the benchmarks (``pagedllm.bench.cli``).
+(``pagedllm.entrypoints.router.router_command``) and the benchmarks (``pagedllm.bench.cli``).
 
 Composed here, above both: the benchmarks drive the engine through the public
 API that ``pagedllm.entrypoints`` provides, so that package must not import
@@ -13,7 +13,7 @@ import argparse
 
 from pagedllm.bench.cli import add_bench_parser
 from pagedllm.entrypoints import cli as serving
-from pagedllm.fleet.router_command import add_router_parser
+from pagedllm.entrypoints.router.router_command import add_router_parser
 
 
 def build_parser() -> argparse.ArgumentParser:

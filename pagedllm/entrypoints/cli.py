@@ -103,7 +103,7 @@ def _serve_data_parallel(args: argparse.Namespace) -> int:
     if args.api_server_count != 1 or not args.engine_process:
         raise ValueError("--data-parallel-size runs each replica with its own engine-core process and one API "
                          "server; leave out --api-server-count and --no-engine-process")
-    from pagedllm.fleet.launch import serve_data_parallel
+    from pagedllm.entrypoints.router.launch import serve_data_parallel
 
     return serve_data_parallel(args)
 
@@ -233,7 +233,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--ray-address", default=None,
                        help="the Ray cluster to place replicas on (HEAD:6379, as `ray start --address`); "
                             "default: a local Ray instance")
-    from pagedllm.fleet.router_command import add_routing_options
+    from pagedllm.entrypoints.router.router_command import add_routing_options
 
     add_routing_options(serve)
     serve.set_defaults(func=cmd_serve)

@@ -1,1 +1,1 @@
-"""A fleet of engine replicas: data-parallel launch, the prefix-aware router and its policy."""
+"""Data parallelism without HTTP: the prefix-aware routing policy and its index of cached blocks (pure), and offline replicas behind `LLM(data_parallel_size=N)`. The HTTP router and `serve --data-parallel-size` are front doors: `pagedllm.entrypoints.router`."""

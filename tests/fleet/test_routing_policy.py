@@ -1,17 +1,12 @@
-"""The router's pure parts: the prefix index, the policy's decisions against
-hand-computed expectations, the merged metrics, the replica supervisor."""
+"""The fleet's routing, pure: the prefix index and the policy's decisions against
+hand-computed expectations."""
 
 from __future__ import annotations
-
-import argparse
 
 import pytest
 
 from pagedllm.core.block_hash import hash_request_tokens
-from pagedllm.fleet import launch
-from pagedllm.fleet.metrics_merge import merge_expositions
 from pagedllm.fleet.prefix_index import PrefixIndex
-from pagedllm.fleet.replica import events_address
 from pagedllm.fleet.routing import BalanceRule, ReplicaLoad, RoutingPolicy
 
 SYSTEM_A = list(range(100, 164))  # 4 blocks of 16
@@ -108,74 +103,3 @@ def test_bad_policy_settings_are_value_errors():
         BalanceRule(balance_rel_threshold=0.5)
     with pytest.raises(ValueError, match="no replica is up"):
         RoutingPolicy().choose([], [], PrefixIndex(), now=0)
-
-
-def test_events_address_uses_the_replica_host_for_wildcards():
-    assert events_address("tcp://*:5557", "http://10.0.0.7:8000") == "tcp://10.0.0.7:5557"
-    assert events_address("tcp://0.0.0.0:5557", "http://node-2:8000") == "tcp://node-2:5557"
-    assert events_address("tcp://10.0.0.9:5557", "http://10.0.0.7:8000") == "tcp://10.0.0.9:5557"
-    assert events_address("ipc:///tmp/x", "http://127.0.0.1:8000") == "ipc:///tmp/x"
-
-
-def test_metrics_merge_labels_each_replica_once_per_family():
-    text = ('# HELP pagedllm:num_requests_running Running\n# TYPE pagedllm:num_requests_running gauge\n'
-            'pagedllm:num_requests_running{model_name="m"} 2.0\n')
-    merged = merge_expositions({"0": text, "1": text.replace("2.0", "5.0"), "2": "not { metrics"})
-    assert merged.count("# TYPE pagedllm:num_requests_running gauge") == 1
-    assert 'pagedllm:num_requests_running{replica="0",model_name="m"} 2.0' in merged
-    assert 'pagedllm:num_requests_running{replica="1",model_name="m"} 5.0' in merged
-
-
-class FakeReplica:
-    def __init__(self) -> None:
-        self.starts, self.code, self.stopped = 0, None, False
-
-    def start(self) -> str:
-        self.starts += 1
-        self.code = None
-        return "http://127.0.0.1:1"
-
-    def exit_code(self):
-        return self.code
-
-    def stop(self) -> None:
-        self.stopped = True
-
-
-def test_supervisor_restarts_a_replica_that_ran_and_stops_for_one_that_cannot_start(monkeypatch):
-    monkeypatch.setattr(launch, "_SUPERVISE_INTERVAL_S", 0.01)
-    stops: list[bool] = []
-    replicas = [FakeReplica(), FakeReplica()]
-    supervisor = launch.Supervisor(replicas, lambda: stops.append(True))
-    supervisor.start()
-    supervisor.started_at[1] -= launch.MIN_UPTIME_TO_RESTART_S  # replica 1 has run long enough
-    replicas[1].code = -9
-    _wait_for(lambda: replicas[1].starts == 2)
-    assert not stops and not supervisor.failed
-    replicas[0].code = 1  # replica 0 dies young: it cannot start
-    _wait_for(lambda: stops)
-    assert supervisor.failed and replicas[0].starts == 1
-    supervisor.stop()
-    assert all(r.stopped for r in replicas)
-
-
-def _wait_for(condition, timeout_s: float = 5.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-
-
-def test_replica_command_passes_the_engine_and_serve_flags(tiny_llama):
-    from pagedllm.cli import build_parser
-
-    args = build_parser().parse_args(["serve", "--model", tiny_llama, "--num-kv-blocks", "64", "--data-parallel-size", "2",
-                                      "--api-key", "k1", "--served-model-name", "a", "b"])
-    command = launch.replica_command(args, "127.0.0.1", 9000, "ipc:///tmp/e", "ipc:///tmp/r", threads=1)
-    joined = " ".join(command)
-    for part in ("--num-kv-blocks 64", "--port 9000", "--num-threads 1", "--api-key k1",
-                 "--served-model-name a b", f"--model {tiny_llama}", '"replay_endpoint": "ipc:///tmp/r"'):
-        assert part in joined, part
-    assert "--data-parallel-size" not in joined and isinstance(args, argparse.Namespace)

@@ -147,7 +147,7 @@ def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependen
     @app.get("/server_info")
     async def server_info() -> dict:
         """What a fleet router needs to hash prompts as this server does and to follow its cache."""
-        from pagedllm.fleet.request_prefix import prompt_fingerprint
+        from pagedllm.entrypoints.router.request_prefix import prompt_fingerprint
 
         return {"model": state.served_model_name, "version": __version__, **state.engine_settings,
                 "prompt_fingerprint": prompt_fingerprint(state.engine_info.tokenizer, state.chat.chat_template)}

@@ -50,6 +50,7 @@ class Replica:
     index: int
     url: str
     up: bool = False
+    ever_up: bool = False  # read by serve's supervisor thread: restart only a replica that once served
     in_flight: int = 0
     kv_usage: float = 0.0
     block_size: int = 16
@@ -128,7 +129,7 @@ class ReplicaWatch:
             logger.warning("replica %s publishes no KV events (--kv-events-config): the router cannot see its "
                            "cache and routes to it by what it sent there alone", self.replica.url)
         self.index.cleared(self.replica.index)
-        self.replica.up = True
+        self.replica.up = self.replica.ever_up = True
         self.replica.down = asyncio.Event()
         logger.info("replica %s is up", self.replica.url)
 

@@ -8,8 +8,8 @@ inside a Ray actor that Ray places on any node of the cluster
 (``--ray-address``), bound to that node's address. This process serves the
 router on ``--host``/``--port`` and supervises the replicas: one that exits is
 started again (the router marks it down at once and takes it back once it
-answers), unless it exits within ``MIN_UPTIME_TO_RESTART_S`` of its start,
-which means it cannot start at all; then the whole server stops with status 1.
+answers), unless it exits before it ever answered, which means it cannot
+start at all; then the whole server stops with status 1.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
+from collections.abc import Callable
 from typing import Protocol
 
 from pagedllm.entrypoints.engine_args import engine_flags_from_args
@@ -30,7 +30,6 @@ from pagedllm.utils import free_port
 
 logger = init_logger(__name__)
 
-MIN_UPTIME_TO_RESTART_S = 30.0
 _SUPERVISE_INTERVAL_S = 0.5
 # serve flags that every replica gets as they are (the engine's own come from engine_flags_from_args).
 _PASSED_FLAGS = ("served_model_name", "api_key", "api_keys_file", "chat_template", "metrics_namespace",
@@ -113,20 +112,20 @@ def core_shares(replicas: int) -> list[set[int] | None]:
 
 
 class Supervisor:
-    """Restarts replicas that exit; stops everything (``failed``) when one cannot start."""
+    """Restarts replicas that exit after they had served; stops everything
+    (``failed``) when one exits before it ever answered: it cannot start."""
 
-    def __init__(self, replicas: list[ReplicaProcess], stop_router) -> None:
+    def __init__(self, replicas: list[ReplicaProcess], stop_router: Callable[[], None]) -> None:
         self.replicas, self.stop_router = replicas, stop_router
         self.urls: list[str] = []
-        self.started_at: list[float] = []
         self.failed = False
+        # Whether replica i has been up once (the router's watch knows); set once the router exists.
+        self.was_ready: Callable[[int], bool] = lambda rank: False
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="replica-supervisor", daemon=True)
 
     def start(self) -> list[str]:
-        for replica in self.replicas:
-            self.urls.append(replica.start())
-            self.started_at.append(time.monotonic())
+        self.urls = [replica.start() for replica in self.replicas]
         self._thread.start()
         return self.urls
 
@@ -136,9 +135,8 @@ class Supervisor:
                 code = replica.exit_code()
                 if code is None or self._stopping.is_set():
                     continue
-                if time.monotonic() - self.started_at[rank] < MIN_UPTIME_TO_RESTART_S:
-                    logger.error("replica %d exited (status %s) within %.0f s of its start: the server stops",
-                                 rank, code, MIN_UPTIME_TO_RESTART_S)
+                if not self.was_ready(rank):
+                    logger.error("replica %d exited (status %s) before it ever served: the server stops", rank, code)
                     self.failed = True
                     self.stop_router()
                     return
@@ -147,7 +145,6 @@ class Supervisor:
 
     def _restart(self, rank: int, replica: ReplicaProcess) -> None:
         url = replica.start()
-        self.started_at[rank] = time.monotonic()
         if url != self.urls[rank]:
             logger.error("replica %d came back at %s, not %s: the router cannot follow it", rank, url, self.urls[rank])
 
@@ -160,15 +157,15 @@ class Supervisor:
 def serve_data_parallel(args: argparse.Namespace) -> int:
     """Run the replicas and the router until SIGTERM/SIGINT; the exit status."""
     from pagedllm.entrypoints.serve_setup import ServerStopper, run_uvicorn
-    from pagedllm.fleet.router_app import build_router_app
-    from pagedllm.fleet.router_command import router_state
+    from pagedllm.entrypoints.router.router_app import build_router_app
+    from pagedllm.entrypoints.router.router_command import router_state
 
     if args.kv_events_config:
         raise ValueError("--kv-events-config: with --data-parallel-size the server sets each replica's event "
                          "sockets itself (the router follows them); leave it out")
     socket_dir = tempfile.mkdtemp(prefix="pagedllm-fleet-")
     if args.data_parallel_backend == "ray":
-        from pagedllm.fleet.ray_replicas import ray_replicas
+        from pagedllm.entrypoints.router.ray_replicas import ray_replicas
 
         replicas, release = ray_replicas(args, threads_per_replica(args))
     else:
@@ -178,10 +175,11 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
     stop_router = ServerStopper()
     supervisor = Supervisor(replicas, stop_router)
     try:
-        urls = supervisor.start()
+        state = router_state(args, supervisor.start())
+        supervisor.was_ready = lambda rank: state.replicas[rank].ever_up  # a bool read across threads
         options = dict(host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                        timeout_keep_alive=args.timeout_keep_alive)
-        run_uvicorn(build_router_app(router_state(args, urls)), options, stop_router)
+        run_uvicorn(build_router_app(state), options, stop_router)
     finally:
         supervisor.stop()
         if release is not None:

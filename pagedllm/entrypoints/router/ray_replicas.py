@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import ray
 
-from pagedllm.fleet.launch import ReplicaProcess, replica_command
+from pagedllm.entrypoints.router.launch import ReplicaProcess, replica_command
 from pagedllm.utils import free_port
 
 _PR_SET_PDEATHSIG = 1

@@ -52,9 +52,9 @@ def router_state(args: argparse.Namespace, urls: list[str]):
     from pagedllm.entrypoints.chat_utils import load_chat_template
     from pagedllm.entrypoints.serve_setup import read_tenants_file
     from pagedllm.fleet.prefix_index import PrefixIndex
-    from pagedllm.fleet.replica import Replica
-    from pagedllm.fleet.request_prefix import prompt_fingerprint
-    from pagedllm.fleet.router_app import RouterState
+    from pagedllm.entrypoints.router.replica import Replica
+    from pagedllm.entrypoints.router.request_prefix import prompt_fingerprint
+    from pagedllm.entrypoints.router.router_app import RouterState
     from pagedllm.fleet.routing import RoutingPolicy
     from pagedllm.model.loader import load_tokenizer
 
@@ -76,7 +76,7 @@ def router_state(args: argparse.Namespace, urls: list[str]):
 def run_router(args: argparse.Namespace, urls: list[str]) -> None:
     """Serve the router on ``args.host``/``args.port`` until SIGTERM/SIGINT."""
     from pagedllm.entrypoints.serve_setup import ServerStopper, run_uvicorn
-    from pagedllm.fleet.router_app import build_router_app
+    from pagedllm.entrypoints.router.router_app import build_router_app
 
     app = build_router_app(router_state(args, urls))
     options = dict(host=args.host, port=args.port, log_level=args.uvicorn_log_level,

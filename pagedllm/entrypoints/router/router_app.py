@@ -31,10 +31,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pagedllm.core.block_hash import hash_request_tokens
-from pagedllm.fleet.metrics_merge import merge_expositions
+from pagedllm.entrypoints.router.metrics_merge import merge_expositions
 from pagedllm.fleet.prefix_index import PrefixIndex
-from pagedllm.fleet.replica import Replica, ReplicaWatch, now, stop_watches
-from pagedllm.fleet.request_prefix import CHAT_PATH, COMPLETION_PATH, routing_salt, routing_token_ids
+from pagedllm.entrypoints.router.replica import Replica, ReplicaWatch, now, stop_watches
+from pagedllm.entrypoints.router.request_prefix import CHAT_PATH, COMPLETION_PATH, routing_salt, routing_token_ids
 from pagedllm.fleet.routing import ReplicaLoad, RouteDecision, RoutingPolicy
 from pagedllm.logger import init_logger
 
