@@ -163,15 +163,15 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
     if args.kv_events_config:
         raise ValueError("--kv-events-config: with --data-parallel-size the server sets each replica's event "
                          "sockets itself (the router follows them); leave it out")
-    socket_dir = tempfile.mkdtemp(prefix="pagedllm-fleet-")
     if args.data_parallel_backend == "ray":
         from pagedllm.entrypoints.router.ray_replicas import ray_replicas
 
-        replicas, release = ray_replicas(args, threads_per_replica(args))
+        replicas, release = ray_replicas(args, threads_per_replica(args))  # a cluster too small raises here
+        socket_dir = None
     else:
-        release = None
-        replicas: list[ReplicaProcess] = [LocalReplica(args, rank, cores, socket_dir)
-                    for rank, cores in enumerate(core_shares(args.data_parallel_size))]
+        socket_dir = tempfile.mkdtemp(prefix="pagedllm-fleet-")  # the replicas' event sockets, private (0700)
+        replicas, release = [LocalReplica(args, rank, cores, socket_dir)
+                             for rank, cores in enumerate(core_shares(args.data_parallel_size))], None
     stop_router = ServerStopper()
     supervisor = Supervisor(replicas, stop_router)
     try:
@@ -184,5 +184,6 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
         supervisor.stop()
         if release is not None:
             release()
-        shutil.rmtree(socket_dir, ignore_errors=True)
+        if socket_dir is not None:
+            shutil.rmtree(socket_dir, ignore_errors=True)
     return 1 if supervisor.failed else 0
