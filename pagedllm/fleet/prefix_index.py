@@ -10,8 +10,10 @@ before the first of them has been computed, all go to the same replica instead
 of being spread by load (SGLang's router inserts a routed prompt into its tree
 for the same reason).
 
-Sizes: one dict entry per distinct block hash the fleet holds, each a small set
-of replica ids; a lookup walks the request's hashes once, O(blocks x holders).
+Sizes: one dict entry per distinct block hash the fleet holds, whose value is a
+bit mask of the replicas holding it (~110 bytes an entry in CPython whatever
+the number of holders, docs/distributed.md); a lookup walks the request's
+hashes once with one AND per block.
 """
 
 from __future__ import annotations
@@ -39,34 +41,37 @@ class PrefixIndex:
         if claim_ttl_s < 0:
             raise ValueError(f"claim_ttl_s must be >= 0, got {claim_ttl_s!r}")
         self.claim_ttl_s = claim_ttl_s
-        self._holders: dict[int, set[int]] = {}   # block hash -> replicas whose pool holds it
+        self._holders: dict[int, int] = {}  # block hash -> bit mask of the replicas whose pool holds it
         self._held_count: dict[int, int] = {}     # replica -> blocks held (for metrics)
         self._claims: dict[int, dict[int, int]] = {}  # block hash -> replica -> live claim count
         self._claim_order: deque[_Claim] = deque()
 
     # --- events -------------------------------------------------------------------------------
     def stored(self, replica: int, hashes: Iterable[int]) -> None:
+        bit = 1 << replica
         for block_hash in hashes:
-            holders = self._holders.setdefault(block_hash, set())
-            if replica not in holders:
-                holders.add(replica)
+            holders = self._holders.get(block_hash, 0)
+            if not holders & bit:
+                self._holders[block_hash] = holders | bit
                 self._held_count[replica] = self._held_count.get(replica, 0) + 1
 
     def removed(self, replica: int, hashes: Iterable[int]) -> None:
+        bit = 1 << replica
         for block_hash in hashes:
-            holders = self._holders.get(block_hash)
-            if holders is None or replica not in holders:
+            holders = self._holders.get(block_hash, 0)
+            if not holders & bit:
                 continue
-            holders.discard(replica)
             self._held_count[replica] -= 1
-            if not holders:
+            if holders == bit:
                 del self._holders[block_hash]
+            else:
+                self._holders[block_hash] = holders & ~bit
 
     def cleared(self, replica: int) -> None:
         """Forget everything ``replica`` held or was claimed to hold (a reset
         prefix cache, a restarted or dead replica). O(blocks in the index)."""
-        for block_hash in [h for h, holders in self._holders.items() if replica in holders]:
-            self.removed(replica, [block_hash])
+        bit = 1 << replica
+        self.removed(replica, [h for h, holders in self._holders.items() if holders & bit])
         self._held_count.pop(replica, None)
         for block_hash in [h for h, claims in self._claims.items() if replica in claims]:
             del self._claims[block_hash][replica]
@@ -96,17 +101,28 @@ class PrefixIndex:
         holds or has been claimed to hold: the prefix a request would find cached there."""
         self.expire(now)
         matched = dict.fromkeys(replicas, 0)
-        alive = set(matched)
+        alive = 0
+        for replica in matched:
+            alive |= 1 << replica
         for position, block_hash in enumerate(hashes):
-            still = {r for r in alive if r in self._holders.get(block_hash, ()) or r in self._claims.get(block_hash, ())}
-            for replica in alive - still:
-                matched[replica] = position
+            still = alive & (self._holders.get(block_hash, 0) | self._claim_mask(block_hash))
+            if still != alive:
+                for replica in matched:
+                    if (alive & ~still) >> replica & 1:
+                        matched[replica] = position
             alive = still
             if not alive:
                 return matched
-        for replica in alive:
-            matched[replica] = len(hashes)
+        for replica in matched:
+            if alive >> replica & 1:
+                matched[replica] = len(hashes)
         return matched
+
+    def _claim_mask(self, block_hash: int) -> int:
+        mask = 0
+        for replica in self._claims.get(block_hash, ()):
+            mask |= 1 << replica
+        return mask
 
     def held_blocks(self, replica: int) -> int:
         """Blocks the replica's pool holds, by its events."""
