@@ -111,9 +111,10 @@ class ReplicaWatch:
                 await self._join()
             await self._read_usage()
         except (httpx.HTTPError, ValueError, KeyError) as exc:
-            replica.last_error = f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, ReplicaMismatch):
-                logger.error("replica %s: %s", replica.url, exc)
+            error = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, ReplicaMismatch) and replica.last_error != error:  # once, not every poll
+                logger.error("replica %s is not taken into the fleet: %s", replica.url, exc)
+            replica.last_error = error
 
     async def _join(self) -> None:
         info = (await self.client.get(f"{self.replica.url}/server_info", timeout=self.timeout_s)).json()
