@@ -93,13 +93,19 @@ class LocalReplica:
         return self.process.poll() if self.process is not None else None
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
+
+
+def stop_process(process: subprocess.Popen | None, grace_s: float = 30.0) -> None:
+    """SIGTERM (the server stops its engine core and closes its streams), SIGKILL after ``grace_s``."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def core_shares(replicas: int) -> list[set[int] | None]:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import ray
 
-from pagedllm.entrypoints.router.launch import ReplicaProcess, replica_command
+from pagedllm.entrypoints.router.launch import ReplicaProcess, replica_command, stop_process
 from pagedllm.utils import free_port
 
 _PR_SET_PDEATHSIG = 1
@@ -52,12 +52,7 @@ class ReplicaActor:
         return self.process.pid if self.process is not None else None
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        stop_process(self.process)
 
 
 class RayReplica:
