@@ -185,9 +185,27 @@ def long_stream(router: str, outcome: dict) -> None:
     outcome["ended"] = time.monotonic()
 
 
+def failed_counts(router: str) -> dict[str, float]:
+    prefix = 'pagedllm:router_requests_failed_total{replica="'
+    return {line[len(prefix):].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in httpx.get(f"{router}/metrics").text.splitlines() if line.startswith(prefix)}
+
+
+def steady_traffic(router: str, answers: list[httpx.Response], stop: threading.Event) -> None:
+    """Chat requests one after another until ``stop``: the load the fault must not lose."""
+    n = 0
+    while not stop.is_set():
+        body = {"model": "m", "messages": [{"role": "user", "content": f"Traffic {n}?"}], "max_tokens": 4,
+                "temperature": 0}
+        answers.append(httpx.post(f"{router}/v1/chat/completions", json=body, headers=ALICE, timeout=60))
+        n += 1
+
+
 def stream_then_fault(fleet, fault, want_replica_up: int = 1) -> tuple[dict, int]:
-    """Start a long stream through the router, find the replica running it, apply
-    ``fault`` to that replica's processes; the stream's outcome and the replica's index."""
+    """Start a long stream through the router and steady traffic beside it, find
+    the replica running the stream, apply ``fault`` to that replica's processes;
+    the stream's outcome and the replica's index. Only requests in flight to the
+    faulted replica may fail, each with a 503 replica_down; none is lost elsewhere."""
     router = fleet["router"]
     outcome: dict = {}
     thread = threading.Thread(target=long_stream, args=(router, outcome))
@@ -197,6 +215,11 @@ def stream_then_fault(fleet, fault, want_replica_up: int = 1) -> tuple[dict, int
                if httpx.get(f"{r}/v1/kv_pool", headers=ALICE).json()["counters"]["num_running"] > 0]
     assert len(running) == 1
     victim = running[0]
+    failed_before = failed_counts(router)
+    answers: list[httpx.Response] = []
+    stop_traffic = threading.Event()
+    traffic = threading.Thread(target=steady_traffic, args=(router, answers, stop_traffic))
+    traffic.start()
     server = psutil.Process(fleet["children"][victim].pid)
     faulted_at = time.monotonic()
     fault([server, *server.children(recursive=True)])
@@ -204,6 +227,15 @@ def stream_then_fault(fleet, fault, want_replica_up: int = 1) -> tuple[dict, int
     assert "ended" in outcome and outcome["ended"] - faulted_at < 10, "the stream outlived its replica"
     assert json.loads(outcome["last"])["error"]["code"] == "replica_down"
     wait_until(lambda: replicas_up(router) == want_replica_up, 30, "the router never marked the replica down")
+    time.sleep(1)  # traffic keeps flowing with one replica
+    stop_traffic.set()
+    traffic.join(timeout=60)
+    failed_after = failed_counts(router)
+    survivor = str(1 - victim)
+    assert failed_after.get(survivor, 0) == failed_before.get(survivor, 0), "a request on the other replica failed"
+    refused = [a for a in answers if a.status_code != 200]
+    assert all(a.status_code == 503 and a.json()["error"]["code"] == "replica_down" for a in refused)
+    assert len(answers) - len(refused) >= 3
     # Everything now goes to the other replica, and completes.
     for question in range(4):
         chat(router, SYSTEMS[question % 2], f"After the fault {question}?", ALICE)
@@ -240,3 +272,21 @@ def test_a_killed_replica_fails_only_its_requests_and_a_restarted_one_rejoins(fl
     assert any(key[0] == str(victim) and value > before.get(key, 0) for key, value in after.items()), after
     for replica in fleet["replicas"]:
         assert_server_pool_free(replica, ALICE)
+
+
+def test_a_router_that_renders_prompts_differently_takes_no_replica(fleet, tiny_llama):
+    """Another chat template means other prompt tokens, so other block hashes: the
+    replica's /server_info fingerprint differs and the router refuses it."""
+    port = free_port()
+    command = [sys.executable, "-m", "pagedllm.cli", "router", "--model", tiny_llama, "--chat-template",
+               "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
+               "--host", "127.0.0.1", "--port", str(port), "--replica", fleet["replicas"][0],
+               "--health-interval", "0.25"]
+    with process(command, "mismatched-router-"):
+        router = f"http://127.0.0.1:{port}"
+        wait_until(lambda: httpx.get(f"{router}/health").status_code == 503, 60, "the router never answered")
+        time.sleep(2)  # several polls of a healthy replica
+        answer = httpx.get(f"{router}/health")
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "no_replica"
+        refused = httpx.post(f"{router}/v1/completions", json={"model": "m", "prompt": "hi"}, headers=ALICE)
+        assert refused.status_code == 503
