@@ -14,6 +14,7 @@ import importlib
 from collections.abc import Callable
 
 from pagedllm.bench import commands
+from pagedllm.bench.fleet import cli as fleet_cli
 from pagedllm.bench.fragmentation import cli as fragmentation_cli
 from pagedllm.bench.serve import cli as serve_cli
 from pagedllm.bench.throughput_command import BASELINES, cmd_bench_throughput
@@ -37,6 +38,8 @@ def add_bench_parser(subcommands: argparse._SubParsersAction) -> None:
         (serve_cli, "serve", "load generator against a running OpenAI-compatible server"),
         (fragmentation_cli, "fragmentation", "KV waste of paged vs contiguous layouts on a request trace "
                                              "(bookkeeping only, no model)"),
+        (fleet_cli, "fleet", "multi-turn chats with shared system prompts: serve --data-parallel-size N with the "
+                             "prefix router vs round-robin vs one engine with every replica's blocks"),
     ):
         parser = benches.add_parser(name, help=help_text)
         module.build_arg_parser(parser)  # its own flags, --record among them
