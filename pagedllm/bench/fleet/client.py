@@ -10,7 +10,6 @@ on the server; only the replies (and so the later turns' text) do.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ import httpx
 from pagedllm.bench.fleet.workload import Slot, Workload
 from pagedllm.bench.serve.client import fetch_model_id, make_client
 from pagedllm.bench.serve.results import RequestMetrics
-from pagedllm.bench.serve.stream import RequestFailed, error_body_message, openai_error_message
+from pagedllm.bench.serve.stream import STREAM_DONE, RequestFailed, error_body_message, sse_data
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -42,15 +41,12 @@ class ChatTally:
         self.usage: dict | None = None
 
     def feed(self, line: str, now: float) -> None:
-        if not line.startswith("data:"):
+        chunk = sse_data(line)
+        if chunk is None:
             return
-        payload = line[len("data:"):].strip()
-        if payload == "[DONE]":
+        if chunk is STREAM_DONE:
             self.done_at = now
             return
-        chunk = json.loads(payload)
-        if "error" in chunk:
-            raise RequestFailed(f"error in stream: {openai_error_message(chunk)}")
         for choice in chunk.get("choices") or []:
             content = (choice.get("delta") or {}).get("content")
             if content:

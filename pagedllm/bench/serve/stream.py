@@ -67,15 +67,12 @@ class StreamTally:
 
     def feed(self, line: str, now: float) -> None:
         """Take one line received at ``now`` (a ``time.perf_counter()`` value)."""
-        if not line.startswith("data:"):
+        chunk = sse_data(line)
+        if chunk is None:
             return
-        payload = line[len("data:") :].strip()
-        if payload == "[DONE]":
+        if chunk is STREAM_DONE:
             self.done_at = now
             return
-        chunk = json.loads(payload)
-        if "error" in chunk:
-            raise RequestFailed(f"error in stream: {openai_error_message(chunk)}")
         choices = chunk.get("choices") or []
         if choices and choices[0].get("text"):
             self.text_chunks += 1
@@ -84,6 +81,24 @@ class StreamTally:
         usage = chunk.get("usage")
         if usage and usage.get("completion_tokens") is not None:
             self.usage_tokens = int(usage["completion_tokens"])
+
+
+STREAM_DONE: dict = {}  # what ``sse_data`` returns for the closing ``data: [DONE]``
+
+
+def sse_data(line: str) -> dict | None:
+    """One server-sent-event line of an OpenAI stream: its JSON chunk, ``STREAM_DONE``
+    for ``[DONE]``, None for any other line. A chunk with an ``error`` key (a server
+    failing mid-stream) raises ``RequestFailed``."""
+    if not line.startswith("data:"):
+        return None
+    payload = line[len("data:") :].strip()
+    if payload == "[DONE]":
+        return STREAM_DONE
+    chunk = json.loads(payload)
+    if "error" in chunk:
+        raise RequestFailed(f"error in stream: {openai_error_message(chunk)}")
+    return chunk
 
 
 def completion_body(model: str, request: BenchRequest) -> dict:
