@@ -5,7 +5,7 @@ A ``ReplicaWatch`` runs on the router's event loop: it polls the replica's
 does not answer within the timeout, is down: a hung one as well as a dead one),
 reads its ``/server_info`` when it comes up (block size, KV-event sockets, and
 a prompt fingerprint that must equal the router's), subscribes to its KV events
-and feeds them to the shared ``PrefixIndex``, and reads its KV usage from
+and feeds them to the shared ``PrefixIndex``, and reads its KV usage (every few polls) from
 ``/metrics``. When the replica goes down everything it was known to hold is
 forgotten and ``down`` is set, which fails the requests in flight to it at once;
 when it answers again (restarted) it rejoins with an empty record, filled from
@@ -33,6 +33,9 @@ from pagedllm.logger import init_logger
 logger = init_logger(__name__)
 
 DOWN_AFTER_FAILURES = 2
+# KV usage is read from /metrics every this many health polls: a replica renders its whole
+# exposition for it, which costs its cores more than a /health answer.
+USAGE_EVERY_POLLS = 4
 _POOL_MEDIUM = "GPU"  # only blocks in a replica's pool count as held (vLLM's name for the pool)
 _KV_USAGE = re.compile(r"^\w+:kv_cache_usage_perc(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]")
@@ -82,6 +85,7 @@ class ReplicaWatch:
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self._events_task: asyncio.Task | None = None
         self._failures = 0
+        self._polls = 0
 
     async def run(self) -> None:
         try:
@@ -106,10 +110,12 @@ class ReplicaWatch:
             replica.last_error = reason
             return
         self._failures = 0
+        self._polls += 1
         try:
             if not replica.up:
                 await self._join()
-            await self._read_usage()
+            if self._polls % USAGE_EVERY_POLLS == 1:
+                await self._read_usage()
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             error = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, ReplicaMismatch) and replica.last_error != error:  # once, not every poll

@@ -63,6 +63,8 @@ class RouterState:
     health_interval_s: float = 0.5
     index: PrefixIndex = field(default_factory=PrefixIndex)
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    # Requests without a prompt (tokenize, kv_pool, ...) are spread by load, ties in turn.
+    spread: RoutingPolicy = field(default_factory=lambda: RoutingPolicy("least-load"))
 
     def __post_init__(self) -> None:
         labels = ["replica"]
@@ -94,7 +96,7 @@ class RouterState:
         if path in ROUTED_PATHS:
             decision = self.policy.choose(loads, hashes, self.index, now())
         else:  # not a generation: no prompt to place, only load to spread
-            decision = RoutingPolicy("least-load").choose(loads, [], self.index, now())
+            decision = self.spread.choose(loads, [], self.index, now())
         replica = self.replicas[decision.replica]
         self.routed.labels(str(replica.index), decision.reason).inc()
         self.hit_tokens.labels(str(replica.index)).inc(decision.hit_blocks * replica.block_size)
