@@ -169,6 +169,15 @@ def test_every_path_passes_through_and_the_router_merges_models_and_metrics(flee
     metrics = httpx.get(f"{router}/metrics").text
     assert 'replica="0"' in metrics and 'replica="1"' in metrics
     assert 'pagedllm:router_replica_up{replica="1"} 1.0' in metrics
+    # A reset through the router resets every replica's cache.
+    for system in SYSTEMS:
+        chat(router, system, "Anything cached?", ALICE)
+    cached_before = [httpx.get(f"{r}/v1/kv_pool", headers=ALICE).json()["counters"]["cached_blocks"]
+                     for r in fleet["replicas"]]
+    reset = httpx.post(f"{router}/reset_prefix_cache", headers=ALICE)
+    assert reset.status_code == 200 and reset.json()["dropped_blocks"] == sum(cached_before) > 0
+    assert all(httpx.get(f"{r}/v1/kv_pool", headers=ALICE).json()["counters"]["cached_blocks"] == 0
+               for r in fleet["replicas"])
     for replica in fleet["replicas"]:
         assert_server_pool_free(replica, ALICE)
 

@@ -2,10 +2,10 @@
 
 Every path passes through unchanged (method, headers, body, status, streaming):
 generation requests go to the replica the policy picks from the prompt's block
-hashes, anything else to the least-loaded replica. ``/health``, ``/v1/models``
-and ``/metrics`` are the router's own: up when one replica is, the replicas'
-models merged, and its counters beside every replica's metrics labelled
-``replica``.
+hashes, anything else to the least-loaded replica. ``/health``, ``/v1/models``,
+``/metrics`` and ``/reset_prefix_cache`` are the router's own: up when one
+replica is, the replicas' models merged, its counters beside every replica's
+metrics labelled ``replica``, and every replica's cache reset.
 
 Faults: a request that cannot reach its replica (connection refused: nothing
 started there) is sent to another; one in flight to a replica that dies or
@@ -190,6 +190,21 @@ def _add_own_routes(app: FastAPI, state: RouterState, http: httpx.AsyncClient) -
                 for model in answer.json().get("data", []):
                     merged.setdefault(model["id"], model)
         return JSONResponse({"object": "list", "data": list(merged.values())})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        """Every replica's cache, not one's: the sum of the blocks they dropped."""
+        answers = await asyncio.gather(*(http.post(f"{r.url}/reset_prefix_cache", headers=_forwarded_headers(request),
+                                                   timeout=30.0) for r in state.up_replicas()),
+                                       return_exceptions=True)
+        dropped = 0
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                return error_response(503, f"a replica failed to reset its prefix cache: {answer!r}", "replica_down")
+            if answer.status_code != 200:
+                return Response(answer.content, answer.status_code, media_type="application/json")
+            dropped += answer.json()["dropped_blocks"]
+        return JSONResponse({"dropped_blocks": dropped})
 
     @app.get("/metrics")
     async def metrics() -> Response:
