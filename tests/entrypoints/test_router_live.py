@@ -299,3 +299,20 @@ def test_a_router_that_renders_prompts_differently_takes_no_replica(fleet, tiny_
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "no_replica"
         refused = httpx.post(f"{router}/v1/completions", json={"model": "m", "prompt": "hi"}, headers=ALICE)
         assert refused.status_code == 503
+
+
+def in_flight(router: str) -> float:
+    prefix = "pagedllm:router_requests_in_flight{"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{router}/metrics").text.splitlines()
+               if line.startswith(prefix))
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_replica(fleet):
+    router = fleet["router"]
+    body = {"model": "m", "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{router}/v1/completions", json=body, headers=ALICE, timeout=60) as response:
+        next(line for line in response.iter_lines() if line.startswith("data: "))
+    # The router closed its upstream stream, so the replica aborted the request and freed its blocks.
+    wait_until(lambda: in_flight(router) == 0, 30, "the router still counts the request in flight")
+    for replica in fleet["replicas"]:
+        assert_server_pool_free(replica, ALICE)

@@ -256,8 +256,11 @@ async def _answer(state: RouterState, replica: Replica, response: httpx.Response
     headers = {name: value for name, value in response.headers.items() if name.lower() not in _HOP_HEADERS
                and name.lower() != "content-encoding"}
     if response.headers.get("content-type", "").startswith("text/event-stream"):
-        return StreamingResponse(_relay(state, replica, response), status_code=response.status_code,
-                                 headers=headers)
+        relay = _relay(state, replica, response)
+        # Started here, so its cleanup (in_flight, the upstream stream) runs even if the client
+        # leaves before Starlette iterates the body: asyncio finalizes a started generator.
+        first = await anext(relay, b"")
+        return StreamingResponse(_prepended(first, relay), status_code=response.status_code, headers=headers)
     try:
         content = await _unless_down(response.aread(), replica)
     except (ReplicaDown, httpx.HTTPError) as exc:
@@ -267,6 +270,12 @@ async def _answer(state: RouterState, replica: Replica, response: httpx.Response
         replica.in_flight -= 1
         await response.aclose()
     return Response(content, response.status_code, headers=headers)
+
+
+async def _prepended(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for chunk in rest:
+        yield chunk
 
 
 async def _relay(state: RouterState, replica: Replica, response: httpx.Response) -> AsyncIterator[bytes]:
