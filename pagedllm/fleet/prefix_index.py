@@ -1,7 +1,8 @@
 """Which replica holds which cached blocks: the router's view of the fleet's prefix caches.
 
 Pure bookkeeping, no I/O: the replica monitor feeds it the replicas' KV events
-(``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` of the pool, as
+(``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` of the pool and of
+the host and disk tiers, whose blocks are hits too, as
 ``pagedllm.core.block_hash.external_block_hash`` ints), and the router adds a
 *claim* for each request it sends: the blocks that request's prefill is about
 to store. A claim counts as held until the replica's own event arrives or the
@@ -22,6 +23,8 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+POOL_MEDIUM = "GPU"  # KV events name the pool as vLLM does, whatever the device
+
 
 @dataclass(frozen=True)
 class _Claim:
@@ -41,38 +44,44 @@ class PrefixIndex:
         if claim_ttl_s < 0:
             raise ValueError(f"claim_ttl_s must be >= 0, got {claim_ttl_s!r}")
         self.claim_ttl_s = claim_ttl_s
-        self._holders: dict[int, int] = {}  # block hash -> bit mask of the replicas whose pool holds it
-        self._held_count: dict[int, int] = {}     # replica -> blocks held (for metrics)
+        # medium ("GPU": the pool, "CPU": host tier, "DISK") -> block hash -> bit mask of the replicas
+        # holding it there. A block in any medium of a replica is a hit there: the tiers load it back.
+        self._holders: dict[str, dict[int, int]] = {}
+        self._held_count: dict[tuple[str, int], int] = {}  # (medium, replica) -> blocks held (for metrics)
         self._claims: dict[int, dict[int, int]] = {}  # block hash -> replica -> live claim count
         self._claim_order: deque[_Claim] = deque()
 
     # --- events -------------------------------------------------------------------------------
-    def stored(self, replica: int, hashes: Iterable[int]) -> None:
+    def stored(self, replica: int, hashes: Iterable[int], medium: str = POOL_MEDIUM) -> None:
+        table = self._holders.setdefault(medium, {})
         bit = 1 << replica
+        added = 0
         for block_hash in hashes:
-            holders = self._holders.get(block_hash, 0)
+            holders = table.get(block_hash, 0)
             if not holders & bit:
-                self._holders[block_hash] = holders | bit
-                self._held_count[replica] = self._held_count.get(replica, 0) + 1
+                table[block_hash] = holders | bit
+                added += 1
+        self._held_count[medium, replica] = self._held_count.get((medium, replica), 0) + added
 
-    def removed(self, replica: int, hashes: Iterable[int]) -> None:
+    def removed(self, replica: int, hashes: Iterable[int], medium: str = POOL_MEDIUM) -> None:
+        table = self._holders.get(medium, {})
         bit = 1 << replica
         for block_hash in hashes:
-            holders = self._holders.get(block_hash, 0)
+            holders = table.get(block_hash, 0)
             if not holders & bit:
                 continue
-            self._held_count[replica] -= 1
+            self._held_count[medium, replica] -= 1
             if holders == bit:
-                del self._holders[block_hash]
+                del table[block_hash]
             else:
-                self._holders[block_hash] = holders & ~bit
+                table[block_hash] = holders & ~bit
 
     def cleared(self, replica: int) -> None:
-        """Forget everything ``replica`` held or was claimed to hold (a reset
-        prefix cache, a restarted or dead replica). O(blocks in the index)."""
+        """Forget everything ``replica`` held in any medium or was claimed to hold (a
+        reset prefix cache, a restarted or dead replica). O(blocks in the index)."""
         bit = 1 << replica
-        self.removed(replica, [h for h, holders in self._holders.items() if holders & bit])
-        self._held_count.pop(replica, None)
+        for medium, table in self._holders.items():
+            self.removed(replica, [h for h, holders in table.items() if holders & bit], medium)
         for block_hash in [h for h, claims in self._claims.items() if replica in claims]:
             del self._claims[block_hash][replica]
             if not self._claims[block_hash]:
@@ -105,7 +114,10 @@ class PrefixIndex:
         for replica in matched:
             alive |= 1 << replica
         for position, block_hash in enumerate(hashes):
-            still = alive & (self._holders.get(block_hash, 0) | self._claim_mask(block_hash))
+            held = self._claim_mask(block_hash)
+            for table in self._holders.values():
+                held |= table.get(block_hash, 0)
+            still = alive & held
             if still != alive:
                 for replica in matched:
                     if (alive & ~still) >> replica & 1:
@@ -124,13 +136,13 @@ class PrefixIndex:
             mask |= 1 << replica
         return mask
 
-    def held_blocks(self, replica: int) -> int:
-        """Blocks the replica's pool holds, by its events."""
-        return self._held_count.get(replica, 0)
+    def held_blocks(self, replica: int, medium: str = POOL_MEDIUM) -> int:
+        """Blocks the replica holds in ``medium``, by its events."""
+        return self._held_count.get((medium, replica), 0)
 
     def size(self) -> tuple[int, int]:
-        """(distinct block hashes held by any replica, live claims): the router's memory, for metrics."""
-        return len(self._holders), len(self._claim_order)
+        """(block-hash entries over all media, live claims): the router's memory, for metrics."""
+        return sum(len(table) for table in self._holders.values()), len(self._claim_order)
 
     def _drop_claim(self, block_hash: int, replica: int) -> None:
         claims = self._claims[block_hash]

@@ -32,6 +32,21 @@ def test_index_counts_leading_blocks_held_per_replica():
     assert index.held_blocks(1) == 0 and index.size() == (2, 0)
 
 
+def test_a_block_in_a_replicas_host_or_disk_tier_is_still_a_hit_there():
+    index = PrefixIndex(claim_ttl_s=0)
+    hashes = hash_request_tokens(SYSTEM_A)
+    index.stored(0, hashes)
+    index.stored(0, hashes[:2], medium="CPU")  # evicted from the pool into host memory
+    index.removed(0, hashes)
+    assert index.leading_blocks(hashes, [0, 1], now=0) == {0: 2, 1: 0}
+    assert (index.held_blocks(0), index.held_blocks(0, "CPU")) == (0, 2)
+    index.removed(0, hashes[1:2], medium="CPU")
+    index.stored(1, hashes, medium="DISK")
+    assert index.leading_blocks(hashes, [0, 1], now=0) == {0: 1, 1: 4}
+    index.cleared(0)
+    assert index.leading_blocks(hashes, [0], now=0) == {0: 0} and index.held_blocks(0, "CPU") == 0
+
+
 def test_claims_count_until_they_expire_and_clearing_drops_them():
     index = PrefixIndex(claim_ttl_s=10)
     hashes = hash_request_tokens(SYSTEM_A)

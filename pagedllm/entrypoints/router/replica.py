@@ -36,7 +36,6 @@ DOWN_AFTER_FAILURES = 2
 # KV usage is read from /metrics every this many health polls: a replica renders its whole
 # exposition for it, which costs its cores more than a /health answer.
 USAGE_EVERY_POLLS = 4
-_POOL_MEDIUM = "GPU"  # only blocks in a replica's pool count as held (vLLM's name for the pool)
 _KV_USAGE = re.compile(r"^\w+:kv_cache_usage_perc(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]")
 
@@ -112,9 +111,10 @@ class ReplicaWatch:
         self._failures = 0
         self._polls += 1
         try:
-            if not replica.up:
+            joining = not replica.up
+            if joining:
                 await self._join()
-            if self._polls % USAGE_EVERY_POLLS == 1:
+            if joining or self._polls % USAGE_EVERY_POLLS == 0:  # a rejoined replica's old usage is stale
                 await self._read_usage()
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -193,10 +193,10 @@ class ReplicaWatch:
         for event in batch.events:
             if isinstance(event, AllBlocksCleared):
                 self.index.cleared(replica)
-            elif isinstance(event, BlockStored) and event.medium == _POOL_MEDIUM:
-                self.index.stored(replica, event.block_hashes)
-            elif isinstance(event, BlockRemoved) and event.medium == _POOL_MEDIUM:
-                self.index.removed(replica, event.block_hashes)
+            elif isinstance(event, BlockStored):
+                self.index.stored(replica, event.block_hashes, event.medium)
+            elif isinstance(event, BlockRemoved):
+                self.index.removed(replica, event.block_hashes, event.medium)
 
 
 async def stop_watches(tasks: list[asyncio.Task]) -> None:
