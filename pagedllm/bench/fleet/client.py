@@ -18,7 +18,7 @@ import httpx
 from pagedllm.bench.fleet.workload import Slot, Workload
 from pagedllm.bench.serve.client import fetch_model_id, make_client
 from pagedllm.bench.serve.results import RequestMetrics
-from pagedllm.bench.serve.stream import STREAM_DONE, RequestFailed, error_body_message, sse_data
+from pagedllm.bench.serve.stream import RequestFailed, SSEReader, read_stream
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -30,29 +30,21 @@ class ChatMetrics(RequestMetrics):
     cached_tokens: int = 0
 
 
-class ChatTally:
+class ChatTally(SSEReader):
     """Reads one streamed chat completion: the reply's text, the first-token time (the first
     chunk whose ``delta.content`` is non-empty) and the final usage chunk's counts."""
 
     def __init__(self) -> None:
-        self.first_token_at: float | None = None
-        self.done_at: float | None = None
+        super().__init__()
         self.text: list[str] = []
         self.usage: dict | None = None
 
-    def feed(self, line: str, now: float) -> None:
-        chunk = sse_data(line)
-        if chunk is None:
-            return
-        if chunk is STREAM_DONE:
-            self.done_at = now
-            return
+    def take(self, chunk: dict, now: float) -> None:
         for choice in chunk.get("choices") or []:
             content = (choice.get("delta") or {}).get("content")
             if content:
                 self.text.append(content)
-                if self.first_token_at is None:
-                    self.first_token_at = now
+                self.first_token(now)
         if chunk.get("usage"):
             self.usage = chunk["usage"]
 
@@ -64,16 +56,7 @@ def chat_body(model: str, messages: list[dict], max_tokens: int) -> dict:
 
 
 async def stream_chat(client: httpx.AsyncClient, url: str, body: dict) -> ChatTally:
-    tally = ChatTally()
-    async with client.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            raise RequestFailed(f"HTTP {response.status_code}: {error_body_message(await response.aread())}")
-        async for line in response.aiter_lines():
-            tally.feed(line, time.perf_counter())
-            if tally.done_at is not None:
-                break
-    if tally.done_at is None:
-        raise RequestFailed("stream ended before data: [DONE]")
+    tally = await read_stream(client, url, body, ChatTally())
     if tally.usage is None:
         raise RequestFailed("the stream carried no usage chunk")
     return tally

@@ -3,8 +3,11 @@ back and timed (``StreamTally``); failures are ``RequestFailed`` with the server
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import json
 import time
+from typing import TypeVar
 
 import httpx
 
@@ -39,7 +42,35 @@ def error_body_message(body: bytes) -> str:
         return body.decode("utf-8", errors="replace")[:MAX_ERROR_CHARS]
 
 
-class StreamTally:
+class SSEReader(ABC):
+    """The lines of one OpenAI stream: ``feed`` each with its arrival time; the end
+    (``[DONE]``) sets ``done_at``, and every chunk goes to ``take`` (a subclass's)."""
+
+    def __init__(self) -> None:
+        self.first_token_at: float | None = None
+        self.done_at: float | None = None
+
+    def feed(self, line: str, now: float) -> None:
+        """Take one line received at ``now`` (a ``time.perf_counter()`` value)."""
+        chunk = sse_data(line)
+        if chunk is STREAM_DONE:
+            self.done_at = now
+        elif chunk is not None:
+            self.take(chunk, now)
+
+    @abstractmethod
+    def take(self, chunk: dict, now: float) -> None:
+        """One JSON chunk of the stream, received at ``now``."""
+
+    def first_token(self, now: float) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = now
+
+
+SSEReaderT = TypeVar("SSEReaderT", bound=SSEReader)
+
+
+class StreamTally(SSEReader):
     """Reads the Server-Sent Events lines of one streamed completion.
 
     Rules: only ``data:`` lines count (blank lines, ``:`` comments and ``event:`` lines are
@@ -52,8 +83,7 @@ class StreamTally:
     """
 
     def __init__(self) -> None:
-        self.first_token_at: float | None = None
-        self.done_at: float | None = None
+        super().__init__()
         self.text_chunks = 0
         self.usage_tokens: int | None = None
 
@@ -65,19 +95,11 @@ class StreamTally:
     def output_tokens(self) -> int:
         return self.text_chunks if self.usage_tokens is None else self.usage_tokens
 
-    def feed(self, line: str, now: float) -> None:
-        """Take one line received at ``now`` (a ``time.perf_counter()`` value)."""
-        chunk = sse_data(line)
-        if chunk is None:
-            return
-        if chunk is STREAM_DONE:
-            self.done_at = now
-            return
+    def take(self, chunk: dict, now: float) -> None:
         choices = chunk.get("choices") or []
         if choices and choices[0].get("text"):
             self.text_chunks += 1
-            if self.first_token_at is None:
-                self.first_token_at = now
+            self.first_token(now)
         usage = chunk.get("usage")
         if usage and usage.get("completion_tokens") is not None:
             self.usage_tokens = int(usage["completion_tokens"])
@@ -118,14 +140,19 @@ def completion_body(model: str, request: BenchRequest) -> dict:
 async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> StreamTally:
     """POST one streamed completion and read it to ``data: [DONE]``; raises ``RequestFailed``
     on a status other than 200 and on a stream that ends without ``[DONE]``."""
-    tally = StreamTally()
+    return await read_stream(client, url, body, StreamTally())
+
+
+async def read_stream(client: httpx.AsyncClient, url: str, body: dict, reader: SSEReaderT) -> SSEReaderT:
+    """POST ``body`` to ``url`` and feed ``reader`` every line up to ``data: [DONE]``; raises
+    ``RequestFailed`` on a status other than 200 and on a stream that ends without ``[DONE]``."""
     async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:
             raise RequestFailed(f"HTTP {response.status_code}: {error_body_message(await response.aread())}")
         async for line in response.aiter_lines():
-            tally.feed(line, time.perf_counter())
-            if tally.done:
+            reader.feed(line, time.perf_counter())
+            if reader.done_at is not None:
                 break
-    if not tally.done:
+    if reader.done_at is None:
         raise RequestFailed("stream ended before data: [DONE]")
-    return tally
+    return reader
