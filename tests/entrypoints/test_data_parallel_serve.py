@@ -118,3 +118,17 @@ def test_ray_replicas_serve_the_same_text_and_stop(tiny_llama, single_engine_tex
             fleet = psutil.Process(pid)
             fleet.send_signal(signal.SIGTERM)
             assert fleet.wait(timeout=90) == 0
+
+
+def test_tensor_parallel_replicas_serve_the_same_text(tiny_llama, single_engine_texts):
+    """--data-parallel-size 2 x --tensor-parallel-size 2: each replica splits its heads over 2 ranks."""
+    command = [*fleet_command(tiny_llama), "--tensor-parallel-size", "2"]
+    with running_command(lambda port: [*command, "--port", str(port)], start_timeout_s=240) as (base, pid):
+        wait_until(lambda: replicas_up(base) == 2, 240, "both replicas never came up")
+        texts = [httpx.post(f"{base}/v1/completions", timeout=60, json={
+            "model": "m", "prompt": prompt, "max_tokens": 12, "temperature": 0}).json()["choices"][0]["text"]
+            for prompt in PROMPTS]
+        assert texts == single_engine_texts
+        spawned = [p for p in psutil.Process(pid).children(recursive=True)
+                   if any("spawn_main" in part for part in p.cmdline())]
+        assert len(spawned) == 4  # per replica: its engine core and one tensor-parallel worker
