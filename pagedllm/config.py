@@ -351,13 +351,15 @@ def sampling_overrides(override: dict | None) -> dict[str, Any]:
     return fields_
 
 
-def threads_per_rank(num_threads: int | None, world_size: int) -> int | None:
-    """The torch intra-op threads of each of ``world_size`` tensor-parallel ranks:
-    ``num_threads``, else the machine's cores shared among the ranks; None (leave
-    torch's default) for one rank without ``num_threads``."""
+def threads_per_rank(num_threads: int | None, world_size: int, replicas: int = 1) -> int | None:
+    """The torch intra-op threads of each rank of ``replicas`` engines of ``world_size``
+    tensor-parallel ranks each: ``num_threads``, else the machine's cores shared among
+    all those ranks; None (leave torch's default) for one rank of one engine without
+    ``num_threads``."""
     if num_threads is not None:
         return num_threads
-    return max(1, (os.cpu_count() or 1) // world_size) if world_size > 1 else None
+    ranks = world_size * replicas
+    return max(1, (os.cpu_count() or 1) // ranks) if ranks > 1 else None
 
 
 def engine_option_fields() -> dict[str, Field]:

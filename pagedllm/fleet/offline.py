@@ -21,7 +21,6 @@ a block of it. ``shutdown()`` stops every core (they also stop with this process
 from __future__ import annotations
 
 import itertools
-import os
 import queue
 import threading
 import time
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from pagedllm.config import threads_per_rank
 from pagedllm.core.block_hash import hash_request_tokens
 from pagedllm.fleet.prefix_index import PrefixIndex
 from pagedllm.fleet.routing import BalanceRule, ReplicaLoad, RoutingPolicy
@@ -61,10 +61,8 @@ def check_data_parallel_size(value: Any) -> int:
 def replica_options(options: dict[str, Any], size: int) -> dict[str, Any]:
     """Each replica's engine options: an unset ``num_threads`` becomes the machine's
     cores // (replicas x tensor_parallel_size), at least 1."""
-    if options.get("num_threads") is not None:
-        return options
-    ranks = size * options.get("tensor_parallel_size", 1)
-    return {**options, "num_threads": max(1, (os.cpu_count() or 1) // ranks)}
+    threads = threads_per_rank(options.get("num_threads"), options.get("tensor_parallel_size", 1), size)
+    return {**options, "num_threads": threads}
 
 
 class OfflineFleet:

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from pagedllm.config import threads_per_rank
 from pagedllm.entrypoints.engine_args import engine_flags_from_args
 from pagedllm.logger import init_logger
 from pagedllm.utils import free_port
@@ -67,8 +68,8 @@ def replica_command(args: argparse.Namespace, host: str, port: int, events: str,
 
 
 def threads_per_replica(args: argparse.Namespace) -> int:
-    given = getattr(args, "num_threads", None)
-    return given or max(1, (os.cpu_count() or 1) // (args.data_parallel_size * args.tensor_parallel_size))
+    """Each replica rank's threads: ``--num-threads``, else the cores shared among every rank."""
+    return threads_per_rank(args.num_threads, args.tensor_parallel_size, args.data_parallel_size) or 1
 
 
 class LocalReplica:
