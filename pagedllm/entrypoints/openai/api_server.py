@@ -31,7 +31,8 @@ from pagedllm.entrypoints.openai.openapi_doc import install_openapi
 from pagedllm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from pagedllm.entrypoints.openai.serving_chat import add_chat_route, chat_prompt
 from pagedllm.entrypoints.openai.serving_completion import add_completion_route
-from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model, tenant_of_key
+from pagedllm.entrypoints.openai.state import (ServerState, TenantDependency, check_model, presented_key,
+                                               tenant_of_key)
 
 __all__ = ["ServerState", "build_app"]
 
@@ -122,8 +123,7 @@ def _tenant_dependency(state: ServerState) -> TenantDependency:
         """Bearer-token check; returns the key's tenant (None when untenanted)."""
         if not state.api_keys:
             return None
-        header = request.headers.get("authorization", "")
-        matched, tenant = tenant_of_key(state.api_keys, header[7:] if header.lower().startswith("bearer ") else None)
+        matched, tenant = tenant_of_key(state.api_keys, presented_key(request))
         if not matched:
             raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
         return tenant

@@ -14,7 +14,7 @@ from pagedllm.engine.llm_engine import PromptType
 from pagedllm.entrypoints.openai.completion_choices import CompletionOptions
 from pagedllm.entrypoints.openai.errors import bad_request, error_body, error_responses
 from pagedllm.entrypoints.openai.responses import ResponseBuilder
-from pagedllm.entrypoints.openai.state import ServerState
+from pagedllm.entrypoints.openai.state import ServerState, cache_salt_of
 from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallRecord
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -34,9 +34,7 @@ GENERATION_RESPONSES = {
 async def serve(state: ServerState, kind: str, prompts: list[PromptType], params: SamplingParams,
                  body, tenant: str | None, chat: bool, completion: CompletionOptions | None = None,
                  new_tool_parser: Callable[[], ToolCallRecord] | None = None):
-    # A tenant's salt is applied server-side and overrides the client's, so no
-    # client can pick another tenant's prefix-cache blocks.
-    salt = f"tenant:{tenant}" if tenant is not None else body.cache_salt
+    salt = cache_salt_of(tenant, body.cache_salt)
     engine = state.async_engine
     streams: list[RequestStream] = []
     try:

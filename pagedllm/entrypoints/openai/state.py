@@ -98,3 +98,16 @@ def tenant_of_key(api_keys: dict[str, str | None], presented: str | None) -> tup
         if secrets.compare_digest(key.encode("utf-8"), candidate):
             matched, tenant = True, key_tenant
     return matched and presented is not None, tenant
+
+
+def presented_key(request: Request) -> str | None:
+    """The API key a request presents: its ``Authorization: Bearer`` token, if any."""
+    header = request.headers.get("authorization", "")
+    return header[7:] if header.lower().startswith("bearer ") else None
+
+
+def cache_salt_of(tenant: str | None, cache_salt: str | None) -> str | None:
+    """The prefix-cache salt a request runs with: its key's tenant's, applied
+    server-side over the client's ``cache_salt``, so no client can pick another
+    tenant's cached blocks (a fleet router hashes prompts with the same rule)."""
+    return f"tenant:{tenant}" if tenant is not None else cache_salt

@@ -163,9 +163,8 @@ class Supervisor:
 
 def serve_data_parallel(args: argparse.Namespace) -> int:
     """Run the replicas and the router until SIGTERM/SIGINT; the exit status."""
-    from pagedllm.entrypoints.serve_setup import ServerStopper, run_uvicorn
-    from pagedllm.entrypoints.router.router_app import build_router_app
-    from pagedllm.entrypoints.router.router_command import router_state
+    from pagedllm.entrypoints.router.router_command import router_state, serve_router
+    from pagedllm.entrypoints.serve_setup import ServerStopper
 
     if args.kv_events_config:
         raise ValueError("--kv-events-config: with --data-parallel-size the server sets each replica's event "
@@ -184,9 +183,7 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
     try:
         state = router_state(args, supervisor.start())
         supervisor.was_ready = lambda rank: state.replicas[rank].ever_up  # a bool read across threads
-        options = dict(host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                       timeout_keep_alive=args.timeout_keep_alive)
-        run_uvicorn(build_router_app(state), options, stop_router)
+        serve_router(args, state, stop_router)
     finally:
         supervisor.stop()
         if release is not None:

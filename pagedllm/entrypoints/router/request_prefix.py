@@ -16,6 +16,7 @@ from typing import Any
 from pagedllm.entrypoints.chat_utils import ChatRenderOptions, render_chat
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving_chat import render_inputs
+from pagedllm.entrypoints.openai.state import cache_salt_of
 
 # Routes whose body carries a prompt, and how to read it.
 CHAT_PATH = "/v1/chat/completions"
@@ -54,12 +55,9 @@ def _completion_token_ids(prompt: Any, tokenizer: Any) -> list[int]:
 
 
 def routing_salt(body: Any, tenant: str | None) -> str | None:
-    """The cache salt the replica will apply: a tenant's overrides the body's
-    (``pagedllm.entrypoints.openai.serving``), so tenants never share blocks."""
-    if tenant is not None:
-        return f"tenant:{tenant}"
+    """The cache salt the replica will apply to this body (the server's own rule)."""
     salt = body.get("cache_salt") if isinstance(body, dict) else None
-    return salt if isinstance(salt, str) else None
+    return cache_salt_of(tenant, salt if isinstance(salt, str) else None)
 
 
 def prompt_fingerprint(tokenizer: Any, chat_template: str | None) -> str:

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pagedllm.core.block_hash import hash_request_tokens
+from pagedllm.entrypoints.openai.state import presented_key, tenant_of_key
 from pagedllm.entrypoints.router.metrics_merge import merge_expositions
 from pagedllm.fleet.prefix_index import PrefixIndex
 from pagedllm.entrypoints.router.replica import Replica, ReplicaWatch, now, stop_watches
@@ -103,9 +104,8 @@ class RouterState:
         return replica, decision
 
     def tenant_of(self, request: Request) -> str | None:
-        header = request.headers.get("authorization", "")
-        key = header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key")
-        return self.api_keys.get(key) if key is not None else None
+        """The tenant of the request's key, read as the replicas read it (they check the key)."""
+        return tenant_of_key(self.api_keys, presented_key(request))[1]
 
     def refresh_gauges(self) -> None:
         for replica in self.replicas:
@@ -224,11 +224,13 @@ def _forwarded_headers(request: Request) -> dict[str, str]:
 async def forward(state: RouterState, http: httpx.AsyncClient, request: Request) -> Response:
     """Send ``request`` to a replica and answer with what it answers."""
     raw = await request.body()
-    try:
-        body = json.loads(raw) if raw else None
-    except ValueError:
-        body = None  # the replica answers it with its own 400
     path = request.url.path
+    body = None
+    if path in ROUTED_PATHS and raw:  # only a generation's prompt is read; anything else is relayed as bytes
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            pass  # the replica answers it with its own 400
     tried: set[int] = set()
     while True:
         try:

@@ -73,16 +73,18 @@ def router_state(args: argparse.Namespace, urls: list[str]):
         index=PrefixIndex(claim_ttl_s=args.claim_ttl))
 
 
-def run_router(args: argparse.Namespace, urls: list[str]) -> None:
-    """Serve the router on ``args.host``/``args.port`` until SIGTERM/SIGINT."""
-    from pagedllm.entrypoints.serve_setup import ServerStopper, run_uvicorn
+def serve_router(args: argparse.Namespace, state, stop_router) -> None:
+    """Serve the router over ``state`` on ``args.host``/``args.port`` until SIGTERM/SIGINT
+    or ``stop_router()``."""
     from pagedllm.entrypoints.router.router_app import build_router_app
+    from pagedllm.entrypoints.serve_setup import run_uvicorn
 
-    app = build_router_app(router_state(args, urls))
     options = dict(host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                    timeout_keep_alive=args.timeout_keep_alive)
-    run_uvicorn(app, options, ServerStopper())
+    run_uvicorn(build_router_app(state), options, stop_router)
 
 
 def cmd_router(args: argparse.Namespace) -> None:
-    run_router(args, args.replica)
+    from pagedllm.entrypoints.serve_setup import ServerStopper
+
+    serve_router(args, router_state(args, args.replica), ServerStopper())
