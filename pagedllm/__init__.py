@@ -4,6 +4,7 @@ from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm import LLM
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.version import __version__
@@ -11,6 +12,7 @@ from pagedllm.version import __version__
 __all__ = [
     "LLM",
     "LLMEngine",
+    "LoRARequest",
     "SamplingParams",
     "BeamSearchParams",
     "BeamSearchOutput",

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pagedllm.cache_config import KV_CACHE_DTYPES, CacheConfig, check_choice  # the first two re-exported
 from pagedllm.kv_events_config import KVEventsConfig
+from pagedllm.lora_config import LoRAConfig
 from pagedllm.kv_offload_config import KVOffloadConfig
 from pagedllm.speculative_config import SpeculativeConfig
 
@@ -154,6 +155,7 @@ class EngineConfig:
         metadata={"help": "most logprobs / prompt_logprobs (top_logprobs in chat) a request may ask for, as vLLM"},
     )
     cache: CacheConfig = field(default_factory=CacheConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     debug_invariants: bool = field(
         default=False, metadata={"help": "check every block-manager invariant after every step (slow)"}
     )
@@ -266,9 +268,12 @@ class EngineConfig:
                 f"unknown engine option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
                 f"the options are: {', '.join(known)}"
             )
-        cache_names = {option.name for option in fields(CacheConfig)}
-        cache = CacheConfig(**{name: value for name, value in options.items() if name in cache_names})
-        return cls(cache=cache, **{name: value for name, value in options.items() if name not in cache_names})
+        nested = {}
+        for name, config_class in NESTED_CONFIGS.items():
+            names = {option.name for option in fields(config_class)}
+            nested[name] = config_class(**{key: value for key, value in options.items() if key in names})
+            options = {key: value for key, value in options.items() if key not in names}
+        return cls(**nested, **options)
 
     def with_checkpoint_dtype(self, checkpoint_dtype: str | None) -> EngineConfig:
         """This config with ``dtype="auto"`` resolved to the checkpoint's dtype
@@ -364,9 +369,14 @@ def threads_per_rank(num_threads: int | None, world_size: int, replicas: int = 1
 
 def engine_option_fields() -> dict[str, Field]:
     """Every engine option by name, in order: ``EngineConfig``'s fields with
-    ``CacheConfig``'s in place of ``cache`` (the flat names ``LLM(...)`` takes)."""
+    ``CacheConfig``'s in place of ``cache`` and ``LoRAConfig``'s in place of ``lora``
+    (the flat names ``LLM(...)`` takes)."""
     options: dict[str, Field] = {}
     for option in fields(EngineConfig):
-        nested = fields(CacheConfig) if option.name == "cache" else (option,)
+        nested = fields(NESTED_CONFIGS[option.name]) if option.name in NESTED_CONFIGS else (option,)
         options.update((inner.name, inner) for inner in nested)
     return options
+
+
+# Option groups kept in their own dataclass, whose fields are flat engine options.
+NESTED_CONFIGS = {"cache": CacheConfig, "lora": LoRAConfig}

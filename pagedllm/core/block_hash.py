@@ -3,8 +3,7 @@ r"""Chained block hashes: the identity of a full block's contents for prefix cac
 ``hash(block i) = sha256(hash(block i-1) || token ids of block i || extra keys)``.
 Because each hash covers its parent's, two requests share block ``i`` only if
 every token from position 0 up to the end of that block is equal, and their
-extra keys (the tenant's ``cache_salt``, room for a LoRA id or multimodal
-hashes) match. sha256 is stable across processes (unlike Python's salted
+extra keys (the tenant's ``cache_salt``, the LoRA adapter's name) match. sha256 is stable across processes (unlike Python's salted
 ``hash()``) and collision resistant: an accidental collision, which would let
 one request read another's K/V, has probability ~2^-128 even after 2^64 blocks.
 
@@ -14,8 +13,10 @@ The algorithm, exactly (a router in any language can recompute it):
 2. ``ROOT_HASH = sha256(b"pagedllm-block-hash-v1")`` is block 0's parent.
 3. ``hash_i = sha256(parent || len(block) as 8-byte little-endian || each token id
    as 8-byte little-endian signed || JSON of the extra keys)``, where the extra keys
-   are ``[]`` or ``[cache_salt]`` (a JSON string), written with separators ``,`` and
-   ``:`` and no spaces, e.g. ``[]`` or ``["tenant-a"]``, as Python's ``json.dumps``
+   are ``[]``, ``[cache_salt]`` (a JSON string), then for a request under a LoRA
+   adapter ``["lora", name]`` appended, written with separators ``,`` and
+   ``:`` and no spaces, e.g. ``[]``, ``["tenant-a"]`` or ``["tenant-a",["lora","sql"]]``,
+   as Python's ``json.dumps``
    writes it (non-ASCII characters as ``\uXXXX`` escapes: ``["caf\u00e9"]``);
    ``parent`` is ``hash_{i-1}``.
 4. On the wire (KV events, ``hash_request_tokens``) a hash is the unsigned 64-bit
@@ -73,10 +74,19 @@ def external_block_hash(block_hash: BlockHash) -> int:
     return int.from_bytes(block_hash[-8:], "big")
 
 
-def hash_request_tokens(token_ids: Sequence[int], block_size: int = 16, cache_salt: str | None = None) -> list[int]:
+def hash_request_tokens(token_ids: Sequence[int], block_size: int = 16, cache_salt: str | None = None,
+                        lora_name: str | None = None) -> list[int]:
     """The hashes of a request's full blocks exactly as ``BlockStored`` events
     carry them: what a router compares with a replica's events to know how
     many leading blocks of a prompt it already holds."""
     check_block_size(block_size)
-    extra_keys = (cache_salt,) if cache_salt is not None else ()
+    extra_keys = request_extra_keys(cache_salt, lora_name)
     return [external_block_hash(h) for h in extend_block_hashes([], list(token_ids), block_size, extra_keys)]
+
+
+def request_extra_keys(cache_salt: str | None, lora_name: str | None) -> tuple:
+    """What besides its tokens a request's blocks are keyed by: the tenant's salt, then
+    the LoRA adapter as ``["lora", name]`` (a JSON list, so no salt string can equal it).
+    K/V computed under one adapter is then never served to another or to the base."""
+    keys: tuple = (cache_salt,) if cache_salt is not None else ()
+    return keys + ((["lora", lora_name],) if lora_name is not None else ())

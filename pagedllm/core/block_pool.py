@@ -20,10 +20,11 @@ class KVCacheBlock:
     on its contents never change. The ``prev_free`` / ``next_free`` links belong
     to :class:`FreeBlockQueue` and are only meaningful while the block is free.
     ``origin`` (parent hash, token ids) is kept only while KV events are on:
-    a tier that takes the block over announces it with them.
+    a tier that takes the block over announces it with them. ``adapter_name`` is
+    set while the block is a page of a resident LoRA adapter (``adapter_pages``).
     """
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "origin", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "origin", "prev_free", "next_free", "adapter_name")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -32,6 +33,7 @@ class KVCacheBlock:
         self.origin: tuple[BlockHash | None, tuple[int, ...]] | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
+        self.adapter_name: str | None = None
 
     def __repr__(self) -> str:
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
@@ -120,6 +122,9 @@ class BlockPool:
       block is written again (the tier moves of the same step).
     - With ``events``, every hash that enters or leaves the cache is recorded
       there (medium "GPU"), in order: the pool is the one source of pool events.
+    - A free page of a resident adapter (``adapter_name`` set) sits in the free
+      queue like a cached block, LRU beside them; taking it evicts the adapter
+      through ``on_adapter_evict`` before the block is handed out.
     """
 
     def __init__(self, num_blocks: int, on_evict: Callable[[KVCacheBlock], None] | None = None,
@@ -133,6 +138,7 @@ class BlockPool:
         self.num_evictions = 0
         self.on_evict = on_evict
         self.events = events
+        self.on_adapter_evict: Callable[[KVCacheBlock], None] | None = None  # set by an ``AdapterPager``
 
     @property
     def num_free_blocks(self) -> int:
@@ -148,11 +154,42 @@ class BlockPool:
         new_blocks = []
         for _ in range(n):
             block = self.free_block_queue.popleft()
-            if block.block_hash is not None:
-                self._evict(block)
+            self._forget_contents(block)
             block.ref_cnt = 1
             new_blocks.append(block)
         return new_blocks
+
+    def _forget_contents(self, block: KVCacheBlock) -> None:
+        """A free block is about to be reused: evict the prefix block or adapter it holds."""
+        if block.block_hash is not None:
+            self._evict(block)
+        elif block.adapter_name is not None:
+            self.on_adapter_evict(block)
+
+    def take_run(self, n: int) -> list[KVCacheBlock] | None:
+        """``n`` free blocks with consecutive ids, each with one reference, or None if no
+        such run is free. Of the free runs, the one holding the fewest cached blocks
+        and adapter pages wins, the highest ids on a tie: allocation takes low ids
+        first, so adapters settle at the top of the pool, apart from the requests'
+        blocks. O(num_blocks): for an adapter's page-in, not a step's allocation."""
+        best: tuple[int, int] | None = None  # (valued blocks in the run, -start)
+        free_in_run = valued = 0
+        for block in self.blocks:
+            free_in_run = free_in_run + 1 if block.ref_cnt == 0 else 0
+            valued += block.block_hash is not None or block.adapter_name is not None
+            if block.block_id >= n:
+                gone = self.blocks[block.block_id - n]
+                valued -= gone.block_hash is not None or gone.adapter_name is not None
+            if free_in_run >= n and (best is None or (valued, -(block.block_id - n + 1)) <= best):
+                best = (valued, -(block.block_id - n + 1))
+        if best is None:
+            return None
+        run = self.blocks[-best[1]: -best[1] + n]
+        for block in run:
+            self.free_block_queue.remove(block)
+            self._forget_contents(block)
+            block.ref_cnt = 1
+        return run
 
     def _evict(self, block: KVCacheBlock) -> None:
         if self.on_evict is not None:
@@ -191,13 +228,14 @@ class BlockPool:
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the free
-        queue in the order given: cached ones at the back, others at the front."""
+        queue in the order given: cached ones and adapter pages at the back, others
+        at the front."""
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None:
+                if block.block_hash is None and block.adapter_name is None:
                     self.free_block_queue.appendleft(block)
                 else:
                     self.free_block_queue.append(block)

@@ -331,7 +331,8 @@ class KVCacheManager:
         table points at it; "cached": free but hashed, so prefix caching can
         revive it until it is evicted; "free"), ``ref_cnt``, the ids of the
         requests whose tables hold it (a swapped request keeps the shared blocks
-        it points at), and ``hashed``. Safe to call while another thread steps
+        it points at), ``hashed``, and ``adapter`` (the LoRA adapter whose weights
+        it holds, if any: "used" while pinned, "cached" while idle). Safe to call while another thread steps
         the engine: each mapping is copied in one call, so the view may straddle
         a step but never raises."""
         owners: dict[int, list[str]] = {}
@@ -343,12 +344,13 @@ class KVCacheManager:
         return [
             {
                 "block_id": block.block_id,
-                "state": "used" if block.ref_cnt else ("cached" if block.block_hash is not None else "free"),
+                "state": "used" if block.ref_cnt else ("cached" if block.block_hash or block.adapter_name else "free"),
                 "ref_cnt": block.ref_cnt,
                 "owners": owners.get(block.block_id, []),
                 "hashed": block.block_hash is not None,
                 # As KV events name it (``external_block_hash``), so a subscriber's view can be checked.
                 "block_hash": None if block.block_hash is None else external_block_hash(block.block_hash),
+                "adapter": block.adapter_name,
             }
             for block in self.block_pool.blocks
         ]

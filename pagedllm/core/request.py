@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
+from pagedllm.core.block_hash import request_extra_keys
 from pagedllm.core.sequence_group import SAMPLING, SequenceGroupPolicy
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import mix_seed
+
+if TYPE_CHECKING:
+    from pagedllm.core.adapter_spec import AdapterSpec
 
 
 class RequestStatus(enum.Enum):
@@ -70,6 +75,7 @@ class Request:
         sample_index: int = 0,
         cache_salt: str | None = None,
         group_policy: SequenceGroupPolicy = SAMPLING,
+        lora: AdapterSpec | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -88,10 +94,12 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # The LoRA adapter it runs under (None: the base model).
+        self.lora = lora
         # Prefix caching: what besides the tokens a block's identity covers
-        # (the tenant's salt), and the hashes of the full blocks so far.
+        # (the tenant's salt, the adapter), and the hashes of the full blocks so far.
         self.cache_salt = cache_salt
-        self.extra_keys: tuple = (cache_salt,) if cache_salt is not None else ()
+        self.extra_keys: tuple = request_extra_keys(cache_salt, None if lora is None else lora.name)
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = 0
         # Sharing: the request whose prompt this sequence shares, and its place
@@ -140,6 +148,7 @@ class Request:
             sample_index=sample_index,
             cache_salt=self.cache_salt,
             group_policy=self.group_policy,
+            lora=self.lora,
         )
         child.block_hashes = list(self.block_hashes)
         child.num_cached_tokens = self.num_cached_tokens

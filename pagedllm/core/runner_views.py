@@ -77,7 +77,7 @@ class RunnerViews:
             block_ids = kv.get_block_ids(sequence_id)
             output.new_sequences.append(NewSequenceData(
                 sequence_id, request.prompt_token_ids, list(request.output_token_ids), block_ids,
-                request.sampling_params,
+                request.sampling_params, None if request.lora is None else request.lora.name,
             ))
             self._views[sequence_id] = _View(request.num_tokens, len(block_ids), kv.num_released(sequence_id))
         else:

@@ -13,14 +13,14 @@ from collections import Counter
 from collections.abc import Sequence
 
 from pagedllm.config import SchedulerConfig
+from pagedllm.core.adapter_pages import NO_ADAPTERS, AdapterPager
 from pagedllm.core.kv_interface import BlockCopy, KVCacheManagerProtocol
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.runner_output import ModelRunnerOutput
 from pagedllm.core.runner_views import RunnerViews
 from pagedllm.core.scheduler_output import SchedulerOutput
-from pagedllm.core.sequence_group import Append, Decision, Fork
 from pagedllm.core.scheduler_invariants import check_scheduler
-from pagedllm.core.speculation import advance_computed, keep_proposals, num_drafts_to_propose
+from pagedllm.core.scheduler_update import StepUpdates
+from pagedllm.core.speculation import num_drafts_to_propose
 from pagedllm.core.waiting_queue import WaitingQueue
 from pagedllm.logger import init_logger
 
@@ -30,7 +30,7 @@ logger = init_logger(__name__)
 QUEUED_STATUSES = frozenset({RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.SWAPPED})
 
 
-class Scheduler:
+class Scheduler(StepUpdates):
     """Decides each step's batch under ``max_num_seqs`` and ``max_num_batched_tokens``.
 
     Rules:
@@ -48,14 +48,19 @@ class Scheduler:
       priority than the worst running one preempts it when seats
       (``max_num_seqs``) or blocks are what keeps it waiting; equal priorities
       never preempt each other, so nothing ping-pongs.
+    - A request under a LoRA adapter is admitted only with its adapter pinned
+      (``AdapterPager``); one whose adapter cannot be paged in waits.
     - A prefill chunk is cut by the step's budget and ``long_prefill_token_threshold``;
       without chunked prefill a request is admitted only when its whole prompt fits.
     - Every status change goes through ``_transition``.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManagerProtocol) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManagerProtocol,
+                 adapters: AdapterPager | None = None) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        # Requests under no adapter pass through it (an engine without LoRA has a pager that pins nothing).
+        self.adapters = adapters if adapters is not None else NO_ADAPTERS
         # Every live sequence (user requests and the sequences forked from them).
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
@@ -96,6 +101,7 @@ class Scheduler:
             self._status_counts[previous] -= 1
             if previous is RequestStatus.RUNNING:
                 self.num_seats_in_use -= request.num_pending_samples
+                self.adapters.unpin_for(request)
             if previous in QUEUED_STATUSES:
                 self.waiting.discard(request)
         request.status = status
@@ -147,6 +153,7 @@ class Scheduler:
         # Last: the runner forgets the sequences preempted just now, and moves what the allocations evicted.
         output.released_sequence_ids = self.runner_views.take_released()
         output.tier_moves = self.kv_cache_manager.take_tier_moves()
+        output.adapter_loads = self.adapters.take_loads()
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> bool:
@@ -207,14 +214,26 @@ class Scheduler:
         """Bring a swapped request's blocks back and allocate its next tokens, or None if they do not fit."""
         kv = self.kv_cache_manager
         num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+        if not self.adapters.pin_for(request):
+            return None
         if kv.swap_in_cost(request.request_id, request.num_computed_tokens, num_new) > kv.num_free_blocks:
+            self.adapters.unpin_for(request)
             return None
         output.swap_in.extend(kv.swap_in(request.request_id))
         return num_new, kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
 
     def _admit_waiting(self, request: Request, budget: int) -> tuple[int, list[BlockCopy]] | None:
         """Start (or restart, after a recompute preemption) a request from its
-        cached prefix, or None if its first chunk does not fit."""
+        cached prefix, or None if its adapter or its first chunk does not fit.
+        The adapter is pinned first: paging it in may evict cached blocks."""
+        if not self.adapters.pin_for(request):
+            return None
+        admitted = self._allocate_first_chunk(request, budget)
+        if admitted is None:
+            self.adapters.unpin_for(request)
+        return admitted
+
+    def _allocate_first_chunk(self, request: Request, budget: int) -> tuple[int, list[BlockCopy]] | None:
         kv = self.kv_cache_manager
         computed_blocks, num_cached, loading = kv.get_computed_blocks(request)
         if loading:  # its prefix is coming from disk: admitted once it has landed
@@ -309,75 +328,6 @@ class Scheduler:
         self.num_recomputed_tokens += request.num_computed_tokens
         self.kv_cache_manager.free(request.request_id)
         request.num_computed_tokens = 0
-
-    # ---------------------------------------------------------------- update
-
-    def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
-        """Advance the scheduled sequences by the tokens just computed, less the
-        drafts the runner rejected (a sequence's own row got its accepted drafts
-        then one token: ``core/speculation.py`` rolls the rest back), then carry
-        out what each request's ``SequenceGroupPolicy`` decides from its rows'
-        tokens: forks, appends (token-level stops finish sequences and free
-        their blocks), finishes. Returns the sequence each sample row names,
-        one per row (finished ones included)."""
-        advanced = []
-        sampled, proposed = runner_output.sampled, runner_output.proposed_draft_token_ids
-        for scheduled in output.scheduled:
-            request = self.requests.get(scheduled.sequence_id)
-            if request is None:
-                continue  # finished since it was scheduled
-            own = sampled.get(request.request_id)
-            advance_computed(request, scheduled, own.token_ids if own else [], self.kv_cache_manager,
-                             self.runner_views)
-            rows = scheduled.sample_rows
-            if not rows:
-                continue
-            forks = self._apply(request.group_policy.decide(request, rows, sampled))
-            advanced += [forks.get(row.sequence_id, request) for row in rows]
-            if not request.is_finished:
-                keep_proposals(request, proposed.get(request.request_id), self.config.max_model_len)
-        return advanced
-
-    def _apply(self, decisions: list[Decision]) -> dict[str, Request]:
-        """Carry out a policy's decisions in order; returns the forks made, by id."""
-        forks: dict[str, Request] = {}
-        for decision in decisions:
-            if isinstance(decision, Fork):
-                parent = self.requests[decision.parent_id]
-                forks[decision.child_id] = self._fork(parent, decision.child_id, decision.sample_index, decision.seed)
-            elif isinstance(decision, Append):
-                self._append(self.requests[decision.sequence_id], decision.token_ids)
-            else:
-                self.finish_request(decision.sequence_id, decision.status)
-        return forks
-
-    def _append(self, request: Request, token_ids: Sequence[int]) -> None:
-        """Append tokens until one stops (finishes) the request. Forked by now if
-        it was to, it holds one place in max_num_seqs; its forks hold the others."""
-        if request.status is RequestStatus.RUNNING:
-            self.num_seats_in_use -= request.num_pending_samples - 1
-        request.num_pending_samples = 1
-        for token_id in token_ids:
-            request.append_output_token(token_id)
-            status = request.check_stop(self.config.max_model_len)
-            if status is not None:
-                self.finish_request(request.request_id, status)
-                return
-
-    def _fork(self, parent: Request, child_id: str, sample_index: int, seed: int) -> Request:
-        """Start a running sequence that shares ``parent``'s tokens and blocks."""
-        if child_id in self.requests:
-            raise ValueError(f"request id {child_id!r} is already in use")
-        copies = self.kv_cache_manager.fork(parent.request_id, child_id)
-        if copies is None:
-            raise RuntimeError("the pool ran out of blocks while copying a fork (block sharing is off)")
-        self._pending_copies.extend((copy.src, copy.dst) for copy in copies)
-        child = parent.fork(child_id, sample_index, seed)
-        self.requests[child_id] = child
-        self._arrival_order[child_id] = self._arrival_order[parent.request_id]
-        self.running.append(child)
-        self._transition(child, RequestStatus.RUNNING, is_new=True)
-        return child
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (or abort) a live request and free its blocks. Unknown or

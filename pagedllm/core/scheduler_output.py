@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.core.adapter_spec import AdapterLoad
 from pagedllm.core.tier_index import TierMoves
 from pagedllm.sampling_params import SamplingParams
 
@@ -46,6 +47,8 @@ class NewSequenceData:
     output_token_ids: list[int]
     block_ids: list[int]
     sampling_params: SamplingParams
+    # The LoRA adapter it runs under (None: the base); its pages are resident while it runs.
+    lora_name: str | None = None
 
 
 @dataclass
@@ -109,6 +112,8 @@ class SchedulerOutput:
     # Offloads, loads, drops and persists of the tiers below the pool, in the
     # order ``core/tier_index.py`` states (offloads first, persists after the forward).
     tier_moves: TierMoves = field(default_factory=TierMoves)
+    # LoRA adapters to read into their pages before the forward (after the block moves).
+    adapter_loads: list[AdapterLoad] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.logger import init_logger
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -128,6 +129,7 @@ class AsyncLLMEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request now (raises ``ValueError`` at once for a bad one) and
         return the stream of its outputs."""
@@ -135,7 +137,8 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine loop died ({self.dead_error!r}); restart the server")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         async with self._lock:
-            self._engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+            self._engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
+                                     lora_request=lora_request)
             self._queues[request_id] = queue
         self._wakeup.set()
         return RequestStream(request_id, queue, self.abort)

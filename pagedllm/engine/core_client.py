@@ -27,6 +27,7 @@ from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.core_messages import (AbortRequests, AddRequest, AddResult, EngineFacts, EngineFailed, Hello,
                                            OutputBatch, Ready, RequestError, RequestsDropped, UtilityCall,
                                            UtilityResult, input_codec, output_codec)
+from pagedllm.lora.request import LoRARequest
 from pagedllm.engine.core_process import EngineCoreProcess, metrics_address
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.output_deltas import OutputAssembler
@@ -176,11 +177,11 @@ class AsyncEngineCoreClient:
         return f"{prefix}-{self.identity.decode()}-{self._ids}"
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams, priority: int = 0,
-                          cache_salt: str | None = None) -> RequestStream:
+                          cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request in the core (raises ``ValueError`` as ``LLMEngine.add_request``
         does, once the core has checked it) and return the stream of its outputs."""
         message = AddRequest(request_id, tokenized(self.info.tokenizer, prompt), params,
-                             priority=priority, cache_salt=cache_salt)
+                             priority=priority, cache_salt=cache_salt, lora_request=lora_request)
         queue = await self._add(message)
         return RequestStream(request_id, queue, self.abort)
 

@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 
 from pagedllm.engine.beam_search import BeamSearchParams
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
 
@@ -41,6 +42,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     beam: BeamSearchParams | None = None  # a beam search instead of sampling
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

@@ -176,7 +176,8 @@ class EngineCore:
                                              priority=message.priority, cache_salt=message.cache_salt)
             else:
                 self.engine.add_request(message.request_id, message.prompt, message.params,
-                                        priority=message.priority, cache_salt=message.cache_salt)
+                                        priority=message.priority, cache_salt=message.cache_salt,
+                                        lora_request=message.lora_request)
         except StructuredOutputError as exc:
             self._send(identity, AddResult(message.request_id, RequestError(str(exc), exc.kind, exc.reason)))
             return

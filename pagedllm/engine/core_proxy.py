@@ -21,6 +21,7 @@ from pagedllm.engine.core_client import LIVENESS_INTERVAL_S, core_process_alive,
 from pagedllm.engine.core_messages import (AbortRequests, AddRequest, AddResult, EngineFailed, Hello, OutputBatch,
                                            Ready, RequestsDropped, UtilityCall, UtilityResult, input_codec,
                                            output_codec)
+from pagedllm.lora.request import LoRARequest
 from pagedllm.engine.core_process import CoreLaunch, EngineCoreProcess
 from pagedllm.engine.async_engine import EngineDeadError
 from pagedllm.engine.output_deltas import OutputAssembler
@@ -126,10 +127,10 @@ class EngineCoreProxy:
         return str(next(self._ids))
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
+                    priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> None:
         params = params or self.get_default_sampling_params()
         self._add(AddRequest(request_id, tokenized(self.info.tokenizer, prompt), params, priority=priority,
-                             cache_salt=cache_salt))
+                             cache_salt=cache_salt, lora_request=lora_request))
 
     def add_beam_request(self, request_id: str, prompt: Any, params: BeamSearchParams, priority: int = 0,
                          cache_salt: str | None = None) -> None:

@@ -5,10 +5,30 @@ step totals."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pagedllm.core.scheduler_output import SchedulerOutput
     from pagedllm.engine.llm_engine import LLMEngine
+
+
+def count_step(engine: LLMEngine, scheduler_output: SchedulerOutput) -> set[str]:
+    """Count a launched step in the engine's totals and stamp its user requests' first
+    scheduled time; returns those requests' ids."""
+    sequences = engine.scheduler.requests
+    user_ids = {sequences[s.sequence_id].group_id for s in scheduler_output.scheduled}
+    now = time.time()
+    for user_id in user_ids:
+        metrics = engine.requests[user_id].metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = now
+    num_scheduled = len(scheduler_output.scheduled)
+    engine.num_steps += 1
+    engine.num_scheduled_sequences += num_scheduled
+    engine.peak_running_per_step = max(engine.peak_running_per_step, num_scheduled)
+    engine.num_batched_tokens += scheduler_output.total_num_scheduled_tokens
+    return user_ids
 
 
 def kv_pool_snapshot(engine: LLMEngine) -> dict:
@@ -30,7 +50,15 @@ def kv_pool_snapshot(engine: LLMEngine) -> dict:
             "num_waiting": engine.scheduler.num_waiting,
         },
         "tiers": _tiers_view(engine, kv),
+        # Resident LoRA adapters (their pages are the blocks whose "adapter" names them).
+        "adapters": _adapters_view(engine),
     }
+
+
+def _adapters_view(engine: LLMEngine) -> list[dict]:
+    pager = engine.scheduler.adapters
+    return [{"name": name, "pages": len(resident.pages), "first_block": resident.pages[0].block_id,
+             "pinned_by": resident.pins} for name, resident in list(getattr(pager, "resident", {}).items())]
 
 
 def _tiers_view(engine: LLMEngine, kv) -> dict | None:

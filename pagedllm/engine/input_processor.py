@@ -11,7 +11,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.adapter_spec import AdapterSpec
 from pagedllm.core.request import Request
+from pagedllm.lora.registry import AdapterRegistry
+from pagedllm.lora.request import LoRARequest
 from pagedllm.core.sequence_group import SAMPLING, SequenceGroupPolicy
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import cdiv
@@ -34,8 +37,10 @@ class InputProcessor:
         num_blocks: int,
         seed: int,
         max_logprobs: int = 20,
+        adapters: AdapterRegistry | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.adapters = adapters
         self.max_logprobs = max_logprobs
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -56,16 +61,19 @@ class InputProcessor:
         priority: int,
         cache_salt: str | None,
         group_policy: SequenceGroupPolicy = SAMPLING,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[Request, str | None]:
         """Build a validated Request (``ValueError``, naming what to change, on
         anything that could never run). ``cache_salt`` (argument, or a dict prompt's
         ``"cache_salt"`` key) isolates the request's prefix-cache blocks: only
         requests with the same salt share them. ``group_policy`` turns its sampled
-        rows into tokens (``core/sequence_group.py``; beam search passes its own)."""
+        rows into tokens (``core/sequence_group.py``; beam search passes its own).
+        ``lora_request`` runs it under that adapter (checked here)."""
         if priority != 0 and self.scheduler_config.scheduling_policy != "priority":
             raise ValueError("priority is only honoured with scheduling_policy='priority'; set it or drop priority")
+        lora = self._adapter(lora_request)
         prompt_text, token_ids = self._truncate(*self._tokenize(prompt), params.truncate_prompt_tokens)
-        max_tokens = self._validate(token_ids, params)
+        max_tokens = self._validate(token_ids, params, 0 if lora is None else lora.num_pages)
         params = self._with_token_rules(params)
         if cache_salt is None and isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")
@@ -91,8 +99,17 @@ class InputProcessor:
             num_samples=num_sequences,
             cache_salt=cache_salt,
             group_policy=group_policy,
+            lora=lora,
         )
         return request, prompt_text
+
+    def _adapter(self, lora_request: LoRARequest | None) -> AdapterSpec | None:
+        if lora_request is None:
+            return None
+        if self.adapters is None:
+            raise ValueError(f"request names LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} but "
+                             "the engine was started without LoRA; start it with enable_lora=True (--enable-lora)")
+        return self.adapters.spec_for(lora_request)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -167,8 +184,9 @@ class InputProcessor:
             raise ValueError("prompt_token_ids must be a list of integers")
         return list(token_ids)
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> int:
-        """Check the prompt against the model and the pool; return the effective max_tokens."""
+    def _validate(self, token_ids: list[int], params: SamplingParams, adapter_pages: int = 0) -> int:
+        """Check the prompt against the model and the pool (beside its adapter's pages);
+        return the effective max_tokens."""
         if not token_ids:
             raise ValueError("the prompt is empty (0 tokens); pass at least one token")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -193,9 +211,10 @@ class InputProcessor:
                 f"{reservation} tokens; lower max_tokens or raise contiguous_reservation"
             )
         needed = cdiv(prompt_len + max_tokens, self.block_size)
-        if needed > self.num_blocks:
+        if needed + adapter_pages > self.num_blocks:
+            pages = f" beside its LoRA adapter's {adapter_pages} pages" if adapter_pages else ""
             raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {needed} KV blocks but the "
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {needed} KV blocks{pages} but the "
                 f"whole pool has {self.num_blocks}; lower max_tokens or enlarge the pool (kv_cache_memory / num_kv_blocks)"
             )
         return max_tokens

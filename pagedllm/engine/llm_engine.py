@@ -18,14 +18,15 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner_output import ModelRunnerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
-from pagedllm.engine.counters import engine_stats, kv_pool_snapshot, weight_bytes
-from pagedllm.engine.setup import (create_kv_cache_manager, eos_token_ids_of, freeze_long_lived_objects,
-                                   sampling_defaults_of)
+from pagedllm.engine.counters import count_step, engine_stats, kv_pool_snapshot, weight_bytes
+from pagedllm.engine.setup import (create_kv_cache_manager, create_lora, eos_token_ids_of,
+                                   freeze_long_lived_objects, sampling_defaults_of)
 from pagedllm.engine.beam_search import BeamGroup, BeamSearchParams
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.kv_channels import KVChannels
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.logger import init_logger
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import IterationStats
 from pagedllm.distributed.executor import DistributedExecutor
 from pagedllm.distributed.group import TensorParallelGroup
@@ -108,19 +109,20 @@ class LLMEngine:
         self.kv_channels = KVChannels(config, self.runner, self.model_path, plan.block_size)
         self.kv_tiers = self.kv_channels.tiers
         self.kv_cache_manager = create_kv_cache_manager(config.cache, plan, self.scheduler_config, self.kv_channels)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        # LoRA: adapters checked by name (registry), paged into the pool by the scheduler (pager).
+        self.adapter_registry, pager = create_lora(config, self.model_config, self.runner, self.kv_cache_manager)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, pager)
         self.vocab_size = self.model_config.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                               self.scheduler_config, config.cache, plan.num_blocks, config.seed,
-                                              max_logprobs=config.max_logprobs)
+                                              max_logprobs=config.max_logprobs, adapters=self.adapter_registry)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Grammar state of guided sequences; the driver alone samples, so it lives here.
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         # The one registry of user requests: sampled ones by their output state,
         # beam searches by their ranking state (both carry the request's metrics).
         self.requests: dict[str, RequestState | BeamGroup] = {}
-        self._request_counter = 0
-        self.num_steps = self.num_scheduled_sequences = 0
+        self._request_counter = self.num_steps = self.num_scheduled_sequences = 0
         self.peak_running_per_step = 0  # most sequences in one forward pass
         self.num_batched_tokens = 0  # tokens through the forward, summed over steps
         self.reset_step_timings()
@@ -184,18 +186,21 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request. Raises ``ValueError`` (and changes
-        nothing) on an empty or too-long prompt, out-of-vocabulary token ids, a
-        request that could never fit in the pool, a reused request id, or a
-        structured-output constraint that does not compile."""
+        """Validate and queue a request (under ``lora_request``'s adapter, if any).
+        Raises ``ValueError`` (and changes nothing) on an empty or too-long prompt,
+        out-of-vocabulary token ids, a request that could never fit in the pool, a
+        reused request id, a bad adapter, or a structured-output constraint that
+        does not compile."""
         params = params or self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         self._check_new_id(request_id)
         self.input_processor.check_logprobs(params)  # beam search's internal candidates are exempt
         request, prompt_text = self.input_processor.new_request(
-            request_id, prompt, params, params.num_sequences, arrival_time, priority, cache_salt
+            request_id, prompt, params, params.num_sequences, arrival_time, priority, cache_salt,
+            lora_request=lora_request,
         )
         grammar = self.structured_output.compile(params)  # a bad schema never reaches the scheduler
         self.scheduler.add_request(request)
@@ -305,8 +310,7 @@ class LLMEngine:
                 raise RuntimeError("the scheduler could not schedule any unfinished request (this is a bug)")
             self.stats_reporter.record(self.stats_reporter.begin())
             return None
-        user_ids = self._user_ids_of(scheduler_output)
-        self._count_step(scheduler_output, user_ids)
+        user_ids = count_step(self, scheduler_output)
         grammar = self.structured_output.bitmask_for(scheduler_output)
         if self._runner_thread is not None:
             return _LaunchedStep(scheduler_output, user_ids,
@@ -331,22 +335,6 @@ class LLMEngine:
             self.kv_cache_manager.reset_prefix_cache()
             raise
         return runner_output, time.perf_counter() - waiting
-
-    def _user_ids_of(self, scheduler_output: SchedulerOutput) -> set[str]:
-        sequences = self.scheduler.requests
-        return {sequences[s.sequence_id].group_id for s in scheduler_output.scheduled}
-
-    def _count_step(self, scheduler_output: SchedulerOutput, user_ids: set[str]) -> None:
-        now = time.time()
-        for user_id in user_ids:
-            metrics = self.requests[user_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-        num_scheduled = len(scheduler_output.scheduled)
-        self.num_steps += 1
-        self.num_scheduled_sequences += num_scheduled
-        self.peak_running_per_step = max(self.peak_running_per_step, num_scheduled)
-        self.num_batched_tokens += scheduler_output.total_num_scheduled_tokens
 
     def _apply(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> _AppliedStep:
         """What the next schedule depends on: the scheduler appends the tokens as

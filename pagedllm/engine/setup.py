@@ -4,15 +4,19 @@ the KV cache manager over the planned pool, the EOS ids, the sampling defaults."
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig, sampling_overrides
+from pagedllm.core.adapter_pages import AdapterPager
 from pagedllm.core.contiguous import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_interface import KVCacheManagerProtocol
 from pagedllm.engine.kv_channels import KVChannels
 from pagedllm.logger import init_logger
+from pagedllm.lora.page_layout import page_elems_of
+from pagedllm.lora.registry import AdapterRegistry
 from pagedllm.model.loader import generation_defaults, generation_eos_token_ids
 from pagedllm.worker.memory import PoolPlan
 
@@ -31,6 +35,23 @@ def create_kv_cache_manager(cache: CacheConfig, plan: PoolPlan, scheduler_config
     return KVCacheManager(num_blocks, block_size, cache.enable_block_sharing, cache.enable_prefix_caching,
                           plan.num_swap_blocks, sliding_window=scheduler_config.sliding_window,
                           tiers=channels.tier_index, events=channels.events)
+
+
+def create_lora(config: EngineConfig, model_config: PretrainedConfig, runner: Any,
+                kv_cache_manager: KVCacheManagerProtocol) -> tuple[AdapterRegistry | None, AdapterPager | None]:
+    """With ``enable_lora``: the adapter registry (sized by the runner's pages) and the
+    pager over the pool; (None, None) without it. ``ValueError`` where LoRA cannot run yet."""
+    lora = config.lora
+    if not lora.enable_lora:
+        return None, None
+    if config.cache.kv_layout != "paged":
+        raise ValueError("enable_lora pages adapters into the KV pool's blocks: it needs kv_layout='paged'")
+    if config.tensor_parallel_size != 1:
+        raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet; use one rank")
+    num_blocks = kv_cache_manager.num_blocks
+    page_elems = page_elems_of(runner.kv_caches[0].key, runner.adapters.dtype)
+    registry = AdapterRegistry(model_config, lora.max_lora_rank, page_elems, num_blocks)
+    return registry, AdapterPager(kv_cache_manager.block_pool, lora.max_loras)
 
 
 def eos_token_ids_of(tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig, config: EngineConfig,

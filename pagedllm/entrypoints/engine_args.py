@@ -1,7 +1,7 @@
 """The engine's command-line flags, generated from the config dataclasses.
 
 As vLLM's ``EngineArgs.add_cli_args`` does: every field of ``EngineConfig``
-and of its ``CacheConfig`` becomes ``--field-name`` with the field's help text,
+and of its ``CacheConfig`` and ``LoRAConfig`` becomes ``--field-name`` with the field's help text,
 so adding an engine option is adding one field in ``pagedllm/config.py``, and
 every command that builds an engine takes all of them.
 """
@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import MISSING, Field, fields
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from pagedllm.config import CacheConfig, EngineConfig, engine_option_fields
+from pagedllm.config import NESTED_CONFIGS, CacheConfig, EngineConfig, engine_option_fields
+from pagedllm.lora_config import LoRAConfig
 from pagedllm.entrypoints.llm import LLM
 
 
@@ -26,11 +27,11 @@ def flag_of(option: str) -> str:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per engine option: ``--x/--no-x`` for a boolean, the allowed
     words as choices for a ``Literal``, a typed value otherwise."""
-    for title, config_class in (("engine", EngineConfig), ("KV cache", CacheConfig)):
+    for title, config_class in (("engine", EngineConfig), ("KV cache", CacheConfig), ("LoRA", LoRAConfig)):
         group = parser.add_argument_group(title)
         annotations = get_type_hints(config_class)
         for option in fields(config_class):
-            if option.name == "cache":
+            if option.name in NESTED_CONFIGS:
                 continue
             action = group.add_argument(flag_of(option.name), **_argument_spec(option, annotations[option.name]))
             # Some Pythons' BooleanOptionalAction append the default to the help themselves.

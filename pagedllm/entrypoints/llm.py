@@ -11,6 +11,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.entrypoints.chat_utils import ChatRenderOptions, load_chat_template, render_chat
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.reader import Metric, get_metrics_snapshot
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -135,8 +136,11 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
+        ``lora_request``: one adapter for every prompt, or one (or None: the base)
+        per prompt; the engine needs ``enable_lora=True``.
 
         A bad prompt raises ``ValueError`` before any step runs: the prompts
         already queued by this call are withdrawn, so nothing of it runs and no
@@ -154,7 +158,15 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
-        return self._run(prompt_list, params_list, priorities, use_tqdm)
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompt_list)
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompt_list)} prompts; pass one or one per prompt")
+        return self._drive(
+            prompt_list,
+            lambda engine, rid, prompt, i: engine.add_request(rid, prompt, params_list[i], priority=priorities[i],
+                                                              lora_request=loras[i]),
+            use_tqdm,
+        )
 
     def chat(
         self,
@@ -168,6 +180,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the chat template, then generate (vLLM's ``LLM.chat``).
 
@@ -194,7 +207,7 @@ class LLM:
             if cache_salt is not None:
                 prompt["cache_salt"] = cache_salt
             prompts.append(prompt)
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(
         self,
@@ -227,19 +240,6 @@ class LLM:
                 )
             )
         return results
-
-    def _run(
-        self,
-        prompts: list[PromptType],
-        params_list: list[SamplingParams],
-        priorities: list[int],
-        use_tqdm: bool,
-    ) -> list[RequestOutput]:
-        return self._drive(
-            prompts,
-            lambda engine, rid, prompt, i: engine.add_request(rid, prompt, params_list[i], priority=priorities[i]),
-            use_tqdm,
-        )
 
     def _drive(self, prompts: list[PromptType], add, use_tqdm: bool) -> list[RequestOutput]:
         """Queue every prompt with ``add(engine, request_id, prompt, index)``, step

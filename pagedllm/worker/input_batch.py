@@ -33,13 +33,14 @@ class CachedSequence:
     the whole vectorized gather)."""
 
     __slots__ = ("prompt_token_ids", "output_token_ids", "sampling_params", "row", "num_tokens", "num_blocks",
-                 "num_computed", "num_written")
+                 "num_computed", "num_written", "lora_name")
 
     def __init__(self, data: NewSequenceData, row: int) -> None:
         # The lists are the runner's own (NewSequenceData's safety rule): no copy.
         self.prompt_token_ids = data.prompt_token_ids  # never changes
         self.output_token_ids = data.output_token_ids
         self.sampling_params: SamplingParams = data.sampling_params
+        self.lora_name = data.lora_name  # its LoRA adapter (None: the base)
         self.row = row
         self.num_tokens = len(data.prompt_token_ids) + len(data.output_token_ids)  # drafts excluded
         self.num_blocks = 0

@@ -24,6 +24,7 @@ from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.worker.block_moves import allocate_caches, move_blocks, move_tails
 from pagedllm.worker.cuda_graphs import DecodeGraphs, why_no_graphs
 from pagedllm.worker.input_batch import CachedSequence, InputBatch
+from pagedllm.worker.lora_adapters import RunnerAdapters
 from pagedllm.worker.runner_spec import RunnerSpec
 from pagedllm.worker.sampler import Sampler
 from pagedllm.worker.sampling.grammar import GrammarBitmask
@@ -103,6 +104,8 @@ class ModelRunner:
                                                                           spec.num_blocks)
         self.step_sampler = StepSampler(model.compute_logits, self.sampler, self.speculator, self.batch, device)
         self.tiers: RunnerTiers | None = None  # ``attach_tiers``
+        self.adapters = None if not spec.max_lora_rank else RunnerAdapters(
+            model, model.config, self.kv_caches, spec.dtype, spec.max_lora_rank, device)
 
     @torch.inference_mode()
     def _capture_graphs(self, max_num_seqs: int, max_model_len: int, pad_block: int) -> DecodeGraphs | None:
@@ -158,6 +161,9 @@ class ModelRunner:
                                                    self.device)
         if batch is not None:
             step.input_ids, step.positions, step.metadata = batch.input_ids, batch.positions, batch.metadata
+        if self.adapters is not None:
+            step.adapter_loads = scheduler_output.adapter_loads
+            step.adapter_runs = [] if batch is None else self._adapter_runs(batch)
         if self.broadcast_step is not None:
             self.broadcast_step(step)
         prepared = time.perf_counter()
@@ -193,6 +199,9 @@ class ModelRunner:
             self.tiers.after_block_moves(self.kv_caches, step.tier_moves)
         if step.tail_moves is not None:
             move_tails(self.kv_caches, self.swap_pool, step.tail_moves)
+        if self.adapters is not None:
+            self.adapters.load(step.adapter_loads)
+            self.adapters.set_step(step.adapter_runs, 0 if step.input_ids is None else step.input_ids.shape[0])
         if step.input_ids is None:
             return None
         if self.decode_graphs is not None and self.decode_graphs.fits(step.input_ids.shape[0], step.metadata):
@@ -246,6 +255,11 @@ class ModelRunner:
             host_positions=arrays.positions,
             host_slots=arrays.slot_mapping,
         )
+
+    def _adapter_runs(self, batch: _Batch) -> list[tuple[int, int, str | None]]:
+        """Each scheduled sequence's rows and its adapter, in row order."""
+        return [(last - s.num_scheduled_tokens + 1, last + 1, self.sequences[s.sequence_id].lora_name)
+                for s, last in zip(batch.order, batch.last_rows)]
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         """A step's int64 array on the device (shared, not copied, on the CPU:

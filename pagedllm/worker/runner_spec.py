@@ -29,6 +29,7 @@ class RunnerSpec:
     max_num_seqs: int  # the persistent input batch's rows and the largest CUDA graph (the batch grows past them)
     max_model_len: int
     cuda_graphs: bool  # capture decode steps where the device and model allow (off: ``enforce_eager``)
+    max_lora_rank: int = 0  # LoRA adapters' largest rank (0: LoRA off)
 
     @classmethod
     def from_plan(cls, plan: PoolPlan, config: EngineConfig, scheduler_config: SchedulerConfig) -> RunnerSpec:
@@ -45,5 +46,7 @@ class RunnerSpec:
             max_model_len=scheduler_config.max_model_len,
             # A tensor-parallel forward's graph would capture its all-reduces,
             # which needs every rank capturing together: those steps run eagerly.
-            cuda_graphs=not config.enforce_eager and config.tensor_parallel_size == 1,
+            # LoRA steps carry per-row adapter work a captured graph would not see.
+            cuda_graphs=not config.enforce_eager and config.tensor_parallel_size == 1 and not config.lora.enable_lora,
+            max_lora_rank=config.lora.max_lora_rank if config.lora.enable_lora else 0,
         )

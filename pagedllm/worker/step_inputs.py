@@ -4,11 +4,12 @@ importing the runner that builds it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.core.adapter_spec import AdapterLoad
 from pagedllm.core.tier_index import TierMoves
 from pagedllm.worker.block_moves import TailMoves
 
@@ -33,3 +34,7 @@ class StepInputs:
     input_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     metadata: AttentionMetadata | None = None
+    # LoRA: adapters to read into their pages after the block moves, and the forward's
+    # rows as runs (start row, end row, adapter name or None for the base).
+    adapter_loads: list[AdapterLoad] = field(default_factory=list)
+    adapter_runs: list[tuple[int, int, str | None]] = field(default_factory=list)

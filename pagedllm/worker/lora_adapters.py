@@ -1,0 +1,74 @@
+"""The runner's LoRA adapters: page-ins (weights read from disk into their pool
+pages) and each step's per-row adapter work for the model's ``LoRAProjection``s."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pagedllm.core.adapter_spec import AdapterLoad
+from pagedllm.lora.adapter_files import read_adapter
+from pagedllm.lora.layers import LoRAContext, LoRAStep, install_lora, part_rows, uses_kernel
+from pagedllm.lora.page_layout import AdapterLayout, adapter_layout, page_elems_of, projection_shapes
+from pagedllm.lora.weights import LORA_MODULES
+from pagedllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class RunnerAdapters:
+    """Where each resident adapter's pages start and how they are laid out.
+
+    Safety rule: a sequence names an adapter only while the scheduler holds it
+    pinned, and the scheduler pins only after queueing its page-in (if it was not
+    resident), so the latest load of a name is the one its sequences read; stale
+    entries of evicted adapters are never named again before they are reloaded.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: Any, kv_caches: Sequence[Any], dtype: torch.dtype,
+                 max_lora_rank: int, device: torch.device) -> None:
+        self.config = config
+        self.max_lora_rank = max_lora_rank
+        self.dtype = dtype
+        self.device = device
+        self.shapes = projection_shapes(config)
+        self.page_elems = page_elems_of(kv_caches[0].key, dtype)
+        self.context = LoRAContext([c.key for c in kv_caches], [c.value for c in kv_caches], dtype)
+        install_lora(model, self.context)
+        self.use_kernel = uses_kernel(device, dtype)
+        self.placed: dict[str, tuple[int, AdapterLayout]] = {}
+
+    def load(self, loads: Sequence[AdapterLoad]) -> None:
+        """Read each adapter and write it into its pages (every layer's key and value rows)."""
+        for load in loads:
+            weights = read_adapter(load.path, self.config, self.max_lora_rank)
+            layout = adapter_layout(weights.rank, weights.target_modules, self.shapes, self.page_elems)
+            base = load.first_block * self.page_elems
+            for (layer, module), (a, b) in weights.tensors.items():
+                a_start = base + layout.a_offsets[module]
+                b_start = base + layout.b_offsets[module]
+                self.context.a_pages[layer][a_start: a_start + a.numel()] = a.reshape(-1).to(self.dtype)
+                self.context.b_pages[layer][b_start: b_start + b.numel()] = (b * weights.scaling).reshape(-1).to(
+                    self.dtype)
+            self.placed[load.name] = (load.first_block, layout)
+
+    def set_step(self, runs: list[tuple[int, int, str | None]], num_rows: int) -> None:
+        """The next forward's rows: ``runs`` (start row, end row, adapter name or None) in row order."""
+        adapter_runs = [run for run in runs if run[2] is not None]
+        if not adapter_runs:
+            self.context.step = None
+            return
+        parts = {}
+        for module in LORA_MODULES:
+            module_runs = []
+            for start, end, name in adapter_runs:
+                first_block, layout = self.placed[name]
+                if module in layout.a_offsets:
+                    base = first_block * self.page_elems
+                    module_runs.append((start, end, base + layout.a_offsets[module], base + layout.b_offsets[module],
+                                        layout.rank))
+            if module_runs:
+                parts[module] = part_rows(num_rows, module_runs, self.use_kernel, self.device)
+        self.context.step = LoRAStep(parts)
