@@ -3,6 +3,7 @@ pages) and each step's per-row adapter work for the model's ``LoRAProjection``s.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,10 +40,15 @@ class RunnerAdapters:
         install_lora(model, self.context)
         self.use_kernel = uses_kernel(device, dtype)
         self.placed: dict[str, tuple[int, AdapterLayout]] = {}
+        # Page-ins done and the seconds they took (read from disk + written into the pages): the
+        # cost a multi-LoRA workload pays for adapters that are not resident (`pagedllm bench lora`).
+        self.num_loads = 0
+        self.load_seconds = 0.0
 
     def load(self, loads: Sequence[AdapterLoad]) -> None:
         """Read each adapter and write it into its pages (every layer's key and value rows)."""
         for load in loads:
+            start = time.perf_counter()
             weights = read_adapter(load.path, self.config, self.max_lora_rank)
             layout = adapter_layout(weights.rank, weights.target_modules, self.shapes, self.page_elems)
             base = load.first_block * self.page_elems
@@ -53,6 +59,8 @@ class RunnerAdapters:
                 self.context.b_pages[layer][b_start: b_start + b.numel()] = (b * weights.scaling).reshape(-1).to(
                     self.dtype)
             self.placed[load.name] = (load.first_block, layout)
+            self.num_loads += 1
+            self.load_seconds += time.perf_counter() - start
 
     def set_step(self, runs: list[tuple[int, int, str | None]], num_rows: int) -> None:
         """The next forward's rows: ``runs`` (start row, end row, adapter name or None) in row order."""
