@@ -46,5 +46,12 @@ torch::Tensor quant_dequantize(torch::Tensor packed, int64_t qtype, int64_t in_f
 void quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::Tensor out, int64_t small_rows,
                   bool packed_tiles);
 
+// lora_ops.cpp: out[:, out_col : out_col + out_size] += B_r @ (A_r @ x[r]) per row r, with each row's
+// adapter A_r [ranks[r], in] and B_r [out_size, ranks[r]] at a_offsets[r] / b_offsets[r] in two flat
+// pools (rank 0: no adapter); fp32 or bf16, sums in fp32, out rounded once.
+void lora_bgmv(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& a_pool, const torch::Tensor& b_pool,
+               const torch::Tensor& a_offsets, const torch::Tensor& b_offsets, const torch::Tensor& ranks,
+               int64_t out_col, int64_t out_size);
+
 // sampling_ops.cpp: greedy token and log-normaliser of each logits row in one read.
 std::tuple<torch::Tensor, torch::Tensor> argmax_logsumexp(torch::Tensor logits);
