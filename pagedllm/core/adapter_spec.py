@@ -7,12 +7,16 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class AdapterSpec:
-    """What the scheduler knows of a request's adapter: its name (the identity of its
-    weights, in the prefix-cache key), where it is read from, how many pages it takes."""
+    """What the scheduler knows of a request's adapter: its name, where it is read from, how
+    many pages it takes, and ``fingerprint``, a digest of its files' bytes. The prefix-cache key
+    holds the name and the fingerprint, so K/V computed under one set of weights is never served
+    to other weights under the same name (an adapter reloaded from another file, a disk tier
+    that outlived a restart)."""
 
     name: str
     path: str
     num_pages: int
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True)

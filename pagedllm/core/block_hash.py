@@ -84,9 +84,12 @@ def hash_request_tokens(token_ids: Sequence[int], block_size: int = 16, cache_sa
     return [external_block_hash(h) for h in extend_block_hashes([], list(token_ids), block_size, extra_keys)]
 
 
-def request_extra_keys(cache_salt: str | None, lora_name: str | None) -> tuple:
+def request_extra_keys(cache_salt: str | None, lora_name: str | None, lora_fingerprint: str = "") -> tuple:
     """What besides its tokens a request's blocks are keyed by: the tenant's salt, then
-    the LoRA adapter as ``["lora", name]`` (a JSON list, so no salt string can equal it).
+    the LoRA adapter as ``["lora", name]`` or, when its files' digest is known,
+    ``["lora", name, fingerprint]`` (a JSON list, so no salt string can equal it).
     K/V computed under one adapter is then never served to another or to the base."""
     keys: tuple = (cache_salt,) if cache_salt is not None else ()
-    return keys + ((["lora", lora_name],) if lora_name is not None else ())
+    if lora_name is None:
+        return keys
+    return keys + (["lora", lora_name, lora_fingerprint] if lora_fingerprint else ["lora", lora_name],)

@@ -99,7 +99,8 @@ class Request:
         # Prefix caching: what besides the tokens a block's identity covers
         # (the tenant's salt, the adapter), and the hashes of the full blocks so far.
         self.cache_salt = cache_salt
-        self.extra_keys: tuple = request_extra_keys(cache_salt, None if lora is None else lora.name)
+        self.extra_keys: tuple = (request_extra_keys(cache_salt, None) if lora is None else
+                                  request_extra_keys(cache_salt, lora.name, lora.fingerprint))
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = 0
         # Sharing: the request whose prompt this sequence shares, and its place

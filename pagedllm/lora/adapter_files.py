@@ -12,12 +12,13 @@ Every refusal is a ``ValueError`` that names the file and what to change.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.lora.weights import LORA_MODULES, LoRAWeights
-from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
+from pagedllm.lora.page_layout import projection_shapes
 
 # (layer index, module name) -> {"A": shape, "B": shape}, in torch order ([rank, in] and [out, rank]).
 AdapterShapes = dict[tuple[int, str], dict[str, tuple[int, ...]]]
@@ -78,24 +79,6 @@ def _format_of(path: str) -> str:
     raise ValueError(f"LoRA adapter {path!r}: no such folder or file")
 
 
-def module_features(config: Any) -> dict[str, tuple[int, int]]:
-    """Each servable projection's (in_features, out_features) in the base model: what every
-    adapter's A ([rank, in]) and B ([out, rank]) must fit."""
-    hidden, intermediate = config.hidden_size, config.intermediate_size
-    head_dim = head_dim_of(config)
-    q_width = config.num_attention_heads * head_dim
-    kv_width = num_kv_heads_of(config) * head_dim
-    return {
-        "q_proj": (hidden, q_width),
-        "k_proj": (hidden, kv_width),
-        "v_proj": (hidden, kv_width),
-        "o_proj": (q_width, hidden),
-        "gate_proj": (hidden, intermediate),
-        "up_proj": (hidden, intermediate),
-        "down_proj": (intermediate, hidden),
-    }
-
-
 def check_target_module(module: str, source: str) -> None:
     """Refuse, by name, a module outside ``LORA_MODULES`` (lm_head, embed_tokens, ...): serving
     the adapter without it would silently compute another model than the one trained."""
@@ -113,7 +96,7 @@ def check_shapes(shapes: AdapterShapes, config: Any, max_lora_rank: int, source:
     folder and a GGUF file are held to exactly the same rules."""
     if not shapes:
         raise ValueError(f"{source} holds no LoRA tensors")
-    features = module_features(config)
+    features = projection_shapes(config)
     num_layers = config.num_hidden_layers
     for _, module in shapes:
         check_target_module(module, source)
@@ -159,3 +142,18 @@ def adapter_info(shapes: AdapterShapes, rank: int, scaling: float) -> AdapterInf
     present = {module for _, module in shapes}
     return AdapterInfo(rank=rank, scaling=float(scaling),
                        target_modules=tuple(m for m in LORA_MODULES if m in present))
+
+
+def adapter_fingerprint(path: str) -> str:
+    """A digest of the adapter's bytes (every file of a PEFT folder, in name order, or the
+    GGUF file): it joins the adapter's name in the prefix-cache key. Reads the files once
+    more, in 1 MiB chunks; called once per adapter name."""
+    files = [path] if os.path.isfile(path) else sorted(os.path.join(path, f) for f in os.listdir(path)
+                                                        if os.path.isfile(os.path.join(path, f)))
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(os.path.basename(file).encode() + b"\0")
+        with open(file, "rb") as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.core.adapter_spec import AdapterSpec
-from pagedllm.lora.adapter_files import read_adapter
+from pagedllm.lora.adapter_files import adapter_fingerprint, read_adapter
 from pagedllm.lora.page_layout import adapter_layout, projection_shapes
 from pagedllm.lora.request import LoRARequest
 
@@ -45,7 +45,7 @@ class AdapterRegistry:
         if layout.num_pages > self.num_blocks:
             raise ValueError(f"LoRA adapter {name!r} needs {layout.num_pages} KV blocks of pages but the pool has "
                              f"{self.num_blocks}; enlarge the pool (kv_cache_memory / num_kv_blocks)")
-        spec = self.specs[name] = AdapterSpec(name, path, layout.num_pages)
+        spec = self.specs[name] = AdapterSpec(name, path, layout.num_pages, adapter_fingerprint(path))
         return spec
 
     def forget(self, name: str) -> bool:

@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from pagedllm.bench.hf_reference import load_hf_model
-from pagedllm.lora.adapter_files import check_adapter, module_features, read_adapter
+from pagedllm.lora.adapter_files import check_adapter, read_adapter
+from pagedllm.lora.page_layout import projection_shapes
 from pagedllm.lora.weights import LORA_MODULES, LoRAWeights
 from tests.lora.adapters import make_peft_adapter, peft_greedy, write_gguf_lora
 
@@ -209,7 +210,7 @@ def test_the_projection_shapes_follow_head_dim_and_kv_heads():
 
     config = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=1,
                          head_dim=32)
-    assert module_features(config) == {"q_proj": (64, 128), "k_proj": (64, 32), "v_proj": (64, 32),
+    assert projection_shapes(config) == {"q_proj": (64, 128), "k_proj": (64, 32), "v_proj": (64, 32),
                                        "o_proj": (128, 64), "gate_proj": (64, 96), "up_proj": (64, 96),
                                        "down_proj": (96, 64)}
 

@@ -163,3 +163,22 @@ def test_an_engine_without_lora_refuses_an_adapter(tiny_llama, adapters, prompts
     with pytest.raises(ValueError, match="enable_lora"):
         llm.generate(prompts[:1], lora_request=LoRARequest("qv4", 1, adapters["qv4"]), use_tqdm=False)
     assert_pool_free(llm)
+
+
+def test_the_prefix_cache_key_holds_the_adapters_content(tiny_llama, adapters, tmp_path):
+    """Two adapters under one name (one unloaded, the other loaded from another file) key their
+    blocks apart: the key holds a digest of the files, not the name alone."""
+    import shutil
+
+    from pagedllm.lora.registry import AdapterRegistry
+
+    copy = shutil.copytree(adapters["qv4"], tmp_path / "copy")
+    llm = LLM(tiny_llama, enable_lora=True, max_lora_rank=8, num_kv_blocks=64)
+    registry: AdapterRegistry = llm.llm_engine.adapter_registry
+    same = registry.spec_for(LoRARequest("qv4", 1, adapters["qv4"]))
+    assert registry.forget("qv4")
+    assert registry.spec_for(LoRARequest("qv4", 1, str(copy))).fingerprint == same.fingerprint  # same bytes
+    assert registry.forget("qv4")
+    other = registry.spec_for(LoRARequest("qv4", 1, adapters["all8"]))
+    assert other.fingerprint != same.fingerprint
+    assert_pool_free(llm)
