@@ -46,11 +46,9 @@ def create_lora(config: EngineConfig, model_config: PretrainedConfig, runner: An
         return None, None
     if config.cache.kv_layout != "paged":
         raise ValueError("enable_lora pages adapters into the KV pool's blocks: it needs kv_layout='paged'")
-    if config.tensor_parallel_size != 1:
-        raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet; use one rank")
     num_blocks = kv_cache_manager.num_blocks
     page_elems = page_elems_of(runner.kv_caches[0].key, runner.adapters.dtype)
-    registry = AdapterRegistry(model_config, lora.max_lora_rank, page_elems, num_blocks)
+    registry = AdapterRegistry(model_config, lora.max_lora_rank, page_elems, num_blocks, config.tensor_parallel_size)
     return registry, AdapterPager(kv_cache_manager.block_pool, lora.max_loras)
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.kernels.cpu import cpu_kernels_for
 from pagedllm.lora.page_layout import projection_shapes
 from pagedllm.model.layers import linear, replace_submodule
@@ -99,11 +100,11 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a_pages: torch.Tensor, b_pages:
         kernels.lora_bgmv(out, x, a_pages, b_pages, a_offsets, b_offsets, ranks, column, width)
 
 
-def lora_parts(config: Any) -> dict[str, list[tuple[str, int, int]]]:
-    """The wrapped projection of each layer -> its parts (name, first column, width)."""
-    shapes = projection_shapes(config)
+def lora_parts(config: Any, tp: TensorParallelGroup) -> dict[str, list[tuple[str, int, int]]]:
+    """The wrapped projection of each layer -> its parts (name, first column, width), on rank ``tp.rank``."""
+    shapes = projection_shapes(config, tp)
     q, kv, inter = shapes["q_proj"][1], shapes["k_proj"][1], shapes["gate_proj"][1]
-    hidden = config.hidden_size
+    hidden = shapes["o_proj"][1]
     return {"self_attn.qkv_proj": [("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)],
             "self_attn.o_proj": [("o_proj", 0, hidden)],
             "mlp.gate_up_proj": [("gate_proj", 0, inter), ("up_proj", inter, inter)],
@@ -114,7 +115,7 @@ def install_lora(model: nn.Module, context: LoRAContext) -> None:
     """Wrap every decoder layer's projections of ``model`` (a loaded ``LlamaForCausalLM``
     family model) in ``LoRAProjection``s over ``context``."""
     for index, layer in enumerate(model.model.layers):
-        for name, parts in lora_parts(model.config).items():
+        for name, parts in lora_parts(model.config, model.tp).items():
             replace_submodule(layer, name, LoRAProjection(layer.get_submodule(name), context, index, parts))
 
 

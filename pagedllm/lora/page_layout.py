@@ -15,19 +15,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.lora.weights import LORA_MODULES
-from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
+from pagedllm.model.shapes import head_dim_of
+from pagedllm.model.sharding import shard_layout
 from pagedllm.utils import cdiv
 
 # Each matrix starts on a 64-byte line (16 fp32 values) so the kernel's vector loads are aligned.
 _ALIGN = 16
 
 
-def projection_shapes(config: Any) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each LoRA-targetable projection of a Llama-family config."""
+def projection_shapes(config: Any, tp: TensorParallelGroup = SINGLE) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each LoRA-targetable projection of a Llama-family config,
+    as rank ``tp.rank`` holds it (``model.sharding``: q/k/v and gate/up split by output rows,
+    o and down by input columns; the whole projection with one rank)."""
+    layout = shard_layout(config, tp)
     hidden, head_dim = config.hidden_size, head_dim_of(config)
-    q_out, kv_out = config.num_attention_heads * head_dim, num_kv_heads_of(config) * head_dim
-    inter = config.intermediate_size
+    q_out, kv_out = layout.num_heads * head_dim, layout.num_kv_heads * head_dim
+    inter = layout.intermediate_size
     return {"q_proj": (hidden, q_out), "k_proj": (hidden, kv_out), "v_proj": (hidden, kv_out),
             "o_proj": (q_out, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
             "down_proj": (inter, hidden)}
@@ -62,6 +67,20 @@ def adapter_layout(rank: int, targets: tuple[str, ...], shapes: dict[str, tuple[
         a_offsets[module], a_end = a_end, _align(a_end + rank * in_features)
         b_offsets[module], b_end = b_end, _align(b_end + out_features * rank)
     return AdapterLayout(rank, max(1, cdiv(max(a_end, b_end), page_elems)), a_offsets, b_offsets)
+
+
+def pages_on_every_rank(rank: int, targets: tuple[str, ...], config: Any, world_size: int,
+                        rank0_page_elems: int) -> int:
+    """The pages an adapter takes: the most any tensor-parallel rank needs for its shard. A
+    rank's page holds its KV heads' share (``rank0_page_elems`` scaled by its KV heads over
+    rank 0's), and its shard of the adapter follows its share of the projections."""
+    heads0 = shard_layout(config, TensorParallelGroup(0, world_size)).num_kv_heads
+    pages = 0
+    for index in range(world_size):
+        group = TensorParallelGroup(index, world_size)
+        page_elems = rank0_page_elems * shard_layout(config, group).num_kv_heads // heads0
+        pages = max(pages, adapter_layout(rank, targets, projection_shapes(config, group), page_elems).num_pages)
+    return pages
 
 
 def page_elems_of(key_pool: Any, dtype: Any) -> int:

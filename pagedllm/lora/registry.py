@@ -7,7 +7,7 @@ from typing import Any
 
 from pagedllm.core.adapter_spec import AdapterSpec
 from pagedllm.lora.adapter_files import adapter_fingerprint, read_adapter
-from pagedllm.lora.page_layout import adapter_layout, projection_shapes
+from pagedllm.lora.page_layout import pages_on_every_rank
 from pagedllm.lora.request import LoRARequest
 
 
@@ -21,12 +21,13 @@ class AdapterRegistry:
     what keys its prefix-cache blocks and its pages.
     """
 
-    def __init__(self, model_config: Any, max_lora_rank: int, page_elems: int, num_blocks: int) -> None:
+    def __init__(self, model_config: Any, max_lora_rank: int, page_elems: int, num_blocks: int,
+                 tensor_parallel_size: int = 1) -> None:
         self.model_config = model_config
         self.max_lora_rank = max_lora_rank
-        self.page_elems = page_elems
+        self.page_elems = page_elems  # rank 0's
         self.num_blocks = num_blocks
-        self.shapes = projection_shapes(model_config)
+        self.tensor_parallel_size = tensor_parallel_size
         self.specs: dict[str, AdapterSpec] = {}
 
     def spec_for(self, lora_request: LoRARequest) -> AdapterSpec:
@@ -41,11 +42,12 @@ class AdapterRegistry:
                                  f"{path!r} another name (or unload {name!r} first)")
             return known
         weights = read_adapter(path, self.model_config, self.max_lora_rank)
-        layout = adapter_layout(weights.rank, weights.target_modules, self.shapes, self.page_elems)
-        if layout.num_pages > self.num_blocks:
-            raise ValueError(f"LoRA adapter {name!r} needs {layout.num_pages} KV blocks of pages but the pool has "
+        num_pages = pages_on_every_rank(weights.rank, weights.target_modules, self.model_config,
+                                        self.tensor_parallel_size, self.page_elems)
+        if num_pages > self.num_blocks:
+            raise ValueError(f"LoRA adapter {name!r} needs {num_pages} KV blocks of pages but the pool has "
                              f"{self.num_blocks}; enlarge the pool (kv_cache_memory / num_kv_blocks)")
-        spec = self.specs[name] = AdapterSpec(name, path, layout.num_pages, adapter_fingerprint(path))
+        spec = self.specs[name] = AdapterSpec(name, path, num_pages, adapter_fingerprint(path))
         return spec
 
     def forget(self, name: str) -> bool:

@@ -13,6 +13,7 @@ from pagedllm.core.adapter_spec import AdapterLoad
 from pagedllm.lora.adapter_files import read_adapter
 from pagedllm.lora.layers import LoRAContext, LoRAStep, install_lora, part_rows, uses_kernel
 from pagedllm.lora.page_layout import AdapterLayout, adapter_layout, page_elems_of, projection_shapes
+from pagedllm.lora.shard import shard_weights
 from pagedllm.lora.weights import LORA_MODULES
 from pagedllm.logger import init_logger
 
@@ -34,7 +35,8 @@ class RunnerAdapters:
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
         self.device = device
-        self.shapes = projection_shapes(config)
+        self.tp = model.tp  # this rank's share: adapters are sharded as the projections are
+        self.shapes = projection_shapes(config, self.tp)
         self.page_elems = page_elems_of(kv_caches[0].key, dtype)
         self.context = LoRAContext([c.key for c in kv_caches], [c.value for c in kv_caches], dtype)
         install_lora(model, self.context)
@@ -49,7 +51,7 @@ class RunnerAdapters:
         """Read each adapter and write it into its pages (every layer's key and value rows)."""
         for load in loads:
             start = time.perf_counter()
-            weights = read_adapter(load.path, self.config, self.max_lora_rank)
+            weights = shard_weights(read_adapter(load.path, self.config, self.max_lora_rank), self.config, self.tp)
             layout = adapter_layout(weights.rank, weights.target_modules, self.shapes, self.page_elems)
             base = load.first_block * self.page_elems
             for (layer, module), (a, b) in weights.tensors.items():

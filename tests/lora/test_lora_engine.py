@@ -182,3 +182,16 @@ def test_the_prefix_cache_key_holds_the_adapters_content(tiny_llama, adapters, t
     other = registry.spec_for(LoRARequest("qv4", 1, adapters["all8"]))
     assert other.fingerprint != same.fingerprint
     assert_pool_free(llm)
+
+
+def test_two_tensor_parallel_ranks_serve_adapters_as_peft(tiny_llama, adapters, prompts, oracle):
+    """Each rank holds its shard of every adapter (A whole and B's rows for q/k/v and
+    gate/up, A's columns and B whole for o and down) in its own pool's pages."""
+    llm = LLM(tiny_llama, enable_lora=True, max_lora_rank=8, num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        requests = _requests(adapters)
+        names = ["all8", "qv4", None, "all8"]
+        assert _tokens(llm, prompts[:4], [requests[n] for n in names]) == [oracle[n][i] for i, n in enumerate(names)]
+        assert_pool_free(llm)
+    finally:
+        llm.llm_engine.shutdown()
