@@ -195,3 +195,17 @@ def test_two_tensor_parallel_ranks_serve_adapters_as_peft(tiny_llama, adapters, 
         assert_pool_free(llm)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_the_pool_snapshot_shows_adapter_pages(tiny_llama, adapters, prompts):
+    llm = LLM(tiny_llama, enable_lora=True, max_lora_rank=8, num_kv_blocks=64)
+    request = _requests(adapters)["all8"]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2), lora_request=request, use_tqdm=False)
+    snapshot = llm.kv_pool_snapshot()
+    pages = [block for block in snapshot["blocks"] if block["adapter"] == "all8"]
+    num_pages = llm.llm_engine.adapter_registry.spec_for(request).num_pages
+    assert len(pages) == num_pages and {block["state"] for block in pages} == {"cached"}  # idle, evictable
+    assert [b["block_id"] for b in pages] == list(range(64 - num_pages, 64))  # one run, at the top
+    assert snapshot["adapters"] == [{"name": "all8", "pages": num_pages, "first_block": 64 - num_pages,
+                                     "pinned_by": 0}]
+    assert_pool_free(llm)
