@@ -14,6 +14,8 @@ from tests.conftest import assert_pool_free
 from tests.lora.adapters import make_peft_adapter, peft_greedy
 
 MAX_TOKENS = 12
+# Pages of the "all8" adapter on the tiny Llama: 4,096 values of A and of B per layer, 512 per fp32 block.
+ALL8_FP32_PAGES = 8
 
 
 @pytest.fixture(scope="module")
@@ -208,4 +210,25 @@ def test_the_pool_snapshot_shows_adapter_pages(tiny_llama, adapters, prompts):
     assert [b["block_id"] for b in pages] == list(range(64 - num_pages, 64))  # one run, at the top
     assert snapshot["adapters"] == [{"name": "all8", "pages": num_pages, "first_block": 64 - num_pages,
                                      "pinned_by": 0}]
+    assert_pool_free(llm)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_pages_of_a_quantized_pool_hold_the_adapter_exactly(tiny_llama, adapters, prompts, kv_cache_dtype):
+    """An int8 or fp8 pool's blocks hold an adapter's fp32 values as raw bytes (4x the pages)."""
+    from pagedllm.lora.adapter_files import read_adapter
+
+    llm = LLM(tiny_llama, enable_lora=True, max_lora_rank=8, num_kv_blocks=128, kv_cache_dtype=kv_cache_dtype)
+    request = _requests(adapters)["all8"]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=3), lora_request=request, use_tqdm=False)
+    runner = llm.llm_engine.runner.adapters
+    first_block, layout = runner.placed["all8"]
+    weights = read_adapter(adapters["all8"], llm.llm_engine.model_config, 8)
+    base = first_block * runner.page_elems
+    for (layer, module), (a, b) in weights.tensors.items():
+        start = base + layout.a_offsets[module]
+        assert runner.context.a_pages[layer][start: start + a.numel()].equal(a.reshape(-1))
+        start = base + layout.b_offsets[module]
+        assert runner.context.b_pages[layer][start: start + b.numel()].equal((b * weights.scaling).reshape(-1))
+    assert layout.num_pages == 4 * ALL8_FP32_PAGES
     assert_pool_free(llm)
