@@ -34,3 +34,11 @@ def positive_finite_rate(text: str) -> float:
     if math.isinf(rate):
         raise argparse.ArgumentTypeError(f"must be finite: {text!r}")
     return rate
+
+
+def positive_int_list(text: str) -> list[int]:
+    """Comma-separated counts, each at least 1 (``1,8,64,256``)."""
+    words = [word.strip() for word in text.split(",") if word.strip()]
+    if not words:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}")
+    return [positive_int(word) for word in words]

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pagedllm.bench import commands
 from pagedllm.bench.fleet import cli as fleet_cli
 from pagedllm.bench.fragmentation import cli as fragmentation_cli
+from pagedllm.bench.lora import cli as lora_cli
 from pagedllm.bench.serve import cli as serve_cli
 from pagedllm.bench.throughput_command import BASELINES, cmd_bench_throughput
 from pagedllm.entrypoints.engine_args import add_engine_args
@@ -34,6 +35,10 @@ def add_bench_parser(subcommands: argparse._SubParsersAction) -> None:
     _add_kernel_benches(benches)
     _add_decode_benches(benches)
     _add_soak_parser(benches)
+    lora = add_bench_command(benches, "lora", "multi-LoRA throughput: requests over 1-256 rank-16 adapters paged "
+                                              "into a fixed-slot design's memory vs the base model",
+                             lora_cli.main)
+    lora_cli.add_arguments(lora)
     for module, name, help_text in (
         (serve_cli, "serve", "load generator against a running OpenAI-compatible server"),
         (fragmentation_cli, "fragmentation", "KV waste of paged vs contiguous layouts on a request trace "

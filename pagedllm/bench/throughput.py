@@ -97,9 +97,9 @@ def warm_up(llm) -> None:
                  use_tqdm=False)
 
 
-def run_pagedllm(llm, requests: list[BenchRequest], label: str = "pagedllm") -> BenchResult:
+def run_pagedllm(llm, requests: list[BenchRequest], label: str = "pagedllm", lora_request=None) -> BenchResult:
     """Time ``requests`` on ``llm`` after its warm-up; the engine's step-time split
-    then covers the timed requests alone."""
+    then covers the timed requests alone. ``lora_request``: as ``LLM.generate`` takes it."""
     warm_up(llm)
     llm.reset_step_timings()
     # ignore_eos makes every engine produce exactly max_tokens tokens, so the work is equal.
@@ -107,7 +107,7 @@ def run_pagedllm(llm, requests: list[BenchRequest], label: str = "pagedllm") -> 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     before = llm.stats()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     elapsed = time.perf_counter() - start
     after = llm.stats()
     steps = after["num_steps"] - before["num_steps"]
