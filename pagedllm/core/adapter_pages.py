@@ -85,6 +85,20 @@ class AdapterPager:
             self.num_pinned_adapters -= 1
             self.pool.free_blocks(resident.pages)
 
+    def drop(self, name: str) -> None:
+        """An unloaded adapter stops being resident now: its idle pages become plain
+        free blocks, so a later load of the name (perhaps from another path) pages
+        the new weights in instead of reviving the old ones. ``ValueError`` while a
+        running sequence pins it (its pages are in use)."""
+        resident = self.resident.get(name)
+        if resident is None:
+            return
+        if resident.pins:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {resident.pins} running sequences")
+        del self.resident[name]
+        for page in resident.pages:
+            page.adapter_name = None
+
     def take_loads(self) -> list[AdapterLoad]:
         """The page-ins since the last call, in order (the runner performs them)."""
         loads, self._loads = self._loads, []

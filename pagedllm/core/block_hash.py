@@ -75,12 +75,13 @@ def external_block_hash(block_hash: BlockHash) -> int:
 
 
 def hash_request_tokens(token_ids: Sequence[int], block_size: int = 16, cache_salt: str | None = None,
-                        lora_name: str | None = None) -> list[int]:
+                        lora_name: str | None = None, lora_fingerprint: str = "") -> list[int]:
     """The hashes of a request's full blocks exactly as ``BlockStored`` events
     carry them: what a router compares with a replica's events to know how
-    many leading blocks of a prompt it already holds."""
+    many leading blocks of a prompt it already holds. A LoRA request's blocks need its
+    adapter's name and the fingerprint the replica's engine keys it by."""
     check_block_size(block_size)
-    extra_keys = request_extra_keys(cache_salt, lora_name)
+    extra_keys = request_extra_keys(cache_salt, lora_name, lora_fingerprint)
     return [external_block_hash(h) for h in extend_block_hashes([], list(token_ids), block_size, extra_keys)]
 
 

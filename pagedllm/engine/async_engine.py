@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.lora_admin import add_lora, remove_lora
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
@@ -149,6 +150,18 @@ class AsyncLLMEngine:
         self._queues.pop(request_id, None)
         self._pending_aborts.add(request_id)
         self._wakeup.set()
+
+    async def add_lora(self, lora_request: LoRARequest) -> str:
+        """Check an adapter now, between steps (``lora_admin.add_lora``: ``ValueError``
+        naming the problem; its fingerprint); its files are read in a worker thread, so
+        the event loop keeps answering meanwhile."""
+        async with self._lock:
+            return await asyncio.to_thread(add_lora, self._engine, lora_request)
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        """Forget an adapter between steps (``lora_admin.remove_lora``); False if unknown."""
+        async with self._lock:
+            return remove_lora(self._engine, lora_name)
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached block no request uses, between steps; returns how many."""

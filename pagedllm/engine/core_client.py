@@ -260,6 +260,24 @@ class AsyncEngineCoreClient:
     async def reset_prefix_cache(self) -> int:
         return await self.call("reset_prefix_cache")
 
+    async def add_lora(self, lora_request: LoRARequest) -> str:
+        """Check an adapter in the core now (``ValueError`` naming the problem, as in-process);
+        its fingerprint."""
+        return await self._refusable_call("add_lora", lora_request.lora_name, lora_request.lora_int_id,
+                                   lora_request.lora_path)
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        """Forget an adapter in the core (``lora_admin.remove_lora``); False if it does not know it."""
+        return await self._refusable_call("remove_lora", lora_name)
+
+    async def _refusable_call(self, method: str, *args: Any) -> Any:
+        """A utility call whose refusal comes back as data (``value_or_refusal``), raised here as the
+        ``ValueError`` the in-process engine raises."""
+        value, refusal = await self.call(method, *args)
+        if refusal is not None:
+            raise ValueError(refusal)
+        return value
+
     async def kv_pool_snapshot(self) -> dict:
         return await self.call("kv_pool_snapshot")
 

@@ -39,8 +39,10 @@ import zmq
 from pagedllm.engine.core_messages import (AbortRequests, AddRequest, AddResult, EngineFacts, EngineFailed, Hello,
                                            OutputBatch, OutputDelta, Ready, RequestError, RequestsDropped, UtilityCall,
                                            UtilityResult, input_codec, output_codec)
+from pagedllm.engine.lora_admin import add_lora, remove_lora, value_or_refusal
 from pagedllm.engine.output_deltas import DeltaEncoder
 from pagedllm.logger import init_logger
+from pagedllm.lora.request import LoRARequest
 
 logger = init_logger(__name__)
 
@@ -100,6 +102,10 @@ UTILITY_METHODS: dict[str, Callable[..., Any]] = {
     "reset_step_timings": lambda engine: engine.reset_step_timings(),
     "weight_bytes": lambda engine: engine.weight_bytes(),
     "num_unfinished_requests": lambda engine: engine.get_num_unfinished_requests(),
+    # A refused adapter comes back as (None, message) data, for the server's 400 (``lora_admin``).
+    "add_lora": lambda engine, name, int_id, path: value_or_refusal(
+        lambda: add_lora(engine, LoRARequest(name, int_id, path))),
+    "remove_lora": lambda engine, name: value_or_refusal(lambda: remove_lora(engine, name)),
 }
 
 

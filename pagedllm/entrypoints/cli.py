@@ -72,8 +72,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if not args.engine_process and (args.api_server_count != 1 or args.restart_engine_on_failure):
         raise ValueError("--api-server-count and --restart-engine-on-failure need the engine-core process; "
                          "drop --no-engine-process")
-    from pagedllm.entrypoints.serve_setup import (ServerStopper, api_keys_of, run_uvicorn, served_model_names,
-                                                  server_state, uvicorn_options)
+    from pagedllm.entrypoints.serve_setup import (ServerStopper, api_keys_of, run_uvicorn, served_adapters,
+                                                  served_model_names, server_state, uvicorn_options)
 
     api_keys = api_keys_of(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_keys:
@@ -81,6 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                        args.host)
     EngineConfig.from_options(**engine_options_from_args(args))  # bad flags stop serve before it listens
     load_chat_template(args.chat_template)  # and so does a bad template, before a core process starts
+    served_adapters(args)  # and malformed --lora-modules (each adapter is checked once the engine is up)
     names = served_model_names(args)
     if args.data_parallel_size != 1:
         sys.exit(_serve_data_parallel(args))
@@ -194,6 +195,8 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="names a request's model may use; the first is reported in responses "
                             "(default: the model path)")
+    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH", help="LoRA adapters a request's "
+                       "model selects (needs --enable-lora): name=path or vLLM's JSON {name, path, base_model_name}")
     serve.add_argument("--allowed-origins", nargs="+", default=None,
                        help="browser origins CORS allows, or '*' (default: no CORS headers)")
     serve.add_argument("--uvicorn-log-level", default="info",

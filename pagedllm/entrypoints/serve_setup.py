@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pagedllm.entrypoints.openai.serving_lora import ServedAdapters
     from pagedllm.entrypoints.openai.state import ServerState
 
 
@@ -47,7 +48,19 @@ def server_state(args: argparse.Namespace, names: list[str], load_engine: Callab
     chat = ChatSettings(load_chat_template(args.chat_template), args.trust_request_chat_template)
     return ServerState(served_model_name=names[0], api_keys=api_keys_of(args), model_aliases=names[1:], chat=chat,
                        load_engine=load_engine, on_load_failure=stop_server,
-                       engine_settings={"block_size": args.block_size, "kv_events": args.kv_events_config})
+                       engine_settings={"block_size": args.block_size, "kv_events": args.kv_events_config},
+                       adapters=served_adapters(args), model_root=args.model)
+
+
+def served_adapters(args: argparse.Namespace) -> ServedAdapters | None:
+    """The adapters of ``--enable-lora`` (its ``--lora-modules``, loaded once the engine is
+    ready); None without LoRA. ``ValueError`` naming the flag for a malformed module, or
+    for ``--lora-modules`` without ``--enable-lora``."""
+    from pagedllm.entrypoints.openai.serving_lora import ServedAdapters, parse_lora_modules
+
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora (the engine serves adapters only with it)")
+    return ServedAdapters(parse_lora_modules(args.lora_modules or [])) if args.enable_lora else None
 
 
 def run_uvicorn(app: Any, options: dict[str, Any], stop_server: ServerStopper, sockets: list | None = None) -> None:

@@ -4,7 +4,8 @@ engine-core process's, or an AsyncLLMEngine in this process).
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE
 streaming), GET /v1/models, GET /health (503 while the model loads, until the
 engine loop runs and after it died), GET /version, POST /tokenize, POST /detokenize,
-POST /reset_prefix_cache, GET /metrics (Prometheus). Errors use OpenAI's JSON
+POST /reset_prefix_cache, GET /metrics (Prometheus), and with LoRA POST
+/v1/load_lora_adapter and /v1/unload_lora_adapter (``serving_lora``). Errors use OpenAI's JSON
 shape ``{"error": {"message", "type", "param", "code"}}``; /openapi.json documents
 each route's statuses and content types (``openapi_doc``).
 """
@@ -31,6 +32,7 @@ from pagedllm.entrypoints.openai.openapi_doc import install_openapi
 from pagedllm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from pagedllm.entrypoints.openai.serving_chat import add_chat_route, chat_prompt
 from pagedllm.entrypoints.openai.serving_completion import add_completion_route
+from pagedllm.entrypoints.openai.serving_lora import add_lora_routes
 from pagedllm.entrypoints.openai.state import (ServerState, TenantDependency, check_model, presented_key,
                                                tenant_of_key)
 
@@ -90,6 +92,8 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     _add_token_routes(app, state, tenant_of)
     add_completion_route(app, state, tenant_of)
     add_chat_route(app, state, tenant_of)
+    if state.adapters is not None:
+        add_lora_routes(app, state, tenant_of)
     return app
 
 
@@ -103,6 +107,8 @@ async def _load_engine(state: ServerState) -> None:
         client = loaded if isinstance(loaded, AsyncEngineCoreClient) else AsyncLLMEngine(loaded)
         client.start()
         await client.wait_ready()
+        if state.adapters is not None:  # checked before anything is served: a bad one stops the server
+            await state.adapters.load_startup(client, state.model_names)
     except asyncio.CancelledError:  # the server stops while the core loads
         if client is not None:
             await client.stop()
@@ -149,7 +155,9 @@ def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependen
         """What a fleet router needs to hash prompts as this server does and to follow its cache."""
         from pagedllm.entrypoints.router.request_prefix import prompt_fingerprint
 
-        return {"model": state.served_model_name, "version": __version__, **state.engine_settings,
+        return {"model": state.served_model_name, "model_names": state.model_names, "version": __version__,
+                "lora_adapters": dict(state.adapters.fingerprints) if state.adapters is not None else {},
+                **state.engine_settings,
                 "prompt_fingerprint": prompt_fingerprint(state.engine_info.tokenizer, state.chat.chat_template)}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(503),
@@ -164,10 +172,7 @@ def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependen
 
     @app.get("/v1/models", responses=error_responses(401, 503))
     async def models(tenant: str | None = Depends(tenant_of)) -> dict:
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": 0, "owned_by": "pagedllm",
-            "max_model_len": state.engine_info.max_model_len,
-        } for name in state.model_names]}
+        return {"object": "list", "data": _model_cards(state)}
 
     @app.get("/dashboard", response_class=HTMLResponse, responses=error_responses(401, 503))
     async def dashboard(request: Request) -> Response:
@@ -186,6 +191,16 @@ def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependen
     @app.post("/reset_prefix_cache", responses=error_responses(401, 503))
     async def reset_prefix_cache(tenant: str | None = Depends(tenant_of)) -> dict:
         return {"dropped_blocks": await state.async_engine.reset_prefix_cache()}
+
+
+def _model_cards(state: ServerState) -> list[dict]:
+    """The base model's names, then the LoRA adapters (vLLM's shape: ``root`` a path, ``parent`` the base)."""
+    max_model_len = state.engine_info.max_model_len
+    base = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedllm",
+             "root": state.model_root or state.served_model_name, "parent": None, "max_model_len": max_model_len}
+            for name in state.model_names]
+    adapters = state.adapters.model_cards(state.served_model_name, max_model_len) if state.adapters is not None else []
+    return base + adapters
 
 
 def _add_token_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:

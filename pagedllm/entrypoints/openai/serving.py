@@ -16,6 +16,7 @@ from pagedllm.entrypoints.openai.errors import bad_request, error_body, error_re
 from pagedllm.entrypoints.openai.responses import ResponseBuilder
 from pagedllm.entrypoints.openai.state import ServerState, cache_salt_of
 from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallRecord
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -33,14 +34,17 @@ GENERATION_RESPONSES = {
 
 async def serve(state: ServerState, kind: str, prompts: list[PromptType], params: SamplingParams,
                  body, tenant: str | None, chat: bool, completion: CompletionOptions | None = None,
-                 new_tool_parser: Callable[[], ToolCallRecord] | None = None):
+                 new_tool_parser: Callable[[], ToolCallRecord] | None = None,
+                 lora_request: LoRARequest | None = None):
+    """Add every prompt under ``lora_request``'s adapter (None: the base) and answer."""
     salt = cache_salt_of(tenant, body.cache_salt)
     engine = state.async_engine
     streams: list[RequestStream] = []
     try:
         for prompt in prompts:
             rid = engine.next_request_id(kind)
-            streams.append(await engine.add_request(rid, prompt, params, priority=body.priority, cache_salt=salt))
+            streams.append(await engine.add_request(rid, prompt, params, priority=body.priority, cache_salt=salt,
+                                                    lora_request=lora_request))
     except ValueError as exc:
         for stream in streams:
             stream.abort()

@@ -24,7 +24,7 @@ from pagedllm.structured_output import StructuredOutputError
 def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, tenant: str | None = Depends(tenant_of)):
-        check_model(state, body.model)
+        lora_request = check_model(state, body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         check_limits(state.engine_info, body)
@@ -44,7 +44,7 @@ def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency
         except ValueError as exc:
             raise bad_request(exc, ChatCompletionRequest.model_fields) from exc
         return await serve(state, "chatcmpl", [prompt], params, body, tenant, chat=True,
-                           new_tool_parser=plan.new_parser)
+                           new_tool_parser=plan.new_parser, lora_request=lora_request)
 
 
 def _with_tool_grammar(state: ServerState, params: SamplingParams, plan: ToolPlan) -> SamplingParams:

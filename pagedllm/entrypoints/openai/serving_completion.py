@@ -23,7 +23,7 @@ FIM_TOKENS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), ("<|fim_prefix|>
 def add_completion_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, tenant: str | None = Depends(tenant_of)):
-        check_model(state, body.model)
+        lora_request = check_model(state, body.model)
         check_limits(state.engine_info, body)
         echo_only = body.max_tokens == 0
         if echo_only and not body.echo:
@@ -47,7 +47,8 @@ def add_completion_route(app: FastAPI, state: ServerState, tenant_of: TenantDepe
             raise bad_request(exc, CompletionRequest.model_fields) from exc
         options = CompletionOptions(echo=body.echo, echo_only=echo_only, prompt_logprobs=body.prompt_logprobs is not None,
                                     tokens_as_ids=body.return_tokens_as_token_ids)
-        return await serve(state, "cmpl", prompts, params, body, tenant, chat=False, completion=options)
+        return await serve(state, "cmpl", prompts, params, body, tenant, chat=False, completion=options,
+                           lora_request=lora_request)
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:

@@ -17,6 +17,8 @@ from pagedllm.entrypoints.openai.errors import APIError
 
 if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.openai.serving_lora import ServedAdapters
+    from pagedllm.lora.request import LoRARequest
 
 
 @dataclass
@@ -49,6 +51,10 @@ class ServerState:
     # What a fleet router reads from GET /server_info: the engine's block size and
     # KV-events sockets as configured (``{"block_size": 16, "kv_events": {...} | None}``).
     engine_settings: dict[str, Any] = field(default_factory=dict)
+    # The LoRA adapters served by name (--enable-lora; their --lora-modules load before serving). None: no LoRA.
+    adapters: ServedAdapters | None = None
+    # The base model's path, /v1/models' "root" (None: the first served name).
+    model_root: str | None = None
 
     def __post_init__(self) -> None:
         if (self.async_engine is None) == (self.load_engine is None):
@@ -82,10 +88,17 @@ class ServerState:
 TenantDependency = Callable[[Request], str | None]  # the bearer-token check; returns the tenant
 
 
-def check_model(state: ServerState, name: str | None) -> None:
-    if name is not None and name not in state.model_names:
+def check_model(state: ServerState, name: str | None) -> LoRARequest | None:
+    """The adapter a request's ``model`` names (None: the base model, by any of its
+    served names or none); a 404 for a name this server does not serve."""
+    if name is None or name in state.model_names:
+        return None
+    lora = state.adapters.get(name) if state.adapters is not None else None
+    if lora is None:
+        served = [*state.model_names, *(state.adapters.requests if state.adapters is not None else ())]
         raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                            f"{', '.join(map(repr, state.model_names))}", code="model_not_found", param="model")
+                            f"{', '.join(map(repr, served))}", code="model_not_found", param="model")
+    return lora
 
 
 def tenant_of_key(api_keys: dict[str, str | None], presented: str | None) -> tuple[bool, str | None]:

@@ -56,6 +56,10 @@ class Replica:
     in_flight: int = 0
     kv_usage: float = 0.0
     block_size: int = 16
+    # From /server_info: the base model's served names (a request's model outside them names a LoRA
+    # adapter) and each adapter's fingerprint, which the replica keys its blocks by beside the name.
+    model_names: tuple[str, ...] = ()
+    lora_fingerprints: dict[str, str] = field(default_factory=dict)
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set while the replica is down
     last_error: str = "not contacted yet"
 
@@ -72,6 +76,18 @@ def events_address(endpoint: str, replica_url: str) -> str:
     if scheme == "tcp" and host in _WILDCARD_HOSTS:
         return f"tcp://{urlsplit(replica_url).hostname}:{port}"
     return endpoint
+
+
+def take_hashing_names(replica: Replica, info: dict) -> None:
+    """What of a replica's /server_info the router hashes LoRA requests with: the base's
+    served names and the adapters' fingerprints (an older replica names one model, no adapters)."""
+    replica.model_names = tuple(info.get("model_names") or [info["model"]])
+    replica.lora_fingerprints = dict(info.get("lora_adapters") or {})
+
+
+async def refresh_adapters(replica: Replica, client: httpx.AsyncClient, timeout_s: float = 2.0) -> None:
+    """Re-read the replica's adapters (loaded or unloaded since it joined)."""
+    take_hashing_names(replica, (await client.get(f"{replica.url}/server_info", timeout=timeout_s)).json())
 
 
 class ReplicaWatch:
@@ -116,6 +132,8 @@ class ReplicaWatch:
                 await self._join()
             if joining or self._polls % USAGE_EVERY_POLLS == 0:  # a rejoined replica's old usage is stale
                 await self._read_usage()
+            if not joining and self._polls % USAGE_EVERY_POLLS == 0:  # adapters loaded on it directly
+                await refresh_adapters(replica, self.client, self.timeout_s)
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             error = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, ReplicaMismatch) and replica.last_error != error:  # once, not every poll
@@ -129,6 +147,7 @@ class ReplicaWatch:
                 "it renders prompts differently from this router (another model or chat template): start the "
                 "router with the replicas' --model and --chat-template, or prefix routing can never hit")
         self.replica.block_size = int(info["block_size"])
+        take_hashing_names(self.replica, info)
         kv_events = info.get("kv_events") or {}
         if kv_events.get("enable_kv_cache_events"):
             self._events_task = asyncio.create_task(self._follow_events(kv_events))

@@ -11,6 +11,7 @@ routing to it would never hit.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Collection
 from typing import Any
 
 from pagedllm.entrypoints.chat_utils import ChatRenderOptions, render_chat
@@ -58,6 +59,17 @@ def routing_salt(body: Any, tenant: str | None) -> str | None:
     """The cache salt the replica will apply to this body (the server's own rule)."""
     salt = body.get("cache_salt") if isinstance(body, dict) else None
     return cache_salt_of(tenant, salt if isinstance(salt, str) else None)
+
+
+def routing_lora_name(body: Any, base_model_names: Collection[str]) -> str | None:
+    """The LoRA adapter the replica will key this body's blocks by: its ``model``. The
+    router does not decide which adapters exist (they are loaded and unloaded on the
+    replicas), so any ``model`` that is not one of the base model's served names (a
+    replica's /server_info ``model_names``) is taken as an adapter's name; one no replica
+    serves gets a 404 there, so hashing it as an adapter costs nothing. (The adapter's
+    fingerprint, the rest of its key, is the replica's /server_info ``lora_adapters``.)"""
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) and model not in base_model_names else None
 
 
 def prompt_fingerprint(tokenizer: Any, chat_template: str | None) -> str:

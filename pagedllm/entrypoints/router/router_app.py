@@ -3,9 +3,10 @@
 Every path passes through unchanged (method, headers, body, status, streaming):
 generation requests go to the replica the policy picks from the prompt's block
 hashes, anything else to the least-loaded replica. ``/health``, ``/v1/models``,
-``/metrics`` and ``/reset_prefix_cache`` are the router's own: up when one
-replica is, the replicas' models merged, its counters beside every replica's
-metrics labelled ``replica``, and every replica's cache reset.
+``/metrics``, ``/reset_prefix_cache`` and the LoRA load / unload endpoints are the
+router's own: up when one replica is, the replicas' models merged, its counters
+beside every replica's metrics labelled ``replica``, every replica's cache reset,
+every replica's adapters loaded or unloaded.
 
 Faults: a request that cannot reach its replica (connection refused: nothing
 started there) is sent to another; one in flight to a replica that dies or
@@ -34,8 +35,9 @@ from pagedllm.core.block_hash import hash_request_tokens
 from pagedllm.entrypoints.openai.state import presented_key, tenant_of_key
 from pagedllm.entrypoints.router.metrics_merge import merge_expositions
 from pagedllm.fleet.prefix_index import PrefixIndex
-from pagedllm.entrypoints.router.replica import Replica, ReplicaWatch, now, stop_watches
-from pagedllm.entrypoints.router.request_prefix import CHAT_PATH, COMPLETION_PATH, routing_salt, routing_token_ids
+from pagedllm.entrypoints.router.replica import Replica, ReplicaWatch, now, refresh_adapters, stop_watches
+from pagedllm.entrypoints.router.request_prefix import (CHAT_PATH, COMPLETION_PATH, routing_lora_name, routing_salt,
+                                                        routing_token_ids)
 from pagedllm.fleet.routing import ReplicaLoad, RouteDecision, RoutingPolicy
 from pagedllm.logger import init_logger
 
@@ -89,10 +91,7 @@ class RouterState:
         candidates = self.up_replicas(excluding)
         if not candidates:
             raise ReplicaDown("no replica is up")
-        hashes: list[int] = []
-        if path in ROUTED_PATHS:
-            token_ids = routing_token_ids(path, body, self.tokenizer, self.chat_template)
-            hashes = hash_request_tokens(token_ids, candidates[0].block_size, routing_salt(body, tenant))
+        hashes = self.routing_hashes(path, body, tenant, candidates[0]) if path in ROUTED_PATHS else []
         loads = [ReplicaLoad(r.index, r.in_flight, r.kv_usage) for r in candidates]
         if path in ROUTED_PATHS:
             decision = self.policy.choose(loads, hashes, self.index, now())
@@ -102,6 +101,15 @@ class RouterState:
         self.routed.labels(str(replica.index), decision.reason).inc()
         self.hit_tokens.labels(str(replica.index)).inc(decision.hit_blocks * replica.block_size)
         return replica, decision
+
+    def routing_hashes(self, path: str, body: Any, tenant: str | None, replica: Replica) -> list[int]:
+        """The block hashes of the body's prompt as ``replica`` keys them: its block size, the
+        tenant's salt, and for a LoRA request the adapter's name and fingerprint (replicas of
+        one fleet serve the same model and adapters, so one replica's answer serves all)."""
+        token_ids = routing_token_ids(path, body, self.tokenizer, self.chat_template)
+        lora_name = routing_lora_name(body, replica.model_names)
+        fingerprint = replica.lora_fingerprints.get(lora_name, "") if lora_name is not None else ""
+        return hash_request_tokens(token_ids, replica.block_size, routing_salt(body, tenant), lora_name, fingerprint)
 
     def tenant_of(self, request: Request) -> str | None:
         """The tenant of the request's key, read as the replicas read it (they check the key)."""
@@ -194,17 +202,21 @@ def _add_own_routes(app: FastAPI, state: RouterState, http: httpx.AsyncClient) -
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:
         """Every replica's cache, not one's: the sum of the blocks they dropped."""
-        answers = await asyncio.gather(*(http.post(f"{r.url}/reset_prefix_cache", headers=_forwarded_headers(request),
-                                                   timeout=30.0) for r in state.up_replicas()),
-                                       return_exceptions=True)
-        dropped = 0
-        for answer in answers:
-            if isinstance(answer, BaseException):
-                return error_response(503, f"a replica failed to reset its prefix cache: {answer!r}", "replica_down")
-            if answer.status_code != 200:
-                return Response(answer.content, answer.status_code, media_type="application/json")
-            dropped += answer.json()["dropped_blocks"]
-        return JSONResponse({"dropped_blocks": dropped})
+        answers, refusal = await _post_to_every_replica(state, http, request, 30.0)
+        return refusal or JSONResponse({"dropped_blocks": sum(answer.json()["dropped_blocks"] for answer in answers)})
+
+    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/unload_lora_adapter")
+    async def lora_adapter(request: Request) -> Response:
+        """Every replica loads (unloads) the adapter, so a request naming it may go to any
+        of them; the first refusal is the answer. A replica down meanwhile misses it (one
+        that restarts serves its --lora-modules)."""
+        if not state.up_replicas():
+            return error_response(503, "no replica is up", "no_replica")
+        answers, refusal = await _post_to_every_replica(state, http, request, 300.0)
+        # The adapters' fingerprints at once, so the next requests for this one hash as the replicas key them.
+        await asyncio.gather(*(refresh_adapters(r, http) for r in state.up_replicas()), return_exceptions=True)
+        return refusal or Response(answers[0].content, 200, media_type=answers[0].headers.get("content-type"))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -215,6 +227,23 @@ def _add_own_routes(app: FastAPI, state: RouterState, http: httpx.AsyncClient) -
         state.refresh_gauges()
         own = generate_latest(state.registry).decode()
         return Response(own + merge_expositions(texts), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _post_to_every_replica(state: RouterState, http: httpx.AsyncClient, request: Request,
+                                 timeout_s: float) -> tuple[list[httpx.Response], Response | None]:
+    """POST the request's path and body to every replica that is up: their answers,
+    and what to answer instead, if anything (a 503 when one could not be reached, else
+    the first refusal as the replica gave it)."""
+    raw, path = await request.body(), request.url.path
+    answers = await asyncio.gather(*(http.post(f"{r.url}{path}", headers=_forwarded_headers(request), content=raw,
+                                               timeout=timeout_s) for r in state.up_replicas()),
+                                   return_exceptions=True)
+    for answer in answers:
+        if isinstance(answer, BaseException):
+            return [], error_response(503, f"a replica failed to answer {path}: {answer!r}", "replica_down")
+        if answer.status_code != 200:
+            return [], Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
+    return answers, None
 
 
 def _forwarded_headers(request: Request) -> dict[str, str]:
