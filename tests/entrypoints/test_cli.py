@@ -15,7 +15,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from pagedllm import LLM
-from pagedllm.config import CacheConfig, EngineConfig, engine_option_fields
+from pagedllm.config import NESTED_CONFIGS, CacheConfig, EngineConfig, engine_option_fields
 from pagedllm.bench import cli as bench_cli
 from pagedllm.bench import commands as bench_commands
 from pagedllm.bench import throughput_command
@@ -56,8 +56,9 @@ def engine_config_of(argv: list[str]) -> EngineConfig:
 
 def test_every_engine_option_has_a_flag_with_its_default_on_every_engine_command():
     options = engine_option_fields()
-    # One flat name per field: a CacheConfig field may not shadow an EngineConfig one.
-    assert len(options) == len(fields(EngineConfig)) - 1 + len(fields(CacheConfig))
+    # One flat name per field: a nested group's field (CacheConfig, LoRAConfig) may not shadow another.
+    assert len(options) == len(fields(EngineConfig)) - len(NESTED_CONFIGS) + sum(
+        len(fields(group)) for group in NESTED_CONFIGS.values())
     for name, option in options.items():
         assert option.metadata.get("help"), f"{name} has no help text"
     for command in ENGINE_COMMANDS:
