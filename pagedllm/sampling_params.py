@@ -17,6 +17,23 @@ from typing import Any, NoReturn
 _GREEDY_TEMPERATURE = 1e-5
 
 
+@dataclass(frozen=True)
+class ReasoningGate:
+    """Where a reasoning model's thinking ends, so that a constraint shapes only
+    the answer after it (the server sets it under ``--reasoning-parser``): the
+    grammar masks nothing while the model thinks and starts with the token after
+    ``end_token_id``.
+
+    ``thinking``: the output starts inside the thinking (the prompt opened it).
+    Otherwise the first token may be ``start_token_id`` (the model opens its
+    thinking itself) or the answer's first token.
+    """
+
+    start_token_id: int
+    end_token_id: int
+    thinking: bool
+
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint on a request's output (vLLM's ``StructuredOutputsParams``):
@@ -39,6 +56,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
+    reasoning: ReasoningGate | None = None  # the constraint applies after the thinking (``ReasoningGate``)
 
     def __post_init__(self) -> None:
         kinds = [name for name in ("json", "json_object", "regex", "choice", "grammar")

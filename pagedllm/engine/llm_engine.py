@@ -205,7 +205,7 @@ class LLMEngine:
         grammar = self.structured_output.compile(params)  # a bad schema never reaches the scheduler
         self.scheduler.add_request(request)
         if grammar is not None:
-            self.structured_output.add_sequence(request_id, grammar)
+            self.structured_output.add_sequence(request_id, grammar, params.structured_outputs.reasoning)
         self.requests[request_id] = self.output_processor.new_state(request, prompt_text)
 
     def add_beam_request(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, get_args
 
 from pagedllm.config import CacheConfig, DType, EngineConfig
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_options_from_args, make_llm
+from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedllm.logger import init_logger
 from pagedllm.sampling_params import SamplingParams
 
@@ -218,6 +219,10 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                             "(the shipped Hermes/Qwen tool-calling template)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let requests send their own chat_template (Jinja run in a sandbox; off by default)")
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split a reasoning model's <think>...</think> from its answer: chat's reasoning_content, "
+                            "Responses reasoning items, Messages thinking blocks; grammars and tool parsing start "
+                            "after the thinking")
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="run the engine core (scheduler, runner, outputs) in a process of its own, reached over "
                             "ZMQ (the default); with --no-engine-process the engine loop runs in a thread of the "

@@ -28,7 +28,7 @@ import torch
 from pagedllm.core.runner_output import SampledTokens
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.logger import init_logger
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import ReasoningGate, SamplingParams
 from pagedllm.structured_output.compiler import GrammarCompiler
 from pagedllm.worker.sampling.grammar import GrammarBitmask
 
@@ -38,15 +38,22 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
+# Phases of a sequence behind a ReasoningGate: thinking (nothing masked), its first
+# token (the grammar's first tokens or the thinking's start), then the answer.
+_THINKING, _MAY_THINK, _ANSWER = "thinking", "may_think", "answer"
+
+
 @dataclass
 class _SequenceGrammar:
     matcher: xgr.GrammarMatcher
     num_accepted: int = 0
     # Set when a sampled token was rejected: the sequence may then only stop.
     rejected: bool = False
+    gate: ReasoningGate | None = None
+    phase: str = _ANSWER
 
     def fork(self) -> _SequenceGrammar:
-        return _SequenceGrammar(self.matcher.fork(), self.num_accepted, self.rejected)
+        return _SequenceGrammar(self.matcher.fork(), self.num_accepted, self.rejected, self.gate, self.phase)
 
 
 class StructuredOutputManager:
@@ -81,10 +88,12 @@ class StructuredOutputManager:
                              "decides when the output may end; drop min_tokens")
         return self.compiler.compile(constraint)
 
-    def add_sequence(self, sequence_id: str, grammar: xgr.CompiledGrammar) -> None:
+    def add_sequence(self, sequence_id: str, grammar: xgr.CompiledGrammar, gate: ReasoningGate | None = None) -> None:
+        """Guide ``sequence_id`` by ``grammar``; behind ``gate`` only once its thinking ends."""
         import xgrammar as xgr  # loaded on first use (``compiler``'s docstring says why)
 
-        self._sequences[sequence_id] = _SequenceGrammar(xgr.GrammarMatcher(grammar))
+        phase = _ANSWER if gate is None else _THINKING if gate.thinking else _MAY_THINK
+        self._sequences[sequence_id] = _SequenceGrammar(xgr.GrammarMatcher(grammar), gate=gate, phase=phase)
 
     def bitmask_for(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
         """The allowed next tokens of every guided sample row of this step, or
@@ -108,8 +117,12 @@ class StructuredOutputManager:
                 )
             if state.rejected:
                 self._allow_only_eos(bitmask[index])
+            elif state.phase == _THINKING:
+                bitmask[index].fill_(-1)  # every bit set: the thinking is free text
             else:
                 state.matcher.fill_next_token_bitmask(bitmask, index)
+                if state.phase == _MAY_THINK:
+                    self._allow(bitmask[index], state.gate.start_token_id)
         return GrammarBitmask([row.sequence_id for row, _ in rows], bitmask)
 
     def accept(self, scheduler_output: SchedulerOutput, sampled: Mapping[str, SampledTokens]) -> None:
@@ -134,6 +147,15 @@ class StructuredOutputManager:
 
     def _accept_token(self, sequence_id: str, state: _SequenceGrammar, token_id: int) -> None:
         state.num_accepted += 1
+        if state.phase == _THINKING:
+            if token_id == state.gate.end_token_id:
+                state.phase = _ANSWER
+            return
+        if state.phase == _MAY_THINK:
+            state.phase = _ANSWER
+            if token_id == state.gate.start_token_id:
+                state.phase = _THINKING
+                return
         if state.rejected or state.matcher.accept_token(token_id):
             return
         # Only a row whose every token was masked (another constraint, e.g. a
@@ -146,6 +168,11 @@ class StructuredOutputManager:
     def _allow_only_eos(self, row: torch.Tensor) -> None:
         row.zero_()
         for token_id in self.eos_token_ids:
-            word, bit = divmod(token_id, 32)
-            value = (int(row[word]) & 0xFFFFFFFF) | (1 << bit)
-            row[word] = value - (1 << 32) if value >= 1 << 31 else value  # the int32 with these bits
+            self._allow(row, token_id)
+
+    @staticmethod
+    def _allow(row: torch.Tensor, token_id: int) -> None:
+        """Set ``token_id``'s bit in a bitmask row (int32 words)."""
+        word, bit = divmod(token_id, 32)
+        value = (int(row[word]) & 0xFFFFFFFF) | (1 << bit)
+        row[word] = value - (1 << 32) if value >= 1 << 31 else value  # the int32 with these bits

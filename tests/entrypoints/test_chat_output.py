@@ -3,6 +3,7 @@ chunks fed token by token as the engine produces them."""
 
 from __future__ import annotations
 
+from pagedllm.entrypoints.openai.chat_output import ChatOutput
 from pagedllm.entrypoints.openai.responses import ResponseBuilder
 from pagedllm.entrypoints.openai.tool_parsers import HermesToolParser
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -23,7 +24,7 @@ def outputs_token_by_token(text: str, pieces: int = 7) -> list[RequestOutput]:
 
 
 def builder() -> ResponseBuilder:
-    return ResponseBuilder(None, "chatcmpl", SamplingParams(), chat=True, model="m", new_tool_parser=HermesToolParser)
+    return ResponseBuilder(None, "chatcmpl", SamplingParams(), chat=True, model="m", output=ChatOutput(HermesToolParser))
 
 
 def test_whole_message_has_tool_calls_and_finish_reason_tool_calls():
@@ -62,7 +63,7 @@ def test_without_a_parser_the_message_is_plain_content():
 def test_each_choice_of_n_has_its_own_parser():
     texts = [OUTPUT, "Just text."]
     response = ResponseBuilder(None, "chatcmpl", SamplingParams(n=2), chat=True, model="m",
-                               new_tool_parser=HermesToolParser)
+                               output=ChatOutput(HermesToolParser))
     chunks = []
     for step in range(1, max(len(t) for t in texts) + 1):
         completions = [CompletionOutput(i, t[:step], [0] * step, None, None, "stop" if step >= len(t) else None)

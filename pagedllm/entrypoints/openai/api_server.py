@@ -29,6 +29,7 @@ from pagedllm.engine.core_client import AsyncEngineCoreClient
 from pagedllm.entrypoints.openai.errors import APIError, error_body, error_responses, install_error_handlers
 from pagedllm.entrypoints.openai.limits import check_limits
 from pagedllm.entrypoints.openai.openapi_doc import install_openapi
+from pagedllm.entrypoints.openai.reasoning import ReasoningSettings
 from pagedllm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from pagedllm.entrypoints.openai.serving_chat import add_chat_route, chat_prompt
 from pagedllm.entrypoints.openai.serving_completion import add_completion_route
@@ -69,6 +70,8 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
         if state.async_engine is not None:
             await state.async_engine.stop()
 
+    if state.async_engine is not None:
+        state.reasoning  # noqa: B018 - a --reasoning-parser that does not fit the model fails here
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
@@ -107,6 +110,8 @@ async def _load_engine(state: ServerState) -> None:
         client = loaded if isinstance(loaded, AsyncEngineCoreClient) else AsyncLLMEngine(loaded)
         client.start()
         await client.wait_ready()
+        if state.reasoning_parser is not None:  # a parser that does not fit the model stops the server
+            ReasoningSettings.for_tokenizer(state.reasoning_parser, client.info.tokenizer)
         if state.adapters is not None:  # checked before anything is served: a bad one stops the server
             await state.adapters.load_startup(client, state.model_names)
     except asyncio.CancelledError:  # the server stops while the core loads

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pagedllm.entrypoints.openai.reasoning import ReasoningSplitter
 from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallRecord
 from pagedllm.outputs import CompletionOutput
 
@@ -21,41 +22,71 @@ def _finish_reason(reason: str | None, called: bool) -> str | None:
 
 
 class ChatOutput:
-    """One API request's assistant messages, per choice index."""
+    """One API request's assistant messages, per choice index.
 
-    def __init__(self, new_tool_parser: Callable[[], ToolCallRecord] | None) -> None:
+    With a reasoning parser the thinking is split off first (``reasoning_content``,
+    left out with ``show_reasoning`` false: vLLM's ``include_reasoning``); the tool
+    parser reads only the answer after it."""
+
+    def __init__(self, new_tool_parser: Callable[[], ToolCallRecord] | None,
+                 new_reasoning_splitter: Callable[[], ReasoningSplitter] | None = None,
+                 show_reasoning: bool = True) -> None:
         self.new_tool_parser = new_tool_parser
+        self.new_reasoning_splitter = new_reasoning_splitter
+        self.show_reasoning = show_reasoning
         self._parsers: dict[int, ToolCallRecord] = {}
+        self._splitters: dict[int, ReasoningSplitter] = {}
 
     def message(self, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
         """The whole message and the choice's finish reason."""
+        text, message = completion.text, {"role": "assistant"}
+        if self.new_reasoning_splitter is not None:
+            splitter = self.new_reasoning_splitter()
+            split, end = splitter.feed(text), splitter.finish()
+            text = split.content + end.content
+            if self.show_reasoning:
+                message["reasoning_content"] = splitter.reasoning
         if self.new_tool_parser is None:
-            return {"role": "assistant", "content": completion.text}, completion.finish_reason
+            return {**message, "content": text}, completion.finish_reason
         parser = self.new_tool_parser()
-        parser.feed(completion.text)
+        parser.feed(text)
         parser.finish()
         content, tool_calls = parser.message()
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+        message["content"] = content
         if tool_calls:
             message["tool_calls"] = tool_calls
         return message, _finish_reason(completion.finish_reason, bool(tool_calls))
 
     def delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict[str, Any] | None, str | None]:
         """The stream delta for the choice's new ``text`` (None: nothing to send
-        yet, the parser holds it back) and the finish reason to report."""
-        if self.new_tool_parser is None:
-            return {"content": text}, finish_reason
-        parser = self._parsers.setdefault(index, self.new_tool_parser())
-        parsed = parser.feed(text)
-        if finish_reason is not None:
-            end = parser.finish()
-            parsed.content += end.content
-            parsed.tool_calls += end.tool_calls
+        yet, a parser holds it back) and the finish reason to report."""
         delta: dict[str, Any] = {}
-        if parsed.content:
-            delta["content"] = parsed.content
-        if parsed.tool_calls:
-            delta["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+        if self.new_reasoning_splitter is not None:
+            splitter = self._splitters.setdefault(index, self.new_reasoning_splitter())
+            split = splitter.feed(text)
+            if finish_reason is not None:
+                end = splitter.finish()
+                split.reasoning += end.reasoning
+                split.content += end.content
+            if split.reasoning and self.show_reasoning:
+                delta["reasoning_content"] = split.reasoning
+            text = split.content
+        called = False
+        if self.new_tool_parser is None:
+            if text:
+                delta["content"] = text
+        else:
+            parser = self._parsers.setdefault(index, self.new_tool_parser())
+            parsed = parser.feed(text)
+            if finish_reason is not None:
+                end_calls = parser.finish()
+                parsed.content += end_calls.content
+                parsed.tool_calls += end_calls.tool_calls
+            if parsed.content:
+                delta["content"] = parsed.content
+            if parsed.tool_calls:
+                delta["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+            called = bool(parser.calls)
         if not delta and finish_reason is None:
             return None, None
-        return delta, _finish_reason(finish_reason, bool(parser.calls))
+        return delta, _finish_reason(finish_reason, called)

@@ -41,7 +41,7 @@ UNIMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
     # vLLM's extras
     "use_beam_search": (False,), "length_penalty": (1.0,), "prompt_embeds": (), "mm_processor_kwargs": ({},),
     "media_io_kwargs": ({},), "logits_processors": ([],), "kv_transfer_params": (), "vllm_xargs": ({},),
-    "guided_whitespace_pattern": (), "structural_tag": (), "documents": ([],), "include_reasoning": (True,),
+    "guided_whitespace_pattern": (), "structural_tag": (), "documents": ([],),
     "add_special_tokens": (False,), "spaces_between_special_tokens": (True,), "request_id": (),
     "return_token_ids": (False,), "return_tokens_as_token_ids": (False,), "prompt_logprobs": (),
 }
@@ -371,6 +371,8 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: false leaves the thinking out of the answer (under --reasoning-parser; without one there is none)
+    include_reasoning: bool = True
 
 
 class TokenizeRequest(StrictModel):

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from pagedllm.entrypoints.openai.completion_choices import CompletionChoices, CompletionOptions, json_logprob
 from pagedllm.entrypoints.openai.chat_output import ChatOutput
-from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallRecord
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -19,8 +17,7 @@ class ResponseBuilder:
     """OpenAI response and chunk bodies for one API request (several prompts x n choices)."""
 
     def __init__(self, tokenizer: Any, kind: str, params: SamplingParams, chat: bool, model: str,
-                 completion: CompletionOptions | None = None,
-                 new_tool_parser: Callable[[], ToolCallRecord] | None = None) -> None:
+                 completion: CompletionOptions | None = None, output: ChatOutput | None = None) -> None:
         self.tokenizer = tokenizer
         # The completions side of the bodies (echo, legacy logprobs); unused by chat.
         self.completion = CompletionChoices(tokenizer, completion or CompletionOptions(), params.logprobs)
@@ -34,7 +31,7 @@ class ResponseBuilder:
         self.sent_text: dict[int, int] = {}
         self.sent_tokens: dict[int, int] = {}
         self.roles_sent: set[int] = set()
-        self.chat_output = ChatOutput(new_tool_parser)
+        self.chat_output = output or ChatOutput(None)
         self.hold_back = max((len(s) for s in params.stop_strings), default=1) - 1
 
     def _choice_index(self, prompt_index: int, completion: CompletionOutput) -> int:

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
 from pagedllm.engine.async_engine import EngineDeadError, RequestStream
 from pagedllm.engine.llm_engine import PromptType
+from pagedllm.entrypoints.openai.chat_output import ChatOutput
 from pagedllm.entrypoints.openai.completion_choices import CompletionOptions
 from pagedllm.entrypoints.openai.errors import bad_request, error_body, error_responses
 from pagedllm.entrypoints.openai.responses import ResponseBuilder
 from pagedllm.entrypoints.openai.state import ServerState, cache_salt_of
-from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallRecord
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -33,10 +33,24 @@ GENERATION_RESPONSES = {
 
 
 async def serve(state: ServerState, kind: str, prompts: list[PromptType], params: SamplingParams,
-                 body, tenant: str | None, chat: bool, completion: CompletionOptions | None = None,
-                 new_tool_parser: Callable[[], ToolCallRecord] | None = None,
-                 lora_request: LoRARequest | None = None):
-    """Add every prompt under ``lora_request``'s adapter (None: the base) and answer."""
+                body, tenant: str | None, chat: bool, completion: CompletionOptions | None = None,
+                output: ChatOutput | None = None, lora_request: LoRARequest | None = None):
+    """The HTTP answer of ``generate``: JSON, or its chunks as SSE events."""
+    answer = await generate(state, kind, prompts, params, body, tenant, chat, completion, output, lora_request)
+    if isinstance(answer, dict):
+        return answer
+    return StreamingResponse(_server_sent_events(answer), media_type="text/event-stream")
+
+
+async def generate(state: ServerState, kind: str, prompts: list[PromptType], params: SamplingParams,
+                   body, tenant: str | None, chat: bool, completion: CompletionOptions | None = None,
+                   output: ChatOutput | None = None,
+                   lora_request: LoRARequest | None = None) -> dict | AsyncIterator[dict]:
+    """Add every prompt under ``lora_request``'s adapter (None: the base) and
+    answer: the whole response, or (``body.stream``) an iterator of its chunks,
+    whose last is ``{"error": ...}`` if the engine died mid-stream. The Responses
+    and Messages APIs answer from these chat chunks too. Raises ``APIError`` 400
+    when the engine refuses a prompt."""
     salt = cache_salt_of(tenant, body.cache_salt)
     engine = state.async_engine
     streams: list[RequestStream] = []
@@ -50,16 +64,24 @@ async def serve(state: ServerState, kind: str, prompts: list[PromptType], params
             stream.abort()
         raise bad_request(exc, type(body).model_fields) from exc
     response = ResponseBuilder(state.engine_info.tokenizer, kind, params, chat, body.model or state.served_model_name,
-                               completion=completion, new_tool_parser=new_tool_parser)
+                               completion=completion, output=output)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(response, streams, include_usage), media_type="text/event-stream")
+        return _stream(response, streams, include_usage)
     try:
         finals = await asyncio.gather(*(_last(stream) for stream in streams))
     finally:
         for stream in streams:
             stream.abort()
     return response.full(finals)
+
+
+async def _server_sent_events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    async for chunk in chunks:
+        yield f"data: {json.dumps(chunk)}\n\n"
+        if "error" in chunk:
+            return
+    yield "data: [DONE]\n\n"
 
 
 async def _last(stream: RequestStream) -> RequestOutput:
@@ -69,11 +91,11 @@ async def _last(stream: RequestStream) -> RequestOutput:
     return final
 
 
-async def _stream(response: ResponseBuilder, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
-    """SSE events of every prompt's outputs as they come; aborts everything left
-    if the client goes away (the generator is cancelled or closed). When the
-    engine dies mid-stream the last event is the error a 503 would carry
-    (``{"error": {..., "code": "engine_dead"}}``), and the stream ends."""
+async def _stream(response: ResponseBuilder, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[dict]:
+    """The chunks of every prompt's outputs as they come; aborts everything left
+    if the consumer goes away (the generator is cancelled or closed). When the
+    engine dies mid-stream the last chunk is the error a 503 would carry
+    (``{"error": {..., "code": "engine_dead"}}``)."""
     merged: asyncio.Queue[tuple[int, RequestOutput | EngineDeadError | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
@@ -94,17 +116,16 @@ async def _stream(response: ResponseBuilder, streams: list[RequestStream], inclu
                 remaining -= 1
                 continue
             if isinstance(output, EngineDeadError):
-                yield f"data: {json.dumps(error_body(str(output), 'server_error', code='engine_dead'))}\n\n"
+                yield error_body(str(output), "server_error", code="engine_dead")
                 return
             for chunk in response.chunks(index, output, include_usage):
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield chunk
             if output.finished:
                 finals[index] = output
         for task in tasks:
             task.result()  # re-raise a failure of the stream itself
         if include_usage:
-            yield f"data: {json.dumps(response.usage_chunk([finals[i] for i in sorted(finals)]))}\n\n"
-        yield "data: [DONE]\n\n"
+            yield response.usage_chunk([finals[i] for i in sorted(finals)])
     finally:
         for task in tasks:
             task.cancel()

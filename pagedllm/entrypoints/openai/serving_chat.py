@@ -4,47 +4,78 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI
 
 from pagedllm.entrypoints.chat_utils import ChatRenderOptions, render_chat
+from pagedllm.entrypoints.openai.chat_output import ChatOutput
 from pagedllm.entrypoints.openai.errors import APIError, bad_request
 from pagedllm.entrypoints.openai.limits import check_limits
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, NamedToolChoice, TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.reasoning import ReasoningSplitter
 from pagedllm.entrypoints.openai.serving import GENERATION_RESPONSES, serve
 from pagedllm.entrypoints.openai.structured_outputs import check_structured_outputs
 from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
 from pagedllm.entrypoints.openai.tool_parsers import ToolPlan, plan_tool_choice
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import StructuredOutputError
+
+
+@dataclass(frozen=True)
+class ChatJob:
+    """A chat request made ready to run: its prompt, sampling params (a tool
+    choice's or schema's grammar behind the thinking), and how to read the output."""
+
+    prompt: dict
+    params: SamplingParams
+    output: ChatOutput
+    lora_request: LoRARequest | None
 
 
 def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, tenant: str | None = Depends(tenant_of)):
-        lora_request = check_model(state, body.model)
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        check_limits(state.engine_info, body)
-        try:
-            prompt = chat_prompt(state, body)
-            tools = _tools(body)
-            choice = body.tool_choice
-            plan = plan_tool_choice(tools, choice.model_dump() if isinstance(choice, NamedToolChoice) else choice,
-                                    body.parallel_tool_calls)
-            top_logprobs = 0 if body.top_logprobs is None else body.top_logprobs
-            # max_completion_tokens (OpenAI's newer name) wins; "is None", since a 0 must not fall through
-            max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
-            params = body.sampling_params(max_tokens, top_logprobs if body.logprobs else None,
-                                          defaults=state.engine_info.default_sampling_params)
-            check_structured_outputs(state.async_engine, body, params)
-            params = _with_tool_grammar(state, params, plan)
-        except ValueError as exc:
-            raise bad_request(exc, ChatCompletionRequest.model_fields) from exc
-        return await serve(state, "chatcmpl", [prompt], params, body, tenant, chat=True,
-                           new_tool_parser=plan.new_parser, lora_request=lora_request)
+        job = prepare_chat(state, body)
+        return await serve(state, "chatcmpl", [job.prompt], job.params, body, tenant, chat=True, output=job.output,
+                           lora_request=job.lora_request)
+
+
+def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> ChatJob:
+    """Checks, renders and plans one chat request: the one path of chat completions,
+    the Responses API and the Messages API. Raises ``APIError`` (400 naming the field, 404 for the model)."""
+    lora_request = check_model(state, body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    check_limits(state.engine_info, body)
+    try:
+        prompt = chat_prompt(state, body)
+        tools = _tools(body)
+        choice = body.tool_choice
+        plan = plan_tool_choice(tools, choice.model_dump() if isinstance(choice, NamedToolChoice) else choice,
+                                body.parallel_tool_calls)
+        top_logprobs = 0 if body.top_logprobs is None else body.top_logprobs
+        # max_completion_tokens (OpenAI's newer name) wins; "is None", since a 0 must not fall through
+        max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+        params = body.sampling_params(max_tokens, top_logprobs if body.logprobs else None,
+                                      defaults=state.engine_info.default_sampling_params)
+        check_structured_outputs(state.async_engine, body, params)
+        params = _with_tool_grammar(state, params, plan)
+    except ValueError as exc:
+        raise bad_request(exc, ChatCompletionRequest.model_fields) from exc
+    reasoning = state.reasoning
+    if reasoning is None:
+        return ChatJob(prompt, params, ChatOutput(plan.new_parser), lora_request)
+    starts_thinking = reasoning.starts_thinking(prompt["prompt"])
+    if params.structured_outputs is not None:
+        gated = dataclasses.replace(params.structured_outputs, reasoning=reasoning.gate(starts_thinking))
+        params = dataclasses.replace(params, structured_outputs=gated)
+    output = ChatOutput(plan.new_parser, lambda: ReasoningSplitter(starts_thinking),
+                        show_reasoning=body.include_reasoning)
+    return ChatJob(prompt, params, output, lora_request)
 
 
 def _with_tool_grammar(state: ServerState, params: SamplingParams, plan: ToolPlan) -> SamplingParams:

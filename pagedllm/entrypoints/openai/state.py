@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from pagedllm.engine.core_client import AsyncEngineCoreClient
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.entrypoints.chat_utils import ChatSettings
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.reasoning import ReasoningSettings
 
 if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
@@ -55,6 +57,8 @@ class ServerState:
     adapters: ServedAdapters | None = None
     # The base model's path, /v1/models' "root" (None: the first served name).
     model_root: str | None = None
+    # --reasoning-parser (``reasoning.REASONING_PARSERS``): None, no reasoning output.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if (self.async_engine is None) == (self.load_engine is None):
@@ -63,6 +67,13 @@ class ServerState:
     @property
     def model_names(self) -> list[str]:
         return [self.served_model_name, *self.model_aliases]
+
+    @functools.cached_property
+    def reasoning(self) -> ReasoningSettings | None:
+        """The reasoning parser over the engine's tokenizer (``ValueError`` when it does not fit the model)."""
+        if self.reasoning_parser is None:
+            return None
+        return ReasoningSettings.for_tokenizer(self.reasoning_parser, self.engine_info.tokenizer)
 
     @property
     def engine_info(self) -> EngineInfo:
