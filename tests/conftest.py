@@ -83,6 +83,42 @@ def tiny_llama(tiny_model_dir) -> str:
     return tiny_model_dir("llama")
 
 
+# The generation prompt of a Qwen3 thinking model (and DeepSeek-R1): the template opens the
+# thinking, or with chat_template_kwargs {"enable_thinking": false} writes it closed and empty.
+_THINKING_GENERATION_PROMPT = """{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- else %}
+        {{- '<think>\\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+
+@pytest.fixture(scope="session")
+def tiny_reasoning_model(tmp_path_factory, tiny_model_dir) -> str:
+    """A tiny random Qwen3 whose tokenizer (SmolLM2's) has ``<think>`` and ``</think>`` as
+    single tokens and whose chat template (Hermes tools) opens the thinking, as Qwen3
+    thinking models' do; ``enable_thinking: false`` closes it empty instead."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedllm.entrypoints.chat_utils import SHIPPED_TEMPLATES
+
+    folder = tmp_path_factory.mktemp("tiny-reasoning")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("qwen3"))
+    tokenizer.add_tokens(["<think>", "</think>"])  # plain added tokens: decoded text keeps them, as Qwen3's
+    hermes = SHIPPED_TEMPLATES["hermes"].read_text(encoding="utf-8")
+    generation_prompt = hermes[hermes.rindex("{%- if add_generation_prompt %}"):]
+    tokenizer.chat_template = hermes.replace(generation_prompt, _THINKING_GENERATION_PROMPT)
+    config = _tiny_config("qwen3")
+    config.vocab_size = len(tokenizer)
+    config.eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(4321)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 def assert_pool_free(llm) -> None:
     """Every engine test ends here: nothing queued, every block back in the pool,
     and after reset_prefix_cache() not even a cached block left."""
