@@ -8,12 +8,13 @@ The bounds that do not depend on the engine are ``Field`` constraints here (in
 the OpenAPI document too); those from the engine's limits are in ``limits``. Nothing is dropped
 silently: a field of OpenAI's or vLLM's API that pagedllm does not implement is a
 400 naming it (``UNIMPLEMENTED_FIELDS``) unless it has its harmless default, and a
-truly unknown field is ignored and logged once per name, as vLLM does.
+truly unknown field is ignored and logged once per name, as vLLM does (up to
+``IgnoredFieldLog.limit`` names per process: fuzzed names must not grow memory).
 """
 
 from __future__ import annotations
 
-import functools
+import threading
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
@@ -52,11 +53,37 @@ UNIMPLEMENTED_FIELD_HINTS: dict[str, str] = {
 }
 
 
-@functools.cache
-def _log_ignored_field(model_name: str, field_name: str) -> None:
-    """Warn once per (request kind, field name): a client sending a field every
-    time must not flood the log."""
-    logger.warning("%s: ignoring the unknown field %r", model_name, field_name)
+class IgnoredFieldLog:
+    """Warns once per (request kind, field name) that an unknown field was
+    ignored, so a client sending one every time does not flood the log. It
+    remembers at most ``limit`` names (every name a fuzzer makes up would
+    otherwise stay in memory for good); past that it says once that further
+    unknown fields are not logged, and logs none."""
+
+    def __init__(self, limit: int = 256, log: Any = None) -> None:
+        self.limit = limit
+        self._log = log or logger
+        self._seen: set[tuple[str, str]] = set()
+        self._full = False
+        self._lock = threading.Lock()  # requests are validated on the event loop, but the offline API has threads
+
+    def __call__(self, model_name: str, field_name: str) -> None:
+        key = (model_name, field_name)
+        with self._lock:
+            if key in self._seen or self._full:
+                return
+            if len(self._seen) >= self.limit:
+                self._full = True
+                self._log.warning("%d unknown request fields were logged; further unknown fields are ignored "
+                                  "without being logged", self.limit)
+                return
+            self._seen.add(key)
+        # A made-up name may be long: the line shows its start.
+        shown = field_name if len(field_name) <= 100 else field_name[:100] + "..."
+        self._log.warning("%s: ignoring the unknown field %r", model_name, shown)
+
+
+_log_ignored_field = IgnoredFieldLog()
 
 
 def _unimplemented_field_error(model_name: str, field_name: str, value: Any) -> ValidationError:
