@@ -87,8 +87,9 @@ class ReasoningSplitter:
     """
 
     def __init__(self, starts_thinking: bool | None) -> None:
-        # At the start a leading <think> opens (or, when already inside, repeats) the thinking.
-        self._opening = True
+        # At the start a leading <think> opens (or, when already inside, repeats) the thinking;
+        # after a prompt that closed it, the whole output is the answer.
+        self._opening = starts_thinking is not False
         self._thinking = bool(starts_thinking)
         self._strip_answer = False  # just after </think>: drop the answer's leading whitespace
         self._held = ""
