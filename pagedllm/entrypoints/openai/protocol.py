@@ -97,6 +97,24 @@ def _unimplemented_field_error(model_name: str, field_name: str, value: Any) -> 
     return ValidationError.from_exception_data(model_name, [InitErrorDetails(type=error, loc=(field_name,), input=value)])
 
 
+def refuse_unimplemented_fields(model: type[BaseModel], unimplemented: Mapping[str, tuple[Any, ...]],
+                               data: Any) -> Any:
+    """A request model's before-validator: 400 for a field of ``unimplemented`` set to
+    something else than a value that asks for nothing; log unknown fields once."""
+    if not isinstance(data, dict):
+        return data
+    for name, value in data.items():
+        if name in model.model_fields:
+            continue
+        if name in unimplemented:
+            if value is not None and value not in unimplemented[name]:
+                # Raised as a ValidationError (pydantic passes it through) so the error carries the field's location.
+                raise _unimplemented_field_error(model.__name__, name, value)
+        else:
+            _log_ignored_field(model.__name__, name)
+    return data
+
+
 class StrictModel(BaseModel):
     """A request object: no coercion between JSON types (a float or a bool is
     not an integer), as the OpenAPI document's types say."""
@@ -164,19 +182,7 @@ class _SamplingFields(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unimplemented_fields(cls, data: Any) -> Any:
-        """400 for an unimplemented known field set to something; log unknown ones once."""
-        if not isinstance(data, dict):
-            return data
-        for name, value in data.items():
-            if name in cls.model_fields:
-                continue
-            if name in cls.unimplemented_fields:
-                if value is not None and value not in cls.unimplemented_fields[name]:
-                    # Raised as a ValidationError (pydantic passes it through) so the error carries the field's location.
-                    raise _unimplemented_field_error(cls.__name__, name, value)
-            else:
-                _log_ignored_field(cls.__name__, name)
-        return data
+        return refuse_unimplemented_fields(cls, cls.unimplemented_fields, data)
 
     model: str | None = None
     n: int = Field(default=1, ge=1)
