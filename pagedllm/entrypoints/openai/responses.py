@@ -46,7 +46,9 @@ class ResponseBuilder:
                                                                output, completion))
                     continue
                 choice = {"index": self._choice_index(prompt_index, completion), "finish_reason": completion.finish_reason,
-                          "logprobs": self._logprobs(completion.logprobs) if completion.logprobs is not None else None}
+                          "logprobs": self._logprobs(completion.logprobs) if completion.logprobs is not None else None,
+                          # vLLM's: the stop string or token id that ended the choice (Messages' stop_sequence)
+                          "stop_reason": completion.stop_reason}
                 choice["message"], choice["finish_reason"] = self.chat_output.message(completion)
                 choices.append(choice)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
@@ -101,6 +103,7 @@ class ResponseBuilder:
             choice = {"index": index, "logprobs": logprobs, "finish_reason": completion.finish_reason}
             if self.chat:
                 choice["delta"], choice["finish_reason"] = message_delta or {}, finish_reason
+                choice["stop_reason"] = completion.stop_reason
                 if index not in self.roles_sent:
                     choice["delta"]["role"] = "assistant"
                     self.roles_sent.add(index)
