@@ -70,6 +70,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         args.model = args.model_tag
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
+    if args.max_tokens_per_request is not None and args.max_tokens_per_request < 1:
+        raise ValueError(f"--max-tokens-per-request must be at least 1, got {args.max_tokens_per_request}")
     if not args.engine_process and (args.api_server_count != 1 or args.restart_engine_on_failure):
         raise ValueError("--api-server-count and --restart-engine-on-failure need the engine-core process; "
                          "drop --no-engine-process")
@@ -219,6 +221,10 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                             "(the shipped Hermes/Qwen tool-calling template)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let requests send their own chat_template (Jinja run in a sandbox; off by default)")
+    serve.add_argument("--max-tokens-per-request", type=int, default=None, metavar="N",
+                       help="the most tokens one request may make the engine compute: its prompts' tokens (once "
+                            "per choice with prompt logprobs) plus max_tokens for each of its n (or best_of) "
+                            "sequences; over it is a 400 (default: 16384, or --max-model-len if longer)")
     serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split a reasoning model's <think>...</think> from its answer: chat's reasoning_content, "
                             "Responses reasoning items, Messages thinking blocks; grammars and tool parsing start "

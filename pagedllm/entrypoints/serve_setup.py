@@ -49,7 +49,8 @@ def server_state(args: argparse.Namespace, names: list[str], load_engine: Callab
     return ServerState(served_model_name=names[0], api_keys=api_keys_of(args), model_aliases=names[1:], chat=chat,
                        load_engine=load_engine, on_load_failure=stop_server,
                        engine_settings={"block_size": args.block_size, "kv_events": args.kv_events_config},
-                       adapters=served_adapters(args), model_root=args.model, reasoning_parser=args.reasoning_parser)
+                       adapters=served_adapters(args), model_root=args.model, reasoning_parser=args.reasoning_parser,
+                       max_tokens_per_request=args.max_tokens_per_request)
 
 
 def served_adapters(args: argparse.Namespace) -> ServedAdapters | None:

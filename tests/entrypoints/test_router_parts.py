@@ -72,10 +72,11 @@ def test_replica_command_passes_the_engine_and_serve_flags(tiny_llama):
     from pagedllm.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--model", tiny_llama, "--num-kv-blocks", "64", "--data-parallel-size", "2",
-                                      "--api-key", "k1", "--served-model-name", "a", "b"])
+                                      "--api-key", "k1", "--served-model-name", "a", "b",
+                                      "--max-tokens-per-request", "5000"])
     command = launch.replica_command(args, "127.0.0.1", 9000, "ipc:///tmp/e", "ipc:///tmp/r", threads=1)
     joined = " ".join(command)
     for part in ("--num-kv-blocks 64", "--port 9000", "--num-threads 1", "--api-key k1",
-                 "--served-model-name a b", f"--model {tiny_llama}", '"replay_endpoint": "ipc:///tmp/r"'):
+                 "--served-model-name a b", "--max-tokens-per-request 5000", f"--model {tiny_llama}", '"replay_endpoint": "ipc:///tmp/r"'):
         assert part in joined, part
     assert "--data-parallel-size" not in joined and isinstance(args, argparse.Namespace)

@@ -1,7 +1,11 @@
 """The bounds of request fields that come from the engine: its max_model_len,
 max_num_seqs, max_logprobs, scheduling policy and vocabulary. ``check_limits``
 refuses a request outside one (a 400 naming the field), and ``bound_schema``
-writes the same numbers into the OpenAPI document, so the two cannot disagree."""
+writes the same numbers into the OpenAPI document, so the two cannot disagree.
+
+One request's work is capped too (``--max-tokens-per-request``,
+``check_request_tokens``): a product of fields, which JSON Schema cannot state,
+so the document gives the rule and the number in words."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from pydantic import BaseModel
 
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.sampling_params import SamplingParams
 
 # Request fields holding token ids (every integer inside is one): the vocabulary bounds them.
 TOKEN_ID_FIELDS = ("prompt", "tokens", "stop_token_ids", "allowed_token_ids")
@@ -24,12 +29,106 @@ class Limit:
     minimum: int | None = None  # None: the request model's own bound (``protocol``) stands
 
 
+# The default of --max-tokens-per-request, raised to max_model_len when that is longer (so a
+# single-sequence request always fits). 16384 tokens are two whole contexts of the default
+# model (SmolLM2, 8192), about half a minute of a 2-core CPU's batched throughput (~500 tok/s):
+# one request can no longer hold every sequence slot for minutes (n: 256 x max_tokens: 256),
+# while n up to 2 without max_tokens, or n: 16 with max_tokens: 512 and a prompt of up to
+# 8000 tokens, still run.
+DEFAULT_MAX_TOKENS_PER_REQUEST = 16384
+TOKENS_PER_REQUEST_FLAG = "--max-tokens-per-request"
+
+
+def max_tokens_per_request(info: EngineInfo, configured: int | None) -> int:
+    """The work cap of one request on this server: ``configured`` (the flag), else the default."""
+    return configured if configured is not None else max(DEFAULT_MAX_TOKENS_PER_REQUEST, info.max_model_len)
+
+
+def request_tokens(info: EngineInfo, prompt_lengths: list[int], params: SamplingParams) -> int:
+    """The tokens a request makes the engine compute, at most: for each prompt, its
+    tokens (kept by ``truncate_prompt_tokens``), counted once per returned choice
+    when the choices carry its logprobs (``prompt_logprobs``, or echo with
+    ``logprobs``), plus ``max_tokens`` (what fits in ``max_model_len`` after the
+    prompt; all of it when unset) for each of its ``best_of`` (else ``n``) sequences."""
+    total = 0
+    for length in prompt_lengths:
+        length = _kept_prompt_length(length, params.truncate_prompt_tokens, info.max_model_len)
+        if length >= info.max_model_len:
+            continue  # never runs: the engine refuses it with a 400 that says why
+        room = info.max_model_len - length
+        generated = room if params.max_tokens is None else min(params.max_tokens, room)
+        scored = length * params.n if params.prompt_logprobs is not None else length
+        total += scored + params.num_sequences * generated
+    return total
+
+
+def _kept_prompt_length(length: int, truncate: int | None, max_model_len: int) -> int:
+    if truncate is None:
+        return length
+    return min(length, max_model_len - 1 if truncate == -1 else truncate)
+
+
+def check_request_tokens(info: EngineInfo, cap: int, prompt_lengths: list[int], params: SamplingParams,
+                         max_tokens_field: str = "max_tokens") -> None:
+    """A 400 when the request's work (``request_tokens``) is over ``cap``
+    (``--max-tokens-per-request``). Its ``param`` names the field to lower:
+    ``best_of`` or ``n`` when it runs several sequences, else ``prompt`` for
+    several prompts, else the prompt or ``max_tokens_field``."""
+    total = request_tokens(info, prompt_lengths, params)
+    if total <= cap:
+        return
+    if params.best_of is not None and params.best_of > 1:
+        param = "best_of"
+    elif params.n > 1:
+        param = "n"
+    elif len(prompt_lengths) > 1 or sum(prompt_lengths) > cap:
+        param = "prompt"
+    else:
+        param = max_tokens_field
+    sequences = params.num_sequences
+    per_sequence = "until the context is full" if params.max_tokens is None else f"up to {params.max_tokens} tokens"
+    scored = f" x {params.n} choices (prompt logprobs)" if params.prompt_logprobs is not None else ""
+    raise APIError(400, f"this request asks for up to {total} tokens ({len(prompt_lengths)} prompt(s) of "
+                        f"{sum(prompt_lengths)} tokens{scored}, then {sequences} sequence(s) per prompt of "
+                        f"{per_sequence}), more than the {cap} this server allows per request "
+                        f"({TOKENS_PER_REQUEST_FLAG}); lower {param}", param=param)
+
+
+# The request schemas whose routes check the work cap (``check_request_tokens``), and their fields in it.
+WORK_CAPPED_SCHEMAS = ("CompletionRequest", "ChatCompletionRequest")
+_WORK_FIELDS = ("n", "best_of", "max_tokens", "max_completion_tokens", "prompt", "prompt_logprobs", "echo")
+
+
+def document_request_tokens(schema: dict[str, Any], cap: int) -> None:
+    """Write the work cap into the request schemas of an OpenAPI document, in
+    place: the rule in words (a product, which JSON Schema cannot state) with
+    this server's number, and the number as ``x-max-tokens-per-request``."""
+    rule = (f"One request may make the engine compute at most {cap} tokens ({TOKENS_PER_REQUEST_FLAG}): "
+            "over its prompts, each prompt's tokens (counted once per choice when the choices carry prompt "
+            "logprobs: prompt_logprobs, or echo with logprobs) plus max_tokens (what fits in the context after "
+            "the prompt; all of it when unset) for each of its best_of (else n) sequences. Over it: a 400 "
+            "whose param names the field to lower.")
+    components = schema.get("components", {}).get("schemas", {})
+    for name in WORK_CAPPED_SCHEMAS:
+        component = components.get(name)
+        if component is None:
+            continue
+        component["description"] = f"{component['description']}\n\n{rule}" if component.get("description") else rule
+        component["x-max-tokens-per-request"] = cap
+        for field in _WORK_FIELDS:
+            field_schema = component.get("properties", {}).get(field)
+            if field_schema is not None:
+                note = f"Counts towards the request's work cap of {cap} tokens ({TOKENS_PER_REQUEST_FLAG})."
+                field_schema["description"] = " ".join(filter(None, [field_schema.get("description"), note]))
+
+
 def field_limits(info: EngineInfo) -> dict[str, Limit]:
     """Each bounded integer field's allowed range on this server."""
     seqs = Limit(info.max_num_seqs, "--max-num-seqs")
     length = Limit(info.max_model_len, "--max-model-len")
     logprobs = Limit(info.max_logprobs, "--max-logprobs")
     limits = {"n": seqs, "best_of": seqs, "max_tokens": length, "max_completion_tokens": length,
+              "max_output_tokens": length,
               "min_tokens": length, "truncate_prompt_tokens": length, "logprobs": logprobs, "top_logprobs": logprobs,
               "prompt_logprobs": logprobs}
     if info.scheduling_policy != "priority":

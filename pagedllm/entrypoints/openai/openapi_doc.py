@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from pagedllm.entrypoints.openai.limits import bound_schema
+from pagedllm.entrypoints.openai.limits import bound_schema, document_request_tokens
 from pagedllm.entrypoints.openai.state import ServerState
 
 # FastAPI's components for its 422 answers, which this server never gives.
@@ -30,6 +30,7 @@ def install_openapi(app: FastAPI, state: ServerState) -> None:
         if state.async_engine is None:
             return schema  # the engine's limits are not known yet: not kept
         bound_schema(state.async_engine.info, schema)
+        document_request_tokens(schema, state.request_token_cap)
         app.openapi_schema = schema
         return schema
 

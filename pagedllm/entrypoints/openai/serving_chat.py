@@ -11,7 +11,7 @@ from fastapi import Depends, FastAPI
 from pagedllm.entrypoints.chat_utils import ChatRenderOptions, render_chat
 from pagedllm.entrypoints.openai.chat_output import ChatOutput
 from pagedllm.entrypoints.openai.errors import APIError, bad_request
-from pagedllm.entrypoints.openai.limits import check_limits
+from pagedllm.entrypoints.openai.limits import check_limits, check_request_tokens
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, NamedToolChoice, TokenizeRequest,
 )
@@ -66,6 +66,8 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> ChatJob:
         params = _with_tool_grammar(state, params, plan)
     except ValueError as exc:
         raise bad_request(exc, ChatCompletionRequest.model_fields) from exc
+    check_request_tokens(state.engine_info, state.request_token_cap, [len(prompt["prompt_token_ids"])], params,
+                         "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens")
     reasoning = state.reasoning
     if reasoning is None:
         return ChatJob(prompt, params, ChatOutput(plan.new_parser), lora_request)

@@ -6,10 +6,11 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 
+from pagedllm.engine.core_client import tokenized
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.entrypoints.openai.completion_choices import CompletionOptions
 from pagedllm.entrypoints.openai.errors import APIError, bad_request
-from pagedllm.entrypoints.openai.limits import check_limits
+from pagedllm.entrypoints.openai.limits import check_limits, check_request_tokens
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving import GENERATION_RESPONSES, serve
 from pagedllm.entrypoints.openai.structured_outputs import check_structured_outputs
@@ -45,6 +46,10 @@ def add_completion_route(app: FastAPI, state: ServerState, tenant_of: TenantDepe
             check_structured_outputs(state.async_engine, body, params)
         except ValueError as exc:
             raise bad_request(exc, CompletionRequest.model_fields) from exc
+        # Tokenized here (as the engine would), so the request's work is known before it is queued.
+        prompts = [tokenized(state.engine_info.tokenizer, prompt) for prompt in prompts]
+        check_request_tokens(state.engine_info, state.request_token_cap,
+                             [len(prompt["prompt_token_ids"]) for prompt in prompts], params)
         options = CompletionOptions(echo=body.echo, echo_only=echo_only, prompt_logprobs=body.prompt_logprobs is not None,
                                     tokens_as_ids=body.return_tokens_as_token_ids)
         return await serve(state, "cmpl", prompts, params, body, tenant, chat=False, completion=options,

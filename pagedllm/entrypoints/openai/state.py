@@ -57,12 +57,17 @@ class ServerState:
     adapters: ServedAdapters | None = None
     # The base model's path, /v1/models' "root" (None: the first served name).
     model_root: str | None = None
+    # --max-tokens-per-request: the most tokens one request may make the engine compute
+    # (``limits.request_tokens``); None: ``limits.DEFAULT_MAX_TOKENS_PER_REQUEST`` or max_model_len.
+    max_tokens_per_request: int | None = None
     # --reasoning-parser (``reasoning.REASONING_PARSERS``): None, no reasoning output.
     reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if (self.async_engine is None) == (self.load_engine is None):
             raise ValueError("ServerState needs exactly one of async_engine and load_engine")
+        if self.max_tokens_per_request is not None and self.max_tokens_per_request < 1:
+            raise ValueError(f"--max-tokens-per-request must be at least 1, got {self.max_tokens_per_request}")
 
     @property
     def model_names(self) -> list[str]:
@@ -81,6 +86,13 @@ class ServerState:
         if self.async_engine is None:
             raise RuntimeError("the engine is still loading")
         return self.async_engine.info
+
+    @property
+    def request_token_cap(self) -> int:
+        """The work cap of one request (``--max-tokens-per-request`` or its default)."""
+        from pagedllm.entrypoints.openai.limits import max_tokens_per_request
+
+        return max_tokens_per_request(self.engine_info, self.max_tokens_per_request)
 
     @property
     def is_ready(self) -> bool:
@@ -125,9 +137,10 @@ def tenant_of_key(api_keys: dict[str, str | None], presented: str | None) -> tup
 
 
 def presented_key(request: Request) -> str | None:
-    """The API key a request presents: its ``Authorization: Bearer`` token, if any."""
+    """The API key a request presents: its ``Authorization: Bearer`` token, else its
+    ``x-api-key`` header (how Anthropic's clients send it), if any."""
     header = request.headers.get("authorization", "")
-    return header[7:] if header.lower().startswith("bearer ") else None
+    return header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key")
 
 
 def cache_salt_of(tenant: str | None, cache_salt: str | None) -> str | None:

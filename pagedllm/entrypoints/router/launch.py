@@ -34,7 +34,8 @@ logger = init_logger(__name__)
 _SUPERVISE_INTERVAL_S = 0.5
 # serve flags that every replica gets as they are (the engine's own come from engine_flags_from_args).
 _PASSED_FLAGS = ("served_model_name", "api_key", "api_keys_file", "chat_template", "metrics_namespace",
-                 "log_stats_interval", "uvicorn_log_level", "timeout_keep_alive", "lora_modules")
+                 "log_stats_interval", "uvicorn_log_level", "timeout_keep_alive", "lora_modules",
+                 "max_tokens_per_request")
 _PASSED_SWITCHES = ("trust_request_chat_template", "disable_log_stats", "restart_engine_on_failure")
 
 
