@@ -2,11 +2,12 @@
 engine-core process's, or an AsyncLLMEngine in this process).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE
-streaming), GET /v1/models, GET /health (503 while the model loads, until the
+streaming), Anthropic's POST /v1/messages (SSE streaming too) and POST
+/v1/messages/count_tokens (``serving_messages``), GET /v1/models, GET /health (503 while the model loads, until the
 engine loop runs and after it died), GET /version, POST /tokenize, POST /detokenize,
 POST /reset_prefix_cache, GET /metrics (Prometheus), and with LoRA POST
 /v1/load_lora_adapter and /v1/unload_lora_adapter (``serving_lora``). Errors use OpenAI's JSON
-shape ``{"error": {"message", "type", "param", "code"}}``; /openapi.json documents
+shape ``{"error": {"message", "type", "param", "code"}}`` (Anthropic's on /v1/messages); /openapi.json documents
 each route's statuses and content types (``openapi_doc``).
 """
 
@@ -34,6 +35,7 @@ from pagedllm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequ
 from pagedllm.entrypoints.openai.serving_chat import add_chat_route, chat_prompt
 from pagedllm.entrypoints.openai.serving_completion import add_completion_route
 from pagedllm.entrypoints.openai.serving_lora import add_lora_routes
+from pagedllm.entrypoints.openai.serving_messages import add_messages_routes
 from pagedllm.entrypoints.openai.state import (ServerState, TenantDependency, check_model, presented_key,
                                                tenant_of_key)
 
@@ -95,6 +97,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     _add_token_routes(app, state, tenant_of)
     add_completion_route(app, state, tenant_of)
     add_chat_route(app, state, tenant_of)
+    add_messages_routes(app, state, tenant_of)
     if state.adapters is not None:
         add_lora_routes(app, state, tenant_of)
     return app
