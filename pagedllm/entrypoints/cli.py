@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, get_args
 from pagedllm.config import CacheConfig, DType, EngineConfig
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_options_from_args, make_llm
 from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
+from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 from pagedllm.logger import init_logger
 from pagedllm.sampling_params import SamplingParams
 
@@ -229,6 +230,12 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="split a reasoning model's <think>...</think> from its answer: chat's reasoning_content, "
                             "Responses reasoning items, Messages thinking blocks; grammars and tool parsing start "
                             "after the thinking")
+    serve.add_argument("--responses-store-max-entries", type=int, default=DEFAULT_MAX_ENTRIES,
+                       help="Responses API: stored responses kept per tenant (LRU; 0: store nothing; "
+                            "default: %(default)s)")
+    serve.add_argument("--responses-store-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                       help="Responses API: bytes of stored responses (JSON, with their conversations) kept per "
+                            "tenant (LRU; default: %(default)s)")
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="run the engine core (scheduler, runner, outputs) in a process of its own, reached over "
                             "ZMQ (the default); with --no-engine-process the engine loop runs in a thread of the "

@@ -43,6 +43,7 @@ def server_state(args: argparse.Namespace, names: list[str], load_engine: Callab
     """The state of one API server of ``pagedllm serve`` (the chat template is read here: a bad one
     fails fast); a failed load stops the server (``stop_server``), which then exits with status 1."""
     from pagedllm.entrypoints.chat_utils import ChatSettings, load_chat_template
+    from pagedllm.entrypoints.openai.response_store import ResponseStore
     from pagedllm.entrypoints.openai.state import ServerState
 
     chat = ChatSettings(load_chat_template(args.chat_template), args.trust_request_chat_template)
@@ -50,7 +51,8 @@ def server_state(args: argparse.Namespace, names: list[str], load_engine: Callab
                        load_engine=load_engine, on_load_failure=stop_server,
                        engine_settings={"block_size": args.block_size, "kv_events": args.kv_events_config},
                        adapters=served_adapters(args), model_root=args.model, reasoning_parser=args.reasoning_parser,
-                       max_tokens_per_request=args.max_tokens_per_request)
+                       max_tokens_per_request=args.max_tokens_per_request,
+                       responses_store=ResponseStore(args.responses_store_max_entries, args.responses_store_max_bytes))
 
 
 def served_adapters(args: argparse.Namespace) -> ServedAdapters | None:

@@ -6,7 +6,8 @@ streaming), Anthropic's POST /v1/messages (SSE streaming too) and POST
 /v1/messages/count_tokens (``serving_messages``), GET /v1/models, GET /health (503 while the model loads, until the
 engine loop runs and after it died), GET /version, POST /tokenize, POST /detokenize,
 POST /reset_prefix_cache, GET /metrics (Prometheus), and with LoRA POST
-/v1/load_lora_adapter and /v1/unload_lora_adapter (``serving_lora``). Errors use OpenAI's JSON
+/v1/load_lora_adapter and /v1/unload_lora_adapter (``serving_lora``), POST /v1/responses
+and GET/DELETE /v1/responses/{id} (OpenAI's Responses API, ``serving_responses``). Errors use OpenAI's JSON
 shape ``{"error": {"message", "type", "param", "code"}}`` (Anthropic's on /v1/messages); /openapi.json documents
 each route's statuses and content types (``openapi_doc``).
 """
@@ -36,6 +37,7 @@ from pagedllm.entrypoints.openai.serving_chat import add_chat_route, chat_prompt
 from pagedllm.entrypoints.openai.serving_completion import add_completion_route
 from pagedllm.entrypoints.openai.serving_lora import add_lora_routes
 from pagedllm.entrypoints.openai.serving_messages import add_messages_routes
+from pagedllm.entrypoints.openai.serving_responses import add_responses_routes
 from pagedllm.entrypoints.openai.state import (ServerState, TenantDependency, check_model, presented_key,
                                                tenant_of_key)
 
@@ -98,6 +100,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     add_completion_route(app, state, tenant_of)
     add_chat_route(app, state, tenant_of)
     add_messages_routes(app, state, tenant_of)
+    add_responses_routes(app, state, tenant_of)
     if state.adapters is not None:
         add_lora_routes(app, state, tenant_of)
     return app

@@ -16,6 +16,7 @@ from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.entrypoints.chat_utils import ChatSettings
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.reasoning import ReasoningSettings
+from pagedllm.entrypoints.openai.response_store import ResponseStore
 
 if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
@@ -62,6 +63,8 @@ class ServerState:
     max_tokens_per_request: int | None = None
     # --reasoning-parser (``reasoning.REASONING_PARSERS``): None, no reasoning output.
     reasoning_parser: str | None = None
+    # The Responses API's stored responses (--responses-store-max-entries / -max-bytes, per tenant).
+    responses_store: ResponseStore = field(default_factory=ResponseStore)
 
     def __post_init__(self) -> None:
         if (self.async_engine is None) == (self.load_engine is None):

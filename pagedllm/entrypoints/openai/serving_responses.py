@@ -1,0 +1,161 @@
+"""OpenAI's Responses API: ``POST /v1/responses`` (whole, or streamed as the
+Responses events), ``GET`` and ``DELETE /v1/responses/{id}`` for stored ones.
+
+One implementation under this front door: the request becomes a chat request
+(``responses_input``), runs as chat completions do (``prepare_chat``,
+``generate``) and the chat answer becomes the Response (``responses_output``).
+Stored responses (``store``, the default, and ``previous_response_id``) live in
+``ServerState.responses_store``, per tenant (``response_store``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from pagedllm.entrypoints.openai.errors import APIError, ErrorResponse, error_responses
+from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedllm.entrypoints.openai.responses_input import (CHAT_TO_RESPONSES_FIELDS, input_messages, output_messages,
+                                                         to_chat_request)
+from pagedllm.entrypoints.openai.responses_output import ResponseAssembler, echo_fields
+from pagedllm.entrypoints.openai.serving import generate
+from pagedllm.entrypoints.openai.serving_chat import prepare_chat
+from pagedllm.entrypoints.openai.state import ServerState, TenantDependency
+
+# One server-sent event of a stream: its type, and the event as JSON.
+_SSE_EVENT = {"type": "object", "required": ["event", "data"], "properties": {
+    "event": {"type": "string", "description": "the event's type: response.created, response.output_text.delta, ..."},
+    "data": {"type": "string", "description": "the event as JSON (its type and sequence_number included)"}}}
+CREATE_RESPONSES = {
+    200: {"description": "the Response (JSON), or with `stream` true its events as server-sent events",
+          "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
+    **error_responses(400, 401, 503),
+    404: {"model": ErrorResponse, "description": "the request's `model` is not served here, or its "
+                                                 "`previous_response_id` names no response stored for this API key"},
+}
+STORED_RESPONSES = {
+    **error_responses(401, 503),
+    404: {"model": ErrorResponse, "description": "no response of this id is stored for this API key (never stored, "
+                                                 "evicted, deleted, or another tenant's)"},
+}
+
+
+def add_responses_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
+    @app.post("/v1/responses", responses=CREATE_RESPONSES)
+    async def create_response(body: ResponsesRequest, tenant: str | None = Depends(tenant_of)):
+        previous = _previous_conversation(state, body, tenant)
+        with _named_as_responses_fields():
+            chat_body = to_chat_request(body, previous)
+            job = prepare_chat(state, chat_body)
+            answer = await generate(state, "resp", [job.prompt], job.params, chat_body, tenant, chat=True,
+                                    output=job.output, lora_request=job.lora_request)
+        tokenizer = state.engine_info.tokenizer
+        assembler = ResponseAssembler(echo_fields(body, chat_body.model or state.served_model_name),
+                                      lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+        conversation = previous + input_messages(body)
+        if isinstance(answer, dict):
+            assembler.start()
+            assembler.feed_completion(answer)
+            assembler.finish()
+            _keep(state, tenant, assembler, conversation)
+            return assembler.response()
+        return StreamingResponse(_events(state, tenant, assembler, conversation, answer),
+                                 media_type="text/event-stream")
+
+    @app.get("/v1/responses/{response_id}", responses=STORED_RESPONSES)
+    async def get_response(response_id: str, tenant: str | None = Depends(tenant_of)) -> dict:
+        stored = state.responses_store.get(tenant, response_id)
+        if stored is None:
+            raise _not_stored(response_id)
+        return stored.response
+
+    @app.delete("/v1/responses/{response_id}", responses=STORED_RESPONSES)
+    async def delete_response(response_id: str, tenant: str | None = Depends(tenant_of)) -> dict:
+        if not state.responses_store.delete(tenant, response_id):
+            raise _not_stored(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def _not_stored(response_id: str) -> APIError:
+    return APIError(404, f"No response found with id {response_id!r}.", code="response_not_found")
+
+
+def _previous_conversation(state: ServerState, body: ResponsesRequest, tenant: str | None) -> list[dict[str, Any]]:
+    """The conversation stored with ``previous_response_id`` ([] without one); 404 as OpenAI when
+    this tenant has none of that id."""
+    if body.previous_response_id is None:
+        return []
+    stored = state.responses_store.get(tenant, body.previous_response_id)
+    if stored is None:
+        raise APIError(404, f"Previous response with id {body.previous_response_id!r} not found.",
+                       param="previous_response_id", code="previous_response_not_found")
+    return stored.conversation
+
+
+@contextmanager
+def _named_as_responses_fields() -> Iterator[None]:
+    """The chat path's 400s name chat fields (``messages``, ``response_format``): name
+    the Responses fields the client sent instead."""
+    try:
+        yield
+    except ValidationError as exc:  # the chat request refused what the Responses request let through
+        error = exc.errors()[0]
+        location = ".".join(map(str, error["loc"]))
+        raise _as_responses_error(APIError(400, f"{location}: {error['msg']}", param=location or None)) from exc
+    except APIError as exc:
+        raise _as_responses_error(exc) from exc
+
+
+def _as_responses_error(exc: APIError) -> APIError:
+    head = (exc.param or "").partition(".")[0]
+    if head not in CHAT_TO_RESPONSES_FIELDS:
+        return exc
+    exc.param = CHAT_TO_RESPONSES_FIELDS[head]  # a message's index in chat's list is not the input's
+    if exc.param == "input":
+        exc.message += " (input, as the chat messages it becomes after instructions and the previous response's)"
+    else:
+        exc.message = re.sub(rf"\b{head}\b", exc.param, exc.message)
+    return exc
+
+
+def _keep(state: ServerState, tenant: str | None, assembler: ResponseAssembler,
+          conversation: list[dict[str, Any]]) -> None:
+    """Store a finished response when asked; one the store cannot hold (over its byte
+    bound, or the store is off) says ``store: false``, so the client knows."""
+    if not assembler.echo["store"]:
+        return
+    response = assembler.response()
+    if not state.responses_store.put(tenant, response, conversation + output_messages(response["output"])):
+        assembler.echo["store"] = False
+
+
+async def _events(state: ServerState, tenant: str | None, assembler: ResponseAssembler,
+                  conversation: list[dict[str, Any]], chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """The Responses events of a streamed chat answer, as SSE; the response is stored
+    before the last event. Closing this closes the chat stream (aborting the request)."""
+    try:
+        yield _sse(assembler.start())
+        async for chunk in chunks:
+            if "error" in chunk:  # the engine died mid-stream
+                yield _sse(assembler.fail(chunk["error"]["message"]))
+                return
+            events = assembler.feed_chunk(chunk)
+            if events:
+                yield _sse(events)
+        events = assembler.finish()
+        _keep(state, tenant, assembler, conversation)
+        yield _sse(events + [assembler.final_event()])
+    finally:
+        await chunks.aclose()
+
+
+def _sse(events: list[dict[str, Any]]) -> str:
+    return "".join(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n" for event in events)
+
