@@ -148,6 +148,36 @@ def test_prefix_routing_keeps_each_system_prompt_on_one_replica(fleet):
         assert_server_pool_free(replica, ALICE)
 
 
+def test_the_responses_and_messages_apis_route_by_prefix_and_a_stored_response_stays_home(fleet):
+    router, replicas = fleet["router"], fleet["replicas"]
+    for replica in replicas:
+        httpx.post(f"{replica}/reset_prefix_cache", headers=ALICE)
+    cached = []
+    for round_ in range(2):
+        messages = {"model": "m", "max_tokens": 4, "temperature": 0, "system": SYSTEMS[0],
+                    "messages": [{"role": "user", "content": f"Question number {round_}?"}]}
+        answer = httpx.post(f"{router}/v1/messages", json=messages, headers={"x-api-key": "key-alice"}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        cached.append(answer.json()["usage"]["cache_read_input_tokens"])
+    assert cached[0] == 0 and cached[1] >= 64, cached  # the second went where the first left its prefix
+    first = httpx.post(f"{router}/v1/responses", headers=ALICE, timeout=60, json={
+        "model": "m", "instructions": SYSTEMS[1], "input": "Hello?", "max_output_tokens": 4, "temperature": 0})
+    assert first.status_code == 200, first.text
+    before = routed(router)
+    follow_ups = [httpx.post(f"{router}/v1/responses", headers=ALICE, timeout=60, json={
+        "model": "m", "input": f"And then {i}?", "previous_response_id": first.json()["id"], "max_output_tokens": 4,
+        "stream": i % 2 == 1}) for i in range(4)]
+    assert all(answer.status_code == 200 for answer in follow_ups), [a.text for a in follow_ups]
+    fetched = httpx.get(f"{router}/v1/responses/{first.json()['id']}", headers=ALICE, timeout=30)
+    assert fetched.status_code == 200 and fetched.json()["id"] == first.json()["id"]
+    homes = {key: value - before.get(key, 0) for key, value in routed(router).items() if key[1] == "response-home"}
+    assert sum(homes.values()) == 5 and len([v for v in homes.values() if v]) == 1, homes  # all to one replica
+    # Another tenant cannot read it, through the router either.
+    assert httpx.get(f"{router}/v1/responses/{first.json()['id']}", headers=BOB, timeout=30).status_code == 404
+    for replica in replicas:
+        assert_server_pool_free(replica, ALICE)
+
+
 def test_every_path_passes_through_and_the_router_merges_models_and_metrics(fleet):
     router = fleet["router"]
     body = {"model": model_id(router), "prompt": "Tell me about ships", "max_tokens": 8, "temperature": 0}

@@ -14,7 +14,8 @@ import re
 from collections import OrderedDict
 from typing import Any
 
-RESPONSES_PATH = "/v1/responses"
+from pagedllm.entrypoints.router.request_prefix import RESPONSES_PATH
+
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
 # A stream's response.created event comes first; its id is within this many bytes.
 SNIFF_BYTES = 8192

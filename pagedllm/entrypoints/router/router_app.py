@@ -36,14 +36,16 @@ from pagedllm.entrypoints.openai.state import presented_key, tenant_of_key
 from pagedllm.entrypoints.router.metrics_merge import merge_expositions
 from pagedllm.fleet.prefix_index import PrefixIndex
 from pagedllm.entrypoints.router.replica import Replica, ReplicaWatch, now, refresh_adapters, stop_watches
-from pagedllm.entrypoints.router.request_prefix import (CHAT_PATH, COMPLETION_PATH, routing_lora_name, routing_salt,
-                                                        routing_token_ids)
+from pagedllm.entrypoints.router.request_prefix import (CHAT_PATH, COMPLETION_PATH, MESSAGES_PATH, RESPONSES_PATH,
+                                                        routing_lora_name, routing_salt, routing_token_ids)
+from pagedllm.entrypoints.router.response_homes import SNIFF_BYTES, ResponseHomes
 from pagedllm.fleet.routing import ReplicaLoad, RouteDecision, RoutingPolicy
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-ROUTED_PATHS = (CHAT_PATH, COMPLETION_PATH)
+# Generations: their prompts are hashed to place them where their prefix is cached.
+ROUTED_PATHS = (CHAT_PATH, COMPLETION_PATH, RESPONSES_PATH, MESSAGES_PATH)
 # Headers that describe one hop's connection, not the message (RFC 9110 7.6.1), and the length httpx recomputes.
 _HOP_HEADERS = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                           "proxy-authorization", "proxy-authenticate", "content-length"})
@@ -68,6 +70,7 @@ class RouterState:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     # Requests without a prompt (tokenize, kv_pool, ...) are spread by load, ties in turn.
     spread: RoutingPolicy = field(default_factory=lambda: RoutingPolicy("least-load"))
+    response_homes: ResponseHomes = field(default_factory=ResponseHomes)
 
     def __post_init__(self) -> None:
         labels = ["replica"]
@@ -87,10 +90,17 @@ class RouterState:
     def up_replicas(self, excluding: set[int] = frozenset()) -> list[Replica]:
         return [r for r in self.replicas if r.up and r.index not in excluding]
 
-    def choose(self, path: str, body: Any, tenant: str | None, excluding: set[int]) -> tuple[Replica, RouteDecision]:
+    def choose(self, path: str, body: Any, tenant: str | None, excluding: set[int],
+               method: str = "POST") -> tuple[Replica, RouteDecision]:
         candidates = self.up_replicas(excluding)
         if not candidates:
             raise ReplicaDown("no replica is up")
+        home = self.response_homes.home_of(method, path, body)
+        if home is not None and any(r.index == home for r in candidates):
+            # the replica that stored the response the request reads; no other one has it
+            decision = RouteDecision(home, 0, "response-home")
+            self.routed.labels(str(home), decision.reason).inc()
+            return self.replicas[home], decision
         hashes = self.routing_hashes(path, body, tenant, candidates[0]) if path in ROUTED_PATHS else []
         loads = [ReplicaLoad(r.index, r.in_flight, r.kv_usage) for r in candidates]
         if path in ROUTED_PATHS:
@@ -263,7 +273,7 @@ async def forward(state: RouterState, http: httpx.AsyncClient, request: Request)
     tried: set[int] = set()
     while True:
         try:
-            replica, _ = state.choose(path, body, state.tenant_of(request), tried)
+            replica, _ = state.choose(path, body, state.tenant_of(request), tried, request.method)
         except ReplicaDown as exc:
             return error_response(503, str(exc), "no_replica")
         upstream = http.build_request(request.method, f"{replica.url}{path}", params=request.query_params,
@@ -279,15 +289,15 @@ async def forward(state: RouterState, http: httpx.AsyncClient, request: Request)
             replica.in_flight -= 1
             state.failed.labels(str(replica.index)).inc()
             return error_response(503, f"replica {replica.url} failed: {exc}", "replica_down")
-        return await _answer(state, replica, response)
+        return await _answer(state, replica, response, path)
 
 
-async def _answer(state: RouterState, replica: Replica, response: httpx.Response) -> Response:
+async def _answer(state: RouterState, replica: Replica, response: httpx.Response, path: str) -> Response:
     # httpx hands over decoded bytes, so the replica's content-encoding no longer applies.
     headers = {name: value for name, value in response.headers.items() if name.lower() not in _HOP_HEADERS
                and name.lower() != "content-encoding"}
     if response.headers.get("content-type", "").startswith("text/event-stream"):
-        relay = _relay(state, replica, response)
+        relay = _relay(state, replica, response, path)
         # Started here, so its cleanup (in_flight, the upstream stream) runs even if the client
         # leaves before Starlette iterates the body: asyncio finalizes a started generator.
         first = await anext(relay, b"")
@@ -300,6 +310,7 @@ async def _answer(state: RouterState, replica: Replica, response: httpx.Response
     finally:
         replica.in_flight -= 1
         await response.aclose()
+    state.response_homes.learn(path, replica.index, content[:SNIFF_BYTES])
     return Response(content, response.status_code, headers=headers)
 
 
@@ -309,11 +320,14 @@ async def _prepended(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[
         yield chunk
 
 
-async def _relay(state: RouterState, replica: Replica, response: httpx.Response) -> AsyncIterator[bytes]:
+async def _relay(state: RouterState, replica: Replica, response: httpx.Response,
+                 path: str) -> AsyncIterator[bytes]:
     """The replica's stream, chunk by chunk; if the replica goes down, the error
     event its own engine would send, then the end. Closing it (the client went
-    away) closes the upstream stream, so the replica aborts the request."""
+    away) closes the upstream stream, so the replica aborts the request. A
+    Responses stream's id is learned from its first bytes (``response_homes``)."""
     chunks = response.aiter_bytes()
+    head = b"" if path == RESPONSES_PATH else None
     try:
         while True:
             try:
@@ -324,6 +338,10 @@ async def _relay(state: RouterState, replica: Replica, response: httpx.Response)
                 state.failed.labels(str(replica.index)).inc()
                 yield _sse_error(f"replica {replica.url} failed: {exc}")
                 return
+            if head is not None:
+                head += chunk
+                if state.response_homes.learn(path, replica.index, head) or len(head) >= SNIFF_BYTES:
+                    head = None
             yield chunk
     finally:
         replica.in_flight -= 1
