@@ -19,6 +19,7 @@ import pytest
 
 from pagedllm import LLM
 from pagedllm.bench.server_process import free_port
+from pagedllm.bench.soak import metric_value
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.chat_utils import ChatSettings, load_chat_template
 from pagedllm.entrypoints.openai.api_server import ServerState, build_app
@@ -212,3 +213,137 @@ def test_a_final_assistant_turn_is_continued(server):
     chat = _chat(base, {"model": MODEL, "max_tokens": 6, "temperature": 0, "messages": prefill,
                         "continue_final_message": True, "add_generation_prompt": False})
     assert message.content[0].text == chat["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("body, status, kind, says", [
+    ({"messages": ASK}, 400, "invalid_request_error", "max_tokens: Field required"),
+    ({"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
+     "invalid_request_error", "image blocks are not supported"),
+    ({"max_tokens": 2, "messages": ASK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400,
+     "invalid_request_error", "Anthropic's server tools"),
+    ({"max_tokens": 2, "messages": ASK, "container": "c"}, 400, "invalid_request_error", "container is not implemented"),
+    ({"max_tokens": 2, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400,
+     "invalid_request_error", "--reasoning-parser"),
+    ({"max_tokens": 2, "messages": ASK, "tool_choice": {"type": "any"}}, 400, "invalid_request_error", "needs tools"),
+    ({"max_tokens": 2, "messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, 400,
+     "invalid_request_error", "'nope', which is not in tools"),
+    ({"max_tokens": 5000, "messages": ASK}, 400, "invalid_request_error", "max_tokens must be <= 1024"),
+    ({"max_tokens": 2, "messages": ASK, "model": "claude-sonnet-4-5"}, 404, "not_found_error",
+     "'claude-sonnet-4-5' does not exist"),
+])
+def test_errors_are_anthropic_shaped(server, body, status, kind, says):
+    _, base = server
+    response = httpx.post(f"{base}/v1/messages", json={"model": MODEL, **body}, headers=HEADERS, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()
+    assert error["type"] == "error" and error["error"]["type"] == kind and says in error["error"]["message"], error
+
+
+def test_other_paths_keep_openais_error_shape_and_the_routes_are_documented(server):
+    _, base = server
+    wrong_method = httpx.get(f"{base}/v1/messages", headers=HEADERS)
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+    chat = httpx.post(f"{base}/v1/chat/completions", json={"messages": []}, headers=HEADERS)
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"  # OpenAI's shape
+    ignored = httpx.post(f"{base}/v1/messages", headers=HEADERS, json={
+        "model": MODEL, "max_tokens": 1, "messages": ASK, "a_field_from_the_future": 1, "service_tier": "auto",
+        "cache_control": {"type": "ephemeral"}, "metadata": {"user_id": "u"}})
+    assert ignored.status_code == 200, ignored.text
+    document = httpx.get(f"{base}/openapi.json").json()
+    route = document["paths"]["/v1/messages"]["post"]["responses"]
+    assert route["200"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/MessageResponse"}
+    assert "text/event-stream" in route["200"]["content"]
+    assert route["400"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/AnthropicErrorResponse"}
+    request = document["components"]["schemas"]["MessagesRequest"]
+    assert request["properties"]["model"]["enum"] == [MODEL] and "max_tokens" in request["required"]
+    assert request["properties"]["max_tokens"]["maximum"] == 1024  # --max-model-len
+    assert "/v1/messages/count_tokens" in document["paths"]
+
+
+def test_x_api_key_or_bearer_under_api_key(serve):
+    """`pagedllm serve --api-key`: Anthropic's header or a bearer token; without one a 401 in Anthropic's shape."""
+    app, options, _ = serve("--served-model-name", MODEL, "--api-key", KEY)
+    port = free_port()
+    with uvicorn_thread(app, {**options, "host": "127.0.0.1", "port": port, "log_level": "warning"}):
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while httpx.get(f"{base}/health").status_code != 200:
+            assert time.time() < deadline, "the model did not load"
+            time.sleep(0.2)
+        body = {"model": MODEL, "max_tokens": 2, "messages": ASK}
+        missing = httpx.post(f"{base}/v1/messages", json=body)
+        assert missing.status_code == 401
+        assert missing.json() == {"type": "error", "error": {"type": "authentication_error",
+                                                             "message": "invalid or missing API key"}}
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=base, api_key="wrong", max_retries=0).messages.create(**body)
+        assert httpx.post(f"{base}/v1/messages", json=body, headers={"Authorization": f"Bearer {KEY}"}).is_success
+        versioned = {**HEADERS, "anthropic-version": "2023-06-01"}
+        assert httpx.post(f"{base}/v1/messages", json=body, headers=versioned).is_success
+        message = anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0).messages.create(**body)
+        assert message.usage.output_tokens == 2
+        assert httpx.post(f"{base}/v1/chat/completions", json={"messages": ASK}).json()["error"]["type"] == \
+            "authentication_error"  # OpenAI's shape elsewhere (an x-api-key is accepted there too)
+        assert_server_pool_free(base, HEADERS)
+
+
+THINK = {"type": "enabled", "budget_tokens": 1024}
+
+
+def test_thinking_comes_as_thinking_blocks_whole_and_streamed(reasoning_server):
+    """The template opens <think> and a random model never closes it: all it writes is thinking."""
+    client, base = reasoning_server
+    kwargs = dict(model=MODEL, max_tokens=8, messages=ASK, thinking=THINK, extra_body=GREEDY)
+    message = client.messages.create(**kwargs)
+    assert [block.type for block in message.content] == ["thinking"]
+    assert message.content[0].thinking and message.content[0].signature == ""
+    assert message.stop_reason == "max_tokens"
+    with client.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert final.model_dump(exclude={"id", "usage"}) == message.model_dump(exclude={"id", "usage"})
+    events = _raw_events(base, {"model": MODEL, "max_tokens": 8, "messages": ASK, "thinking": THINK,
+                                "temperature": 0})
+    assert events[1][1]["content_block"] == {"type": "thinking", "thinking": "", "signature": ""}
+    deltas = [data["delta"] for kind, data in events if kind == "content_block_delta"]
+    assert deltas and all(delta["type"] == "thinking_delta" for delta in deltas)
+    assert "".join(delta["thinking"] for delta in deltas) == message.content[0].thinking
+    omitted = client.messages.create(**{**kwargs, "thinking": {**THINK, "display": "omitted"}})
+    assert omitted.content == [] and omitted.usage.output_tokens == 8
+
+
+def test_thinking_disabled_turns_the_templates_switch_off(reasoning_server):
+    client, _ = reasoning_server
+    message = client.messages.create(model=MODEL, max_tokens=6, messages=ASK, thinking={"type": "disabled"},
+                                     extra_body=GREEDY)
+    assert [block.type for block in message.content] == ["text"]
+    # Thinking passed back is not rendered: the prompt is the one without it.
+    turn = [{"type": "text", "text": "Sunny."}]
+    history = [*ASK, {"role": "assistant", "content": turn}, {"role": "user", "content": "Thanks"}]
+    thought = [*ASK, {"role": "assistant", "content": [{"type": "thinking", "thinking": "Hm.", "signature": ""},
+                                                       *turn]}, {"role": "user", "content": "Thanks"}]
+    assert client.messages.count_tokens(model=MODEL, messages=history).input_tokens == \
+        client.messages.count_tokens(model=MODEL, messages=thought).input_tokens
+
+
+def _aborted(base: str) -> float:
+    text = httpx.get(f"{base}/metrics").text
+    try:
+        return metric_value(text, "pagedllm:request_success_total", finished_reason="abort")
+    except ValueError:  # no request aborted yet
+        return 0.0
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_request(server):
+    _, base = server
+    before = _aborted(base)
+    body = {"model": MODEL, "max_tokens": 1000, "messages": ASK, "stream": True, "temperature": 0,
+            "stop_sequences": ["never written"]}
+    with httpx.stream("POST", f"{base}/v1/messages", json=body, headers=HEADERS, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines) == "event: message_start"
+    deadline = time.time() + 60
+    while _aborted(base) == before:
+        assert time.time() < deadline, "the request was not aborted"
+        time.sleep(0.1)

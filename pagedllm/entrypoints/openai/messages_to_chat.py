@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.entrypoints.openai.errors import RequestFieldError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_messages import (
     AssistantMessage, MessagesCountTokensRequest, MessagesRequest, TextBlock, ThinkingDisabled, ToolChoiceAny,
@@ -37,9 +36,9 @@ THINKING_SWITCH = "enable_thinking"
 def to_chat_request(body: MessagesCountTokensRequest, thinking_switch: bool = False) -> ChatCompletionRequest:
     """The chat request ``body`` runs as. ``thinking_switch``: the chat template in
     use reads ``enable_thinking`` (``THINKING_SWITCH in template_variables(template)``);
-    without it a ``thinking`` setting passes nothing to the template. Raises
-    ``ValueError`` (a ``RequestFieldError`` naming the Messages field) for what
-    cannot run as chat."""
+    without it a ``thinking`` setting passes nothing to the template. Every
+    validated body translates (pydantic's ``ValidationError``, a ``ValueError``,
+    would mean the two request models disagree)."""
     messages = _system(body.system)
     for message in body.messages:
         messages += _user_turn(message) if isinstance(message, UserMessage) else [_assistant_turn(message)]
@@ -134,10 +133,7 @@ def _tool_fields(body: MessagesCountTokensRequest) -> dict[str, Any]:
 
 
 def _output_config(body: MessagesCountTokensRequest) -> dict[str, Any]:
-    config = body.output_config
-    if config.effort is not None:
-        raise RequestFieldError("output_config", "output_config.effort is not implemented by pagedllm; leave it out")
-    if config.format is None:
+    if body.output_config.format is None:
         return {}
     return {"response_format": {"type": "json_schema",
-                                "json_schema": {"name": "output", "schema": config.format.schema_}}}
+                                "json_schema": {"name": "output", "schema": body.output_config.format.schema_}}}

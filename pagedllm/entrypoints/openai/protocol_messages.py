@@ -222,17 +222,42 @@ class OutputConfig(StrictModel):
     """``format``: the answer is JSON matching the schema (a grammar enforces it)."""
 
     format: JsonOutputFormat | None = None
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # not implemented: a 400 names it
+    effort: None = Field(default=None, description="not implemented by pagedllm: leave it out")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_effort(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("effort") is not None:
+            raise PydanticCustomError("unimplemented_field", "output_config.effort is not implemented by pagedllm; "
+                                      "leave it out")
+        return data
 
 
 class Metadata(StrictModel):
     user_id: str | None = None  # passed on as chat's ``user``
 
 
+def _object_with(field: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """JSON Schema: an object whose ``field`` is present and matches ``schema``."""
+    return {"type": "object", "required": [field], "properties": {field: schema}}
+
+
+# The rules between fields that chat's checks apply (``plan_tool_choice``, ``_with_tool_grammar``), as JSON Schema.
+_FORCING = _object_with("type", {"enum": ["any", "tool"]})
+_FIELD_RULES = [
+    # A tool choice other than none needs tools to choose from.
+    {"if": _object_with("tool_choice", _object_with("type", {"enum": ["auto", "any", "tool"]})),
+     "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}},
+    # A forced tool call and an output format each constrain the output with a grammar: one at a time.
+    {"if": _object_with("output_config", _object_with("format", {"type": "object"})),
+     "then": {"properties": {"tool_choice": {"not": _FORCING}}}},
+]
+
+
 class MessagesCountTokensRequest(StrictModel):
     """``POST /v1/messages/count_tokens``: the prompt a Messages request would run."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"allOf": _FIELD_RULES})
     unimplemented_fields: ClassVar[dict[str, tuple[Any, ...]]] = MESSAGES_UNIMPLEMENTED_FIELDS
 
     @model_validator(mode="before")

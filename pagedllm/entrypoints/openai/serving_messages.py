@@ -60,6 +60,7 @@ def _error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 def add_messages_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
     app.add_middleware(AnthropicErrors)
+    _document_server_rules(app, state)
 
     @app.post(MESSAGES_PATH, responses={
         200: {"model": MessageResponse, "content": {"text/event-stream": {"schema": _SSE_EVENT}},
@@ -84,13 +85,55 @@ def add_messages_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepen
         return {"input_tokens": len(chat_prompt(state, chat_body)["prompt_token_ids"])}
 
 
-def messages_chat_request(state: ServerState, body: MessagesCountTokensRequest) -> ChatCompletionRequest:
-    """The chat request ``body`` runs as on this server; a 400 for what it cannot run."""
+def _template_variables(state: ServerState) -> frozenset[str]:
+    """What the chat template in use reads (a Messages request cannot send its own)."""
     template = state.chat.chat_template or state.engine_info.tokenizer.chat_template
     try:
-        switch = bool(template) and THINKING_SWITCH in template_variables(template)
+        return template_variables(template) if template else frozenset()
     except ValueError:  # a template that does not parse: rendering says so
-        switch = False
+        return frozenset()
+
+
+def _document_server_rules(app: FastAPI, state: ServerState) -> None:
+    """Narrow the Messages request schemas of /openapi.json to what this server
+    runs, once the engine is loaded: ``model`` one of the served names (without
+    LoRA, whose adapters come and go), ``thinking`` as ``_check_thinking`` allows,
+    no ``tools`` when the chat template does not render them."""
+    documented = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = documented()
+        if state.async_engine is None:
+            return schema
+        rules: dict[str, Any] = {}
+        if state.adapters is None:
+            rules["model"] = {"type": "string", "enum": list(state.model_names),
+                              "description": "one of the names this server serves (--served-model-name)"}
+        variables = _template_variables(state)
+        if state.reasoning_parser is None:
+            rules["thinking"] = {"anyOf": [_ref("ThinkingDisabled"), {"type": "null"}],
+                                 "description": "on needs a server started with --reasoning-parser"}
+        elif THINKING_SWITCH not in variables:
+            rules["thinking"] = {"anyOf": [_ref("ThinkingEnabled"), _ref("ThinkingAdaptive"), {"type": "null"}],
+                                 "description": f"the chat template has no {THINKING_SWITCH} switch to turn it off"}
+        if "tools" not in variables:
+            rules["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
+                              "description": "this server's chat template does not render tools"}
+            rules["tool_choice"] = {"anyOf": [_ref("ToolChoiceNone"), {"type": "null"}]}
+        for name in (MessagesRequest.__name__, MessagesCountTokensRequest.__name__):
+            schema["components"]["schemas"][name]["properties"].update(rules)
+        return schema
+
+    app.openapi = openapi
+
+
+def _ref(component: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{component}"}
+
+
+def messages_chat_request(state: ServerState, body: MessagesCountTokensRequest) -> ChatCompletionRequest:
+    """The chat request ``body`` runs as on this server; a 400 for what it cannot run."""
+    switch = THINKING_SWITCH in _template_variables(state)
     _check_thinking(state, body, switch)
     try:
         return to_chat_request(body, switch)
