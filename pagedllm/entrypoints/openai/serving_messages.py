@@ -62,11 +62,12 @@ def add_messages_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepen
     app.add_middleware(AnthropicErrors)
     _document_server_rules(app, state)
 
-    @app.post(MESSAGES_PATH, responses={
+    @app.post(MESSAGES_PATH, response_model=None, responses={
         200: {"model": MessageResponse, "content": {"text/event-stream": {"schema": _SSE_EVENT}},
               "description": "the message (JSON), or with `stream` true Anthropic's events as server-sent events"},
         **_error_responses(400, 401, 404, 503)})
-    async def messages(body: MessagesRequest, tenant: str | None = Depends(tenant_of)):
+    async def messages(body: MessagesRequest,
+                       tenant: str | None = Depends(tenant_of)) -> dict[str, Any] | StreamingResponse:
         chat_body = messages_chat_request(state, body)
         job = prepare_chat(state, chat_body)
         answer = await generate(state, "msg", [job.prompt], job.params, chat_body, tenant, chat=True,
@@ -79,7 +80,8 @@ def add_messages_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepen
     @app.post(MESSAGES_PATH + "/count_tokens", responses={
         200: {"model": CountTokensResponse, "description": "the prompt's tokens as /v1/messages would run it"},
         **_error_responses(400, 401, 404, 503)})
-    async def count_tokens(body: MessagesCountTokensRequest, tenant: str | None = Depends(tenant_of)) -> dict:
+    async def count_tokens(body: MessagesCountTokensRequest,
+                           tenant: str | None = Depends(tenant_of)) -> dict[str, int]:
         chat_body = messages_chat_request(state, body)
         check_model(state, chat_body.model)
         return {"input_tokens": len(chat_prompt(state, chat_body)["prompt_token_ids"])}
