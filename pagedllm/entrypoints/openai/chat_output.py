@@ -42,15 +42,13 @@ class ChatOutput:
         text, message = completion.text, {"role": "assistant"}
         if self.new_reasoning_splitter is not None:
             splitter = self.new_reasoning_splitter()
-            split, end = splitter.feed(text), splitter.finish()
-            text = split.content + end.content
+            text = splitter.take(text, finished=True).content
             if self.show_reasoning:
                 message["reasoning_content"] = splitter.reasoning
         if self.new_tool_parser is None:
             return {**message, "content": text}, completion.finish_reason
         parser = self.new_tool_parser()
-        parser.feed(text)
-        parser.finish()
+        parser.take(text, finished=True)
         content, tool_calls = parser.message()
         message["content"] = content
         if tool_calls:
@@ -61,13 +59,9 @@ class ChatOutput:
         """The stream delta for the choice's new ``text`` (None: nothing to send
         yet, a parser holds it back) and the finish reason to report."""
         delta: dict[str, Any] = {}
+        finished = finish_reason is not None
         if self.new_reasoning_splitter is not None:
-            splitter = self._splitters.setdefault(index, self.new_reasoning_splitter())
-            split = splitter.feed(text)
-            if finish_reason is not None:
-                end = splitter.finish()
-                split.reasoning += end.reasoning
-                split.content += end.content
+            split = self._splitters.setdefault(index, self.new_reasoning_splitter()).take(text, finished)
             if split.reasoning and self.show_reasoning:
                 delta["reasoning_content"] = split.reasoning
             text = split.content
@@ -77,16 +71,12 @@ class ChatOutput:
                 delta["content"] = text
         else:
             parser = self._parsers.setdefault(index, self.new_tool_parser())
-            parsed = parser.feed(text)
-            if finish_reason is not None:
-                end_calls = parser.finish()
-                parsed.content += end_calls.content
-                parsed.tool_calls += end_calls.tool_calls
+            parsed = parser.take(text, finished)
             if parsed.content:
                 delta["content"] = parsed.content
             if parsed.tool_calls:
                 delta["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
             called = bool(parser.calls)
-        if not delta and finish_reason is None:
+        if not delta and not finished:
             return None, None
         return delta, _finish_reason(finish_reason, called)

@@ -136,6 +136,15 @@ class ReasoningSplitter:
             return ReasoningDelta(reasoning=held)
         return ReasoningDelta(content=held if not self._strip_answer else held.lstrip())
 
+    def take(self, text: str, finished: bool) -> ReasoningDelta:
+        """``feed(text)``, and when the output ``finished`` what ``finish`` releases too."""
+        delta = self.feed(text)
+        if finished:
+            end = self.finish()
+            delta.reasoning += end.reasoning
+            delta.content += end.content
+        return delta
+
     @property
     def reasoning(self) -> str | None:
         """All the thinking so far (None when the output had none)."""

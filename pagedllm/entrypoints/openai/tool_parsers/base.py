@@ -69,6 +69,15 @@ class ToolCallRecord:
         self._pending_whitespace = ""
         return self._take_delta()
 
+    def take(self, text: str, finished: bool) -> ParsedDelta:
+        """``feed(text)``, and when the output ``finished`` what ``finish`` adds too."""
+        delta = self.feed(text)
+        if finished:
+            end = self.finish()
+            delta.content += end.content
+            delta.tool_calls += end.tool_calls
+        return delta
+
     def message(self) -> tuple[str | None, list[dict[str, Any]]]:
         """The final message's ``content`` (None when only calls were made) and ``tool_calls``."""
         content = "".join(self._content_parts)
