@@ -224,7 +224,6 @@ def test_get_and_delete_a_stored_response(base):
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", ""),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input", ""),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input", "an item other than reasoning"),
-    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "input", "valid JSON"),
     ({"max_output_tokens": 5000}, "max_output_tokens", "max_output_tokens must be <= 2048"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "minProperties": "a"}}}},
      "text.format", ""),
@@ -255,6 +254,27 @@ def test_tenants_never_see_each_others_responses_and_the_store_is_bounded(serve,
         follow = http.post("/v1/responses", json={"input": "x", "previous_response_id": ids[2], "max_output_tokens": 2},
                            headers=a)
         assert follow.status_code == 200 and follow.json()["previous_response_id"] == ids[2]
+
+
+def test_a_response_the_store_cannot_hold_says_store_false(serve):
+    app, _, _ = serve("--served-model-name", MODEL, "--responses-store-max-bytes", "100")
+    with ready(app) as http:
+        answer = http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 2}).json()
+        assert answer["store"] is False and http.get(f"/v1/responses/{answer['id']}").status_code == 404
+
+
+def test_the_openapi_document_tells_what_the_routes_do(base):
+    document = httpx.get(f"{base}/openapi.json").json()
+    create_statuses = document["paths"]["/v1/responses"]["post"]["responses"]
+    assert {"200", "400", "401", "404", "503"} <= set(create_statuses)
+    assert set(create_statuses["200"]["content"]) == {"application/json", "text/event-stream"}
+    stored = document["paths"]["/v1/responses/{response_id}"]
+    assert set(stored) == {"get", "delete"} and all({"401", "404", "503"} <= set(op["responses"])
+                                                    for op in stored.values())
+    fields = document["components"]["schemas"]["ResponsesRequest"]["properties"]
+    assert fields["model"]["anyOf"][0]["enum"] == [MODEL] and fields["max_output_tokens"]["anyOf"][0]["maximum"] == 2048
+    wrong_method = httpx.put(f"{base}/v1/responses/resp_1")
+    assert wrong_method.status_code == 405 and set(wrong_method.headers["allow"].split(", ")) == {"GET", "DELETE"}
 
 
 def test_the_agents_sdk_runs_a_tool_loop(base):

@@ -19,19 +19,21 @@ from typing import Any
 from fastapi import Depends, FastAPI
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedllm.entrypoints.chat_utils import template_variables
 from pagedllm.entrypoints.openai.errors import APIError, ErrorResponse, error_responses
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.responses_input import (CHAT_TO_RESPONSES_FIELDS, input_messages, output_messages,
                                                          to_chat_request)
-from pagedllm.entrypoints.openai.responses_output import ResponseAssembler, echo_fields
+from pagedllm.entrypoints.openai.responses_output import STREAM_EVENTS, ResponseAssembler, echo_fields
 from pagedllm.entrypoints.openai.serving import generate
 from pagedllm.entrypoints.openai.serving_chat import prepare_chat
 from pagedllm.entrypoints.openai.state import ServerState, TenantDependency
 
 # One server-sent event of a stream: its type, and the event as JSON.
 _SSE_EVENT = {"type": "object", "required": ["event", "data"], "properties": {
-    "event": {"type": "string", "description": "the event's type: response.created, response.output_text.delta, ..."},
+    "event": {"type": "string", "enum": list(STREAM_EVENTS)},
     "data": {"type": "string", "description": "the event as JSON (its type and sequence_number included)"}}}
 CREATE_RESPONSES = {
     200: {"description": "the Response (JSON), or with `stream` true its events as server-sent events",
@@ -40,6 +42,7 @@ CREATE_RESPONSES = {
     404: {"model": ErrorResponse, "description": "the request's `model` is not served here, or its "
                                                  "`previous_response_id` names no response stored for this API key"},
 }
+STORED_PATH = "/v1/responses/{response_id}"
 STORED_RESPONSES = {
     **error_responses(401, 503),
     404: {"model": ErrorResponse, "description": "no response of this id is stored for this API key (never stored, "
@@ -48,6 +51,8 @@ STORED_RESPONSES = {
 
 
 def add_responses_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
+    _document_server_rules(app, state)
+
     @app.post("/v1/responses", responses=CREATE_RESPONSES)
     async def create_response(body: ResponsesRequest, tenant: str | None = Depends(tenant_of)):
         previous = _previous_conversation(state, body, tenant)
@@ -69,18 +74,52 @@ def add_responses_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepe
         return StreamingResponse(_events(state, tenant, assembler, conversation, answer),
                                  media_type="text/event-stream")
 
-    @app.get("/v1/responses/{response_id}", responses=STORED_RESPONSES)
+    @app.get(STORED_PATH, responses=STORED_RESPONSES)
     async def get_response(response_id: str, tenant: str | None = Depends(tenant_of)) -> dict:
         stored = state.responses_store.get(tenant, response_id)
         if stored is None:
             raise _not_stored(response_id)
         return stored.response
 
-    @app.delete("/v1/responses/{response_id}", responses=STORED_RESPONSES)
+    @app.delete(STORED_PATH, responses=STORED_RESPONSES)
     async def delete_response(response_id: str, tenant: str | None = Depends(tenant_of)) -> dict:
         if not state.responses_store.delete(tenant, response_id):
             raise _not_stored(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    # Starlette answers another method with the 405 of the first route of the path, which would
+    # allow GET alone: this one answers it with both.
+    @app.api_route(STORED_PATH, methods=["HEAD", "OPTIONS", "POST", "PUT", "PATCH", "TRACE"], include_in_schema=False)
+    async def other_method(response_id: str) -> None:
+        raise StarletteHTTPException(405, "Method Not Allowed", headers={"Allow": "GET, DELETE"})
+
+
+def _document_server_rules(app: FastAPI, state: ServerState) -> None:
+    """Narrow ``ResponsesRequest`` in /openapi.json to what this server runs, once the
+    engine is loaded: ``model`` one of the served names (without LoRA, whose adapters
+    come and go), no ``tools`` when the chat template does not render them."""
+    documented = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = documented()
+        if state.async_engine is None:
+            return schema
+        properties = schema["components"]["schemas"][ResponsesRequest.__name__]["properties"]
+        if state.adapters is None:
+            properties["model"] = {"anyOf": [{"type": "string", "enum": list(state.model_names)}, {"type": "null"}],
+                                   "description": "one of the names this server serves (--served-model-name)"}
+        template = state.chat.chat_template or state.engine_info.tokenizer.chat_template
+        try:
+            renders_tools = bool(template) and "tools" in template_variables(template)
+        except ValueError:  # a template that does not parse: rendering says so
+            renders_tools = False
+        if not renders_tools:
+            properties["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
+                                   "description": "this server's chat template does not render tools"}
+            properties["tool_choice"] = {"anyOf": [{"enum": ["none", "auto"]}, {"type": "null"}]}
+        return schema
+
+    app.openapi = openapi
 
 
 def _not_stored(response_id: str) -> APIError:
