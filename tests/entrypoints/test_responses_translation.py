@@ -45,6 +45,13 @@ def test_items_become_the_chat_messages_a_client_would_have_sent():
     assert previous == [{"role": "user", "content": "earlier"}, {"role": "assistant", "content": "reply"}]
 
 
+def test_an_earlier_calls_arguments_that_are_not_json_are_rendered_as_a_string():
+    """A call cut by max_output_tokens is stored so: a follow-up still runs."""
+    chat = chat_of({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{\"city\": \"Par"},
+                              {"type": "function_call_output", "call_id": "c", "output": "cut"}]})
+    assert chat["messages"][0]["tool_calls"][0]["function"]["arguments"] == '"{\\"city\\": \\"Par"'
+
+
 def test_settings_map_to_chat_fields_and_unset_ones_stay_unset():
     chat = chat_of({"input": "hi", "max_output_tokens": 7, "temperature": 0.5, "top_p": 0.9, "stream": True,
                     "tools": [TOOL], "tool_choice": {"type": "function", "name": "get_weather"},

@@ -160,6 +160,8 @@ class ReasoningOptions(StrictModel):
     """Accepted without options only: the model thinks as its chat template says,
     and with --reasoning-parser its thinking comes back as a reasoning item."""
 
+    model_config = ConfigDict(json_schema_extra={"additionalProperties": {"type": "null"}})  # any other, null too
+
     effort: None = None
     summary: None = None
     generate_summary: None = None

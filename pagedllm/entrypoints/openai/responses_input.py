@@ -13,6 +13,7 @@ included (OpenAI does not carry earlier instructions over).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import TypeAdapter
@@ -82,7 +83,7 @@ def items_to_messages(items: list[Any]) -> list[dict[str, Any]]:
             messages.append({"role": item.role, "content": _text(item.content)})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+                    "function": {"name": item.name, "arguments": _json_text(item.arguments)}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 messages[-1] = {**last, "tool_calls": [*last.get("tool_calls", ()), call]}
@@ -92,6 +93,16 @@ def items_to_messages(items: list[Any]) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
         # a ReasoningItem adds nothing
     return messages
+
+
+def _json_text(arguments: str) -> str:
+    """An earlier call's arguments as JSON text: ones that are not JSON (a call cut by
+    max_output_tokens, stored so) are rendered as the string they are, not refused."""
+    try:
+        json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        return json.dumps(arguments)
+    return arguments
 
 
 def _text(content: str | list[Any]) -> str:

@@ -29,6 +29,15 @@ _TEXT_ITEMS = {"message": ("msg", "output_text", "response.output_text"),
                "reasoning": ("rs", "reasoning_text", "response.reasoning_text")}
 
 
+# Every event type a stream sends (the OpenAPI document lists them).
+STREAM_EVENTS = ("response.created", "response.in_progress", "response.output_item.added",
+                 "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+                 "response.reasoning_text.delta", "response.reasoning_text.done",
+                 "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                 "response.content_part.done", "response.output_item.done", "response.completed",
+                 "response.incomplete", "response.failed")
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
