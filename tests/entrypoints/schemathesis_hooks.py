@@ -18,7 +18,7 @@ import schemathesis
 from schemathesis import Case, HookContext
 
 LONGEST = 8
-LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
+LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "max_output_tokens")
 
 
 def _integers_as_integers(value: Any) -> Any:
