@@ -85,6 +85,10 @@ class GrammarCompiler:
             return compiler.compile_grammar(params.grammar)
         except RuntimeError as exc:
             raise StructuredOutputError(kind, _LOCATION_PREFIX.sub("", str(exc).strip())) from None
+        except UnicodeDecodeError:
+            # xgrammar's error message, cut inside a multi-byte character, did not decode: still an invalid one.
+            raise StructuredOutputError(kind, "it does not compile (xgrammar's error message was not valid "
+                                              "UTF-8; look for a mistake near non-ASCII text)") from None
 
     def _xgrammar_compiler(self) -> xgr.GrammarCompiler:
         if self._compiler is None:
