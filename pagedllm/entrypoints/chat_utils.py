@@ -85,6 +85,12 @@ def template_variables(template: str) -> frozenset[str]:
         raise ValueError(f"the chat template does not parse: {exc.message} (line {exc.lineno})") from exc
 
 
+def rendering_arguments(tokenizer: Any) -> frozenset[str]:
+    """``apply_chat_template``'s own arguments (tools, tokenize, ...), which
+    ``chat_template_kwargs`` may not set: they are not template variables."""
+    return frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}
+
+
 def conversation_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI messages as chat templates expect them. Assistant ``tool_calls`` and
     tool results (``tool_call_id``, ``name``) are kept; each call's ``arguments``
@@ -155,8 +161,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatRen
                          "in LLM.chat) or leave tools out")
     kwargs = dict(options.chat_template_kwargs or {})
     # apply_chat_template's own arguments (tools, tokenize, ...) are not template variables to override.
-    own_arguments = set(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}
-    reserved = sorted(own_arguments & kwargs.keys())
+    reserved = sorted(rendering_arguments(tokenizer) & kwargs.keys())
     if reserved:
         raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} are rendering arguments, not template "
                          "variables; use the request fields of those names (tools, add_generation_prompt, ...)")

@@ -110,7 +110,7 @@ def test_completions_follow_every_kind_of_constraint(server, extra, check):
         ({"guided_json": {"type": "strnig"}}, "guided_json", 'guided_json is invalid: Unsupported type "strnig"'),
         ({"guided_regex": "(ab"}, "guided_regex", "guided_regex is invalid: .*parenthesis"),
         ({"guided_grammar": "root ::= missing"}, "guided_grammar", "guided_grammar is invalid"),
-        ({"guided_choice": []}, "guided_choice", "non-empty list of strings"),
+        ({"guided_choice": []}, "guided_choice", "at least 1 item"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
          "response_format and guided_regex each constrain the output; send only one"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),

@@ -18,8 +18,9 @@ from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.sampling_params import SamplingParams
 
-# Request fields holding token ids (every integer inside is one): the vocabulary bounds them.
-TOKEN_ID_FIELDS = ("prompt", "tokens", "stop_token_ids", "allowed_token_ids")
+# Request fields holding token ids (every integer inside is one, and logit_bias's keys): the
+# vocabulary bounds them.
+TOKEN_ID_FIELDS = ("prompt", "tokens", "stop_token_ids", "allowed_token_ids", "logit_bias")
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,10 @@ def check_request_tokens(info: EngineInfo, cap: int, prompt_lengths: list[int], 
 
 
 # The request schemas whose routes check the work cap (``check_request_tokens``), and their fields in it.
-WORK_CAPPED_SCHEMAS = ("CompletionRequest", "ChatCompletionRequest")
-_WORK_FIELDS = ("n", "best_of", "max_tokens", "max_completion_tokens", "prompt", "prompt_logprobs", "echo")
+WORK_CAPPED_SCHEMAS = {
+    "CompletionRequest": ("n", "best_of", "max_tokens", "prompt", "prompt_logprobs", "echo"),
+    "ChatCompletionRequest": ("n", "best_of", "max_tokens", "max_completion_tokens", "messages"),
+}
 
 
 def document_request_tokens(schema: dict[str, Any], cap: int) -> None:
@@ -109,17 +112,18 @@ def document_request_tokens(schema: dict[str, Any], cap: int) -> None:
             "the prompt; all of it when unset) for each of its best_of (else n) sequences. Over it: a 400 "
             "whose param names the field to lower.")
     components = schema.get("components", {}).get("schemas", {})
-    for name in WORK_CAPPED_SCHEMAS:
+    note = f"Counts towards the request's work cap of {cap} tokens ({TOKENS_PER_REQUEST_FLAG})."
+    for name, fields in WORK_CAPPED_SCHEMAS.items():
         component = components.get(name)
         if component is None:
             continue
         component["description"] = f"{component['description']}\n\n{rule}" if component.get("description") else rule
         component["x-max-tokens-per-request"] = cap
-        for field in _WORK_FIELDS:
+        for field in fields:
             field_schema = component.get("properties", {}).get(field)
             if field_schema is not None:
-                note = f"Counts towards the request's work cap of {cap} tokens ({TOKENS_PER_REQUEST_FLAG})."
-                field_schema["description"] = " ".join(filter(None, [field_schema.get("description"), note]))
+                said = field_schema.get("description")
+                field_schema["description"] = f"{said.rstrip('.')}. {note}" if said else note
 
 
 def field_limits(info: EngineInfo) -> dict[str, Limit]:
@@ -154,9 +158,12 @@ def check_limits(info: EngineInfo, body: BaseModel) -> None:
 
 
 def _integers(value: Any) -> list[int]:
-    """The integers in a field's value (a token id list, or a list of them)."""
+    """The integers in a field's value (a token id list, or a list of them; logit_bias's
+    keys, token ids in decimal)."""
     if type(value) is int:
         return [value]
+    if isinstance(value, dict):
+        return [int(key) for key in value]
     return [t for item in value for t in _integers(item)] if isinstance(value, list) else []
 
 
@@ -169,6 +176,38 @@ def bound_schema(info: EngineInfo, schema: dict[str, Any]) -> None:
         for name, field_schema in component.get("properties", {}).items():
             if name in limits:
                 _bound_integers(field_schema, limits[name])
+            if name == "logit_bias":
+                _bound_token_keys(field_schema, info.vocab_size)
+
+
+def _bound_token_keys(node: Any, vocab_size: int) -> None:
+    """logit_bias's object (in its ``anyOf``): keys are token ids in decimal, below ``vocab_size``."""
+    if isinstance(node, list):
+        for item in node:
+            _bound_token_keys(item, vocab_size)
+    elif isinstance(node, dict):
+        if node.get("type") == "object" and "propertyNames" in node:
+            node["propertyNames"] = {"pattern": decimal_range_pattern(vocab_size - 1)}
+        for value in node.values():
+            _bound_token_keys(value, vocab_size)
+
+
+def decimal_range_pattern(maximum: int) -> str:
+    """A regular expression matching exactly the integers 0..``maximum`` written in decimal
+    without leading zeros (as JSON Schema, Python and Rust read it)."""
+    digits = str(maximum)
+    branches = ["0"] if maximum >= 0 else []
+    # Shorter numbers: any, without a leading zero.
+    branches += ["[1-9]" + ("[0-9]" * (length - 1) if length > 1 else "") for length in range(1, len(digits))]
+    # As long as maximum: a common prefix, then a smaller digit, then anything; or maximum itself.
+    for i, digit in enumerate(digits):
+        low = 1 if i == 0 else 0
+        if int(digit) > low:
+            smaller = f"[{low}-{int(digit) - 1}]" if int(digit) - 1 > low else str(low)
+            branches.append(digits[:i] + smaller + "[0-9]" * (len(digits) - i - 1))
+    if maximum > 0:
+        branches.append(digits)
+    return "^(" + "|".join(branches) + ")$"
 
 
 def _bound_integers(node: Any, limit: Limit) -> None:

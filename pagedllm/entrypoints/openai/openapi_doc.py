@@ -1,8 +1,14 @@
 """The server's OpenAPI document (``/openapi.json``), made to say what the
 server does: FastAPI documents a 422 for every request body, but this server
 answers a malformed request with a 400 in OpenAI's error shape (each route
-documents its error statuses, see ``errors.error_responses``), and the bounds
-that come from the engine (``limits``) are written in as maximums."""
+documents its error statuses, see ``errors.error_responses``), the bounds
+that come from the engine (``limits``) are written in as maximums, and the
+rules that come from this server's settings (the served model names, its chat
+template, its tokenizer) narrow the request schemas (``_document_server_rules``).
+The rules between fields are in the request models (``protocol``'s
+``json_schema_extra``). So a request the document admits is one the server
+runs, but for what JSON Schema cannot say (tests/entrypoints/schemathesis_hooks.py
+lists those)."""
 
 from __future__ import annotations
 
@@ -11,11 +17,21 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from pagedllm.entrypoints.chat_utils import rendering_arguments, template_variables
 from pagedllm.entrypoints.openai.limits import bound_schema, document_request_tokens
+from pagedllm.entrypoints.openai.serving_completion import fim_token_names
 from pagedllm.entrypoints.openai.state import ServerState
 
 # FastAPI's components for its 422 answers, which this server never gives.
 _UNUSED_COMPONENTS = ("HTTPValidationError", "ValidationError")
+# The request schemas whose route answers a "model" it does not serve with a 404 (``check_model``).
+MODEL_CHECKED_SCHEMAS = ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest")
+# The request schemas rendered by the chat template (``chat_prompt``), with the condition under
+# which they are (None: always).
+CHAT_TEMPLATE_SCHEMAS: dict[str, dict[str, Any] | None] = {
+    "ChatCompletionRequest": None,
+    "TokenizeRequest": {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+}
 
 
 def install_openapi(app: FastAPI, state: ServerState) -> None:
@@ -23,6 +39,7 @@ def install_openapi(app: FastAPI, state: ServerState) -> None:
         if app.openapi_schema is not None:
             return app.openapi_schema
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        _integer_bounds(schema)
         for operation in _operations(schema):
             operation["responses"].pop("422", None)
         for name in _UNUSED_COMPONENTS:
@@ -31,11 +48,84 @@ def install_openapi(app: FastAPI, state: ServerState) -> None:
             return schema  # the engine's limits are not known yet: not kept
         bound_schema(state.async_engine.info, schema)
         document_request_tokens(schema, state.request_token_cap)
+        _document_server_rules(schema, state)
         app.openapi_schema = schema
         return schema
 
     app.openapi = openapi
 
 
+# JSON Schema's numeric bounds. FastAPI's OpenAPI models hold them as floats: 0 comes out as 0.0,
+# and an integer bound past 2^53 rounded (2^63 - 1 would read as 2^63).
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+def _integer_bounds(node: Any) -> None:
+    """Every whole-number bound written as a JSON integer again, in place (the
+    request models' integer bounds are all exact as doubles, see ``protocol._SEED``)."""
+    if isinstance(node, list):
+        for item in node:
+            _integer_bounds(item)
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            if key in _BOUNDS and isinstance(value, float) and value.is_integer():
+                node[key] = int(value)
+            else:
+                _integer_bounds(value)
+
+
 def _operations(schema: dict[str, Any]) -> list[dict[str, Any]]:
     return [operation for path in schema.get("paths", {}).values() for operation in path.values()]
+
+
+def _document_server_rules(schema: dict[str, Any], state: ServerState) -> None:
+    """Narrow the request schemas to what this server takes, in place:
+    - ``model``: one of the served names, without LoRA (with ``--enable-lora``
+      adapters come and go while the server runs, so any name is documented
+      and one not served is the documented 404);
+    - unless ``--trust-request-chat-template``: no ``chat_template``, ``tools``
+      only if the server's template renders them (and so ``tool_choice`` other
+      than "none" only then), and only the ``chat_template_kwargs`` its template
+      reads (``render_chat``'s checks);
+    - ``suffix`` only with a tokenizer that has fill-in-the-middle tokens."""
+    components = schema.get("components", {}).get("schemas", {})
+    tokenizer = state.engine_info.tokenizer
+    if state.adapters is None:
+        names = {"anyOf": [{"type": "string", "enum": list(state.model_names)}, {"type": "null"}],
+                 "description": "one of the names this server serves (--served-model-name); null: the first"}
+        for name in MODEL_CHECKED_SCHEMAS:
+            _narrow(components.get(name), {"model": names})
+    if not state.chat.trust_request_chat_template:
+        template = state.chat.chat_template or tokenizer.chat_template
+        rules: dict[str, Any] = {"chat_template": {
+            "type": "null", "description": "this server runs its own template only (--trust-request-chat-template "
+                                          "lets requests send theirs)"}}
+        if template:
+            variables = template_variables(template)
+            if "tools" not in variables:
+                rules["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
+                                  "description": "this server's chat template does not render tools"}
+                rules["tool_choice"] = {"anyOf": [{"const": "none"}, {"type": "null"}]}
+            takes = sorted(variables - rendering_arguments(tokenizer))
+            names_rule = {"propertyNames": {"enum": takes}} if takes else {"maxProperties": 0}
+            rules["chat_template_kwargs"] = {"anyOf": [{"type": "object", **names_rule}, {"type": "null"}],
+                                             "description": "the variables this server's chat template reads"}
+        for name, condition in CHAT_TEMPLATE_SCHEMAS.items():
+            _narrow(components.get(name), rules, condition)
+    if fim_token_names(tokenizer) is None:
+        _narrow(components.get("CompletionRequest"), {"suffix": {
+            "type": "null", "description": "this model has no fill-in-the-middle tokens"}})
+
+
+def _narrow(component: dict[str, Any] | None, fields: dict[str, Any], condition: dict[str, Any] | None = None) -> None:
+    """Replace the schemas of ``component``'s ``fields`` that it has (those it lacks are left
+    out); under ``condition``, add them as an ``if``/``then`` rule instead."""
+    if component is None:
+        return
+    properties = component.get("properties", {})
+    fields = {name: field for name, field in fields.items() if name in properties}
+    if condition is None:
+        for name, field in fields.items():
+            properties[name] = {**field, "title": properties[name].get("title", name)}
+    elif fields:
+        component.setdefault("allOf", []).append({"if": condition, "then": {"properties": fields}})

@@ -5,7 +5,10 @@ Field names follow OpenAI plus vLLM's extras (``top_k``, ``min_p``,
 ``priority``, ...). A known field of the wrong type is a 400: types are strict
 (``StrictModel``), so ``true`` or ``1.0`` is no integer and ``1`` no boolean.
 The bounds that do not depend on the engine are ``Field`` constraints here (in
-the OpenAPI document too); those from the engine's limits are in ``limits``. Nothing is dropped
+the OpenAPI document too), and so are the rules between fields, as JSON Schema
+in each model's ``json_schema_extra`` (``_schema_rules``) beside the code that
+checks them; those from the engine's limits are in ``limits``, those from the
+server's settings in ``openapi_doc``. Nothing is dropped
 silently: a field of OpenAI's or vLLM's API that pagedllm does not implement is a
 400 naming it (``UNIMPLEMENTED_FIELDS``) unless it has its harmless default, and a
 truly unknown field is ignored and logged once per name, as vLLM does (up to
@@ -15,10 +18,10 @@ truly unknown field is ignored and logged once per name, as vLLM does (up to
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from pagedllm.entrypoints.openai.errors import RequestFieldError
@@ -107,12 +110,34 @@ def refuse_unimplemented_fields(model: type[BaseModel], unimplemented: Mapping[s
         if name in model.model_fields:
             continue
         if name in unimplemented:
-            if value is not None and value not in unimplemented[name]:
+            if value is not None and not any(_json_equal(value, harmless) for harmless in unimplemented[name]):
                 # Raised as a ValidationError (pydantic passes it through) so the error carries the field's location.
                 raise _unimplemented_field_error(model.__name__, name, value)
         else:
             _log_ignored_field(model.__name__, name)
     return data
+
+
+def _json_equal(a: Any, b: Any) -> bool:
+    """Equal as JSON values (as a JSON Schema ``const`` compares): 1 and 1.0 are, False and 0 are not."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(_json_equal, a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_json_equal(a[key], b[key]) for key in a)
+    return type(a) is type(b) and a == b
+
+
+def unimplemented_field_schemas(model: type[BaseModel], unimplemented: Mapping[str, tuple[Any, ...]]
+                                ) -> dict[str, dict[str, Any]]:
+    """JSON Schema of the fields ``refuse_unimplemented_fields`` refuses, for the
+    OpenAPI document: each takes only null and the values that ask for nothing."""
+    return {name: {"anyOf": [{"type": "null"}, *({"const": value} for value in values)],
+                   "description": "not implemented by pagedllm: leave it out or at its default"}
+            for name, values in unimplemented.items() if name not in model.model_fields}
 
 
 class StrictModel(BaseModel):
@@ -122,14 +147,53 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True)
 
 
-# A 64-bit seed (torch.Generator's range, as vLLM bounds it).
-_SEED = Field(default=None, ge=-(2**63), le=2**63 - 1)
+# A 64-bit seed (torch.Generator's range, as vLLM bounds it), up to the largest integer below 2^63
+# that a double holds exactly: JSON tools that read numbers as doubles (schemathesis's validator
+# among them) then agree with the server on which seeds are in range (2^63 - 1 reads as 2^63).
+_SEED = Field(default=None, ge=-(2**63), le=2**63 - 1024)
 TokenId = Annotated[int, Field(ge=0)]  # the vocabulary's size is the maximum (``limits``)
-# logit_bias keys: JSON object keys are strings, parsed as token ids.
-TokenIdKey = Annotated[int, Strict(False)]
+# logit_bias keys: JSON object keys are strings, a token id in decimal (``sampling_params`` makes them
+# integers; ``limits`` bounds them by the vocabulary, in the 400s and in the document's pattern).
+TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]*)$")]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+# A string that is not all whitespace, as Python's str.strip() sees it (SamplingParams' rule for bad_words):
+# a character outside every whitespace character Python knows, spelled as \uXXXX so that JSON Schema's
+# regular expressions, Rust's (pydantic) and Python's read the class alike.
+_PY_WHITESPACE = "".join(f"\\u{ord(c):04x}" for c in map(chr, range(0x110000)) if c.isspace())
+NonBlankStr = Annotated[str, Field(pattern=f"[^{_PY_WHITESPACE}]")]
+# pydantic documents a dict of constrained keys as patternProperties, which admits any other key too.
+_LOGIT_BIAS = {"type": "object", "propertyNames": {"pattern": r"^(0|[1-9][0-9]*)$"},
+               "additionalProperties": {"type": "number"}}
 T = TypeVar("T")
 NonEmptyList = Annotated[list[T], Field(min_length=1)]
+
+
+def _set(field: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """JSON Schema: ``field`` is present and matches ``schema``."""
+    return {"required": [field], "properties": {field: schema}}
+
+
+def _one_of_cases(*cases: dict[str, Any]) -> dict[str, Any]:
+    """JSON Schema: the request is one of these cases. A rule between fields is
+    spelled as the cases it allows (not as ``if``/``then``, which schemathesis
+    expands into a branch per rule and gives up on past a few rules)."""
+    return {"anyOf": list(cases)}
+
+
+def _schema_rules(*rules: dict[str, Any]) -> Callable[[dict[str, Any], type[BaseModel]], None]:
+    """A model's ``json_schema_extra``: the rules between its fields, as JSON Schema
+    (``allOf`` of ``anyOf`` cases), so the OpenAPI document states what the server
+    checks in code (each rule names the check it states); and the fields it
+    refuses as unimplemented (``unimplemented_fields``), with the values it takes."""
+
+    def extra(schema: dict[str, Any], model: type[BaseModel]) -> None:
+        if rules:
+            schema.setdefault("allOf", []).extend(rules)
+        unimplemented = getattr(model, "unimplemented_fields", None)
+        if unimplemented:
+            schema.setdefault("properties", {}).update(unimplemented_field_schemas(model, unimplemented))
+
+    return extra
 
 
 class StreamOptions(StrictModel):
@@ -149,21 +213,39 @@ class JsonSchemaFormat(StrictModel):
 
 
 class ResponseFormat(StrictModel):
-    model_config = ConfigDict(extra="forbid")
+    # _constraint_of: a json_schema format needs its schema.
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_schema_rules(_one_of_cases(
+        {"properties": {"type": {"enum": ["text", "json_object"]}}},
+        _set("json_schema", {"type": "object", **_set("schema", {"type": "object"})}))))
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
+# The kinds of constraint of a structured_outputs object, and what each looks like when it is set
+# (StructuredOutputsParams counts json_object: false as not set). Not set: null, json_object false.
+_CONSTRAINT_KINDS = {"json": {"type": ["string", "object"]}, "json_object": {"const": True},
+                     "regex": {"type": "string"}, "choice": {"type": "array"}, "grammar": {"type": "string"}}
+_NULL = {"type": "null"}
+
+
+def _one_kind(kind: str) -> dict[str, Any]:
+    others = {other: {"anyOf": [_NULL, {"const": False}]} if other == "json_object" else _NULL
+              for other in _CONSTRAINT_KINDS if other != kind}
+    return {"required": [kind], "properties": {kind: _CONSTRAINT_KINDS[kind], **others}}
+
+
 class StructuredOutputsRequest(StrictModel):
     """vLLM's ``structured_outputs`` object: exactly one constraint."""
 
-    model_config = ConfigDict(extra="forbid")
+    # StructuredOutputsParams' check: exactly one kind set.
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_schema_rules(
+        {"anyOf": [_one_kind(kind) for kind in _CONSTRAINT_KINDS]}))
 
     json_: str | dict[str, Any] | None = Field(default=None, alias="json")
     json_object: bool | None = None
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: NonEmptyList[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
 
@@ -172,10 +254,36 @@ class StructuredOutputsRequest(StrictModel):
 STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
                             "guided_choice", "guided_grammar")
 GUIDED_DECODING_BACKENDS = ("xgrammar", "auto")
+# What each of them looks like when it constrains the output (response_format "text" does not).
+_CONSTRAINING = {"response_format": {"type": "object", "required": ["type"],
+                                     "properties": {"type": {"enum": ["json_object", "json_schema"]}}},
+                 "structured_outputs": {"type": "object"}, "guided_json": {"type": ["string", "object"]},
+                 "guided_regex": {"type": "string"}, "guided_choice": {"type": "array"},
+                 "guided_grammar": {"type": "string"}}
+
+
+def _unconstrained(*also: str) -> dict[str, Any]:
+    """JSON Schema properties: no field of STRUCTURED_OUTPUT_FIELDS but ``also`` constrains the
+    output (each is null, or response_format a plain "text" one)."""
+    text = {"type": "object", "properties": {"type": {"const": "text"}}}
+    return {name: {"anyOf": [_NULL, text]} if name == "response_format" else _NULL
+            for name in _CONSTRAINING if name not in also}
+
+
+# What a grammar needs beside it: it decides where the output ends (StructuredOutputManager.compile).
+_GRAMMAR_ENDS = {"ignore_eos": {"const": False}, "min_tokens": {"const": 0}}
+# structured_output_field and the grammar's own check: one constraint at a time, and none beside
+# ignore_eos or min_tokens. Said in words on each field: as JSON Schema it is 7 cases, which,
+# multiplied by a request's other rules and its ~80 documented fields, takes schemathesis's
+# generator past what it models (tests/entrypoints/schemathesis_hooks.py keeps fuzzed requests to it).
+_ONE_CONSTRAINT = Field(default=None, description=(
+    "constrains the output: a request sets at most one of response_format (json_object or json_schema), "
+    "structured_outputs, guided_json, guided_regex, guided_choice and guided_grammar, and none of them "
+    "with ignore_eos or min_tokens > 0 (else a 400 names the field)"))
 
 
 class _SamplingFields(StrictModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_schema_rules())
     # A request model overrides this to give a field another harmless value.
     unimplemented_fields: ClassVar[dict[str, tuple[Any, ...]]] = UNIMPLEMENTED_FIELDS
 
@@ -205,23 +313,23 @@ class _SamplingFields(StrictModel):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    cache_salt: str | None = None
+    cache_salt: NonEmptyStr | None = None
     priority: int = 0
-    # OpenAI's logit_bias (JSON keys are strings: pydantic makes them token ids) and vLLM's token rules
-    logit_bias: dict[TokenIdKey, float] | None = None
+    # OpenAI's logit_bias (JSON keys are strings: token ids in decimal) and vLLM's token rules
+    logit_bias: Annotated[dict[TokenIdKey, float], WithJsonSchema(_LOGIT_BIAS)] | None = None
     allowed_token_ids: NonEmptyList[TokenId] | None = None
-    bad_words: list[str] | None = None
+    bad_words: list[NonBlankStr] | None = None
     # -1: as many as the context allows
     truncate_prompt_tokens: Annotated[int, Field(ge=1)] | Literal[-1] | None = None
     # Structured output (guided decoding): OpenAI's response_format, vLLM's
     # structured_outputs object and its older guided_* fields; at most one.
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsRequest | None = None
-    guided_json: str | dict[str, Any] | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None
+    response_format: ResponseFormat | None = _ONE_CONSTRAINT
+    structured_outputs: StructuredOutputsRequest | None = _ONE_CONSTRAINT
+    guided_json: str | dict[str, Any] | None = _ONE_CONSTRAINT
+    guided_regex: str | None = _ONE_CONSTRAINT
+    guided_choice: NonEmptyList[str] | None = _ONE_CONSTRAINT
+    guided_grammar: str | None = _ONE_CONSTRAINT
+    guided_decoding_backend: Literal[GUIDED_DECODING_BACKENDS] | None = None  # this server has xgrammar
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None, *,
                         defaults: Mapping[str, Any] | None = None) -> SamplingParams:
@@ -251,7 +359,7 @@ class _SamplingFields(StrictModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logit_bias=self.logit_bias,
+            logit_bias=None if self.logit_bias is None else {int(t): b for t, b in self.logit_bias.items()},
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
@@ -261,17 +369,12 @@ class _SamplingFields(StrictModel):
 
     def structured_output_field(self) -> str | None:
         """The request field that constrains the output, or None. Raises
-        ``RequestFieldError`` when several do, or for a backend this server lacks."""
+        ``RequestFieldError`` when several do."""
         fields = [name for name in STRUCTURED_OUTPUT_FIELDS if getattr(self, name) is not None]
         if self.response_format is not None and self.response_format.type == "text":
             fields.remove("response_format")  # plain text: no constraint
         if len(fields) > 1:
             raise RequestFieldError(fields[1], f"{' and '.join(fields)} each constrain the output; send only one")
-        backend = self.guided_decoding_backend
-        if backend is not None and backend not in GUIDED_DECODING_BACKENDS:
-            raise RequestFieldError("guided_decoding_backend",
-                                    f"guided_decoding_backend {backend!r} is not available; this server uses "
-                                    f"xgrammar (send one of {list(GUIDED_DECODING_BACKENDS)} or omit it)")
         return fields[0] if fields else None
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
@@ -304,7 +407,17 @@ class _SamplingFields(StrictModel):
         return StructuredOutputsParams(**{kind: getattr(self, field)})
 
 
+_NOT_ZERO = {"anyOf": [_NULL, {"type": "integer", "minimum": 1}]}
+
+
 class CompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra=_schema_rules(
+        # serving_completion: max_tokens 0 only with echo (which it then returns alone); suffix not with echo.
+        _one_of_cases({"properties": {"max_tokens": _NOT_ZERO, "echo": {"const": False}}},
+                      {"properties": {"max_tokens": _NOT_ZERO, "suffix": {"type": "null"}}},
+                      {"required": ["echo"],
+                       "properties": {"max_tokens": {"const": 0}, "echo": {"const": True}, "suffix": {"type": "null"}}}),
+    ))
     unimplemented_fields: ClassVar[dict[str, tuple[Any, ...]]] = {**UNIMPLEMENTED_FIELDS, "add_special_tokens": (True,)}
 
     prompt: NonEmptyStr | NonEmptyList[NonEmptyStr] | NonEmptyList[TokenId] | NonEmptyList[NonEmptyList[TokenId]]
@@ -390,7 +503,29 @@ class NamedToolChoice(StrictModel):
     function: NamedFunction
 
 
+# render_chat: continue_final_message continues the last message, so no generation prompt is added.
+_CONTINUE_RULE = _one_of_cases({"properties": {"continue_final_message": {"const": False}}},
+                               _set("add_generation_prompt", {"const": False}))
+
+
 class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra=_schema_rules(
+        # prepare_chat: top_logprobs needs logprobs.
+        _one_of_cases({"properties": {"top_logprobs": {"type": "null"}}}, _set("logprobs", {"const": True})),
+        # Not _CONTINUE_RULE: beside these rules it takes schemathesis's generator past what it models
+        # (its canonical form gives up), and continue_final_message's other rule, the last message being
+        # the assistant's, is beyond JSON Schema anyway (tests/entrypoints/schemathesis_hooks.py).
+        # plan_tool_choice: a tool choice other than "none" needs tools; a required or named one
+        # constrains the output itself (_with_tool_grammar), so no other constraint beside it.
+        _one_of_cases(
+            {"properties": {"tool_choice": {"anyOf": [{"const": "none"}, {"type": "null"}]}}},
+            {"required": ["tool_choice", "tools"],
+             "properties": {"tool_choice": {"const": "auto"}, "tools": {"type": "array", "minItems": 1}}},
+            {"required": ["tool_choice", "tools"],
+             "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]},
+                            "tools": {"type": "array", "minItems": 1}, **_unconstrained(), **_GRAMMAR_ENDS}}),
+    ))
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -409,6 +544,12 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(StrictModel):
+    # The route: a prompt or messages (messages win); with messages, render_chat's rule.
+    model_config = ConfigDict(json_schema_extra=_schema_rules(
+        _one_of_cases(_set("prompt", {"type": "string"}), _set("messages", {"type": "array"})),
+        _one_of_cases({"properties": {"messages": {"type": "null"}}}, _CONTINUE_RULE),
+    ))
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)

@@ -66,12 +66,18 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
     return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
 
 
+def fim_token_names(tokenizer: Any) -> tuple[str, str, str] | None:
+    """The tokenizer's fill-in-the-middle tokens (prefix, suffix, middle), or None: it has none."""
+    vocab = tokenizer.get_vocab()
+    return next((triple for triple in FIM_TOKENS if all(name in vocab for name in triple)), None)
+
+
 def fill_in_the_middle(tokenizer: Any, prompt: PromptType, suffix: str) -> dict:
     """``<fim_prefix>{prompt}<fim_suffix>{suffix}<fim_middle>`` as token ids (the
     model then writes the middle); a 400 naming ``suffix`` when the tokenizer has
     no fill-in-the-middle tokens."""
     vocab = tokenizer.get_vocab()
-    names = next((triple for triple in FIM_TOKENS if all(name in vocab for name in triple)), None)
+    names = fim_token_names(tokenizer)
     if names is None:
         raise APIError(400, "suffix needs a model with fill-in-the-middle tokens "
                             f"({' / '.join(' '.join(t) for t in FIM_TOKENS)}); this one has none", param="suffix")
