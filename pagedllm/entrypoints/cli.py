@@ -217,25 +217,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
     serve.add_argument("--log-stats-interval", type=float, default=10.0,
                        help="seconds between throughput log lines while requests are in flight")
-    serve.add_argument("--chat-template", default=None,
-                       help="the chat template to use instead of the model's: a file, inline Jinja, or 'hermes' "
-                            "(the shipped Hermes/Qwen tool-calling template)")
-    serve.add_argument("--trust-request-chat-template", action="store_true",
-                       help="let requests send their own chat_template (Jinja run in a sandbox; off by default)")
-    serve.add_argument("--max-tokens-per-request", type=int, default=None, metavar="N",
-                       help="the most tokens one request may make the engine compute: its prompts' tokens (once "
-                            "per choice with prompt logprobs) plus max_tokens for each of its n (or best_of) "
-                            "sequences; over it is a 400 (default: 16384, or --max-model-len if longer)")
-    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                       help="split a reasoning model's <think>...</think> from its answer: chat's reasoning_content, "
-                            "Responses reasoning items, Messages thinking blocks; grammars and tool parsing start "
-                            "after the thinking")
-    serve.add_argument("--responses-store-max-entries", type=int, default=DEFAULT_MAX_ENTRIES,
-                       help="Responses API: stored responses kept per tenant (LRU; 0: store nothing; "
-                            "default: %(default)s)")
-    serve.add_argument("--responses-store-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
-                       help="Responses API: bytes of stored responses (JSON, with their conversations) kept per "
-                            "tenant (LRU; default: %(default)s)")
+    _add_request_options(serve)
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="run the engine core (scheduler, runner, outputs) in a process of its own, reached over "
                             "ZMQ (the default); with --no-engine-process the engine loop runs in a thread of the "
@@ -258,6 +240,30 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
 
     add_routing_options(serve)
     serve.set_defaults(func=cmd_serve)
+
+
+def _add_request_options(serve: argparse.ArgumentParser) -> None:
+    """How the server reads and answers requests: the chat template, the work cap, the
+    reasoning parser, the Responses API's store."""
+    serve.add_argument("--chat-template", default=None,
+                       help="the chat template to use instead of the model's: a file, inline Jinja, or 'hermes' "
+                            "(the shipped Hermes/Qwen tool-calling template)")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let requests send their own chat_template (Jinja run in a sandbox; off by default)")
+    serve.add_argument("--max-tokens-per-request", type=int, default=None, metavar="N",
+                       help="the most tokens one request may make the engine compute: its prompts' tokens (once "
+                            "per choice with prompt logprobs) plus max_tokens for each of its n (or best_of) "
+                            "sequences; over it is a 400 (default: 16384, or --max-model-len if longer)")
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split a reasoning model's <think>...</think> from its answer: chat's reasoning_content, "
+                            "Responses reasoning items, Messages thinking blocks; grammars and tool parsing start "
+                            "after the thinking")
+    serve.add_argument("--responses-store-max-entries", type=int, default=DEFAULT_MAX_ENTRIES,
+                       help="Responses API: stored responses kept per tenant (LRU; 0: store nothing; "
+                            "default: %(default)s)")
+    serve.add_argument("--responses-store-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                       help="Responses API: bytes of stored responses (JSON, with their conversations) kept per "
+                            "tenant (LRU; default: %(default)s)")
 
 
 def _add_explain_parser(commands: argparse._SubParsersAction) -> None:
