@@ -21,6 +21,8 @@ The conversation, per API process (a ZMQ DEALER) with the core (a ROUTER):
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any
 
 import msgspec
@@ -43,6 +45,14 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     priority: int = 0
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
+
+    def __post_init__(self) -> None:
+        # A JSON schema (a request's, or a tool's parameters) travels as its JSON text: msgpack
+        # carries no integer beyond 64 bits, which a schema may hold (the compiler reads either).
+        guided = self.params.structured_outputs if self.params is not None else None
+        if guided is not None and isinstance(guided.json, dict):
+            self.params = dataclasses.replace(
+                self.params, structured_outputs=dataclasses.replace(guided, json=json.dumps(guided.json)))
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

@@ -110,6 +110,7 @@ def test_the_server_passes_every_schemathesis_check(live_server):
     ("/v1/completions", {"prompt": "hi", "cache_salt": ""}, "cache_salt"),
     ("/v1/completions", {"prompt": "hi", "bad_words": [" \x1c"]}, "bad_words"),  # blank to str.strip()
     ("/v1/completions", {"prompt": "hi", "seed": 2**63 - 1}, "seed"),  # reads as 2^63 in a double
+    ("/v1/completions", {"prompt": "hi", "priority": 2**63}, "priority"),  # past the core's 64-bit wire
     ("/v1/completions", {"prompt": "hi", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
     ("/v1/completions", {"prompt": "hi", "structural_tag": {}}, "structural_tag"),  # unimplemented
     ("/v1/chat/completions", {"messages": [{"role": "user"}], "echo": 0}, "echo"),  # not false
@@ -139,6 +140,7 @@ def test_bad_bodies_are_a_400_naming_the_field(live_server, path, body, param):
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "length_penalty": 1, "echo": False,
                          "structural_tag": None, "bad_words": ["x "]}),
     ("/detokenize", {"tokens": [0, 49151]}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "top_k": 10**30}),  # no top-k, as any past the vocabulary
 ])
 def test_edge_bodies_the_document_admits_are_accepted(live_server, path, body):
     base, _ = live_server

@@ -147,10 +147,16 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True)
 
 
-# A 64-bit seed (torch.Generator's range, as vLLM bounds it), up to the largest integer below 2^63
-# that a double holds exactly: JSON tools that read numbers as doubles (schemathesis's validator
-# among them) then agree with the server on which seeds are in range (2^63 - 1 reads as 2^63).
-_SEED = Field(default=None, ge=-(2**63), le=2**63 - 1024)
+# Integer fields without a bound of their own stay in 64 bits, which the engine core's wire (msgpack)
+# carries, up to the largest integer below 2^63 that a double holds exactly: JSON tools that read
+# numbers as doubles (schemathesis's validator among them) then agree with the server on which
+# values are in range (2^63 - 1 reads as 2^63).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1024
+# A 64-bit seed (torch.Generator's range, as vLLM bounds it).
+_SEED = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+# A top_k at least the vocabulary filters nothing, so any larger one is taken as this (which
+# the core's wire carries; a vocabulary is far smaller).
+_NO_TOP_K = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0)]  # the vocabulary's size is the maximum (``limits``)
 # logit_bias keys: JSON object keys are strings, a token id in decimal (``sampling_params`` makes them
 # integers; ``limits`` bounds them by the vocabulary, in the 400s and in the document's pattern).
@@ -305,7 +311,7 @@ class _SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1)  # at least the vocabulary: no top-k (``_NO_TOP_K``)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool = False
@@ -314,7 +320,7 @@ class _SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: NonEmptyStr | None = None
-    priority: int = 0
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     # OpenAI's logit_bias (JSON keys are strings: token ids in decimal) and vLLM's token rules
     logit_bias: Annotated[dict[TokenIdKey, float], WithJsonSchema(_LOGIT_BIAS)] | None = None
     allowed_token_ids: NonEmptyList[TokenId] | None = None
@@ -344,7 +350,7 @@ class _SamplingFields(StrictModel):
             best_of=self.best_of,
             temperature=defaults.get("temperature", 1.0) if self.temperature is None else self.temperature,
             top_p=defaults.get("top_p", 1.0) if self.top_p is None else self.top_p,
-            top_k=defaults.get("top_k", 0) if self.top_k is None else self.top_k,
+            top_k=defaults.get("top_k", 0) if self.top_k is None else min(self.top_k, _NO_TOP_K),
             min_p=defaults.get("min_p", 0.0) if self.min_p is None else self.min_p,
             repetition_penalty=(defaults.get("repetition_penalty", 1.0) if self.repetition_penalty is None
                                 else self.repetition_penalty),
