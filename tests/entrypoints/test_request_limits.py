@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from pagedllm import LLM
 from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.entrypoints.openai import protocol
+from pagedllm.entrypoints.openai import request_fields
 from pagedllm.entrypoints.openai.api_server import ServerState, build_app
 from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_TOKENS_PER_REQUEST
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, IgnoredFieldLog
@@ -52,7 +52,7 @@ def test_a_long_unknown_name_is_logged_shortened():
 
 def test_request_models_log_unknown_fields_through_the_bounded_log(monkeypatch):
     log = mock.Mock()
-    monkeypatch.setattr(protocol, "_log_ignored_field", IgnoredFieldLog(limit=2, log=log))
+    monkeypatch.setattr(request_fields, "_log_ignored_field", IgnoredFieldLog(limit=2, log=log))
     for i in range(5):
         CompletionRequest.model_validate({"prompt": "hi", f"unknown{i}": 1, "unknown0": 2})
     lines = _lines(log)

@@ -6,146 +6,34 @@ Field names follow OpenAI plus vLLM's extras (``top_k``, ``min_p``,
 (``StrictModel``), so ``true`` or ``1.0`` is no integer and ``1`` no boolean.
 The bounds that do not depend on the engine are ``Field`` constraints here (in
 the OpenAPI document too), and so are the rules between fields, as JSON Schema
-in each model's ``json_schema_extra`` (``_schema_rules``) beside the code that
+in each model's ``json_schema_extra`` (``request_fields.schema_rules``) beside the code that
 checks them; those from the engine's limits are in ``limits``, those from the
 server's settings in ``openapi_doc``. Nothing is dropped
 silently: a field of OpenAI's or vLLM's API that pagedllm does not implement is a
-400 naming it (``UNIMPLEMENTED_FIELDS``) unless it has its harmless default, and a
-truly unknown field is ignored and logged once per name, as vLLM does (up to
-``IgnoredFieldLog.limit`` names per process: fuzzed names must not grow memory).
+400 naming it (``request_fields.UNIMPLEMENTED_FIELDS``) unless it has its harmless
+default, and a truly unknown field is ignored and logged once per name, as vLLM does
+(up to ``IgnoredFieldLog.limit`` names per process: fuzzed names must not grow memory).
+A chat request's messages and tools are in ``protocol_chat``.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic import ConfigDict, Field, WithJsonSchema, model_validator
 
 from pagedllm.entrypoints.openai.errors import RequestFieldError
-from pagedllm.logger import init_logger
+# Re-exported: the other front doors' request models share them.
+from pagedllm.entrypoints.openai.protocol_chat import (  # noqa: F401
+    _FUNCTION_NAME, AssistantMessage, ChatMessage, ChatTool, FunctionCall, FunctionDefinition, NamedFunction,
+    NamedToolChoice, PlainMessage, TextPart, ToolCall, ToolMessage,
+)
+from pagedllm.entrypoints.openai.request_fields import (  # noqa: F401
+    UNIMPLEMENTED_FIELD_HINTS, UNIMPLEMENTED_FIELDS, IgnoredFieldLog, StrictModel, one_of_cases,
+    refuse_unimplemented_fields, schema_rules, set_field,
+)
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
-
-logger = init_logger(__name__)
-
-# Request fields of OpenAI's and vLLM's APIs that pagedllm does not implement,
-# with the values that ask for nothing (None is always one): setting another
-# value is a 400 naming the field. A route that implements one declares it as a
-# field of its request model, which takes precedence over this list.
-UNIMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    # OpenAI chat
-    "audio": (), "function_call": ("none",), "functions": ([],), "metadata": ({},), "modalities": (["text"],),
-    "moderation": (), "prediction": (), "prompt_cache_key": (), "prompt_cache_options": (),
-    "prompt_cache_retention": (), "reasoning_effort": (), "safety_identifier": (), "service_tier": ("auto",),
-    "store": (False,), "verbosity": (), "web_search_options": (),
-    # OpenAI completions fields the chat endpoint does not have (vLLM accepts echo there)
-    "echo": (False,), "suffix": (),
-    # vLLM's extras
-    "use_beam_search": (False,), "length_penalty": (1.0,), "prompt_embeds": (), "mm_processor_kwargs": ({},),
-    "media_io_kwargs": ({},), "logits_processors": ([],), "kv_transfer_params": (), "vllm_xargs": ({},),
-    "guided_whitespace_pattern": (), "structural_tag": (), "documents": ([],),
-    "add_special_tokens": (False,), "spaces_between_special_tokens": (True,), "request_id": (),
-    "return_token_ids": (False,), "return_tokens_as_token_ids": (False,), "prompt_logprobs": (),
-}
-# What to use instead, where pagedllm has something close (appended to the 400's message).
-UNIMPLEMENTED_FIELD_HINTS: dict[str, str] = {
-    "guided_whitespace_pattern": "it is an outlines option; use structured_outputs.disable_any_whitespace "
-                                 "for JSON without whitespace",
-}
-
-
-class IgnoredFieldLog:
-    """Warns once per (request kind, field name) that an unknown field was
-    ignored, so a client sending one every time does not flood the log. It
-    remembers at most ``limit`` names (every name a fuzzer makes up would
-    otherwise stay in memory for good); past that it says once that further
-    unknown fields are not logged, and logs none."""
-
-    def __init__(self, limit: int = 256, log: Any = None) -> None:
-        self.limit = limit
-        self._log = log or logger
-        self._seen: set[tuple[str, str]] = set()
-        self._full = False
-        self._lock = threading.Lock()  # requests are validated on the event loop, but the offline API has threads
-
-    def __call__(self, model_name: str, field_name: str) -> None:
-        key = (model_name, field_name)
-        with self._lock:
-            if key in self._seen or self._full:
-                return
-            if len(self._seen) >= self.limit:
-                self._full = True
-                self._log.warning("%d unknown request fields were logged; further unknown fields are ignored "
-                                  "without being logged", self.limit)
-                return
-            self._seen.add(key)
-        # A made-up name may be long: the line shows its start.
-        shown = field_name if len(field_name) <= 100 else field_name[:100] + "..."
-        self._log.warning("%s: ignoring the unknown field %r", model_name, shown)
-
-
-_log_ignored_field = IgnoredFieldLog()
-
-
-def _unimplemented_field_error(model_name: str, field_name: str, value: Any) -> ValidationError:
-    """A validation error located at the field, so the 400 names it in ``param``."""
-    hint = UNIMPLEMENTED_FIELD_HINTS.get(field_name)
-    error = PydanticCustomError(
-        "unimplemented_field", "{field} is not implemented by pagedllm; leave it out or at its default" + (
-            "; {hint}" if hint else ""),
-        {"field": field_name, "hint": hint},
-    )
-    return ValidationError.from_exception_data(model_name, [InitErrorDetails(type=error, loc=(field_name,), input=value)])
-
-
-def refuse_unimplemented_fields(model: type[BaseModel], unimplemented: Mapping[str, tuple[Any, ...]],
-                               data: Any) -> Any:
-    """A request model's before-validator: 400 for a field of ``unimplemented`` set to
-    something else than a value that asks for nothing; log unknown fields once."""
-    if not isinstance(data, dict):
-        return data
-    for name, value in data.items():
-        if name in model.model_fields:
-            continue
-        if name in unimplemented:
-            if value is not None and not any(_json_equal(value, harmless) for harmless in unimplemented[name]):
-                # Raised as a ValidationError (pydantic passes it through) so the error carries the field's location.
-                raise _unimplemented_field_error(model.__name__, name, value)
-        else:
-            _log_ignored_field(model.__name__, name)
-    return data
-
-
-def _json_equal(a: Any, b: Any) -> bool:
-    """Equal as JSON values (as a JSON Schema ``const`` compares): 1 and 1.0 are, False and 0 are not."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return type(a) is type(b) and a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return a == b
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(map(_json_equal, a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_json_equal(a[key], b[key]) for key in a)
-    return type(a) is type(b) and a == b
-
-
-def unimplemented_field_schemas(model: type[BaseModel], unimplemented: Mapping[str, tuple[Any, ...]]
-                                ) -> dict[str, dict[str, Any]]:
-    """JSON Schema of the fields ``refuse_unimplemented_fields`` refuses, for the
-    OpenAPI document: each takes only null and the values that ask for nothing."""
-    return {name: {"anyOf": [{"type": "null"}, *({"const": value} for value in values)],
-                   "description": "not implemented by pagedllm: leave it out or at its default"}
-            for name, values in unimplemented.items() if name not in model.model_fields}
-
-
-class StrictModel(BaseModel):
-    """A request object: no coercion between JSON types (a float or a bool is
-    not an integer), as the OpenAPI document's types say."""
-
-    model_config = ConfigDict(strict=True)
-
 
 # Integer fields without a bound of their own stay in 64 bits, which the engine core's wire (msgpack)
 # carries, up to the largest integer below 2^63 that a double holds exactly: JSON tools that read
@@ -174,34 +62,6 @@ T = TypeVar("T")
 NonEmptyList = Annotated[list[T], Field(min_length=1)]
 
 
-def _set(field: str, schema: dict[str, Any]) -> dict[str, Any]:
-    """JSON Schema: ``field`` is present and matches ``schema``."""
-    return {"required": [field], "properties": {field: schema}}
-
-
-def _one_of_cases(*cases: dict[str, Any]) -> dict[str, Any]:
-    """JSON Schema: the request is one of these cases. A rule between fields is
-    spelled as the cases it allows (not as ``if``/``then``, which schemathesis
-    expands into a branch per rule and gives up on past a few rules)."""
-    return {"anyOf": list(cases)}
-
-
-def _schema_rules(*rules: dict[str, Any]) -> Callable[[dict[str, Any], type[BaseModel]], None]:
-    """A model's ``json_schema_extra``: the rules between its fields, as JSON Schema
-    (``allOf`` of ``anyOf`` cases), so the OpenAPI document states what the server
-    checks in code (each rule names the check it states); and the fields it
-    refuses as unimplemented (``unimplemented_fields``), with the values it takes."""
-
-    def extra(schema: dict[str, Any], model: type[BaseModel]) -> None:
-        if rules:
-            schema.setdefault("allOf", []).extend(rules)
-        unimplemented = getattr(model, "unimplemented_fields", None)
-        if unimplemented:
-            schema.setdefault("properties", {}).update(unimplemented_field_schemas(model, unimplemented))
-
-    return extra
-
-
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
@@ -220,9 +80,9 @@ class JsonSchemaFormat(StrictModel):
 
 class ResponseFormat(StrictModel):
     # _constraint_of: a json_schema format needs its schema.
-    model_config = ConfigDict(extra="forbid", json_schema_extra=_schema_rules(_one_of_cases(
+    model_config = ConfigDict(extra="forbid", json_schema_extra=schema_rules(one_of_cases(
         {"properties": {"type": {"enum": ["text", "json_object"]}}},
-        _set("json_schema", {"type": "object", **_set("schema", {"type": "object"})}))))
+        set_field("json_schema", {"type": "object", **set_field("schema", {"type": "object"})}))))
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -245,7 +105,7 @@ class StructuredOutputsRequest(StrictModel):
     """vLLM's ``structured_outputs`` object: exactly one constraint."""
 
     # StructuredOutputsParams' check: exactly one kind set.
-    model_config = ConfigDict(extra="forbid", json_schema_extra=_schema_rules(
+    model_config = ConfigDict(extra="forbid", json_schema_extra=schema_rules(
         {"anyOf": [_one_kind(kind) for kind in _CONSTRAINT_KINDS]}))
 
     json_: str | dict[str, Any] | None = Field(default=None, alias="json")
@@ -289,7 +149,7 @@ _ONE_CONSTRAINT = Field(default=None, description=(
 
 
 class _SamplingFields(StrictModel):
-    model_config = ConfigDict(extra="ignore", json_schema_extra=_schema_rules())
+    model_config = ConfigDict(extra="ignore", json_schema_extra=schema_rules())
     # A request model overrides this to give a field another harmless value.
     unimplemented_fields: ClassVar[dict[str, tuple[Any, ...]]] = UNIMPLEMENTED_FIELDS
 
@@ -417,9 +277,9 @@ _NOT_ZERO = {"anyOf": [_NULL, {"type": "integer", "minimum": 1}]}
 
 
 class CompletionRequest(_SamplingFields):
-    model_config = ConfigDict(json_schema_extra=_schema_rules(
+    model_config = ConfigDict(json_schema_extra=schema_rules(
         # serving_completion: max_tokens 0 only with echo (which it then returns alone); suffix not with echo.
-        _one_of_cases({"properties": {"max_tokens": _NOT_ZERO, "echo": {"const": False}}},
+        one_of_cases({"properties": {"max_tokens": _NOT_ZERO, "echo": {"const": False}}},
                       {"properties": {"max_tokens": _NOT_ZERO, "suffix": {"type": "null"}}},
                       {"required": ["echo"],
                        "properties": {"max_tokens": {"const": 0}, "echo": {"const": True}, "suffix": {"type": "null"}}}),
@@ -438,92 +298,21 @@ class CompletionRequest(_SamplingFields):
     return_tokens_as_token_ids: bool = False
 
 
-# OpenAI's rule for function names.
-_FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
-
-
-class FunctionCall(StrictModel):
-    name: str
-    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string; a dict is taken as is
-
-
-class ToolCall(StrictModel):
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class TextPart(StrictModel):
-    """The one kind of content part a text model reads."""
-
-    type: Literal["text"]
-    text: str
-
-
-class _Message(StrictModel):
-    """A message as the client sends it, one model per role (so the OpenAPI
-    document states which fields each role takes); ``chat_utils.conversation_for_template``
-    turns it into what the chat template reads."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-
-class PlainMessage(_Message):
-    role: Literal["system", "developer", "user"]
-
-
-class AssistantMessage(_Message):
-    role: Literal["assistant"]
-    tool_calls: list[ToolCall] | None = None  # its earlier calls
-
-
-class ToolMessage(_Message):
-    role: Literal["tool"]
-    tool_call_id: str  # the call it answers
-
-
-ChatMessage = Annotated[PlainMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
-
-
-class FunctionDefinition(StrictModel):
-    name: str = Field(pattern=_FUNCTION_NAME)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ChatTool(StrictModel):
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-class NamedFunction(StrictModel):
-    name: str
-
-
-class NamedToolChoice(StrictModel):
-    type: Literal["function"] = "function"
-    function: NamedFunction
-
-
 # render_chat: continue_final_message continues the last message, so no generation prompt is added.
-_CONTINUE_RULE = _one_of_cases({"properties": {"continue_final_message": {"const": False}}},
-                               _set("add_generation_prompt", {"const": False}))
+_CONTINUE_RULE = one_of_cases({"properties": {"continue_final_message": {"const": False}}},
+                               set_field("add_generation_prompt", {"const": False}))
 
 
 class ChatCompletionRequest(_SamplingFields):
-    model_config = ConfigDict(json_schema_extra=_schema_rules(
+    model_config = ConfigDict(json_schema_extra=schema_rules(
         # prepare_chat: top_logprobs needs logprobs.
-        _one_of_cases({"properties": {"top_logprobs": {"type": "null"}}}, _set("logprobs", {"const": True})),
+        one_of_cases({"properties": {"top_logprobs": {"type": "null"}}}, set_field("logprobs", {"const": True})),
         # Not _CONTINUE_RULE: beside these rules it takes schemathesis's generator past what it models
         # (its canonical form gives up), and continue_final_message's other rule, the last message being
         # the assistant's, is beyond JSON Schema anyway (tests/entrypoints/schemathesis_hooks.py).
         # plan_tool_choice: a tool choice other than "none" needs tools; a required or named one
         # constrains the output itself (_with_tool_grammar), so no other constraint beside it.
-        _one_of_cases(
+        one_of_cases(
             {"properties": {"tool_choice": {"anyOf": [{"const": "none"}, {"type": "null"}]}}},
             {"required": ["tool_choice", "tools"],
              "properties": {"tool_choice": {"const": "auto"}, "tools": {"type": "array", "minItems": 1}}},
@@ -551,9 +340,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 class TokenizeRequest(StrictModel):
     # The route: a prompt or messages (messages win); with messages, render_chat's rule.
-    model_config = ConfigDict(json_schema_extra=_schema_rules(
-        _one_of_cases(_set("prompt", {"type": "string"}), _set("messages", {"type": "array"})),
-        _one_of_cases({"properties": {"messages": {"type": "null"}}}, _CONTINUE_RULE),
+    model_config = ConfigDict(json_schema_extra=schema_rules(
+        one_of_cases(set_field("prompt", {"type": "string"}), set_field("messages", {"type": "array"})),
+        one_of_cases({"properties": {"messages": {"type": "null"}}}, _CONTINUE_RULE),
     ))
 
     model: str | None = None
