@@ -236,7 +236,8 @@ def test_the_openapi_document_tells_what_the_server_does(live_server):
     assert fields["suffix"]["type"] == "null"
     # Unimplemented fields take only their harmless values; the work cap is stated
     assert fields["use_beam_search"]["anyOf"] == [{"type": "null"}, {"const": False}]
-    assert schemas["CompletionRequest"]["x-max-tokens-per-request"] == 16384
+    assert all(schemas[name]["x-max-tokens-per-request"] == 16384
+               for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest", "MessagesRequest"))
     health = httpx.get(f"{base}/health")
     assert health.json() == {"status": "ok"} and health.headers["content-type"] == "application/json"
     wrong_method = httpx.post(f"{base}/health")

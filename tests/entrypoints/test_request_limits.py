@@ -117,6 +117,15 @@ def test_a_request_over_the_work_cap_is_a_400_naming_the_field_and_the_flag(clie
         assert f"asks for up to {asked} tokens" in error["message"], error["message"]
 
 
+def test_the_responses_and_messages_apis_are_capped_alike(client):
+    responses = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 200, "temperature": 0})
+    assert responses.status_code == 400 and responses.json()["error"]["param"] == "max_output_tokens", responses.text
+    messages = client.post("/v1/messages", json={"model": "tiny", "max_tokens": 200, "messages": MESSAGES})
+    error = messages.json()
+    assert messages.status_code == 400 and error["type"] == "error", messages.text
+    assert error["error"]["type"] == "invalid_request_error" and "--max-tokens-per-request" in error["error"]["message"]
+
+
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/completions", {"prompt": IDS, "n": 3, "max_tokens": 30}),  # exactly 10 + 3 x 30
     ("/v1/completions", {"prompt": list(range(100, 160)), "n": 2, "max_tokens": 20, "echo": True}),  # no logprobs

@@ -99,6 +99,9 @@ def check_request_tokens(info: EngineInfo, cap: int, prompt_lengths: list[int], 
 WORK_CAPPED_SCHEMAS = {
     "CompletionRequest": ("n", "best_of", "max_tokens", "prompt", "prompt_logprobs", "echo"),
     "ChatCompletionRequest": ("n", "best_of", "max_tokens", "max_completion_tokens", "messages"),
+    # One sequence each: the prompt (with a stored conversation before it) and the output length.
+    "ResponsesRequest": ("input", "max_output_tokens"),
+    "MessagesRequest": ("messages", "max_tokens"),
 }
 
 
