@@ -7,6 +7,7 @@ end-to-end tests that compare against Hugging Face.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -117,6 +118,16 @@ def tiny_reasoning_model(tmp_path_factory, tiny_model_dir) -> str:
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+def assert_pool_free_once_idle(llm, timeout_s: float = 30) -> None:
+    """``assert_pool_free`` once the requests a server test left running (an aborted
+    stream finishing its step) are gone."""
+    deadline = time.time() + timeout_s
+    while llm.llm_engine.has_unfinished_requests():
+        assert time.time() < deadline, "requests still running"
+        time.sleep(0.05)
+    assert_pool_free(llm)
 
 
 def assert_pool_free(llm) -> None:

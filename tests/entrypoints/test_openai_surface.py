@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import uuid
 
 import pytest
@@ -17,7 +16,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.api_server import ServerState, build_app
 from pagedllm.entrypoints.openai.serving_completion import fill_in_the_middle
-from tests.conftest import assert_pool_free
+from tests.conftest import assert_pool_free_once_idle
 
 PROMPT = "The quick brown fox jumps"
 
@@ -38,12 +37,7 @@ def client(llm):
 def pool_is_free_afterwards(request):
     yield
     if "llm" in request.fixturenames:
-        llm = request.getfixturevalue("llm")
-        deadline = time.time() + 30
-        while llm.llm_engine.has_unfinished_requests():
-            assert time.time() < deadline, "requests still running"
-            time.sleep(0.05)
-        assert_pool_free(llm)
+        assert_pool_free_once_idle(request.getfixturevalue("llm"))
 
 
 def complete(client: TestClient, **body) -> dict:

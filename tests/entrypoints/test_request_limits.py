@@ -16,7 +16,7 @@ from pagedllm.entrypoints.openai import request_fields
 from pagedllm.entrypoints.openai.api_server import ServerState, build_app
 from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_TOKENS_PER_REQUEST
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, IgnoredFieldLog
-from tests.conftest import assert_pool_free
+from tests.conftest import assert_pool_free_once_idle
 
 CAP = 100
 MAX_MODEL_LEN = 256
@@ -78,12 +78,7 @@ def client(llm):
 def pool_is_free_afterwards(request):
     yield
     if "llm" in request.fixturenames:
-        llm = request.getfixturevalue("llm")
-        deadline = time.time() + 30
-        while llm.llm_engine.has_unfinished_requests():
-            assert time.time() < deadline, "requests still running"
-            time.sleep(0.05)
-        assert_pool_free(llm)
+        assert_pool_free_once_idle(request.getfixturevalue("llm"))
 
 
 IDS = list(range(100, 110))  # a prompt of 10 tokens
