@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from pagedllm.entrypoints.chat_utils import rendering_arguments, template_variables
+from pagedllm.entrypoints.chat_utils import rendering_arguments
 from pagedllm.entrypoints.openai.limits import bound_schema, document_request_tokens
 from pagedllm.entrypoints.openai.serving_completion import fim_token_names
 from pagedllm.entrypoints.openai.state import ServerState
@@ -25,7 +25,8 @@ from pagedllm.entrypoints.openai.state import ServerState
 # FastAPI's components for its 422 answers, which this server never gives.
 _UNUSED_COMPONENTS = ("HTTPValidationError", "ValidationError")
 # The request schemas whose route answers a "model" it does not serve with a 404 (``check_model``).
-MODEL_CHECKED_SCHEMAS = ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest")
+MODEL_CHECKED_SCHEMAS = ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
+                         "ResponsesRequest", "MessagesRequest", "MessagesCountTokensRequest")
 # The request schemas rendered by the chat template (``chat_prompt``), with the condition under
 # which they are (None: always).
 CHAT_TEMPLATE_SCHEMAS: dict[str, dict[str, Any] | None] = {
@@ -91,17 +92,14 @@ def _document_server_rules(schema: dict[str, Any], state: ServerState) -> None:
     components = schema.get("components", {}).get("schemas", {})
     tokenizer = state.engine_info.tokenizer
     if state.adapters is None:
-        names = {"anyOf": [{"type": "string", "enum": list(state.model_names)}, {"type": "null"}],
-                 "description": "one of the names this server serves (--served-model-name); null: the first"}
         for name in MODEL_CHECKED_SCHEMAS:
-            _narrow(components.get(name), {"model": names})
+            _narrow(components.get(name), {"model": _served_names(components.get(name), state.model_names)})
     if not state.chat.trust_request_chat_template:
-        template = state.chat.chat_template or tokenizer.chat_template
         rules: dict[str, Any] = {"chat_template": {
             "type": "null", "description": "this server runs its own template only (--trust-request-chat-template "
                                           "lets requests send theirs)"}}
-        if template:
-            variables = template_variables(template)
+        if state.chat.chat_template or tokenizer.chat_template:
+            variables = state.template_variables()
             if "tools" not in variables:
                 rules["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
                                   "description": "this server's chat template does not render tools"}
@@ -115,6 +113,16 @@ def _document_server_rules(schema: dict[str, Any], state: ServerState) -> None:
     if fim_token_names(tokenizer) is None:
         _narrow(components.get("CompletionRequest"), {"suffix": {
             "type": "null", "description": "this model has no fill-in-the-middle tokens"}})
+
+
+def _served_names(component: dict[str, Any] | None, names: list[str]) -> dict[str, Any]:
+    """``model`` as one of ``names``; null too where the request model lets it be left out."""
+    served = {"type": "string", "enum": list(names)}
+    field = (component or {}).get("properties", {}).get("model", {})
+    if {"type": "null"} not in field.get("anyOf", []):
+        return {**served, "description": "one of the names this server serves (--served-model-name)"}
+    return {"anyOf": [served, {"type": "null"}],
+            "description": "one of the names this server serves (--served-model-name); null: the first"}
 
 
 def _narrow(component: dict[str, Any] | None, fields: dict[str, Any], condition: dict[str, Any] | None = None) -> None:

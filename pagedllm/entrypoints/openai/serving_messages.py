@@ -21,7 +21,6 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedllm.entrypoints.chat_utils import template_variables
 from pagedllm.entrypoints.openai.errors import APIError, bad_request
 from pagedllm.entrypoints.openai.messages_output import (
     STREAM_EVENTS, MessageStream, message_events, message_of, new_message_id,
@@ -87,20 +86,11 @@ def add_messages_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepen
         return {"input_tokens": len(chat_prompt(state, chat_body)["prompt_token_ids"])}
 
 
-def _template_variables(state: ServerState) -> frozenset[str]:
-    """What the chat template in use reads (a Messages request cannot send its own)."""
-    template = state.chat.chat_template or state.engine_info.tokenizer.chat_template
-    try:
-        return template_variables(template) if template else frozenset()
-    except ValueError:  # a template that does not parse: rendering says so
-        return frozenset()
-
-
 def _document_server_rules(app: FastAPI, state: ServerState) -> None:
     """Narrow the Messages request schemas of /openapi.json to what this server
-    runs, once the engine is loaded: ``model`` one of the served names (without
-    LoRA, whose adapters come and go), ``thinking`` as ``_check_thinking`` allows,
-    no ``tools`` when the chat template does not render them."""
+    runs, once the engine is loaded (``model``, as every route's: ``openapi_doc``):
+    ``thinking`` as ``_check_thinking`` allows, no ``tools`` when the chat template
+    does not render them."""
     documented = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -108,10 +98,7 @@ def _document_server_rules(app: FastAPI, state: ServerState) -> None:
         if state.async_engine is None:
             return schema
         rules: dict[str, Any] = {}
-        if state.adapters is None:
-            rules["model"] = {"type": "string", "enum": list(state.model_names),
-                              "description": "one of the names this server serves (--served-model-name)"}
-        variables = _template_variables(state)
+        variables = state.template_variables()
         if state.reasoning_parser is None:
             rules["thinking"] = {"anyOf": [_ref("ThinkingDisabled"), {"type": "null"}],
                                  "description": "on needs a server started with --reasoning-parser"}
@@ -135,7 +122,7 @@ def _ref(component: str) -> dict[str, str]:
 
 def messages_chat_request(state: ServerState, body: MessagesCountTokensRequest) -> ChatCompletionRequest:
     """The chat request ``body`` runs as on this server; a 400 for what it cannot run."""
-    switch = THINKING_SWITCH in _template_variables(state)
+    switch = THINKING_SWITCH in state.template_variables()
     _check_thinking(state, body, switch)
     try:
         return to_chat_request(body, switch)

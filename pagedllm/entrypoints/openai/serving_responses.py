@@ -21,7 +21,6 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.entrypoints.chat_utils import template_variables
 from pagedllm.entrypoints.openai.errors import APIError, ErrorResponse, error_responses
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.responses_input import (CHAT_TO_RESPONSES_FIELDS, input_messages, output_messages,
@@ -96,8 +95,8 @@ def add_responses_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepe
 
 def _document_server_rules(app: FastAPI, state: ServerState) -> None:
     """Narrow ``ResponsesRequest`` in /openapi.json to what this server runs, once the
-    engine is loaded: ``model`` one of the served names (without LoRA, whose adapters
-    come and go), no ``tools`` when the chat template does not render them."""
+    engine is loaded (``model``, as every route's: ``openapi_doc``): no ``tools`` when
+    the chat template does not render them."""
     documented = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -105,15 +104,7 @@ def _document_server_rules(app: FastAPI, state: ServerState) -> None:
         if state.async_engine is None:
             return schema
         properties = schema["components"]["schemas"][ResponsesRequest.__name__]["properties"]
-        if state.adapters is None:
-            properties["model"] = {"anyOf": [{"type": "string", "enum": list(state.model_names)}, {"type": "null"}],
-                                   "description": "one of the names this server serves (--served-model-name)"}
-        template = state.chat.chat_template or state.engine_info.tokenizer.chat_template
-        try:
-            renders_tools = bool(template) and "tools" in template_variables(template)
-        except ValueError:  # a template that does not parse: rendering says so
-            renders_tools = False
-        if not renders_tools:
+        if "tools" not in state.template_variables():
             properties["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
                                    "description": "this server's chat template does not render tools"}
             properties["tool_choice"] = {"anyOf": [{"enum": ["none", "auto"]}, {"type": "null"}]}

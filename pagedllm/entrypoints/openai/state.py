@@ -13,7 +13,7 @@ from fastapi import Request
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.core_client import AsyncEngineCoreClient
 from pagedllm.engine.engine_info import EngineInfo
-from pagedllm.entrypoints.chat_utils import ChatSettings
+from pagedllm.entrypoints.chat_utils import ChatSettings, template_variables
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.reasoning import ReasoningSettings
 from pagedllm.entrypoints.openai.response_store import ResponseStore
@@ -82,6 +82,15 @@ class ServerState:
         if self.reasoning_parser is None:
             return None
         return ReasoningSettings.for_tokenizer(self.reasoning_parser, self.engine_info.tokenizer)
+
+    def template_variables(self) -> frozenset[str]:
+        """What the server's own chat template reads (``--chat-template``, else the
+        model's): empty without one, or for one that does not parse (rendering says so)."""
+        template = self.chat.chat_template or self.engine_info.tokenizer.chat_template
+        try:
+            return template_variables(template) if template else frozenset()
+        except ValueError:
+            return frozenset()
 
     @property
     def engine_info(self) -> EngineInfo:
