@@ -23,6 +23,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.version import __version__
 from pagedllm.logger import init_logger
@@ -83,12 +84,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     install_error_handlers(app)
     install_openapi(app, state)
 
-    @app.middleware("http")
-    async def refuse_while_loading(request: Request, call_next):
-        if state.async_engine is None and request.url.path not in _ANSWERED_WHILE_LOADING:
-            return JSONResponse(error_body(state.not_ready_reason(), "server_error", code="model_loading"),
-                                status_code=503)
-        return await call_next(request)
+    app.add_middleware(RefuseWhileLoading, state=state)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
@@ -135,8 +131,31 @@ async def _load_engine(state: ServerState) -> None:
     state.async_engine = client
 
 
+class RefuseWhileLoading:
+    """ASGI middleware: a 503 for every route but the probes until the engine is loaded.
+
+    Plain ASGI rather than ``@app.middleware("http")``: Starlette's
+    BaseHTTPMiddleware passes every chunk of a streamed answer through a memory
+    stream and a task of its own, CPU per token that an engine on the same
+    cores pays for (the API process's profile under load)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.state.async_engine is None \
+                and scope["path"] not in _ANSWERED_WHILE_LOADING:
+            refusal = JSONResponse(error_body(self.state.not_ready_reason(), "server_error", code="model_loading"),
+                                   status_code=503)
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def _tenant_dependency(state: ServerState) -> TenantDependency:
-    def tenant_of(request: Request) -> str | None:
+    # async: FastAPI runs a plain-def dependency in its thread pool, a thread hop per request
+    async def tenant_of(request: Request) -> str | None:
         """Bearer-token check; returns the key's tenant (None when untenanted)."""
         if not state.api_keys:
             return None

@@ -91,11 +91,17 @@ async def _last(stream: RequestStream) -> RequestOutput:
     return final
 
 
-async def _stream(response: ResponseBuilder, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[dict]:
-    """The chunks of every prompt's outputs as they come; aborts everything left
-    if the consumer goes away (the generator is cancelled or closed). When the
-    engine dies mid-stream the last chunk is the error a 503 would carry
-    (``{"error": {..., "code": "engine_dead"}}``)."""
+async def _tagged_outputs(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput | EngineDeadError]]:
+    """Every stream's outputs as they come, each with its stream's index; an
+    engine that dies ends a stream with its ``EngineDeadError``. Closing this
+    generator cancels what it started."""
+    if len(streams) == 1:  # most requests: no task and queue hop per token
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        except EngineDeadError as exc:
+            yield 0, exc
+        return
     merged: asyncio.Queue[tuple[int, RequestOutput | EngineDeadError | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
@@ -107,14 +113,30 @@ async def _stream(response: ResponseBuilder, streams: list[RequestStream], inclu
         await merged.put((index, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    finals: dict[int, RequestOutput] = {}
     try:
         remaining = len(streams)
         while remaining:
             index, output = await merged.get()
             if output is None:
                 remaining -= 1
-                continue
+            else:
+                yield index, output
+        for task in tasks:
+            task.result()  # re-raise a failure of the stream itself
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _stream(response: ResponseBuilder, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[dict]:
+    """The chunks of every prompt's outputs as they come; aborts everything left
+    if the consumer goes away (the generator is cancelled or closed). When the
+    engine dies mid-stream the last chunk is the error a 503 would carry
+    (``{"error": {..., "code": "engine_dead"}}``)."""
+    finals: dict[int, RequestOutput] = {}
+    outputs = _tagged_outputs(streams)
+    try:
+        async for index, output in outputs:
             if isinstance(output, EngineDeadError):
                 yield error_body(str(output), "server_error", code="engine_dead")
                 return
@@ -122,12 +144,9 @@ async def _stream(response: ResponseBuilder, streams: list[RequestStream], inclu
                 yield chunk
             if output.finished:
                 finals[index] = output
-        for task in tasks:
-            task.result()  # re-raise a failure of the stream itself
         if include_usage:
             yield response.usage_chunk([finals[i] for i in sorted(finals)])
     finally:
-        for task in tasks:
-            task.cancel()
+        await outputs.aclose()
         for stream in streams:
             stream.abort()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -120,7 +120,7 @@ class ServerState:
         return "the engine is not running (still starting, or its loop died: see the server log)"
 
 
-TenantDependency = Callable[[Request], str | None]  # the bearer-token check; returns the tenant
+TenantDependency = Callable[[Request], Awaitable[str | None]]  # the bearer-token check; returns the tenant
 
 
 def check_model(state: ServerState, name: str | None) -> LoRARequest | None:
