@@ -143,6 +143,11 @@ def _add_kernel_benches(benches: argparse._SubParsersAction) -> None:
     rf.add_argument("--batch-size", type=int, default=64)
     rf.add_argument("--prompt-len", type=int, default=32)
     rf.add_argument("--decode-tokens", type=int, default=32)
+    rf.add_argument("--dataset", choices=("fixed", "mixed"), default="fixed",
+                    help="fixed: one batch of --batch-size sequences, decode steps against matmul passes; mixed: "
+                         "the throughput bench's mixed workload of --num-prompts requests, every step against its "
+                         "matmul floor, per phase")
+    rf.add_argument("--num-prompts", type=int, default=64, help="requests of --dataset mixed")
 
 
 def _add_decode_benches(benches: argparse._SubParsersAction) -> None:

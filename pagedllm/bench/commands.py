@@ -141,6 +141,9 @@ def cmd_bench_roofline(args: argparse.Namespace) -> None:
     llm = make_llm(args, enable_prefix_caching=False)  # every sequence prefills its own prompt
     engine = llm.llm_engine
     args.dtype = engine.config.dtype  # "auto" resolved, for the table's label
+    if args.dataset == "mixed":
+        _bench_workload_roofline(args, engine)
+        return
     prompts = [r.prompt_token_ids
                for r in random_requests(args.batch_size, args.prompt_len, 1, engine.vocab_size, args.seed)]
     result = kernels.roofline_vs_decode(engine, args.batch_size, prompts, args.decode_tokens,
@@ -154,6 +157,25 @@ def cmd_bench_roofline(args: argparse.Namespace) -> None:
           f"{100 * result.median_decode_tokens_per_s / result.bound_tokens_per_s:.0f}%"]])
     report(args, table, f"Batch of {args.batch_size} sequences, {args.prompt_len}-token prompts; "
                         f"{args.decode_tokens} matmul passes and {args.decode_tokens} decode steps, interleaved.")
+
+
+def _bench_workload_roofline(args: argparse.Namespace, engine) -> None:
+    from pagedllm.bench import phases
+    from pagedllm.bench.kernels import ModelMatmuls
+    from pagedllm.bench.throughput import mixed_requests
+
+    requests = mixed_requests(args.num_prompts, engine.vocab_size, args.seed)
+    matmuls = ModelMatmuls(engine.model_config, torch_dtype(args.dtype))
+    roof = phases.measure_roof(matmuls)
+    steps = phases.time_steps(engine, requests, matmuls)
+    report(args, phases.format_phases(steps, roof),
+           f"The mixed workload: {len(requests)} requests (seed {args.seed}), "
+           f"{sum(len(r.prompt_token_ids) for r in requests)} prompt + {sum(r.max_tokens for r in requests)} output "
+           f"tokens, all added at once, greedy, EOS ignored, {args.dtype}. Roofline on weights of the model's shapes: "
+           f"{roof.gflops:.0f} GFLOP/s (a {phases.ROOF_ROWS}-row pass through every projection), "
+           f"{roof.read_gbps:.1f} GB/s (every weight read once, {roof.weight_bytes / 2**20:.0f} MiB); a step's "
+           f"floor is the larger of its linear layers' FLOPs (its tokens through every projection, its sampled "
+           f"rows through the vocabulary one) at that rate and its weight bytes at that bandwidth.")
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> None:

@@ -6,7 +6,8 @@ causal prefill attention: the C++ bf16 kernel against SDPA in bf16 and fp32.
 linear: one decode step's fp32 projections, the C++ small-batch kernel against
 PyTorch's (MKL) matmul, per batch size.
 roofline: matmul throughput on the model's own projection shapes, the decode
-rate it allows, and the engine's decode steps at the same batch, interleaved.
+rate it allows, and the engine's decode steps at the same batch, interleaved
+(``--dataset mixed``: a whole workload's steps against the roofline, ``phases``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pagedllm.model.shapes import num_kv_heads_of
 from pagedllm.bench.tables import markdown_table
 
 
-def _time(fn: Callable[[], object], repeats: int) -> float:
+def best_time_s(fn: Callable[[], object], repeats: int) -> float:
     """Best-of-``repeats`` seconds of one call (after a warm-up): the least noisy figure."""
     fn()
     best = float("inf")
@@ -61,13 +62,13 @@ def attention_rows(batches: list[int], contexts: list[int], num_heads: int = 9, 
             keys = torch.randn(batch, num_kv_heads, context, head_dim)
             values = torch.randn_like(keys)
             row = {"batch": batch, "context": context}
-            row["contiguous_sdpa_ms"] = 1e3 * _time(lambda: F.scaled_dot_product_attention(
+            row["contiguous_sdpa_ms"] = 1e3 * best_time_s(lambda: F.scaled_dot_product_attention(
                 query.unsqueeze(2), keys, values, enable_gqa=True), repeats)
             pool = LayerKVCache(key_cache, value_cache)
             for name, backend in (("paged_cpp_ms", TorchPagedAttention(cpu_decode) if kernel else None),
                                   ("paged_pytorch_ms", TorchPagedAttention())):
                 if backend is not None:
-                    row[name] = 1e3 * _time(lambda: backend.forward(
+                    row[name] = 1e3 * best_time_s(lambda: backend.forward(
                         query, empty, empty, pool, metadata, head_dim**-0.5), repeats)
             rows.append(row)
     return rows
@@ -102,11 +103,11 @@ def prefill_attention_rows(lengths: list[int], num_heads: int = 9, num_kv_heads:
         row = {"length": length}
         for dtype, name in ((torch.float32, "sdpa_fp32_ms"), (torch.bfloat16, "sdpa_bf16_ms")):
             q, k, v = (t.to(dtype).transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-            row[name] = 1e3 * _time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+            row[name] = 1e3 * best_time_s(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
                                     repeats)
         if kernel is not None:
             q, k, v = (t.bfloat16() for t in (query, key, value))
-            row["cpp_bf16_ms"] = 1e3 * _time(lambda: cpu_prefill(q, k, v, head_dim**-0.5, 0), repeats)
+            row["cpp_bf16_ms"] = 1e3 * best_time_s(lambda: cpu_prefill(q, k, v, head_dim**-0.5, 0), repeats)
         rows.append(row)
     return rows
 
@@ -187,22 +188,45 @@ class RooflineResult:
     median_decode_tokens_per_s: float  # rows / median engine decode step
 
 
-def _matmul_pass(config, rows: int, dtype: torch.dtype) -> tuple[Callable[[], None], float]:
-    """One pass through every projection of the model (each layer with its own
-    weights, so they stream from memory as in a real decode step instead of
-    sitting hot in the cache, which would overstate the bound), and its FLOPs."""
-    passes = []
-    flops = 0.0
-    for fan_in, fan_out, count in projection_shapes(config):
-        x = torch.randn(rows, fan_in, dtype=dtype)
-        passes += [(x, torch.randn(fan_out, fan_in, dtype=dtype)) for _ in range(count)]
-        flops += count * 2 * rows * fan_in * fan_out
+class ModelMatmuls:
+    """Every projection one token goes through, each layer with weights of its own
+    (so they stream from memory as in a real step instead of sitting hot in the
+    cache, which would overstate the bound), run at any number of rows: the
+    floor a step's linear layers cannot beat on this machine."""
 
-    def one_pass() -> None:
-        for x, w in passes:
-            F.linear(x, w)
+    def __init__(self, config, dtype: torch.dtype) -> None:
+        shapes = projection_shapes(config)
+        self.dtype = dtype
+        self.layers = [torch.randn(fan_out, fan_in, dtype=dtype)
+                       for fan_in, fan_out, count in shapes[:-1] for _ in range(count)]
+        self.head = torch.randn(shapes[-1][1], shapes[-1][0], dtype=dtype)  # the vocabulary projection
+        self._inputs: dict[int, dict[int, torch.Tensor]] = {}
 
-    return one_pass, flops
+    def _input(self, rows: int, fan_in: int) -> torch.Tensor:
+        by_width = self._inputs.setdefault(rows, {})
+        if fan_in not in by_width:
+            by_width[fan_in] = torch.randn(rows, fan_in, dtype=self.dtype)
+        return by_width[fan_in]
+
+    def run(self, rows: int, head_rows: int) -> None:
+        """One pass: ``rows`` tokens through every layer, ``head_rows`` of them
+        (the sampled ones) through the vocabulary projection."""
+        for weight in self.layers:
+            F.linear(self._input(rows, weight.shape[1]), weight)
+        if head_rows:
+            F.linear(self._input(head_rows, self.head.shape[1]), self.head)
+
+    def flops(self, rows: int, head_rows: int) -> float:
+        return 2.0 * (rows * sum(w.numel() for w in self.layers) + head_rows * self.head.numel())
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.numel() * w.element_size() for w in (*self.layers, self.head))
+
+    def read_all(self) -> None:
+        """Read every weight once (a reduction per tensor): the memory side of a step's floor."""
+        for weight in (*self.layers, self.head):
+            weight.sum()
 
 
 def _time_once(fn: Callable[[], object]) -> float:
@@ -218,7 +242,12 @@ def roofline_vs_decode(engine, rows: int, prompts: list[list[int]], decode_steps
     step of ``rows`` sequences, and compare the best of each: the two sides then
     see the same machine load (on a shared machine a long measurement rarely
     gets a quiet window, a short one often does)."""
-    one_pass, flops = _matmul_pass(engine.model_config, rows, dtype)
+    matmuls = ModelMatmuls(engine.model_config, dtype)
+    flops = matmuls.flops(rows, rows)
+
+    def one_pass() -> None:
+        matmuls.run(rows, rows)
+
     params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 2, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"roofline-{i}", {"prompt_token_ids": prompt}, params)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
@@ -438,3 +439,33 @@ def test_bench_attention_and_roofline_print_tables(tiny_model_dir, capsys):
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| float32 | 4 |"))
     gflops, bound, best, median = (float(c) for c in [c.strip() for c in row.strip("|").split("|")][2:6])
     assert gflops > 0 and bound > 0 and best >= median > 0
+
+
+def test_bench_roofline_mixed_splits_the_workload_by_phase(tiny_model_dir, capsys):
+    from pagedllm.bench.throughput import mixed_requests
+
+    model = tiny_model_dir("llama")
+    main(["bench", "roofline", "--dataset", "mixed", "--num-prompts", "5", "--model", model])
+    lines = capsys.readouterr().out.splitlines()
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines
+                                              if line.startswith("| ") and "phase" not in line)}
+    assert set(rows) == {"steps with prompt tokens", "decode-only steps", "whole workload"}
+    prefill, decode, whole = (rows[name] for name in ("steps with prompt tokens", "decode-only steps", "whole workload"))
+    assert int(prefill[0]) + int(decode[0]) == int(whole[0])  # steps
+    assert int(prefill[1]) + int(decode[1]) == int(whole[1])  # tokens
+    # every request feeds its prompt and all but its last output token through the forward
+    vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    requests = mixed_requests(5, vocab_size, seed=0)
+    assert int(whole[1]) == sum(len(r.prompt_token_ids) + r.max_tokens - 1 for r in requests)
+    for cells in rows.values():
+        engine_s, floor_s = float(cells[2]), float(cells[5])
+        assert engine_s > 0 and floor_s > 0
+        assert float(cells[6].rstrip("%")) == pytest.approx(100 * floor_s / engine_s, abs=2)  # floor / engine
+
+
+def test_roofline_floor_is_the_larger_of_compute_and_memory():
+    from pagedllm.bench.phases import Roof
+
+    roof = Roof(gflops=100.0, read_gbps=10.0, weight_bytes=10**9)
+    assert roof.floor_s(1e9) == pytest.approx(0.1)  # memory-bound: 1 GB at 10 GB/s
+    assert roof.floor_s(1e12) == pytest.approx(10.0)  # compute-bound: 1 TFLOP at 100 GFLOP/s
