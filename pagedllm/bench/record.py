@@ -42,4 +42,7 @@ def cpu_description() -> str:
                  "unknown CPU")
     flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
     wanted = sorted(f for f in set(flags) if f.startswith(("avx512f", "avx512_vnni", "avx512_bf16", "amx", "avx_vnni")))
-    return f"{model}, {multiprocessing.cpu_count()} CPUs, flags: {' '.join(wanted) or 'no AVX-512'}"
+    # The clock the kernel reports: the same model name has come at very different speeds.
+    mhz = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("cpu MHz")), None)
+    clock = f" at {float(mhz):.0f} MHz" if mhz else ""
+    return f"{model}{clock}, {multiprocessing.cpu_count()} CPUs, flags: {' '.join(wanted) or 'no AVX-512'}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import platform
 import random
 import time
 from dataclasses import dataclass
@@ -275,7 +274,9 @@ def format_step_split(timings: dict[str, float]) -> str:
 
 
 def machine_description(device: torch.device | None = None) -> str:
-    host = f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    from pagedllm.bench.record import cpu_description
+
+    host = f"{cpu_description()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
     if device is not None and device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda}), host {host}"
     return host
