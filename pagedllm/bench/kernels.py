@@ -200,13 +200,12 @@ class ModelMatmuls:
         self.layers = [torch.randn(fan_out, fan_in, dtype=dtype)
                        for fan_in, fan_out, count in shapes[:-1] for _ in range(count)]
         self.head = torch.randn(shapes[-1][1], shapes[-1][0], dtype=dtype)  # the vocabulary projection
-        self._inputs: dict[int, dict[int, torch.Tensor]] = {}
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}  # by (rows, fan_in), made once
 
     def _input(self, rows: int, fan_in: int) -> torch.Tensor:
-        by_width = self._inputs.setdefault(rows, {})
-        if fan_in not in by_width:
-            by_width[fan_in] = torch.randn(rows, fan_in, dtype=self.dtype)
-        return by_width[fan_in]
+        if (rows, fan_in) not in self._inputs:
+            self._inputs[rows, fan_in] = torch.randn(rows, fan_in, dtype=self.dtype)
+        return self._inputs[rows, fan_in]
 
     def run(self, rows: int, head_rows: int) -> None:
         """One pass: ``rows`` tokens through every layer, ``head_rows`` of them

@@ -33,6 +33,13 @@ CHAT_TEMPLATE_SCHEMAS: dict[str, dict[str, Any] | None] = {
     "ChatCompletionRequest": None,
     "TokenizeRequest": {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
 }
+# The requests that always run on the server's own chat template (they cannot send one), with
+# the tool_choice that calls no tool in each API's terms.
+OWN_TEMPLATE_TOOL_CHOICE_NONE: dict[str, dict[str, Any]] = {
+    "ResponsesRequest": {"enum": ["none", "auto"]},
+    "MessagesRequest": {"$ref": "#/components/schemas/ToolChoiceNone"},
+    "MessagesCountTokensRequest": {"$ref": "#/components/schemas/ToolChoiceNone"},
+}
 
 
 def install_openapi(app: FastAPI, state: ServerState) -> None:
@@ -87,7 +94,8 @@ def _document_server_rules(schema: dict[str, Any], state: ServerState) -> None:
     - unless ``--trust-request-chat-template``: no ``chat_template``, ``tools``
       only if the server's template renders them (and so ``tool_choice`` other
       than "none" only then), and only the ``chat_template_kwargs`` its template
-      reads (``render_chat``'s checks);
+      reads (``render_chat``'s checks); the same ``tools`` rule always for the
+      Responses and Messages requests, which run on the server's template;
     - ``suffix`` only with a tokenizer that has fill-in-the-middle tokens."""
     components = schema.get("components", {}).get("schemas", {})
     tokenizer = state.engine_info.tokenizer
@@ -101,18 +109,26 @@ def _document_server_rules(schema: dict[str, Any], state: ServerState) -> None:
         if state.chat.chat_template or tokenizer.chat_template:
             variables = state.template_variables()
             if "tools" not in variables:
-                rules["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
-                                  "description": "this server's chat template does not render tools"}
-                rules["tool_choice"] = {"anyOf": [{"const": "none"}, {"type": "null"}]}
+                rules.update(_without_tools({"const": "none"}))
             takes = sorted(variables - rendering_arguments(tokenizer))
             names_rule = {"propertyNames": {"enum": takes}} if takes else {"maxProperties": 0}
             rules["chat_template_kwargs"] = {"anyOf": [{"type": "object", **names_rule}, {"type": "null"}],
                                              "description": "the variables this server's chat template reads"}
         for name, condition in CHAT_TEMPLATE_SCHEMAS.items():
             _narrow(components.get(name), rules, condition)
+    if "tools" not in state.template_variables():
+        for name, choice_none in OWN_TEMPLATE_TOOL_CHOICE_NONE.items():
+            _narrow(components.get(name), _without_tools(choice_none))
     if fim_token_names(tokenizer) is None:
         _narrow(components.get("CompletionRequest"), {"suffix": {
             "type": "null", "description": "this model has no fill-in-the-middle tokens"}})
+
+
+def _without_tools(tool_choice_none: dict[str, Any]) -> dict[str, Any]:
+    """``tools`` and ``tool_choice`` of a request whose chat template renders no tools."""
+    return {"tools": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
+                      "description": "this server's chat template does not render tools"},
+            "tool_choice": {"anyOf": [tool_choice_none, {"type": "null"}]}}
 
 
 def _served_names(component: dict[str, Any] | None, names: list[str]) -> dict[str, Any]:

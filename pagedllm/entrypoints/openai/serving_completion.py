@@ -76,12 +76,11 @@ def fill_in_the_middle(tokenizer: Any, prompt: PromptType, suffix: str) -> dict:
     """``<fim_prefix>{prompt}<fim_suffix>{suffix}<fim_middle>`` as token ids (the
     model then writes the middle); a 400 naming ``suffix`` when the tokenizer has
     no fill-in-the-middle tokens."""
-    vocab = tokenizer.get_vocab()
     names = fim_token_names(tokenizer)
     if names is None:
         raise APIError(400, "suffix needs a model with fill-in-the-middle tokens "
                             f"({' / '.join(' '.join(t) for t in FIM_TOKENS)}); this one has none", param="suffix")
-    prefix_id, suffix_id, middle_id = (vocab[name] for name in names)
+    prefix_id, suffix_id, middle_id = tokenizer.convert_tokens_to_ids(list(names))
     if isinstance(prompt, str):
         prompt_ids, text = tokenizer.encode(prompt, add_special_tokens=False), prompt
     else:

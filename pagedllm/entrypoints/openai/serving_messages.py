@@ -88,9 +88,8 @@ def add_messages_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepen
 
 def _document_server_rules(app: FastAPI, state: ServerState) -> None:
     """Narrow the Messages request schemas of /openapi.json to what this server
-    runs, once the engine is loaded (``model``, as every route's: ``openapi_doc``):
-    ``thinking`` as ``_check_thinking`` allows, no ``tools`` when the chat template
-    does not render them."""
+    runs, once the engine is loaded: ``thinking`` as ``_check_thinking`` allows
+    (``model`` and ``tools`` are ``openapi_doc``'s, as every route's)."""
     documented = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -105,10 +104,6 @@ def _document_server_rules(app: FastAPI, state: ServerState) -> None:
         elif THINKING_SWITCH not in variables:
             rules["thinking"] = {"anyOf": [_ref("ThinkingEnabled"), _ref("ThinkingAdaptive"), {"type": "null"}],
                                  "description": f"the chat template has no {THINKING_SWITCH} switch to turn it off"}
-        if "tools" not in variables:
-            rules["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
-                              "description": "this server's chat template does not render tools"}
-            rules["tool_choice"] = {"anyOf": [_ref("ToolChoiceNone"), {"type": "null"}]}
         for name in (MessagesRequest.__name__, MessagesCountTokensRequest.__name__):
             schema["components"]["schemas"][name]["properties"].update(rules)
         return schema

@@ -50,8 +50,6 @@ STORED_RESPONSES = {
 
 
 def add_responses_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
-    _document_server_rules(app, state)
-
     @app.post("/v1/responses", responses=CREATE_RESPONSES)
     async def create_response(body: ResponsesRequest, tenant: str | None = Depends(tenant_of)):
         previous = _previous_conversation(state, body, tenant)
@@ -91,26 +89,6 @@ def add_responses_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepe
     @app.api_route(STORED_PATH, methods=["HEAD", "OPTIONS", "POST", "PUT", "PATCH", "TRACE"], include_in_schema=False)
     async def other_method(response_id: str) -> None:
         raise StarletteHTTPException(405, "Method Not Allowed", headers={"Allow": "GET, DELETE"})
-
-
-def _document_server_rules(app: FastAPI, state: ServerState) -> None:
-    """Narrow ``ResponsesRequest`` in /openapi.json to what this server runs, once the
-    engine is loaded (``model``, as every route's: ``openapi_doc``): no ``tools`` when
-    the chat template does not render them."""
-    documented = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        schema = documented()
-        if state.async_engine is None:
-            return schema
-        properties = schema["components"]["schemas"][ResponsesRequest.__name__]["properties"]
-        if "tools" not in state.template_variables():
-            properties["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
-                                   "description": "this server's chat template does not render tools"}
-            properties["tool_choice"] = {"anyOf": [{"enum": ["none", "auto"]}, {"type": "null"}]}
-        return schema
-
-    app.openapi = openapi
 
 
 def _not_stored(response_id: str) -> APIError:
