@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.cache_config import KV_CACHE_DTYPES
+from pagedllm.config.cache import KV_CACHE_DTYPES
 from pagedllm.kernels.cpu import cpu_kernels_for
 
 __all__ = ["KV_CACHE_DTYPES", "LayerKVCache", "allocate_layer", "dequantize", "hadamard_rotate", "quantize"]

@@ -14,7 +14,7 @@ import argparse
 from pagedllm import LLM
 from pagedllm.bench.record import cpu_description, report
 from pagedllm.bench.tables import markdown_table
-from pagedllm.config import torch_dtype
+from pagedllm.config.engine import torch_dtype
 from pagedllm.entrypoints.engine_args import engine_flags_from_args, make_llm
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from pagedllm import LLM
 from pagedllm.bench.record import report
-from pagedllm.config import torch_dtype
+from pagedllm.config.engine import torch_dtype
 from pagedllm.entrypoints.engine_args import make_llm
 
 if TYPE_CHECKING:

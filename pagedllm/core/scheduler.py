@@ -12,7 +12,7 @@ import itertools
 from collections import Counter
 from collections.abc import Sequence
 
-from pagedllm.config import SchedulerConfig
+from pagedllm.config.engine import SchedulerConfig
 from pagedllm.core.adapter_pages import NO_ADAPTERS, AdapterPager
 from pagedllm.core.kv_interface import BlockCopy, KVCacheManagerProtocol
 from pagedllm.core.request import Request, RequestStatus

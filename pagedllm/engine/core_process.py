@@ -266,7 +266,7 @@ def run_engine_core(launch: CoreLaunch, parent_pid: int | None = None) -> None:
     """The core process's main: build the engine, bind, serve until told to stop.
 
     Exits with status 1 when the engine cannot be built or a step fails."""
-    from pagedllm.config import EngineConfig
+    from pagedllm.config.engine import EngineConfig
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.metrics import LoggingStatLogger
 

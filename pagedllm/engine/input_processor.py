@@ -10,7 +10,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.config.engine import CacheConfig, SchedulerConfig
 from pagedllm.core.adapter_spec import AdapterSpec
 from pagedllm.core.request import Request
 from pagedllm.lora.registry import AdapterRegistry

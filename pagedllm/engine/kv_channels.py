@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import time
 
-from pagedllm.config import EngineConfig
+from pagedllm.config.engine import EngineConfig
 from pagedllm.core.kv_events import KVEventLog
 from pagedllm.core.tier_index import TierIndex
-from pagedllm.kv_events_config import KVEventsConfig
+from pagedllm.config.kv_events import KVEventsConfig
 from pagedllm.kv_tiers.setup import KVTiers, build_kv_tiers
 from pagedllm.worker.model_runner import ModelRunner
 

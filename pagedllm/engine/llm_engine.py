@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedllm.config import EngineConfig, threads_per_rank
+from pagedllm.config.engine import EngineConfig, threads_per_rank
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner_output import ModelRunnerOutput
 from pagedllm.core.scheduler import Scheduler

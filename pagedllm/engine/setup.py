@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig, sampling_overrides
+from pagedllm.config.engine import CacheConfig, EngineConfig, SchedulerConfig, sampling_overrides
 from pagedllm.core.adapter_pages import AdapterPager
 from pagedllm.core.contiguous import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from pagedllm.config import EngineConfig, SchedulerConfig
+from pagedllm.config.engine import EngineConfig, SchedulerConfig
 from pagedllm.core.request import Request
 from pagedllm.core.runner_output import SampledTokens
 from pagedllm.engine.beam_search import BeamGroup

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, get_args
 
-from pagedllm.config import CacheConfig, DType, EngineConfig
+from pagedllm.config.engine import CacheConfig, DType, EngineConfig
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_options_from_args, make_llm
 from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES

@@ -2,7 +2,7 @@
 
 As vLLM's ``EngineArgs.add_cli_args`` does: every field of ``EngineConfig``
 and of its ``CacheConfig`` and ``LoRAConfig`` becomes ``--field-name`` with the field's help text,
-so adding an engine option is adding one field in ``pagedllm/config.py``, and
+so adding an engine option is adding one field in ``pagedllm/config/engine.py``, and
 every command that builds an engine takes all of them.
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import MISSING, Field, fields
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from pagedllm.config import NESTED_CONFIGS, CacheConfig, EngineConfig, engine_option_fields
-from pagedllm.lora_config import LoRAConfig
+from pagedllm.config.engine import NESTED_CONFIGS, CacheConfig, EngineConfig, engine_option_fields
+from pagedllm.config.lora import LoRAConfig
 from pagedllm.entrypoints.llm import LLM
 
 

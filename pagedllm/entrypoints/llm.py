@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from pagedllm.config import EngineConfig
+from pagedllm.config.engine import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.entrypoints.chat_utils import ChatRenderOptions, load_chat_template, render_chat
@@ -28,7 +28,7 @@ class LLM:
 
     ``model=None`` loads the embedded SmolLM2-135M-Instruct; otherwise pass a
     GGUF file or a Hugging Face checkpoint folder. The keyword options are the
-    fields of ``EngineConfig`` and of its ``CacheConfig`` (``pagedllm/config.py``
+    fields of ``EngineConfig`` and of its ``CacheConfig`` (``pagedllm/config/engine.py``
     documents each); an unknown one is a ``ValueError`` listing them all. The
     pool is sized by ``num_kv_blocks`` (exact), ``kv_cache_memory`` (bytes) or
     ``kv_cache_fraction`` (of available memory after weights), in that order;

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from pagedllm.config import threads_per_rank
+from pagedllm.config.engine import threads_per_rank
 from pagedllm.core.block_hash import hash_request_tokens
 from pagedllm.fleet.prefix_index import PrefixIndex
 from pagedllm.fleet.routing import BalanceRule, ReplicaLoad, RoutingPolicy

@@ -30,7 +30,7 @@ import zmq
 
 from pagedllm.core import kv_events as core
 from pagedllm.core.block_hash import external_block_hash
-from pagedllm.kv_events_config import KVEventsConfig
+from pagedllm.config.kv_events import KVEventsConfig
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.attention.kv_cache import LayerKVCache
-from pagedllm.config import EngineConfig
+from pagedllm.config.engine import EngineConfig
 from pagedllm.core.kv_events import KVEventLog
 from pagedllm.core.tier_index import TierIndex
 from pagedllm.kv_tiers.block_codec import BlockCodec

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.config import GENERATION_CONFIG_FIELDS
+from pagedllm.config.engine import GENERATION_CONFIG_FIELDS
 from pagedllm.model.checkpoint import WHAT_TO_PASS, Checkpoint
 from pagedllm.model.gguf_file import SUPPORTED_GGUF_TYPES, gguf_tokenizer, load_gguf
 from pagedllm.model.gguf_reader import read_gguf

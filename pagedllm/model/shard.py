@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from pagedllm.config import EngineConfig, SchedulerConfig, torch_dtype
+from pagedllm.config.engine import EngineConfig, SchedulerConfig, torch_dtype
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.model.sharding import check_tensor_parallel_size
 from pagedllm.model.base import CausalLM

@@ -19,7 +19,7 @@ import torch
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
 from pagedllm.attention.kv_cache import allocate_layer, kv_bytes_per_token_per_kv_head
 from pagedllm.attention.selector import attention_backend_for
-from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig, torch_dtype
+from pagedllm.config.engine import CacheConfig, EngineConfig, SchedulerConfig, torch_dtype
 from pagedllm.model.base import CausalLM
 from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
 from pagedllm.utils import cdiv

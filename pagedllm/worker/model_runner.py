@@ -20,7 +20,7 @@ from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.kv_tiers.runner_tiers import RunnerTiers
 from pagedllm.logger import init_logger
 from pagedllm.model.base import CausalLM
-from pagedllm.speculative_config import SpeculativeConfig
+from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.worker.block_moves import allocate_caches, move_blocks, move_tails
 from pagedllm.worker.cuda_graphs import DecodeGraphs, why_no_graphs
 from pagedllm.worker.input_batch import CachedSequence, InputBatch

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.config import EngineConfig, SchedulerConfig, torch_dtype
+from pagedllm.config.engine import EngineConfig, SchedulerConfig, torch_dtype
 from pagedllm.worker.memory import PoolPlan
 
 

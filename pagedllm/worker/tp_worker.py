@@ -17,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from pagedllm.config import EngineConfig
+from pagedllm.config.engine import EngineConfig
 from pagedllm.distributed.executor import backend_for
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.model.shard import load_model_shard

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagedllm.config import SchedulerConfig
+from pagedllm.config.engine import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner_output import ModelRunnerOutput, SampledTokens

@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from pagedllm.config import SchedulerConfig
+from pagedllm.config.engine import SchedulerConfig
 from pagedllm.core.contiguous import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_interface import KVCacheManagerProtocol, KVCacheStats

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import pagedllm.core
-from pagedllm.config import SchedulerConfig
+from pagedllm.config.engine import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner_output import SampledTokens

@@ -11,7 +11,7 @@ import textwrap
 import torch
 
 import pagedllm
-from pagedllm.config import CacheConfig, EngineConfig
+from pagedllm.config.engine import CacheConfig, EngineConfig
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.model.sharding import shard_layout
 from pagedllm.engine.llm_engine import LLMEngine

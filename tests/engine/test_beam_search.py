@@ -9,7 +9,7 @@ import torch
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.bench.hf_reference import load_hf_model
-from pagedllm.config import SchedulerConfig
+from pagedllm.config.engine import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.runner_output import ModelRunnerOutput, SampledTokens

@@ -16,7 +16,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from pagedllm import LLM
-from pagedllm.config import NESTED_CONFIGS, CacheConfig, EngineConfig, engine_option_fields
+from pagedllm.config.engine import NESTED_CONFIGS, CacheConfig, EngineConfig, engine_option_fields
 from pagedllm.bench import cli as bench_cli
 from pagedllm.bench import commands as bench_commands
 from pagedllm.bench import throughput_command

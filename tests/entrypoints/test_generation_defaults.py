@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import EngineConfig
+from pagedllm.config.engine import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.api_server import ServerState, build_app
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest

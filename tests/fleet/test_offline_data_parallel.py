@@ -9,7 +9,7 @@ import os
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import EngineConfig
+from pagedllm.config.engine import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.fleet.offline import merge_stats, replica_options
 from tests.conftest import assert_pool_free

@@ -15,7 +15,7 @@ import zmq
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.block_hash import extend_block_hashes, external_block_hash, hash_request_tokens
-from pagedllm.kv_events_config import KVEventsConfig
+from pagedllm.config.kv_events import KVEventsConfig
 from pagedllm.kv_tiers.events import END_OF_REPLAY, KVEventBatch, ZmqEventPublisher
 from pagedllm.core import kv_events as core
 from tests.conftest import assert_pool_free

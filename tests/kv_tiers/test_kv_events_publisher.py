@@ -20,7 +20,7 @@ import zmq
 from pagedllm.core import kv_events as core
 from pagedllm.core.block_hash import extend_block_hashes, external_block_hash, hash_request_tokens
 from pagedllm.core.block_pool import BlockPool
-from pagedllm.kv_events_config import KVEventsConfig
+from pagedllm.config.kv_events import KVEventsConfig
 from pagedllm.kv_tiers.events import (END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored,
                                       KVEventBatch, NullEventPublisher, ZmqEventPublisher,
                                       make_event_publisher, to_wire)

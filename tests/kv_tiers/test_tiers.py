@@ -265,7 +265,7 @@ def test_preemption_and_swap_interleave_with_tier_loads(tiny_llama, tmp_path, pr
         "kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 1}}}, "pass one"),
 ])
 def test_bad_tier_options_are_refused_by_name(options, message):
-    from pagedllm.config import EngineConfig
+    from pagedllm.config.engine import EngineConfig
 
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_options(**options)

@@ -11,7 +11,7 @@ import torch
 from pagedllm import LLM
 from pagedllm.attention.kv_cache import allocate_layer
 from pagedllm.attention.selector import attention_backend_for
-from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedllm.config.engine import CacheConfig, EngineConfig, SchedulerConfig
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.shapes import head_dim_of

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from pagedllm.config import threads_per_rank
+from pagedllm.config.engine import threads_per_rank
 from pagedllm.entrypoints.engine_args import engine_flags_from_args
 from pagedllm.logger import init_logger
 from pagedllm.utils import free_port

@@ -6,6 +6,6 @@ yield several tokens.
 model), ``draft_model`` (a smaller model with its own pool), ``draft_policy``
 (when an n-gram draft pays for its rows), ``rejection`` (verification that
 keeps the target distribution exactly). What the user asks for is
-``pagedllm.speculative_config``; the scheduler's share is ``core/speculation.py``.
+``pagedllm.config.speculative``; the scheduler's share is ``core/speculation.py``.
 Nothing here imports ``worker.model_runner``: the runner calls in, never back.
 """

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata
-from pagedllm.config import EngineConfig, torch_dtype
+from pagedllm.config.engine import EngineConfig, torch_dtype
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.model.base import CausalLM

@@ -20,7 +20,7 @@ import torch
 from pagedllm.core.runner_output import SampledTokens
 from pagedllm.core.scheduler_output import ScheduledSequence
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.speculative_config import SpeculativeConfig
+from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.worker.sampling.metadata import SamplingMetadata
 from pagedllm.worker.spec_decode.draft_model import DraftModel
 from pagedllm.worker.spec_decode.draft_policy import DraftPolicy

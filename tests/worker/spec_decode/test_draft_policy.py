@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.speculative_config import SpeculativeConfig
+from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.worker.spec_decode.draft_policy import DraftPolicy, StepCostModel
 
 

@@ -5,7 +5,7 @@ import ast
 from pathlib import Path
 
 import pagedllm
-import pagedllm.speculative_config
+import pagedllm.config.speculative
 import pagedllm.worker.spec_decode
 
 
@@ -27,6 +27,6 @@ def test_nothing_under_spec_decode_imports_the_model_runner():
 
 
 def test_the_speculative_config_is_a_leaf_and_the_old_package_is_gone():
-    imports = imported_modules(Path(pagedllm.speculative_config.__file__))
+    imports = imported_modules(Path(pagedllm.config.speculative.__file__))
     assert not [module for module in imports if module.startswith("pagedllm")]
     assert not list((Path(pagedllm.__file__).parent / "spec_decode").glob("*.py"))

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from dataclasses import Field, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from pagedllm.cache_config import KV_CACHE_DTYPES, CacheConfig, check_choice  # the first two re-exported
-from pagedllm.kv_events_config import KVEventsConfig
-from pagedllm.lora_config import LoRAConfig
-from pagedllm.kv_offload_config import KVOffloadConfig
-from pagedllm.speculative_config import SpeculativeConfig
+from pagedllm.config.cache import CacheConfig, check_choice
+from pagedllm.config.kv_events import KVEventsConfig
+from pagedllm.config.lora import LoRAConfig
+from pagedllm.config.kv_offload import KVOffloadConfig
+from pagedllm.config.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -316,7 +316,7 @@ class EngineConfig:
 
     @property
     def kv_offload(self) -> KVOffloadConfig:
-        """The offload tiers, from either spelling (``pagedllm.kv_offload_config``)."""
+        """The offload tiers, from either spelling (``pagedllm.config.kv_offload``)."""
         cache = self.cache
         return KVOffloadConfig.from_options(cache.kv_offload_host_bytes, cache.kv_offload_dir,
                                             cache.kv_offload_disk_bytes, self.kv_transfer_config)

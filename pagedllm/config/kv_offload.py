@@ -1,6 +1,6 @@
 """The KV offload tiers' options, in pagedllm's spelling and in vLLM's.
 
-A leaf module, torch-free (``pagedllm.config`` validates with it). pagedllm
+A leaf module, torch-free (``config.engine`` validates with it). pagedllm
 spells the tiers as three options: ``kv_offload_host_bytes`` (host memory),
 ``kv_offload_dir`` and ``kv_offload_disk_bytes`` (disk). vLLM's equivalent is
 its offloading connector, which this also accepts::

@@ -1,6 +1,6 @@
 """``kv_events_config``, spelt as vLLM's ``--kv-events-config``.
 
-A leaf module, torch-free: ``pagedllm.config`` validates the option with it
+A leaf module, torch-free: ``config.engine`` validates the option with it
 and the engine builds its publisher (``pagedllm.kv_tiers.events``) from it.
 """
 

@@ -1,5 +1,5 @@
 """The KV cache's options (``CacheConfig``): the pool's size and layout, its
-storage type, and the tiers below it. ``pagedllm.config`` re-exports all of it."""
+storage type, and the tiers below it."""
 
 from __future__ import annotations
 

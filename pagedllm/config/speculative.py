@@ -1,6 +1,6 @@
 """``speculative_config``, spelt as vLLM spells it.
 
-A leaf module (it imports nothing of pagedllm), torch-free: ``pagedllm.config``
+A leaf module (it imports nothing of pagedllm), torch-free: ``config.engine``
 validates the option with it, the scheduler reads ``num_speculative_tokens``
 and the runner's ``worker/spec_decode/`` acts on the rest.
 """
