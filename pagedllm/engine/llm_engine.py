@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedllm.config.engine import EngineConfig, threads_per_rank
+from pagedllm.config.engine import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner_output import ModelRunnerOutput
 from pagedllm.core.scheduler import Scheduler
@@ -32,14 +32,13 @@ from pagedllm.distributed.executor import DistributedExecutor
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.engine.stats_reporter import StatsReporter, metrics_context
 from pagedllm.model.loader import checkpoint_dtype
-from pagedllm.model.shard import load_model_shard
+from pagedllm.model.shard import ModelShard
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.spec_decode.draft_model import load_draft_model
 from pagedllm.structured_output import StructuredOutputManager
-from pagedllm.worker.block_moves import pretouch_pool
 from pagedllm.worker.memory import plan_kv_pool
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.rank import RunnerPlan, build_rank
 from pagedllm.worker.runner_spec import RunnerSpec
 from pagedllm.worker.tp_worker import worker_main
 
@@ -78,34 +77,14 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # This process is rank 0 of tensor parallelism (scheduler, bookkeeping,
-        # sampling and shard 0). It loads its shard and plans the pool before it
-        # starts the other ranks, so a size the model or the memory refuses
-        # raises here with no worker process to stop.
+        # sampling and shard 0), built as every rank is (``build_rank``). Its plan
+        # (``_plan_runner``) sizes the pool from the loaded shard before it starts
+        # the other ranks, so a size the model or the memory refuses raises here
+        # with no worker process to stop.
         self.tp_size = config.tensor_parallel_size
-        if (threads := threads_per_rank(config.num_threads, self.tp_size)) is not None:
-            torch.set_num_threads(threads)  # the ranks share the machine's cores rather than each taking all
-        shard = load_model_shard(config, self.device, TensorParallelGroup(rank=0, world_size=self.tp_size))
-        self.model, self.model_config, self.tokenizer = shard.model, shard.model_config, shard.tokenizer
-        self.model_path = shard.path
-        self.scheduler_config = shard.scheduler_config
-        self.max_model_len = self.scheduler_config.max_model_len
-        self.draft_model = load_draft_model(config, self.model_config.vocab_size, self.max_model_len, self.device)
-        self.pool_plan = plan_kv_pool(config, self.model, self.scheduler_config, self.device, self.draft_model)
-        self.bytes_per_token = self.pool_plan.bytes_per_token
-        self.executor = self._start_tensor_parallel()
+        group = TensorParallelGroup(rank=0, world_size=self.tp_size)
+        self.runner = build_rank(config, self.device, group, self._plan_runner)
         plan = self.pool_plan
-        self.eos_token_ids = eos_token_ids_of(self.tokenizer, self.model_config, config, self.model_path)
-        # Every rank's runner is built from this one spec: the other ranks receive it.
-        self.runner_spec = RunnerSpec.from_plan(plan, config, self.scheduler_config)
-        if self.executor is not None:
-            self.executor.send_runner_spec(self.runner_spec)
-        self.runner = ModelRunner(
-            self.model, self.runner_spec, self.device, eos_token_ids=self.eos_token_ids,
-            broadcast_step=self.executor.broadcast_step if self.executor is not None else None,
-            speculative_config=config.speculative, draft_model=self.draft_model,
-        )
-        if config.cache.kv_cache_pretouch:
-            pretouch_pool(self.runner.kv_caches, self.runner.swap_pool)
         self.kv_channels = KVChannels(config, self.runner, self.model_path, plan.block_size)
         self.kv_tiers = self.kv_channels.tiers
         self.kv_cache_manager = create_kv_cache_manager(config.cache, plan, self.scheduler_config, self.kv_channels)
@@ -135,6 +114,26 @@ class LLMEngine:
         freeze_long_lived_objects()
 
     # ------------------------------------------------------------- set-up
+
+    def _plan_runner(self, shard: ModelShard) -> RunnerPlan:
+        """Rank 0's runner plan, once its shard is loaded: size the pool, start the other
+        ranks and send them the spec every rank's runner is built from."""
+        self.model, self.model_config, self.tokenizer = shard.model, shard.model_config, shard.tokenizer
+        self.model_path = shard.path
+        self.scheduler_config = shard.scheduler_config
+        self.max_model_len = self.scheduler_config.max_model_len
+        config = self.config
+        self.draft_model = load_draft_model(config, self.model_config.vocab_size, self.max_model_len, self.device)
+        self.pool_plan = plan_kv_pool(config, self.model, self.scheduler_config, self.device, self.draft_model)
+        self.bytes_per_token = self.pool_plan.bytes_per_token
+        self.executor = self._start_tensor_parallel()
+        self.eos_token_ids = eos_token_ids_of(self.tokenizer, self.model_config, config, self.model_path)
+        self.runner_spec = RunnerSpec.from_plan(self.pool_plan, config, self.scheduler_config)
+        if self.executor is not None:
+            self.executor.send_runner_spec(self.runner_spec)
+        return RunnerPlan(self.runner_spec, self.eos_token_ids, speculative_config=config.speculative,
+                          broadcast_step=self.executor.broadcast_step if self.executor is not None else None,
+                          draft_model=self.draft_model)
 
     def _start_tensor_parallel(self) -> DistributedExecutor | None:
         """Start ranks 1..N-1 (or wait for them, with ``distributed_init_method``);

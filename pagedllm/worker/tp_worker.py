@@ -20,9 +20,7 @@ import torch.distributed as dist
 from pagedllm.config.engine import EngineConfig
 from pagedllm.distributed.executor import backend_for
 from pagedllm.distributed.group import TensorParallelGroup
-from pagedllm.model.shard import load_model_shard
-from pagedllm.worker.block_moves import pretouch_pool
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.rank import RunnerPlan, build_rank
 from pagedllm.worker.runner_spec import RunnerSpec
 
 
@@ -35,8 +33,6 @@ def _receive(obj_type=None):
 
 
 def worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, device_type: str) -> None:
-    # The ranks share the machine's cores rather than each taking all of them.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     device = torch.device("cpu")
     if device_type == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -45,12 +41,9 @@ def worker_main(rank: int, world_size: int, init_method: str, timeout_s: float, 
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
         config: EngineConfig = _receive(EngineConfig)
-        if config.num_threads is not None:  # the driver's choice, once it is known
-            torch.set_num_threads(config.num_threads)
-        shard = load_model_shard(config, device, TensorParallelGroup(rank=rank, world_size=world_size))
-        runner = ModelRunner(shard.model, _receive(RunnerSpec), device)
-        if config.cache.kv_cache_pretouch:
-            pretouch_pool(runner.kv_caches, runner.swap_pool)
+        # The spec comes after the configuration: rank 0 sends it once its own shard is loaded.
+        runner = build_rank(config, device, TensorParallelGroup(rank=rank, world_size=world_size),
+                            lambda shard: RunnerPlan(_receive(RunnerSpec)))
         while (step := _receive()) is not None:
             runner.run_step(step)
     finally:

@@ -15,6 +15,7 @@ from pagedllm.config.engine import CacheConfig, EngineConfig
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.model.sharding import shard_layout
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.worker import rank as rank_builder
 from pagedllm.worker import tp_worker as worker
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.runner_spec import RunnerSpec
@@ -38,7 +39,7 @@ def run_worker_in_process(config: EngineConfig, spec: RunnerSpec, rank: int, wor
         runners.append(ModelRunner(*args, **kwargs))
         return runners[-1]
 
-    monkeypatch.setattr(worker, "ModelRunner", recording_runner)
+    monkeypatch.setattr(rank_builder, "ModelRunner", recording_runner)
     worker.worker_main(rank, world_size, "tcp://127.0.0.1:1", 10.0, "cpu")
     assert broadcasts == []
     return runners
