@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-POOL_MEDIUM = "GPU"  # KV events name the pool as vLLM does, whatever the device
+from pagedllm.core.kv_events import MEDIUM_POOL
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class PrefixIndex:
         self._claim_order: deque[_Claim] = deque()
 
     # --- events -------------------------------------------------------------------------------
-    def stored(self, replica: int, hashes: Iterable[int], medium: str = POOL_MEDIUM) -> None:
+    def stored(self, replica: int, hashes: Iterable[int], medium: str = MEDIUM_POOL) -> None:
         table = self._holders.setdefault(medium, {})
         bit = 1 << replica
         added = 0
@@ -63,7 +63,7 @@ class PrefixIndex:
                 added += 1
         self._held_count[medium, replica] = self._held_count.get((medium, replica), 0) + added
 
-    def removed(self, replica: int, hashes: Iterable[int], medium: str = POOL_MEDIUM) -> None:
+    def removed(self, replica: int, hashes: Iterable[int], medium: str = MEDIUM_POOL) -> None:
         table = self._holders.get(medium, {})
         bit = 1 << replica
         for block_hash in hashes:
@@ -136,7 +136,7 @@ class PrefixIndex:
             mask |= 1 << replica
         return mask
 
-    def held_blocks(self, replica: int, medium: str = POOL_MEDIUM) -> int:
+    def held_blocks(self, replica: int, medium: str = MEDIUM_POOL) -> int:
         """Blocks the replica holds in ``medium``, by its events."""
         return self._held_count.get((medium, replica), 0)
 

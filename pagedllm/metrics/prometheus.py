@@ -16,6 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from pagedllm.core.kv_events import MEDIUM_DISK, MEDIUM_HOST
 from pagedllm.metrics.stats import FinishedRequestStats, IterationStats, MetricsContext
 
 # Like vLLM: no *_created series next to every counter and histogram.
@@ -53,19 +54,21 @@ CUMULATIVE_COUNTERS = {
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
 }
 
-# The tiers below the pool (present when the engine has them): name -> (stats key per medium, help).
+# The tiers below the pool (present when the engine has them): name -> (stats key per medium, help);
+# the medium label says it as the tiers' KV events do.
 # ``external_prefix_cache_hits`` is vLLM's name for prompt tokens a KV connector supplied.
 TIER_COUNTERS = {
-    "kv_tier_hits": ({"CPU": "host_tier_hits", "DISK": "disk_tier_hits"}, "Prefix blocks loaded from a tier"),
-    "kv_tier_stored_blocks": ({"CPU": "tier_offloads", "DISK": "tier_persists"},
+    "kv_tier_hits": ({MEDIUM_HOST: "host_tier_hits", MEDIUM_DISK: "disk_tier_hits"},
+                     "Prefix blocks loaded from a tier"),
+    "kv_tier_stored_blocks": ({MEDIUM_HOST: "tier_offloads", MEDIUM_DISK: "tier_persists"},
                               "Blocks copied down to a tier (host: evicted from the pool; disk: first cached)"),
-    "kv_tier_bytes_read": ({"CPU": "tier_loaded_bytes", "DISK": "disk_tier_bytes_read"},
+    "kv_tier_bytes_read": ({MEDIUM_HOST: "tier_loaded_bytes", MEDIUM_DISK: "disk_tier_bytes_read"},
                            "Bytes read from a tier (host: copied into the pool; disk: files read)"),
-    "kv_tier_read_seconds": ({"CPU": "tier_load_seconds", "DISK": "disk_tier_read_seconds"},
+    "kv_tier_read_seconds": ({MEDIUM_HOST: "tier_load_seconds", MEDIUM_DISK: "disk_tier_read_seconds"},
                              "Seconds spent reading a tier (host: copies into the pool, on the step; disk: "
                              "reads and checks, on the reader thread)"),
 }
-TIER_GAUGES = {"kv_tier_usage_bytes": ({"CPU": "host_tier_bytes", "DISK": "disk_tier_bytes"},
+TIER_GAUGES = {"kv_tier_usage_bytes": ({MEDIUM_HOST: "host_tier_bytes", MEDIUM_DISK: "disk_tier_bytes"},
                                        "Bytes a tier holds now")}
 BAD_FILE_REASONS = ("truncated", "corrupt", "foreign", "stale")
 
