@@ -1,12 +1,7 @@
-"""KV cache events on the wire, in vLLM's format, so a router built for vLLM
-(llm-d, NVIDIA Dynamo) consumes pagedllm's.
+"""The KV event publisher: a replica's KV cache events on a ZMQ PUB socket, in
+vLLM's format (``pagedllm.kv_tiers.event_wire``), with vLLM's replay protocol.
 
-Each batch is a msgpack array ``[ts, [event, ...], data_parallel_rank]``;
-each event a tagged array: ``["BlockStored", block_hashes, parent_block_hash,
-token_ids, block_size, lora_id, medium, lora_name]``, ``["BlockRemoved",
-block_hashes, medium]``, ``["AllBlocksCleared"]``. Hashes are
-``external_block_hash`` ints (``pagedllm.core.block_hash``). A batch goes out
-as the ZMQ multipart ``[topic, sequence number (8 bytes, big-endian), payload]``
+A batch goes out as the ZMQ multipart ``[topic, sequence number (8 bytes, big-endian), payload]``
 on a PUB socket; a ROUTER socket on ``replay_endpoint`` answers a request for
 the batches from a sequence number on (vLLM's replay protocol, docs/kv_events.md).
 
@@ -23,73 +18,19 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any
 
 import msgspec
 import zmq
 
 from pagedllm.core import kv_events as core
-from pagedllm.core.block_hash import external_block_hash
 from pagedllm.config.kv_events import KVEventsConfig
+from pagedllm.kv_tiers.event_wire import END_OF_REPLAY, KVEventBatch, to_wire
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 FLUSH_S = 1.0  # how long shutdown lets the thread send what is still queued
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::", "")
-
-
-# The wire structs: class names, field order and options are vLLM's
-# (vllm/distributed/kv_events.py); a subscriber decodes either engine's batches.
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
-    """Base of the wire events (the tag is the class name, as vLLM's)."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-def to_wire(events: list[core.KVEvent]) -> list[KVCacheEvent]:
-    """The engine's event records as wire events (hashes as their external ints, no LoRA)."""
-    wire: list[KVCacheEvent] = []
-    for event in events:
-        if isinstance(event, core.BlockStored):
-            parent = None if event.parent_block_hash is None else external_block_hash(event.parent_block_hash)
-            wire.append(BlockStored([external_block_hash(h) for h in event.block_hashes], parent,
-                                    list(event.token_ids), event.block_size, None, event.medium))
-        elif isinstance(event, core.BlockRemoved):
-            wire.append(BlockRemoved([external_block_hash(h) for h in event.block_hashes], event.medium))
-        elif isinstance(event, core.AllBlocksCleared):
-            wire.append(AllBlocksCleared())
-        else:
-            raise ValueError(f"to_wire: not a KV event of pagedllm.core.kv_events: {event!r}")
-    return wire
 
 
 class NullEventPublisher:

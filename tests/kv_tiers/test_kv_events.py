@@ -16,7 +16,8 @@ import zmq
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.block_hash import extend_block_hashes, external_block_hash, hash_request_tokens
 from pagedllm.config.kv_events import KVEventsConfig
-from pagedllm.kv_tiers.events import END_OF_REPLAY, KVEventBatch, ZmqEventPublisher
+from pagedllm.kv_tiers.event_wire import END_OF_REPLAY, KVEventBatch
+from pagedllm.kv_tiers.events import ZmqEventPublisher
 from pagedllm.core import kv_events as core
 from tests.conftest import assert_pool_free
 

@@ -21,9 +21,9 @@ from pagedllm.core import kv_events as core
 from pagedllm.core.block_hash import extend_block_hashes, external_block_hash, hash_request_tokens
 from pagedllm.core.block_pool import BlockPool
 from pagedllm.config.kv_events import KVEventsConfig
-from pagedllm.kv_tiers.events import (END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored,
-                                      KVEventBatch, NullEventPublisher, ZmqEventPublisher,
-                                      make_event_publisher, to_wire)
+from pagedllm.kv_tiers.event_wire import (END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored,
+                                          KVEventBatch, to_wire)
+from pagedllm.kv_tiers.events import NullEventPublisher, ZmqEventPublisher, make_event_publisher
 
 WAIT_MS = 5000
 DECODER = msgspec.msgpack.Decoder(KVEventBatch)

@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from pagedllm.fleet.prefix_index import PrefixIndex
-from pagedllm.kv_tiers.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from pagedllm.kv_tiers.event_wire import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -201,7 +201,7 @@ class ReplicaWatch:
             await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
             while await dealer.poll(int(self.timeout_s * 1000)):
                 _, seq, payload = await dealer.recv_multipart()
-                if seq == b"\xff" * 8:
+                if seq == END_OF_REPLAY:
                     return
                 self._apply(decode(payload))
         finally:
