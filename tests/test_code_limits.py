@@ -197,3 +197,27 @@ def test_the_core_package_never_imports_torch():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", f"pagedllm.core loads torch: {result.stdout.strip()}"
+
+
+def _private_names_imported_across_folders() -> list[str]:
+    """``file:line imports module._name`` for each underscore-prefixed (not dunder) name a
+    module imports from a ``pagedllm`` module in another folder (import-graph node)."""
+    found = []
+    for path in _source_files({".py"}):
+        module = _module_of(path)
+        for statement in ast.walk(_parsed(path)):
+            if not isinstance(statement, ast.ImportFrom):
+                continue
+            imported = _imported_modules(statement, module, path.name == "__init__.py")[0]
+            if not imported.startswith("pagedllm.") or _node_of(imported) == _node_of(module):
+                continue
+            found += [f"{_shown(path)}:{statement.lineno} imports {imported}.{alias.name}"
+                      for alias in statement.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+def test_no_private_name_is_imported_from_another_folder():
+    """A name with a leading underscore is its module's own: a folder that needs it
+    from another asks its owner to make it public (or to give the fact its own module)."""
+    found = _private_names_imported_across_folders()
+    assert not found, "private names imported from another folder:\n" + "\n".join(found)

@@ -28,7 +28,7 @@ from gguf import GGMLQuantizationType
 from pagedllm.lora.adapter_files import AdapterInfo, AdapterShapes, adapter_info, check_shapes, check_target_module
 from pagedllm.lora.weights import LoRAWeights
 from pagedllm.model.gguf_config import GLOBAL_NAMES, GGUFArchitecture, gguf_architecture, metadata
-from pagedllm.model.gguf_file import _dequantize, _unpermute_rope_rows
+from pagedllm.model.gguf_file import dequantize_tensor, unpermute_rope_rows
 from pagedllm.model.gguf_reader import GGUFFile, GGUFTensor, read_gguf
 from pagedllm.model.shapes import num_kv_heads_of
 
@@ -59,9 +59,9 @@ def read_gguf_lora(path: str, config: Any, max_lora_rank: int) -> LoRAWeights:
     row_groups = {"q_proj": config.num_attention_heads, "k_proj": num_kv_heads_of(config)}
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, module), (a, b) in plan.tensors.items():
-        lora_a, lora_b = _dequantize(a, torch.float32), _dequantize(b, torch.float32)
+        lora_a, lora_b = dequantize_tensor(a, torch.float32), dequantize_tensor(b, torch.float32)
         if plan.unpermute_qk and module in row_groups:
-            lora_b = _unpermute_rope_rows(lora_b, row_groups[module])
+            lora_b = unpermute_rope_rows(lora_b, row_groups[module])
         tensors[(layer, module)] = (lora_a.contiguous(), lora_b.contiguous())
     return LoRAWeights(rank=plan.info.rank, scaling=plan.info.scaling, tensors=tensors)
 

@@ -53,7 +53,7 @@ def load_gguf(path: Path, dtype: torch.dtype, packed: bool = False) -> Checkpoin
         if _rope_tensor_name(tensor.name) not in layout.rope_tensors:
             hf_names[tensor.name] = _hf_name(tensor.name, architecture, layout)
 
-    rope_tensors = {_rope_tensor_name(t.name): _dequantize(t, torch.float32) for t in reader.tensors
+    rope_tensors = {_rope_tensor_name(t.name): dequantize_tensor(t, torch.float32) for t in reader.tensors
                     if t.name not in hf_names}
     config = gguf_config(reader, architecture, rope_tensors)
     state_dict = _read_weights(reader, hf_names, layout, config, dtype, packed)
@@ -93,15 +93,15 @@ def _read_weights(reader: GGUFFile, hf_names: dict[str, str], layout: GGUFArchit
         if keep_packed:
             weights = PackedWeight.from_gguf(tensor, dtype)
         elif layout.norms_stored_plus_one and name.endswith("norm.weight"):
-            weights = (_dequantize(tensor, torch.float32) - 1).to(dtype)
+            weights = (dequantize_tensor(tensor, torch.float32) - 1).to(dtype)
         else:
-            weights = _dequantize(tensor, dtype)
+            weights = dequantize_tensor(tensor, dtype)
         if packed and not keep_packed and tensor.tensor_type not in _FLOAT_GGUF_TYPES:
             dequantized.add(tensor.tensor_type.name)
         if layout.unpermute_qk and ".q_proj." in name:
-            weights = _unpermute_rope_rows(weights, config.num_attention_heads)
+            weights = unpermute_rope_rows(weights, config.num_attention_heads)
         elif layout.unpermute_qk and ".k_proj." in name:
-            weights = _unpermute_rope_rows(weights, config.num_key_value_heads)
+            weights = unpermute_rope_rows(weights, config.num_key_value_heads)
         state_dict[name] = weights
     if dequantized:
         logger.info("GGUF types without a packed kernel, dequantized at load: %s", ", ".join(sorted(dequantized)))
@@ -129,7 +129,7 @@ def _raise_unsupported_type(tensor: GGUFTensor) -> None:
     )
 
 
-def _dequantize(tensor: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_tensor(tensor: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
     """One GGUF tensor as a torch tensor of `dtype` in Hugging Face (row-major, torch) shape."""
     if tensor.tensor_type not in SUPPORTED_GGUF_TYPES:
         _raise_unsupported_type(tensor)
@@ -143,7 +143,7 @@ def _dequantize(tensor: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(values).reshape(shape).to(dtype)
 
 
-def _unpermute_rope_rows(weights: torch.Tensor | PackedWeight, n_head: int) -> torch.Tensor | PackedWeight:
+def unpermute_rope_rows(weights: torch.Tensor | PackedWeight, n_head: int) -> torch.Tensor | PackedWeight:
     """Undo llama.cpp's q/k row permutation for llama checkpoints.
 
     llama.cpp's converter reorders each head's rows from Hugging Face's rotate-half rope layout to
@@ -151,6 +151,6 @@ def _unpermute_rope_rows(weights: torch.Tensor | PackedWeight, n_head: int) -> t
     the inverse; it applies to weights, biases and packed weights (a permutation of block rows).
     """
     if isinstance(weights, PackedWeight):
-        return weights.rows(_unpermute_rope_rows(torch.arange(weights.shape[0]), n_head))
+        return weights.rows(unpermute_rope_rows(torch.arange(weights.shape[0]), n_head))
     rows, rest = weights.shape[0], weights.shape[1:]
     return weights.reshape(n_head, rows // n_head // 2, 2, *rest).transpose(1, 2).reshape(weights.shape)

@@ -258,7 +258,7 @@ def test_checking_a_gguf_lora_decodes_no_tensor(adapter, config, tmp_path, monke
     def refuse(*args):
         raise AssertionError("decoded a tensor")
 
-    monkeypatch.setattr(gguf_lora, "_dequantize", refuse)
+    monkeypatch.setattr(gguf_lora, "dequantize_tensor", refuse)
     assert check_adapter(path, config, 16).rank == 8
 
 

@@ -29,7 +29,7 @@ from transformers import (
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from pagedllm.model.gguf_config import GGUF_ARCHITECTURES
-from pagedllm.model.gguf_file import SUPPORTED_GGUF_TYPES, _dequantize
+from pagedllm.model.gguf_file import SUPPORTED_GGUF_TYPES, dequantize_tensor
 from pagedllm.model.gguf_reader import GGUFTensor, read_gguf
 from pagedllm.model.loader import SUPPORTED_ARCHITECTURES, Checkpoint, default_model_path, load_checkpoint
 
@@ -159,19 +159,19 @@ def typed_tensors(tmp_path_factory) -> tuple[dict[str, GGUFTensor], np.ndarray, 
 def test_float_types_are_exact(typed_tensors):
     tensors, values, _ = typed_tensors
     values = torch.from_numpy(values)
-    assert torch.equal(_dequantize(tensors["F32"], torch.float32), values)
-    assert torch.equal(_dequantize(tensors["F16"], torch.float32), values.half().float())
-    assert torch.equal(_dequantize(tensors["BF16"], torch.float32), values.bfloat16().float())
-    assert torch.equal(_dequantize(tensors["norm"], torch.float32), values[0])
+    assert torch.equal(dequantize_tensor(tensors["F32"], torch.float32), values)
+    assert torch.equal(dequantize_tensor(tensors["F16"], torch.float32), values.half().float())
+    assert torch.equal(dequantize_tensor(tensors["BF16"], torch.float32), values.bfloat16().float())
+    assert torch.equal(dequantize_tensor(tensors["norm"], torch.float32), values[0])
     # the requested dtype is applied after dequantizing
-    assert torch.equal(_dequantize(tensors["F16"], torch.float16), values.half())
-    assert torch.equal(_dequantize(tensors["BF16"], torch.bfloat16), values.bfloat16())
+    assert torch.equal(dequantize_tensor(tensors["F16"], torch.float16), values.half())
+    assert torch.equal(dequantize_tensor(tensors["BF16"], torch.bfloat16), values.bfloat16())
 
 
 def test_f32_tensors_own_their_memory(typed_tensors):
     """F32 data dequantizes to a view of the read-only file mapping; writing to that would crash."""
     tensors, _, _ = typed_tensors
-    weights = _dequantize(tensors["F32"], torch.float32)
+    weights = dequantize_tensor(tensors["F32"], torch.float32)
     assert weights.data_ptr() != tensors["F32"].data.ctypes.data
 
 
@@ -180,10 +180,10 @@ def test_block_types_match_gguf_dequantize(typed_tensors, tensor_type):
     tensors, values, stored = typed_tensors
     expected = torch.from_numpy(gguf.quants.dequantize(stored[tensor_type.name], tensor_type))
     assert expected.shape == (ROWS, COLS) and expected.isfinite().all()
-    weights = _dequantize(tensors[tensor_type.name], torch.float32)
+    weights = dequantize_tensor(tensors[tensor_type.name], torch.float32)
     assert weights.shape == (ROWS, COLS) and weights.dtype == torch.float32
     assert torch.equal(weights, expected)
-    assert torch.equal(_dequantize(tensors[tensor_type.name], torch.bfloat16), expected.bfloat16())
+    assert torch.equal(dequantize_tensor(tensors[tensor_type.name], torch.bfloat16), expected.bfloat16())
     if tensor_type in QUANTIZABLE:  # a real quantization of real values: the round trip is close
         assert np.abs(weights.numpy() - values).max() < 0.5
 
@@ -197,7 +197,7 @@ def test_supported_types_cover_the_required_ones():
 def test_unsupported_type_is_rejected(typed_tensors, type_name):
     tensors, _, _ = typed_tensors
     with pytest.raises(ValueError, match=rf"'{type_name}'.*unsupported type {type_name}"):
-        _dequantize(tensors[type_name], torch.float32)
+        dequantize_tensor(tensors[type_name], torch.float32)
 
 
 # --- tiny random models, as GGUF files and as Hugging Face folders ---------------------------------
