@@ -15,7 +15,6 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_interface import KVCacheManagerProtocol
 from pagedllm.engine.kv_channels import KVChannels
 from pagedllm.logger import init_logger
-from pagedllm.lora.page_layout import page_elems_of
 from pagedllm.lora.registry import AdapterRegistry
 from pagedllm.model.loader import generation_defaults, generation_eos_token_ids
 from pagedllm.worker.memory import PoolPlan
@@ -47,8 +46,8 @@ def create_lora(config: EngineConfig, model_config: PretrainedConfig, runner: An
     if config.cache.kv_layout != "paged":
         raise ValueError("enable_lora pages adapters into the KV pool's blocks: it needs kv_layout='paged'")
     num_blocks = kv_cache_manager.num_blocks
-    page_elems = page_elems_of(runner.kv_caches[0].key, runner.adapters.dtype)
-    registry = AdapterRegistry(model_config, lora.max_lora_rank, page_elems, num_blocks, config.tensor_parallel_size)
+    registry = AdapterRegistry(model_config, lora.max_lora_rank, runner.adapter_page_elems, num_blocks,
+                               config.tensor_parallel_size)
     return registry, AdapterPager(kv_cache_manager.block_pool, lora.max_loras)
 
 

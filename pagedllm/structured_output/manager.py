@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedllm.core.grammar_bitmask import GrammarBitmask
 from pagedllm.core.runner_output import SampledTokens
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.logger import init_logger
 from pagedllm.sampling_params import ReasoningGate, SamplingParams
 from pagedllm.structured_output.compiler import GrammarCompiler
-from pagedllm.worker.sampling.grammar import GrammarBitmask
 
 if TYPE_CHECKING:
     import xgrammar as xgr

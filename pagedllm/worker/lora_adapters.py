@@ -12,7 +12,7 @@ import torch
 from pagedllm.core.adapter_spec import AdapterLoad
 from pagedllm.lora.adapter_files import read_adapter
 from pagedllm.lora.layers import LoRAContext, LoRAStep, install_lora, part_rows, uses_kernel
-from pagedllm.lora.page_layout import AdapterLayout, adapter_layout, page_elems_of, projection_shapes
+from pagedllm.lora.page_layout import AdapterLayout, adapter_layout, projection_shapes
 from pagedllm.lora.shard import shard_weights
 from pagedllm.lora.weights import LORA_MODULES
 from pagedllm.logger import init_logger
@@ -30,14 +30,14 @@ class RunnerAdapters:
     """
 
     def __init__(self, model: torch.nn.Module, config: Any, kv_caches: Sequence[Any], dtype: torch.dtype,
-                 max_lora_rank: int, device: torch.device) -> None:
+                 max_lora_rank: int, device: torch.device, page_elems: int) -> None:
         self.config = config
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
         self.device = device
         self.tp = model.tp  # this rank's share: adapters are sharded as the projections are
         self.shapes = projection_shapes(config, self.tp)
-        self.page_elems = page_elems_of(kv_caches[0].key, dtype)
+        self.page_elems = page_elems  # the runner's ``adapter_page_elems``
         self.context = LoRAContext([c.key for c in kv_caches], [c.value for c in kv_caches], dtype)
         install_lora(model, self.context)
         self.use_kernel = uses_kernel(device, dtype)

@@ -15,10 +15,12 @@ import torch
 
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
 from pagedllm.attention.selector import attention_backend_for
+from pagedllm.core.grammar_bitmask import GrammarBitmask
 from pagedllm.core.runner_output import ModelRunnerOutput
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.kv_tiers.runner_tiers import RunnerTiers
 from pagedllm.logger import init_logger
+from pagedllm.lora.page_layout import page_elems_of
 from pagedllm.model.base import CausalLM
 from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.worker.block_moves import allocate_caches, move_blocks, move_tails
@@ -27,7 +29,6 @@ from pagedllm.worker.input_batch import CachedSequence, InputBatch
 from pagedllm.worker.lora_adapters import RunnerAdapters
 from pagedllm.worker.runner_spec import RunnerSpec
 from pagedllm.worker.sampler import Sampler
-from pagedllm.worker.sampling.grammar import GrammarBitmask
 from pagedllm.worker.spec_decode.draft_model import DraftModel
 from pagedllm.worker.spec_decode.speculator import Speculator
 from pagedllm.worker.step_inputs import StepInputs
@@ -89,6 +90,9 @@ class ModelRunner:
                                          spec.num_tail_slots)
         self.tail_slots = TailSlots(num_blocks, spec.num_tail_slots, block_size) if spec.num_tail_slots else None
         self.swap_pool = HostSwapPool(spec.num_swap_blocks, self.kv_caches)
+        # Values of the model's dtype one LoRA page holds: the one place the page size is
+        # read off the pool (the adapters' page-ins, the registry's admission and bench use it).
+        self.adapter_page_elems = page_elems_of(self.kv_caches[0].key, spec.dtype)
         self.sampler = Sampler(list(eos_token_ids))
         self.speculator = None
         if speculative_config is not None:
@@ -105,7 +109,7 @@ class ModelRunner:
         self.step_sampler = StepSampler(model.compute_logits, self.sampler, self.speculator, self.batch, device)
         self.tiers: RunnerTiers | None = None  # ``attach_tiers``
         self.adapters = None if not spec.max_lora_rank else RunnerAdapters(
-            model, model.config, self.kv_caches, spec.dtype, spec.max_lora_rank, device)
+            model, model.config, self.kv_caches, spec.dtype, spec.max_lora_rank, device, self.adapter_page_elems)
 
     @torch.inference_mode()
     def _capture_graphs(self, max_num_seqs: int, max_model_len: int, pad_block: int) -> DecodeGraphs | None:

@@ -9,12 +9,13 @@ from collections.abc import Callable
 
 import torch
 
+from pagedllm.core.grammar_bitmask import GrammarBitmask
 from pagedllm.core.runner_output import SampledTokens
 from pagedllm.core.scheduler_output import SampleRow, ScheduledSequence
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.worker.input_batch import CachedSequence, InputBatch
 from pagedllm.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
-from pagedllm.worker.sampling.grammar import GrammarBitmask, RowBitmask
+from pagedllm.worker.sampling.grammar import RowBitmask
 from pagedllm.worker.spec_decode.speculator import Speculator
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.bench.fleet.workload import grow_text, sentence, tokenizer_counter
 from pagedllm.bench.throughput import BenchRequest, BenchResult, run_pagedllm
-from pagedllm.lora.page_layout import adapter_layout, page_elems_of, projection_shapes
+from pagedllm.lora.page_layout import adapter_layout, projection_shapes
 
 # Prompt lengths (tokens), log-uniform: mostly short questions, a few long passages.
 PROMPT_TOKENS = (32, 256)
@@ -84,7 +84,7 @@ def pages_per_adapter(llm: LLM, rank: int, targets: tuple[str, ...]) -> int:
     """Blocks one rank-``rank`` adapter on ``targets`` takes in ``llm``'s pool (the layout the
     LoRA engines use: same model, same block size and dtype)."""
     engine = llm.llm_engine
-    page_elems = page_elems_of(engine.runner.kv_caches[0].key, engine.runner_spec.dtype)
+    page_elems = engine.runner.adapter_page_elems
     return adapter_layout(rank, targets, projection_shapes(engine.model_config), page_elems).num_pages
 
 

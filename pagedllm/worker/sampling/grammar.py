@@ -14,18 +14,9 @@ import torch
 
 
 @dataclass(frozen=True)
-class GrammarBitmask:
-    """The allowed next tokens of one step's guided sample rows, keyed by the
-    rows' sequence ids (``SampleRow.sequence_id``, so the rows of a sequence
-    about to fork each have their own). What the engine hands the runner."""
-
-    sequence_ids: list[str]
-    bitmask: torch.Tensor  # [len(sequence_ids), ceil(vocab / 32)] int32, on CPU
-
-
-@dataclass(frozen=True)
 class RowBitmask:
-    """The same masks keyed by logits row: what the sampler applies."""
+    """The masks of a ``GrammarBitmask`` (``pagedllm.core.grammar_bitmask``) keyed by
+    logits row: what the sampler applies."""
 
     rows: list[int]
     bitmask: torch.Tensor
