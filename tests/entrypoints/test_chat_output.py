@@ -3,8 +3,8 @@ chunks fed token by token as the engine produces them."""
 
 from __future__ import annotations
 
-from pagedllm.entrypoints.openai.chat_output import ChatOutput
-from pagedllm.entrypoints.openai.responses import ResponseBuilder
+from pagedllm.entrypoints.openai.chat.output import ChatOutput
+from pagedllm.entrypoints.openai.common.openai_bodies import ResponseBuilder
 from pagedllm.entrypoints.openai.tool_parsers import HermesToolParser
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams

@@ -10,10 +10,10 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from pagedllm.entrypoints.openai.messages_output import MessageStream, message_events, message_of
-from pagedllm.entrypoints.openai.messages_to_chat import to_chat_request
-from pagedllm.entrypoints.openai.protocol_messages import MessagesCountTokensRequest, MessagesRequest
-from pagedllm.entrypoints.openai.serving_messages import anthropic_error
+from pagedllm.entrypoints.openai.messages.output import MessageStream, message_events, message_of
+from pagedllm.entrypoints.openai.messages.to_chat import to_chat_request
+from pagedllm.entrypoints.openai.messages.protocol import MessagesCountTokensRequest, MessagesRequest
+from pagedllm.entrypoints.openai.messages.serving import anthropic_error
 
 TOOL = {"name": "get_weather", "description": "Weather", "input_schema": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}

@@ -8,9 +8,9 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
-from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
-from pagedllm.entrypoints.openai.responses_input import output_messages, to_chat_request
-from pagedllm.entrypoints.openai.responses_output import ResponseAssembler, echo_fields
+from pagedllm.entrypoints.openai.responses.protocol import ResponsesRequest
+from pagedllm.entrypoints.openai.responses.input import output_messages, to_chat_request
+from pagedllm.entrypoints.openai.responses.output import ResponseAssembler, echo_fields
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}

@@ -7,8 +7,8 @@ import time
 import uuid
 from typing import Any
 
-from pagedllm.entrypoints.openai.completion_choices import CompletionChoices, CompletionOptions, json_logprob
-from pagedllm.entrypoints.openai.chat_output import ChatOutput
+from pagedllm.entrypoints.openai.completions.choices import CompletionChoices, CompletionOptions, json_logprob
+from pagedllm.entrypoints.openai.chat.output import ChatOutput
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.entrypoints.openai.protocol_responses import FunctionToolChoice, ResponsesRequest
+from pagedllm.entrypoints.openai.responses.protocol import FunctionToolChoice, ResponsesRequest
 
 # Text item kind -> (id prefix, content part type, event name prefix).
 _TEXT_ITEMS = {"message": ("msg", "output_text", "response.output_text"),

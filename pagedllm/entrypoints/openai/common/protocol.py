@@ -23,13 +23,13 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import ConfigDict, Field, WithJsonSchema, model_validator
 
-from pagedllm.entrypoints.openai.errors import RequestFieldError
+from pagedllm.entrypoints.openai.common.errors import RequestFieldError
 # Re-exported: the other front doors' request models share them.
-from pagedllm.entrypoints.openai.protocol_chat import (  # noqa: F401
+from pagedllm.entrypoints.openai.chat.protocol import (  # noqa: F401
     _FUNCTION_NAME, AssistantMessage, ChatMessage, ChatTool, FunctionCall, FunctionDefinition, NamedFunction,
     NamedToolChoice, PlainMessage, TextPart, ToolCall, ToolMessage,
 )
-from pagedllm.entrypoints.openai.request_fields import (  # noqa: F401
+from pagedllm.entrypoints.openai.common.request_fields import (  # noqa: F401
     UNIMPLEMENTED_FIELD_HINTS, UNIMPLEMENTED_FIELDS, IgnoredFieldLog, StrictModel, one_of_cases,
     refuse_unimplemented_fields, schema_rules, set_field,
 )

@@ -9,16 +9,17 @@ from dataclasses import dataclass
 from fastapi import Depends, FastAPI
 
 from pagedllm.entrypoints.chat_utils import ChatRenderOptions, render_chat
-from pagedllm.entrypoints.openai.chat_output import ChatOutput
-from pagedllm.entrypoints.openai.errors import APIError, bad_request
-from pagedllm.entrypoints.openai.limits import check_limits, check_request_tokens
-from pagedllm.entrypoints.openai.protocol import (
+from pagedllm.entrypoints.openai.common import routes
+from pagedllm.entrypoints.openai.chat.output import ChatOutput
+from pagedllm.entrypoints.openai.common.errors import APIError, bad_request
+from pagedllm.entrypoints.openai.common.limits import check_limits, check_request_tokens
+from pagedllm.entrypoints.openai.common.protocol import (
     ChatCompletionRequest, NamedToolChoice, TokenizeRequest,
 )
-from pagedllm.entrypoints.openai.reasoning import ReasoningSplitter
-from pagedllm.entrypoints.openai.serving import GENERATION_RESPONSES, serve
-from pagedllm.entrypoints.openai.structured_outputs import check_structured_outputs
-from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
+from pagedllm.entrypoints.openai.common.reasoning import ReasoningSplitter
+from pagedllm.entrypoints.openai.common.generation import GENERATION_RESPONSES, serve
+from pagedllm.entrypoints.openai.common.structured_outputs import check_structured_outputs
+from pagedllm.entrypoints.openai.common.state import ServerState, TenantDependency, check_model
 from pagedllm.entrypoints.openai.tool_parsers import ToolPlan, plan_tool_choice
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
@@ -37,7 +38,7 @@ class ChatJob:
 
 
 def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
-    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
+    @app.post(routes.CHAT, responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, tenant: str | None = Depends(tenant_of)):
         job = prepare_chat(state, body)
         return await serve(state, "chatcmpl", [job.prompt], job.params, body, tenant, chat=True, output=job.output,

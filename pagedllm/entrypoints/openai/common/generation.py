@@ -4,30 +4,27 @@ whole response or a stream of SSE chunks."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
 from pagedllm.engine.async_engine import EngineDeadError, RequestStream
 from pagedllm.engine.llm_engine import PromptType
-from pagedllm.entrypoints.openai.chat_output import ChatOutput
-from pagedllm.entrypoints.openai.completion_choices import CompletionOptions
-from pagedllm.entrypoints.openai.errors import bad_request, error_body, error_responses
-from pagedllm.entrypoints.openai.responses import ResponseBuilder
-from pagedllm.entrypoints.openai.state import ServerState, cache_salt_of
+from pagedllm.entrypoints.openai.chat.output import ChatOutput
+from pagedllm.entrypoints.openai.completions.choices import CompletionOptions
+from pagedllm.entrypoints.openai.common import sse
+from pagedllm.entrypoints.openai.common.errors import bad_request, error_body, error_responses
+from pagedllm.entrypoints.openai.common.openai_bodies import ResponseBuilder
+from pagedllm.entrypoints.openai.common.state import ServerState, cache_salt_of
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
-# One server-sent event of a stream (the schema applies to each event, as OpenAPI 3.2's itemSchema).
-_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
-    "data": {"type": "string", "description": "a chunk as JSON; the last event's is [DONE]"}}}
 # The answers of the generation routes: JSON, or SSE events with ``"stream": true``.
 GENERATION_RESPONSES = {
     200: {"description": "the whole response (JSON), or with `stream` true its chunks as server-sent events",
-          "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
+          "content": sse.stream_content(sse.event_schema("a chunk as JSON; the last event's is [DONE]"))},
     **error_responses(400, 401, 404, 503),
 }
 
@@ -39,7 +36,7 @@ async def serve(state: ServerState, kind: str, prompts: list[PromptType], params
     answer = await generate(state, kind, prompts, params, body, tenant, chat, completion, output, lora_request)
     if isinstance(answer, dict):
         return answer
-    return StreamingResponse(_server_sent_events(answer), media_type="text/event-stream")
+    return StreamingResponse(_server_sent_events(answer), media_type=sse.MEDIA_TYPE)
 
 
 async def generate(state: ServerState, kind: str, prompts: list[PromptType], params: SamplingParams,
@@ -78,10 +75,10 @@ async def generate(state: ServerState, kind: str, prompts: list[PromptType], par
 
 async def _server_sent_events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
     async for chunk in chunks:
-        yield f"data: {json.dumps(chunk)}\n\n"
+        yield sse.data_event(chunk)
         if "error" in chunk:
             return
-    yield "data: [DONE]\n\n"
+    yield sse.DONE
 
 
 async def _last(stream: RequestStream) -> RequestOutput:

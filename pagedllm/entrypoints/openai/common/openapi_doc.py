@@ -18,9 +18,9 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from pagedllm.entrypoints.chat_utils import rendering_arguments
-from pagedllm.entrypoints.openai.limits import bound_schema, document_request_tokens
-from pagedllm.entrypoints.openai.serving_completion import fim_token_names
-from pagedllm.entrypoints.openai.state import ServerState
+from pagedllm.entrypoints.openai.common.limits import bound_schema, document_request_tokens
+from pagedllm.entrypoints.openai.completions.serving import fim_token_names
+from pagedllm.entrypoints.openai.common.state import ServerState
 
 # FastAPI's components for its 422 answers, which this server never gives.
 _UNUSED_COMPONENTS = ("HTTPValidationError", "ValidationError")

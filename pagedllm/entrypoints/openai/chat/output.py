@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.entrypoints.openai.reasoning import ReasoningSplitter
+from pagedllm.entrypoints.openai.common.reasoning import ReasoningSplitter
 from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallRecord
 from pagedllm.outputs import CompletionOutput
 

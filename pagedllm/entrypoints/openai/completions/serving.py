@@ -8,13 +8,14 @@ from fastapi import Depends, FastAPI
 
 from pagedllm.engine.core_client import tokenized
 from pagedllm.engine.llm_engine import PromptType
-from pagedllm.entrypoints.openai.completion_choices import CompletionOptions
-from pagedllm.entrypoints.openai.errors import APIError, bad_request
-from pagedllm.entrypoints.openai.limits import check_limits, check_request_tokens
-from pagedllm.entrypoints.openai.protocol import CompletionRequest
-from pagedllm.entrypoints.openai.serving import GENERATION_RESPONSES, serve
-from pagedllm.entrypoints.openai.structured_outputs import check_structured_outputs
-from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
+from pagedllm.entrypoints.openai.common import routes
+from pagedllm.entrypoints.openai.completions.choices import CompletionOptions
+from pagedllm.entrypoints.openai.common.errors import APIError, bad_request
+from pagedllm.entrypoints.openai.common.limits import check_limits, check_request_tokens
+from pagedllm.entrypoints.openai.common.protocol import CompletionRequest
+from pagedllm.entrypoints.openai.common.generation import GENERATION_RESPONSES, serve
+from pagedllm.entrypoints.openai.common.structured_outputs import check_structured_outputs
+from pagedllm.entrypoints.openai.common.state import ServerState, TenantDependency, check_model
 
 # Fill-in-the-middle tokens (prefix, suffix, middle), in the spellings models use:
 # StarCoder / SantaCoder, then Qwen2.5-Coder and its kin.
@@ -22,7 +23,7 @@ FIM_TOKENS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), ("<|fim_prefix|>
 
 
 def add_completion_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
-    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
+    @app.post(routes.COMPLETIONS, responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, tenant: str | None = Depends(tenant_of)):
         lora_request = check_model(state, body.model)
         check_limits(state.engine_info, body)

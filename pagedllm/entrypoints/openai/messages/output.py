@@ -20,6 +20,8 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+from pagedllm.entrypoints.openai.common import sse
+
 # Event types of a stream, in the order they come ("error" ends one early).
 STREAM_EVENTS = ("message_start", "content_block_start", "content_block_delta", "content_block_stop",
                  "message_delta", "message_stop", "error")
@@ -160,7 +162,7 @@ class MessageStream:
 
 
 def server_sent_event(kind: str, data: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+    return sse.named_event(kind, {"type": kind, **data})
 
 
 async def message_events(chunks: AsyncGenerator[dict[str, Any], None], stream: MessageStream) -> AsyncIterator[str]:
