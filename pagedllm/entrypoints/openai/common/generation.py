@@ -1,25 +1,26 @@
-"""Running the prompts of one API request on the engine, and answering with a
-whole response or a stream of SSE chunks."""
+"""Running the prompts of one API request on the engine: adding them, their
+final outputs, and the stream of their outputs as they come, which every
+generation API turns into its own events. Which bodies answer is each API's
+(``chat.encoder``, ``completions.bodies``, ``responses.output``, ``messages.output``)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from fastapi.responses import StreamingResponse
 
 from pagedllm.engine.async_engine import EngineDeadError, RequestStream
 from pagedllm.engine.llm_engine import PromptType
-from pagedllm.entrypoints.openai.chat.output import ChatOutput
-from pagedllm.entrypoints.openai.completions.choices import CompletionOptions
 from pagedllm.entrypoints.openai.common import sse
-from pagedllm.entrypoints.openai.common.errors import bad_request, error_body, error_responses
-from pagedllm.entrypoints.openai.common.openai_bodies import ResponseBuilder
+from pagedllm.entrypoints.openai.common.errors import bad_request, error_responses
 from pagedllm.entrypoints.openai.common.state import ServerState, cache_salt_of
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
+Event = TypeVar("Event")
 
 # The answers of the generation routes: JSON, or SSE events with ``"stream": true``.
 GENERATION_RESPONSES = {
@@ -29,25 +30,10 @@ GENERATION_RESPONSES = {
 }
 
 
-async def serve(state: ServerState, kind: str, prompts: list[PromptType], params: SamplingParams,
-                body, tenant: str | None, chat: bool, completion: CompletionOptions | None = None,
-                output: ChatOutput | None = None, lora_request: LoRARequest | None = None):
-    """The HTTP answer of ``generate``: JSON, or its chunks as SSE events."""
-    answer = await generate(state, kind, prompts, params, body, tenant, chat, completion, output, lora_request)
-    if isinstance(answer, dict):
-        return answer
-    return StreamingResponse(_server_sent_events(answer), media_type=sse.MEDIA_TYPE)
-
-
-async def generate(state: ServerState, kind: str, prompts: list[PromptType], params: SamplingParams,
-                   body, tenant: str | None, chat: bool, completion: CompletionOptions | None = None,
-                   output: ChatOutput | None = None,
-                   lora_request: LoRARequest | None = None) -> dict | AsyncIterator[dict]:
-    """Add every prompt under ``lora_request``'s adapter (None: the base) and
-    answer: the whole response, or (``body.stream``) an iterator of its chunks,
-    whose last is ``{"error": ...}`` if the engine died mid-stream. The Responses
-    and Messages APIs answer from these chat chunks too. Raises ``APIError`` 400
-    when the engine refuses a prompt."""
+async def add_prompts(state: ServerState, kind: str, prompts: list[PromptType], params: SamplingParams,
+                      body: Any, tenant: str | None, lora_request: LoRARequest | None) -> list[RequestStream]:
+    """Add every prompt under ``lora_request``'s adapter (None: the base). Raises
+    ``APIError`` 400 when the engine refuses a prompt."""
     salt = cache_salt_of(tenant, body.cache_salt)
     engine = state.async_engine
     streams: list[RequestStream] = []
@@ -60,25 +46,34 @@ async def generate(state: ServerState, kind: str, prompts: list[PromptType], par
         for stream in streams:
             stream.abort()
         raise bad_request(exc, type(body).model_fields) from exc
-    response = ResponseBuilder(state.engine_info.tokenizer, kind, params, chat, body.model or state.served_model_name,
-                               completion=completion, output=output)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _stream(response, streams, include_usage)
+    return streams
+
+
+async def finals(streams: list[RequestStream]) -> list[RequestOutput]:
+    """Every stream's final output (the whole answer)."""
     try:
-        finals = await asyncio.gather(*(_last(stream) for stream in streams))
+        return list(await asyncio.gather(*(_last(stream) for stream in streams)))
     finally:
         for stream in streams:
             stream.abort()
-    return response.full(finals)
 
 
-async def _server_sent_events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
-    async for chunk in chunks:
-        yield sse.data_event(chunk)
-        if "error" in chunk:
-            return
-    yield sse.DONE
+def sse_response(events: AsyncIterator[Event], encode: Callable[[Event], dict[str, Any]]) -> StreamingResponse:
+    """Each event's chunk (``encode``) as an unnamed ``data:`` event, closed by
+    ``[DONE]`` (chat and completions); a chunk with an ``error`` ends the stream without it."""
+    return StreamingResponse(_server_sent_events(events, encode), media_type=sse.MEDIA_TYPE)
+
+
+async def _server_sent_events(events: AsyncIterator[Event], encode: Callable[[Event], dict[str, Any]]) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            chunk = encode(event)
+            yield sse.data_event(chunk)
+            if "error" in chunk:
+                return
+        yield sse.DONE
+    finally:
+        await events.aclose()  # a client that went away: the request is aborted
 
 
 async def _last(stream: RequestStream) -> RequestOutput:
@@ -125,24 +120,26 @@ async def _tagged_outputs(streams: list[RequestStream]) -> AsyncIterator[tuple[i
             task.cancel()
 
 
-async def _stream(response: ResponseBuilder, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[dict]:
-    """The chunks of every prompt's outputs as they come; aborts everything left
-    if the consumer goes away (the generator is cancelled or closed). When the
-    engine dies mid-stream the last chunk is the error a 503 would carry
-    (``{"error": {..., "code": "engine_dead"}}``)."""
-    finals: dict[int, RequestOutput] = {}
+async def stream_events(streams: list[RequestStream], step: Callable[[int, RequestOutput], list[Event]],
+                        end: Callable[[list[RequestOutput]], list[Event]],
+                        failure: Callable[[str], Event]) -> AsyncIterator[Event]:
+    """An API's events for every prompt's outputs as they come: ``step`` of each
+    (prompt index, output), ``end`` of the final outputs; when the engine dies
+    mid-stream, ``failure`` of its message is the last. Aborts everything left if
+    the consumer goes away (the generator is cancelled or closed)."""
+    last: dict[int, RequestOutput] = {}
     outputs = _tagged_outputs(streams)
     try:
         async for index, output in outputs:
             if isinstance(output, EngineDeadError):
-                yield error_body(str(output), "server_error", code="engine_dead")
+                yield failure(str(output))
                 return
-            for chunk in response.chunks(index, output, include_usage):
-                yield chunk
+            for event in step(index, output):
+                yield event
             if output.finished:
-                finals[index] = output
-        if include_usage:
-            yield response.usage_chunk([finals[i] for i in sorted(finals)])
+                last[index] = output
+        for event in end([last[i] for i in sorted(last)]):
+            yield event
     finally:
         await outputs.aclose()
         for stream in streams:

@@ -2,9 +2,9 @@
 stream) and POST /v1/messages/count_tokens.
 
 One implementation under this front door: a Messages request becomes a chat
-completions request (``messages_to_chat.to_chat_request``), runs through chat's
+completions request (``messages.to_chat.to_chat_request``), runs through chat's
 checks, rendering, tool parsing, grammars and reasoning split (``prepare_chat``,
-``generate``), and its answer is translated back (``messages_output``).
+``generate_chat``), and chat's typed answer is rendered as Anthropic's (``messages.output``).
 
 Errors on these paths are Anthropic-shaped (``{"type": "error", "error": {"type",
 "message"}}``, same statuses): ``AnthropicErrors`` rewrites every error answer
@@ -32,8 +32,8 @@ from pagedllm.entrypoints.openai.messages.protocol import (
     AnthropicErrorResponse, CountTokensResponse, MessageResponse, MessagesCountTokensRequest, MessagesRequest,
     ThinkingDisabled,
 )
-from pagedllm.entrypoints.openai.common.generation import generate
-from pagedllm.entrypoints.openai.chat.serving import chat_prompt, prepare_chat
+from pagedllm.entrypoints.openai.chat.events import ChatResult
+from pagedllm.entrypoints.openai.chat.serving import chat_prompt, generate_chat, prepare_chat
 from pagedllm.entrypoints.openai.common.state import ServerState, TenantDependency, check_model
 
 # Anthropic's error type of each status (a 503 is "overloaded" unless the engine died: ``_error_type``).
@@ -64,9 +64,8 @@ def add_messages_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepen
                        tenant: str | None = Depends(tenant_of)) -> dict[str, Any] | StreamingResponse:
         chat_body = messages_chat_request(state, body)
         job = prepare_chat(state, chat_body)
-        answer = await generate(state, "msg", [job.prompt], job.params, chat_body, tenant, chat=True,
-                                output=job.output, lora_request=job.lora_request)
-        if isinstance(answer, dict):
+        answer = await generate_chat(state, "msg", job, chat_body, tenant)
+        if isinstance(answer, ChatResult):
             return message_of(answer, body.model, new_message_id())
         stream = MessageStream(body.model, new_message_id(), len(job.prompt["prompt_token_ids"]))
         return StreamingResponse(message_events(answer, stream), media_type=sse.MEDIA_TYPE)

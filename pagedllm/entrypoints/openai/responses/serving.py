@@ -2,10 +2,10 @@
 Responses events), ``GET`` and ``DELETE /v1/responses/{id}`` for stored ones.
 
 One implementation under this front door: the request becomes a chat request
-(``responses_input``), runs as chat completions do (``prepare_chat``,
-``generate``) and the chat answer becomes the Response (``responses_output``).
+(``responses.input``), runs as chat completions do (``prepare_chat``,
+``generate_chat``) and chat's typed answer becomes the Response (``responses.output``).
 Stored responses (``store``, the default, and ``previous_response_id``) live in
-``ServerState.responses_store``, per tenant (``response_store``).
+``ServerState.responses_store``, per tenant (``responses.store``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from pagedllm.entrypoints.openai.responses.protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.responses.input import (CHAT_TO_RESPONSES_FIELDS, input_messages, output_messages,
                                                          to_chat_request)
 from pagedllm.entrypoints.openai.responses.output import STREAM_EVENTS, ResponseAssembler, echo_fields
-from pagedllm.entrypoints.openai.common.generation import generate
-from pagedllm.entrypoints.openai.chat.serving import prepare_chat
+from pagedllm.entrypoints.openai.chat.events import ChatEvent, ChatResult, EngineFailure
+from pagedllm.entrypoints.openai.chat.serving import generate_chat, prepare_chat
 from pagedllm.entrypoints.openai.common.state import ServerState, TenantDependency
 
 CREATE_RESPONSES = {
@@ -52,15 +52,14 @@ def add_responses_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepe
         with _named_as_responses_fields():
             chat_body = to_chat_request(body, previous)
             job = prepare_chat(state, chat_body)
-            answer = await generate(state, "resp", [job.prompt], job.params, chat_body, tenant, chat=True,
-                                    output=job.output, lora_request=job.lora_request)
+            answer = await generate_chat(state, "resp", job, chat_body, tenant)
         tokenizer = state.engine_info.tokenizer
         assembler = ResponseAssembler(echo_fields(body, chat_body.model or state.served_model_name),
                                       lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
         conversation = previous + input_messages(body)
-        if isinstance(answer, dict):
+        if isinstance(answer, ChatResult):
             assembler.start()
-            assembler.feed_completion(answer)
+            assembler.feed_result(answer)
             assembler.finish()
             _keep(state, tenant, assembler, conversation)
             return assembler.response()
@@ -141,23 +140,23 @@ def _keep(state: ServerState, tenant: str | None, assembler: ResponseAssembler,
 
 
 async def _events(state: ServerState, tenant: str | None, assembler: ResponseAssembler,
-                  conversation: list[dict[str, Any]], chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+                  conversation: list[dict[str, Any]], chat_events: AsyncIterator[ChatEvent]) -> AsyncIterator[str]:
     """The Responses events of a streamed chat answer, as SSE; the response is stored
     before the last event. Closing this closes the chat stream (aborting the request)."""
     try:
         yield _sse(assembler.start())
-        async for chunk in chunks:
-            if "error" in chunk:  # the engine died mid-stream
-                yield _sse(assembler.fail(chunk["error"]["message"]))
+        async for chat_event in chat_events:
+            if isinstance(chat_event, EngineFailure):
+                yield _sse(assembler.fail(chat_event.message))
                 return
-            events = assembler.feed_chunk(chunk)
+            events = assembler.feed_event(chat_event)
             if events:
                 yield _sse(events)
         events = assembler.finish()
         _keep(state, tenant, assembler, conversation)
         yield _sse(events + [assembler.final_event()])
     finally:
-        await chunks.aclose()
+        await chat_events.aclose()
 
 
 def _sse(events: list[dict[str, Any]]) -> str:
