@@ -3,11 +3,11 @@ engine-core process's, or an AsyncLLMEngine in this process).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE
 streaming), Anthropic's POST /v1/messages (SSE streaming too) and POST
-/v1/messages/count_tokens (``serving_messages``), GET /v1/models, GET /health (503 while the model loads, until the
+/v1/messages/count_tokens (``messages/``), GET /v1/models, GET /health (503 while the model loads, until the
 engine loop runs and after it died), GET /version, POST /tokenize, POST /detokenize,
 POST /reset_prefix_cache, GET /metrics (Prometheus), and with LoRA POST
-/v1/load_lora_adapter and /v1/unload_lora_adapter (``serving_lora``), POST /v1/responses
-and GET/DELETE /v1/responses/{id} (OpenAI's Responses API, ``serving_responses``). Errors use OpenAI's JSON
+/v1/load_lora_adapter and /v1/unload_lora_adapter (``admin/lora``), POST /v1/responses
+and GET/DELETE /v1/responses/{id} (OpenAI's Responses API, ``responses/``). Errors use OpenAI's JSON
 shape ``{"error": {"message", "type", "param", "code"}}`` (Anthropic's on /v1/messages); /openapi.json documents
 each route's statuses and content types (``openapi_doc``).
 """
@@ -31,16 +31,15 @@ from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.core_client import AsyncEngineCoreClient
 from pagedllm.entrypoints.openai.common import routes
 from pagedllm.entrypoints.openai.common.errors import APIError, error_body, error_responses, install_error_handlers
-from pagedllm.entrypoints.openai.common.limits import check_limits
 from pagedllm.entrypoints.openai.common.openapi_doc import install_openapi
 from pagedllm.entrypoints.openai.common.reasoning import ReasoningSettings
-from pagedllm.entrypoints.openai.common.protocol import DetokenizeRequest, TokenizeRequest
-from pagedllm.entrypoints.openai.chat.serving import add_chat_route, chat_prompt
+from pagedllm.entrypoints.openai.chat.serving import add_chat_route
 from pagedllm.entrypoints.openai.completions.serving import add_completion_route
 from pagedllm.entrypoints.openai.admin.lora import add_lora_routes
+from pagedllm.entrypoints.openai.admin.tokens import add_token_routes
 from pagedllm.entrypoints.openai.messages.serving import add_messages_routes
 from pagedllm.entrypoints.openai.responses.serving import add_responses_routes
-from pagedllm.entrypoints.openai.common.state import (ServerState, TenantDependency, check_model, presented_key,
+from pagedllm.entrypoints.openai.common.state import (ServerState, TenantDependency, presented_key,
                                                tenant_of_key)
 
 __all__ = ["ServerState", "build_app"]
@@ -93,7 +92,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
 
     tenant_of = _tenant_dependency(state)
     _add_pool_routes(app, state, tenant_of)
-    _add_token_routes(app, state, tenant_of)
+    add_token_routes(app, state, tenant_of)
     add_completion_route(app, state, tenant_of)
     add_chat_route(app, state, tenant_of)
     add_messages_routes(app, state, tenant_of)
@@ -232,25 +231,3 @@ def _model_cards(state: ServerState) -> list[dict]:
             for name in state.model_names]
     adapters = state.adapters.model_cards(state.served_model_name, max_model_len) if state.adapters is not None else []
     return base + adapters
-
-
-def _add_token_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
-    @app.post(routes.TOKENIZE, responses=error_responses(400, 401, 404, 503))
-    async def tokenize(body: TokenizeRequest, tenant: str | None = Depends(tenant_of)) -> dict:
-        check_model(state, body.model)
-        tokenizer = state.engine_info.tokenizer
-        if body.messages is not None:
-            ids = chat_prompt(state, body)["prompt_token_ids"]
-        elif body.prompt is not None:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        else:
-            raise APIError(400, "pass either prompt or messages", param="prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine_info.max_model_len}
-
-    @app.post(routes.DETOKENIZE, responses=error_responses(400, 401, 404, 503))
-    async def detokenize(body: DetokenizeRequest, tenant: str | None = Depends(tenant_of)) -> dict:
-        check_model(state, body.model)
-        check_limits(state.engine_info, body)
-        return {"prompt": state.engine_info.tokenizer.decode(body.tokens)}
-
-

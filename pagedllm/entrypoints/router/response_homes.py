@@ -1,7 +1,7 @@
 """Which replica stored each Responses API response, so the requests that read it
 (``previous_response_id``, ``GET``/``DELETE /v1/responses/{id}``) reach it.
 
-A replica keeps its stored responses in its own memory (``response_store``); the
+A replica keeps its stored responses in its own memory (``openai.responses.store``); the
 router learns each id from the replica's answer (the JSON body, or a stream's
 ``response.created`` event) and remembers a bounded number, least recently used
 out. An id the router does not know (evicted, or made before it started) is
