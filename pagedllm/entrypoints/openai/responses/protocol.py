@@ -180,7 +180,7 @@ def _rules(schema: dict[str, Any]) -> None:
 
 
 class ResponsesRequest(StrictModel):
-    """``POST /v1/responses``: run on the chat path (``responses.input.to_chat_request``)."""
+    """``POST /v1/responses``: run on the chat path (``responses_input.to_chat_request``)."""
 
     model_config = ConfigDict(extra="ignore", json_schema_extra=_rules)
     unimplemented_fields: ClassVar[dict[str, tuple[Any, ...]]] = UNIMPLEMENTED_RESPONSES_FIELDS
