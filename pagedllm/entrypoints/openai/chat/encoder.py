@@ -10,7 +10,7 @@ from typing import Any
 from pagedllm.entrypoints.openai.chat.events import ChatEvent, ChatResult, ChoiceDelta, ChoiceResult, EngineFailure
 from pagedllm.entrypoints.openai.common.errors import error_body
 from pagedllm.entrypoints.openai.common.usage import Usage
-from pagedllm.entrypoints.openai.completions.choices import json_logprob
+from pagedllm.entrypoints.openai.common.logprobs import json_logprob
 from pagedllm.outputs import PositionLogprobs
 
 

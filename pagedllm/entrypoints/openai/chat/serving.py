@@ -47,9 +47,10 @@ def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency
     @app.post(routes.CHAT, responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, tenant: str | None = Depends(tenant_of)):
         job = prepare_chat(state, body)
-        answer = await generate_chat(state, "chatcmpl", job, body, tenant)
+        # made before the run, so that "created" is when the request came
         encoder = ChatEncoder(state.engine_info.tokenizer, "chatcmpl", job.params.logprobs,
                               body.model or state.served_model_name, _includes_usage(body))
+        answer = await generate_chat(state, "chatcmpl", job, body, tenant)
         if isinstance(answer, ChatResult):
             return encoder.body(answer)
         return sse_response(answer, encoder.chunk)
