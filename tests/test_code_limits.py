@@ -6,7 +6,9 @@
   node, each top-level module (``config.py``, ``utils.py``, ...) is its own node,
   and so is the ``pagedllm/__init__.py`` facade. Function-level imports count;
   only imports under ``if TYPE_CHECKING:`` are exempt, since they never run;
-- ``pagedllm.core`` is pure bookkeeping: importing it never loads torch.
+- ``pagedllm.core`` is pure bookkeeping: importing it never loads torch;
+- an HTTP path of the API server is written once, in its route table
+  (``entrypoints/openai/common/routes.py``): the server and the router import it.
 
 Every failure names the file and line (and the function, or the import) to fix.
 """
@@ -221,3 +223,29 @@ def test_no_private_name_is_imported_from_another_folder():
     from another asks its owner to make it public (or to give the fact its own module)."""
     found = _private_names_imported_across_folders()
     assert not found, "private names imported from another folder:\n" + "\n".join(found)
+
+
+ROUTE_TABLE = PACKAGE / "entrypoints" / "openai" / "common" / "routes.py"
+
+
+def _route_paths() -> set[str]:
+    """The paths the route table names (its module-level string constants)."""
+    return {node.value.value for node in _parsed(ROUTE_TABLE).body
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)}
+
+
+def test_route_paths_are_written_only_in_the_route_table():
+    """A string that is a route's path (or any ``/v1/`` path) outside the table is a
+    second copy the server and the router could disagree on: import the table."""
+    paths = _route_paths()
+    assert "/v1/chat/completions" in paths and "/health" in paths
+    copies = []
+    for path in _source_files({".py"}):
+        if path == ROUTE_TABLE or "entrypoints" not in path.relative_to(PACKAGE).parts:
+            continue
+        for node in ast.walk(_parsed(path)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and (node.value in paths or node.value.startswith("/v1/")):
+                copies.append(f"{_shown(path)}:{node.lineno}: {node.value!r}")
+    assert not copies, "route paths written outside the route table:\n" + "\n".join(copies)

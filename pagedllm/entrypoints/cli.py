@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, get_args
 
 from pagedllm.config.engine import CacheConfig, DType, EngineConfig
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_options_from_args, make_llm
-from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
-from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
+from pagedllm.entrypoints.openai.common.reasoning import REASONING_PARSERS
+from pagedllm.entrypoints.openai.responses.store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 from pagedllm.logger import init_logger
 from pagedllm.sampling_params import SamplingParams
 

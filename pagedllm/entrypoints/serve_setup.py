@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pagedllm.entrypoints.openai.serving_lora import ServedAdapters
-    from pagedllm.entrypoints.openai.state import ServerState
+    from pagedllm.entrypoints.openai.admin.lora import ServedAdapters
+    from pagedllm.entrypoints.openai.common.state import ServerState
 
 
 def served_model_names(args: argparse.Namespace) -> list[str]:
@@ -43,8 +43,8 @@ def server_state(args: argparse.Namespace, names: list[str], load_engine: Callab
     """The state of one API server of ``pagedllm serve`` (the chat template is read here: a bad one
     fails fast); a failed load stops the server (``stop_server``), which then exits with status 1."""
     from pagedllm.entrypoints.chat_utils import ChatSettings, load_chat_template
-    from pagedllm.entrypoints.openai.response_store import ResponseStore
-    from pagedllm.entrypoints.openai.state import ServerState
+    from pagedllm.entrypoints.openai.responses.store import ResponseStore
+    from pagedllm.entrypoints.openai.common.state import ServerState
 
     chat = ChatSettings(load_chat_template(args.chat_template), args.trust_request_chat_template)
     return ServerState(served_model_name=names[0], api_keys=api_keys_of(args), model_aliases=names[1:], chat=chat,
@@ -59,7 +59,7 @@ def served_adapters(args: argparse.Namespace) -> ServedAdapters | None:
     """The adapters of ``--enable-lora`` (its ``--lora-modules``, loaded once the engine is
     ready); None without LoRA. ``ValueError`` naming the flag for a malformed module, or
     for ``--lora-modules`` without ``--enable-lora``."""
-    from pagedllm.entrypoints.openai.serving_lora import ServedAdapters, parse_lora_modules
+    from pagedllm.entrypoints.openai.admin.lora import ServedAdapters, parse_lora_modules
 
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora (the engine serves adapters only with it)")

@@ -3,8 +3,9 @@ chunks fed token by token as the engine produces them."""
 
 from __future__ import annotations
 
-from pagedllm.entrypoints.openai.chat_output import ChatOutput
-from pagedllm.entrypoints.openai.responses import ResponseBuilder
+from pagedllm.entrypoints.openai.chat.choices import ChatChoices
+from pagedllm.entrypoints.openai.chat.encoder import ChatEncoder
+from pagedllm.entrypoints.openai.chat.output import ChatOutput
 from pagedllm.entrypoints.openai.tool_parsers import HermesToolParser
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -23,8 +24,22 @@ def outputs_token_by_token(text: str, pieces: int = 7) -> list[RequestOutput]:
     return steps
 
 
-def builder() -> ResponseBuilder:
-    return ResponseBuilder(None, "chatcmpl", SamplingParams(), chat=True, model="m", output=ChatOutput(HermesToolParser))
+class ChatBodies:
+    """Chat's events for the outputs, rendered by the chat completions encoder."""
+
+    def __init__(self, params: SamplingParams, output: ChatOutput | None = None) -> None:
+        self.choices = ChatChoices(params, output or ChatOutput(None))
+        self.encoder = ChatEncoder(None, "chatcmpl", params.logprobs, "m")
+
+    def full(self, finals: list[RequestOutput]) -> dict:
+        return self.encoder.body(self.choices.result(finals))
+
+    def chunks(self, prompt_index: int, output: RequestOutput) -> list[dict]:
+        return [self.encoder.chunk(event) for event in self.choices.deltas(prompt_index, output)]
+
+
+def builder() -> ChatBodies:
+    return ChatBodies(SamplingParams(), ChatOutput(HermesToolParser))
 
 
 def test_whole_message_has_tool_calls_and_finish_reason_tool_calls():
@@ -37,7 +52,7 @@ def test_whole_message_has_tool_calls_and_finish_reason_tool_calls():
 
 def test_stream_sends_openai_tool_call_deltas_and_no_block_text_as_content():
     response = builder()
-    chunks = [chunk for step in outputs_token_by_token(OUTPUT) for chunk in response.chunks(0, step, False)]
+    chunks = [chunk for step in outputs_token_by_token(OUTPUT) for chunk in response.chunks(0, step)]
     deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
     assert deltas[0]["role"] == "assistant"
     assert "".join(d.get("content", "") for d in deltas) == "Checking."
@@ -55,20 +70,19 @@ def test_stream_sends_openai_tool_call_deltas_and_no_block_text_as_content():
 
 def test_without_a_parser_the_message_is_plain_content():
     final = outputs_token_by_token(OUTPUT)[-1]
-    plain = ResponseBuilder(None, "chatcmpl", SamplingParams(), chat=True, model="m")
+    plain = ChatBodies(SamplingParams())
     choice = plain.full([final])["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": OUTPUT} and choice["finish_reason"] == "stop"
 
 
 def test_each_choice_of_n_has_its_own_parser():
     texts = [OUTPUT, "Just text."]
-    response = ResponseBuilder(None, "chatcmpl", SamplingParams(n=2), chat=True, model="m",
-                               output=ChatOutput(HermesToolParser))
+    response = ChatBodies(SamplingParams(n=2), ChatOutput(HermesToolParser))
     chunks = []
     for step in range(1, max(len(t) for t in texts) + 1):
         completions = [CompletionOutput(i, t[:step], [0] * step, None, None, "stop" if step >= len(t) else None)
                        for i, t in enumerate(texts) if step <= len(t)]
-        chunks += response.chunks(0, RequestOutput("r", None, [1], None, completions, step >= len(OUTPUT)), False)
+        chunks += response.chunks(0, RequestOutput("r", None, [1], None, completions, step >= len(OUTPUT)))
     by_choice = {0: [], 1: []}
     for chunk in chunks:
         by_choice[chunk["choices"][0]["index"]].append(chunk["choices"][0])

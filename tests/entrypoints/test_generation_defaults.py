@@ -16,7 +16,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config.engine import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.api_server import ServerState, build_app
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.common.protocol import ChatCompletionRequest, CompletionRequest
 from tests.conftest import assert_pool_free
 
 

@@ -22,9 +22,10 @@ from fastapi.testclient import TestClient
 from pagedllm.bench.server_process import free_port, running_server
 from pagedllm.core.block_hash import hash_request_tokens
 from pagedllm.entrypoints.cli import main
-from pagedllm.entrypoints.openai.serving_lora import LoRAModulePath, parse_lora_modules
+from pagedllm.entrypoints.openai.admin.lora import LoRAModulePath, parse_lora_modules
 from pagedllm.entrypoints.router.replica import Replica, take_hashing_names
-from pagedllm.entrypoints.router.request_prefix import COMPLETION_PATH, routing_lora_name, routing_token_ids
+from pagedllm.entrypoints.openai.common.routes import COMPLETIONS as COMPLETION_PATH
+from pagedllm.entrypoints.router.request_prefix import routing_lora_name, routing_token_ids
 from pagedllm.entrypoints.router.router_app import RouterState, build_router_app
 from pagedllm.fleet.routing import RoutingPolicy
 from pagedllm.lora.adapter_files import adapter_fingerprint

@@ -1,19 +1,24 @@
 """The parts of the Messages API that need no engine: the request's translation to
-chat (``to_chat_request``), the event stream built from chat chunks, and the
+chat (``to_chat_request``), the event stream built from chat's typed events, and the
 Anthropic error shape."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
 from pydantic import ValidationError
 
-from pagedllm.entrypoints.openai.messages_output import MessageStream, message_events, message_of
-from pagedllm.entrypoints.openai.messages_to_chat import to_chat_request
-from pagedllm.entrypoints.openai.protocol_messages import MessagesCountTokensRequest, MessagesRequest
-from pagedllm.entrypoints.openai.serving_messages import anthropic_error
+from pagedllm.entrypoints.openai.chat.events import (ChatEvent, ChatResult, ChoiceDelta, ChoiceResult, EngineFailure,
+                                                     MessageDelta, ToolCall)
+from pagedllm.entrypoints.openai.common.usage import Usage
+from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallDelta
+from pagedllm.entrypoints.openai.messages.output import MessageStream, message_events, message_of
+from pagedllm.entrypoints.openai.messages.to_chat import to_chat_request
+from pagedllm.entrypoints.openai.messages.protocol import MessagesCountTokensRequest, MessagesRequest
+from pagedllm.entrypoints.openai.messages.serving import anthropic_error
 
 TOOL = {"name": "get_weather", "description": "Weather", "input_schema": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -109,24 +114,21 @@ def test_unknown_and_harmless_fields_are_accepted():
     assert to_chat_request(request).max_tokens == 7
 
 
+def _step(first: bool = False, **message) -> ChoiceDelta:
+    return ChoiceDelta(0, first, MessageDelta(**message), None, None)
+
+
 CHUNKS = [
-    {"choices": [{"index": 0, "delta": {"role": "assistant", "reasoning_content": "Hm"}, "finish_reason": None}]},
-    {"choices": [{"index": 0, "delta": {"reasoning_content": "m.", "content": "Sure."}, "finish_reason": None}]},
-    {"choices": [{"index": 0, "delta": {"tool_calls": [
-        {"index": 0, "id": "call_a", "type": "function", "function": {"name": "f", "arguments": ""}}]},
-        "finish_reason": None}]},
-    {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"x": '}}]},
-                  "finish_reason": None}]},
-    {"choices": [{"index": 0, "delta": {"tool_calls": [
-        {"index": 0, "function": {"arguments": "1}"}},
-        {"index": 1, "id": "call_b", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
-        "finish_reason": "tool_calls", "stop_reason": None}]},
-    {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 6, "prompt_tokens_details": {
-        "cached_tokens": 4}}},
+    _step(True, reasoning="Hm"),
+    _step(reasoning="m.", content="Sure."),
+    _step(tool_calls=(ToolCallDelta(0, "", "call_a", "f"),)),
+    _step(tool_calls=(ToolCallDelta(0, '{"x": '),)),
+    _step(tool_calls=(ToolCallDelta(0, "1}"), ToolCallDelta(1, "{}", "call_b", "g")), finish_reason="tool_calls"),
+    Usage(prompt_tokens=10, completion_tokens=6, cached_tokens=4),
 ]
 
 
-async def _events(chunks: list[dict]) -> tuple[list[tuple[str, dict]], bool]:
+async def _events(chunks: list[ChatEvent]) -> tuple[list[tuple[str, dict]], bool]:
     closed = False
 
     async def source():
@@ -164,24 +166,21 @@ def test_chunks_become_anthropics_events():
 
 
 def test_an_engine_death_mid_stream_ends_it_with_an_error_event():
-    dead = {"error": {"message": "the engine loop died", "type": "server_error", "param": None, "code": "engine_dead"}}
+    dead = EngineFailure("the engine loop died")
     events, closed = asyncio.run(_events([CHUNKS[0], dead]))
     assert closed and [kind for kind, _ in events][-1] == "error"
     assert events[-1][1] == {"type": "error", "error": {"type": "api_error", "message": "the engine loop died"}}
 
 
 def test_a_whole_completion_becomes_a_message():
-    completion = {"choices": [{"message": {"role": "assistant", "content": "Hi", "reasoning_content": "",
-                                           "tool_calls": [{"id": "call_z", "type": "function", "function": {
-                                               "name": "f", "arguments": '{"x": [1'}}]},
-                               "finish_reason": "length", "stop_reason": None}],
-                  "usage": {"prompt_tokens": 3, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 0}}}
+    choice = ChoiceResult(0, "Hi", (ToolCall("call_z", "f", '{"x": [1'),), "", True, "length", None, None)
+    completion = ChatResult([choice], Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=0))
     message = message_of(completion, "m", "msg_1")
     # no empty thinking block; a call cut by max_tokens keeps its place with an empty input
     assert message["content"] == [{"type": "text", "text": "Hi"},
                                   {"type": "tool_use", "id": "toolu_z", "name": "f", "input": {}}]
     assert (message["stop_reason"], message["stop_sequence"]) == ("max_tokens", None)
-    completion["choices"][0].update(finish_reason="stop", stop_reason="\n\n")
+    completion = ChatResult([dataclasses.replace(choice, finish_reason="stop", stop_reason="\n\n")], completion.usage)
     assert message_of(completion, "m", "msg_1")["stop_sequence"] == "\n\n"
 
 

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.api_server import ServerState, build_app
-from pagedllm.entrypoints.openai.serving_completion import fill_in_the_middle
+from pagedllm.entrypoints.openai.completions.serving import fill_in_the_middle
 from tests.conftest import assert_pool_free_once_idle
 
 PROMPT = "The quick brown fox jumps"
@@ -195,7 +195,7 @@ def test_an_unimplemented_field_is_a_400_naming_it(client, path, field, value) -
 
 
 def test_unimplemented_fields_at_their_defaults_and_unknown_fields_are_accepted(client) -> None:
-    logger = logging.getLogger("pagedllm.entrypoints.openai.protocol")
+    logger = logging.getLogger("pagedllm.entrypoints.openai.common.protocol")
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append

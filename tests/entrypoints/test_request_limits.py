@@ -12,10 +12,10 @@ from fastapi.testclient import TestClient
 
 from pagedllm import LLM
 from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.entrypoints.openai import request_fields
+from pagedllm.entrypoints.openai.common import request_fields
 from pagedllm.entrypoints.openai.api_server import ServerState, build_app
-from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_TOKENS_PER_REQUEST
-from pagedllm.entrypoints.openai.protocol import CompletionRequest, IgnoredFieldLog
+from pagedllm.entrypoints.openai.common.limits import DEFAULT_MAX_TOKENS_PER_REQUEST
+from pagedllm.entrypoints.openai.common.protocol import CompletionRequest, IgnoredFieldLog
 from tests.conftest import assert_pool_free_once_idle
 
 CAP = 100
@@ -150,7 +150,7 @@ def test_the_default_cap_is_16384_or_max_model_len_if_longer(llm):
     from dataclasses import replace
 
     from pagedllm.engine.engine_info import EngineInfo
-    from pagedllm.entrypoints.openai.limits import max_tokens_per_request
+    from pagedllm.entrypoints.openai.common.limits import max_tokens_per_request
 
     long_context = replace(EngineInfo.of(info), max_model_len=131072)
     assert max_tokens_per_request(long_context, None) == 131072

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pagedllm.entrypoints.openai.response_store import ResponseStore
+from pagedllm.entrypoints.openai.responses.store import ResponseStore
 
 
 def response(rid: str, text: str = "hi") -> dict:

@@ -1,5 +1,5 @@
 """The Responses API's two translations, without an engine: a request into the chat
-request it runs as (``to_chat_request``), and chat chunks into the Response and its
+request it runs as (``to_chat_request``), and chat's typed events into the Response and its
 events (``ResponseAssembler``), each event checked against the openai package's types."""
 
 from __future__ import annotations
@@ -8,9 +8,12 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
-from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
-from pagedllm.entrypoints.openai.responses_input import output_messages, to_chat_request
-from pagedllm.entrypoints.openai.responses_output import ResponseAssembler, echo_fields
+from pagedllm.entrypoints.openai.chat.events import ChoiceDelta, MessageDelta
+from pagedllm.entrypoints.openai.common.usage import Usage
+from pagedllm.entrypoints.openai.responses.protocol import ResponsesRequest
+from pagedllm.entrypoints.openai.responses.input import output_messages, to_chat_request
+from pagedllm.entrypoints.openai.responses.output import ResponseAssembler, echo_fields
+from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallDelta
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
@@ -94,12 +97,12 @@ def test_harmless_defaults_of_unimplemented_fields_pass():
     assert body.stored and body.input == "hi"
 
 
-def assembled(chunks: list[dict], body: dict | None = None) -> tuple[list[dict], dict]:
+def assembled(chunks: list[ChoiceDelta | Usage], body: dict | None = None) -> tuple[list[dict], dict]:
     request = ResponsesRequest.model_validate(body or {"input": "hi"})
     assembler = ResponseAssembler(echo_fields(request, "m"), lambda text: len(text.split()))
     events = assembler.start()
     for chunk in chunks:
-        events += assembler.feed_chunk(chunk)
+        events += assembler.feed_event(chunk)
     events += assembler.finish()
     events.append(assembler.final_event())
     for index, event in enumerate(events):
@@ -108,19 +111,20 @@ def assembled(chunks: list[dict], body: dict | None = None) -> tuple[list[dict],
     return events, Response.model_validate(assembler.response()).model_dump()
 
 
-def chunk(finish: str | None = None, usage: dict | None = None, **delta) -> dict:
-    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}], "usage": usage}
+def chunk(finish: str | None = None, role: str | None = None, **delta) -> ChoiceDelta:
+    """A step of chat's stream (``role``: the choice's first)."""
+    return ChoiceDelta(0, role is not None, MessageDelta(finish_reason=finish, **delta), None, None)
 
 
-USAGE = {"prompt_tokens": 5, "completion_tokens": 9, "prompt_tokens_details": {"cached_tokens": 2}}
+USAGE = Usage(prompt_tokens=5, completion_tokens=9, cached_tokens=2)
 
 
 def test_thinking_text_and_calls_become_items_in_order():
-    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}
+    call = ToolCallDelta(0, "", "call_1", "f")
     events, response = assembled([
-        chunk(role="assistant", reasoning_content="think "), chunk(reasoning_content="more"),
-        chunk(content="Hi"), chunk(tool_calls=[call]), chunk(tool_calls=[{"index": 0, "function": {"arguments": "{}"}}]),
-        chunk(content="after", finish="tool_calls"), {"choices": [], "usage": USAGE}])
+        chunk(role="assistant", reasoning="think "), chunk(reasoning="more"),
+        chunk(content="Hi"), chunk(tool_calls=(call,)), chunk(tool_calls=(ToolCallDelta(0, "{}"),)),
+        chunk(content="after", finish="tool_calls"), USAGE])
     assert [item["type"] for item in response["output"]] == ["reasoning", "message", "function_call", "message"]
     assert response["output"][0]["content"][0]["text"] == "think more" and response["status"] == "completed"
     assert response["output"][2]["arguments"] == "{}" and response["output"][2]["call_id"] == "call_1"
@@ -136,7 +140,7 @@ def test_thinking_text_and_calls_become_items_in_order():
 
 
 def test_an_output_cut_while_thinking_still_has_a_message_and_is_incomplete():
-    events, response = assembled([chunk(role="assistant", reasoning_content="hmm", finish="length")])
+    events, response = assembled([chunk(role="assistant", reasoning="hmm", finish="length")])
     assert [item["type"] for item in response["output"]] == ["reasoning", "message"]
     assert [item["status"] for item in response["output"]] == ["incomplete", "incomplete"]
     assert response["status"] == "incomplete" and response["incomplete_details"] == {"reason": "max_output_tokens"}
@@ -147,7 +151,7 @@ def test_an_engine_failure_fails_the_response():
     request = ResponsesRequest.model_validate({"input": "hi"})
     assembler = ResponseAssembler(echo_fields(request, "m"), len)
     assembler.start()
-    assembler.feed_chunk(chunk(role="assistant", content="par"))
+    assembler.feed_event(chunk(role="assistant", content="par"))
     [failed] = assembler.fail("the engine died")
     EVENTS.validate_python(failed)
     assert failed["type"] == "response.failed" and failed["response"]["error"]["code"] == "server_error"

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.entrypoints.chat_utils import load_chat_template
-from pagedllm.entrypoints.router.request_prefix import (CHAT_PATH, MESSAGES_PATH, RESPONSES_PATH,
-                                                        routing_token_ids)
+from pagedllm.entrypoints.openai.common.routes import CHAT as CHAT_PATH
+from pagedllm.entrypoints.openai.common.routes import MESSAGES as MESSAGES_PATH
+from pagedllm.entrypoints.openai.common.routes import RESPONSES as RESPONSES_PATH
+from pagedllm.entrypoints.router.request_prefix import routing_token_ids
 from pagedllm.model.loader import load_tokenizer
 
 SYSTEM, QUESTION = "You answer in one word.", "Which ocean is largest?"

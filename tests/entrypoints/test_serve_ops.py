@@ -21,7 +21,7 @@ import pagedllm
 from pagedllm.bench.server_process import free_port, running_server
 from pagedllm.bench.soak import metric_value
 from pagedllm.entrypoints.cli import main
-from pagedllm.entrypoints.openai.state import tenant_of_key
+from pagedllm.entrypoints.openai.common.state import tenant_of_key
 from tests.conftest import assert_pool_free
 from tests.entrypoints.live_server import uvicorn_thread
 

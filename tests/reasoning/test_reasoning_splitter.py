@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.entrypoints.openai.reasoning import ReasoningSettings, ReasoningSplitter
+from pagedllm.entrypoints.openai.common.reasoning import ReasoningSettings, ReasoningSplitter
 
 
 def split(text: str, starts_thinking: bool | None, piece: int | None = None) -> tuple[str | None, str]:

@@ -3,11 +3,11 @@ engine-core process's, or an AsyncLLMEngine in this process).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE
 streaming), Anthropic's POST /v1/messages (SSE streaming too) and POST
-/v1/messages/count_tokens (``serving_messages``), GET /v1/models, GET /health (503 while the model loads, until the
+/v1/messages/count_tokens (``messages/``), GET /v1/models, GET /health (503 while the model loads, until the
 engine loop runs and after it died), GET /version, POST /tokenize, POST /detokenize,
 POST /reset_prefix_cache, GET /metrics (Prometheus), and with LoRA POST
-/v1/load_lora_adapter and /v1/unload_lora_adapter (``serving_lora``), POST /v1/responses
-and GET/DELETE /v1/responses/{id} (OpenAI's Responses API, ``serving_responses``). Errors use OpenAI's JSON
+/v1/load_lora_adapter and /v1/unload_lora_adapter (``admin/lora``), POST /v1/responses
+and GET/DELETE /v1/responses/{id} (OpenAI's Responses API, ``responses/``). Errors use OpenAI's JSON
 shape ``{"error": {"message", "type", "param", "code"}}`` (Anthropic's on /v1/messages); /openapi.json documents
 each route's statuses and content types (``openapi_doc``).
 """
@@ -29,17 +29,17 @@ from pagedllm.version import __version__
 from pagedllm.logger import init_logger
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.core_client import AsyncEngineCoreClient
-from pagedllm.entrypoints.openai.errors import APIError, error_body, error_responses, install_error_handlers
-from pagedllm.entrypoints.openai.limits import check_limits
-from pagedllm.entrypoints.openai.openapi_doc import install_openapi
-from pagedllm.entrypoints.openai.reasoning import ReasoningSettings
-from pagedllm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
-from pagedllm.entrypoints.openai.serving_chat import add_chat_route, chat_prompt
-from pagedllm.entrypoints.openai.serving_completion import add_completion_route
-from pagedllm.entrypoints.openai.serving_lora import add_lora_routes
-from pagedllm.entrypoints.openai.serving_messages import add_messages_routes
-from pagedllm.entrypoints.openai.serving_responses import add_responses_routes
-from pagedllm.entrypoints.openai.state import (ServerState, TenantDependency, check_model, presented_key,
+from pagedllm.entrypoints.openai.common import routes
+from pagedllm.entrypoints.openai.common.errors import APIError, error_body, error_responses, install_error_handlers
+from pagedllm.entrypoints.openai.common.openapi_doc import install_openapi
+from pagedllm.entrypoints.openai.common.reasoning import ReasoningSettings
+from pagedllm.entrypoints.openai.chat.serving import add_chat_route
+from pagedllm.entrypoints.openai.completions.serving import add_completion_route
+from pagedllm.entrypoints.openai.admin.lora import add_lora_routes
+from pagedllm.entrypoints.openai.admin.tokens import add_token_routes
+from pagedllm.entrypoints.openai.messages.serving import add_messages_routes
+from pagedllm.entrypoints.openai.responses.serving import add_responses_routes
+from pagedllm.entrypoints.openai.common.state import (ServerState, TenantDependency, presented_key,
                                                tenant_of_key)
 
 __all__ = ["ServerState", "build_app"]
@@ -49,7 +49,7 @@ logger = init_logger(__name__)
 
 _DASHBOARD = Path(__file__).parent / "static" / "dashboard.html"
 # Routes that work without an engine (probes); the rest answer 503 while the model loads.
-_ANSWERED_WHILE_LOADING = frozenset({"/health", "/version"})
+_ANSWERED_WHILE_LOADING = frozenset({routes.HEALTH, routes.VERSION})
 
 
 def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> FastAPI:
@@ -92,7 +92,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
 
     tenant_of = _tenant_dependency(state)
     _add_pool_routes(app, state, tenant_of)
-    _add_token_routes(app, state, tenant_of)
+    add_token_routes(app, state, tenant_of)
     add_completion_route(app, state, tenant_of)
     add_chat_route(app, state, tenant_of)
     add_messages_routes(app, state, tenant_of)
@@ -170,17 +170,17 @@ def _tenant_dependency(state: ServerState) -> TenantDependency:
 def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
     """Health, version, metrics, the model list and the block pool (its page, its JSON, its reset)."""
 
-    @app.get("/health", responses=error_responses(503))
+    @app.get(routes.HEALTH, responses=error_responses(503))
     async def health() -> dict[str, str]:
         if not state.is_ready:
             raise APIError(503, state.not_ready_reason(), "server_error", code="engine_not_ready")
         return {"status": "ok"}
 
-    @app.get("/version")
+    @app.get(routes.VERSION)
     async def version() -> dict:
         return {"version": __version__}
 
-    @app.get("/server_info")
+    @app.get(routes.SERVER_INFO)
     async def server_info() -> dict:
         """What a fleet router needs to hash prompts as this server does and to follow its cache."""
         from pagedllm.entrypoints.router.request_prefix import prompt_fingerprint
@@ -190,7 +190,7 @@ def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependen
                 **state.engine_settings,
                 "prompt_fingerprint": prompt_fingerprint(state.engine_info.tokenizer, state.chat.chat_template)}
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(503),
+    @app.get(routes.METRICS, response_class=PlainTextResponse, responses=error_responses(503),
              description="Prometheus text exposition format")
     async def metrics() -> Response:
         try:
@@ -200,11 +200,11 @@ def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependen
                            code="engine_busy") from None
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", responses=error_responses(401, 503))
+    @app.get(routes.MODELS, responses=error_responses(401, 503))
     async def models(tenant: str | None = Depends(tenant_of)) -> dict:
         return {"object": "list", "data": _model_cards(state)}
 
-    @app.get("/dashboard", response_class=HTMLResponse, responses=error_responses(401, 503))
+    @app.get(routes.DASHBOARD, response_class=HTMLResponse, responses=error_responses(401, 503))
     async def dashboard(request: Request) -> Response:
         """The live block-pool page. Under --api-key the key comes as ``?key=``
         (a browser cannot set the header on a page load); the page sends it on."""
@@ -213,12 +213,12 @@ def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependen
                            code="invalid_api_key")
         return HTMLResponse(_DASHBOARD.read_text(encoding="utf-8"))
 
-    @app.get("/v1/kv_pool", responses=error_responses(401, 503))
+    @app.get(routes.KV_POOL, responses=error_responses(401, 503))
     async def kv_pool(tenant: str | None = Depends(tenant_of)) -> dict:
         """The live block pool (see ``LLM.kv_pool_snapshot``), between two steps."""
         return await state.async_engine.kv_pool_snapshot()
 
-    @app.post("/reset_prefix_cache", responses=error_responses(401, 503))
+    @app.post(routes.RESET_PREFIX_CACHE, responses=error_responses(401, 503))
     async def reset_prefix_cache(tenant: str | None = Depends(tenant_of)) -> dict:
         return {"dropped_blocks": await state.async_engine.reset_prefix_cache()}
 
@@ -231,25 +231,3 @@ def _model_cards(state: ServerState) -> list[dict]:
             for name in state.model_names]
     adapters = state.adapters.model_cards(state.served_model_name, max_model_len) if state.adapters is not None else []
     return base + adapters
-
-
-def _add_token_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
-    @app.post("/tokenize", responses=error_responses(400, 401, 404, 503))
-    async def tokenize(body: TokenizeRequest, tenant: str | None = Depends(tenant_of)) -> dict:
-        check_model(state, body.model)
-        tokenizer = state.engine_info.tokenizer
-        if body.messages is not None:
-            ids = chat_prompt(state, body)["prompt_token_ids"]
-        elif body.prompt is not None:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        else:
-            raise APIError(400, "pass either prompt or messages", param="prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine_info.max_model_len}
-
-    @app.post("/detokenize", responses=error_responses(400, 401, 404, 503))
-    async def detokenize(body: DetokenizeRequest, tenant: str | None = Depends(tenant_of)) -> dict:
-        check_model(state, body.model)
-        check_limits(state.engine_info, body)
-        return {"prompt": state.engine_info.tokenizer.decode(body.tokens)}
-
-

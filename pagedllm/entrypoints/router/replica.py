@@ -26,6 +26,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pagedllm.entrypoints.openai.common import routes
 from pagedllm.fleet.prefix_index import PrefixIndex
 from pagedllm.kv_tiers.event_wire import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from pagedllm.logger import init_logger
@@ -87,7 +88,7 @@ def take_hashing_names(replica: Replica, info: dict) -> None:
 
 async def refresh_adapters(replica: Replica, client: httpx.AsyncClient, timeout_s: float = 2.0) -> None:
     """Re-read the replica's adapters (loaded or unloaded since it joined)."""
-    take_hashing_names(replica, (await client.get(f"{replica.url}/server_info", timeout=timeout_s)).json())
+    take_hashing_names(replica, (await client.get(f"{replica.url}{routes.SERVER_INFO}", timeout=timeout_s)).json())
 
 
 class ReplicaWatch:
@@ -113,7 +114,7 @@ class ReplicaWatch:
     async def _poll(self) -> None:
         replica = self.replica
         try:
-            health = await self.client.get(f"{replica.url}/health", timeout=self.timeout_s)
+            health = await self.client.get(f"{replica.url}{routes.HEALTH}", timeout=self.timeout_s)
             healthy = health.status_code == 200
             reason = f"/health answered {health.status_code}"
         except httpx.HTTPError as exc:
@@ -141,7 +142,7 @@ class ReplicaWatch:
             replica.last_error = error
 
     async def _join(self) -> None:
-        info = (await self.client.get(f"{self.replica.url}/server_info", timeout=self.timeout_s)).json()
+        info = (await self.client.get(f"{self.replica.url}{routes.SERVER_INFO}", timeout=self.timeout_s)).json()
         if info.get("prompt_fingerprint") != self.fingerprint:
             raise ReplicaMismatch(
                 "it renders prompts differently from this router (another model or chat template): start the "
@@ -171,7 +172,7 @@ class ReplicaWatch:
             self._events_task = None
 
     async def _read_usage(self) -> None:
-        text = (await self.client.get(f"{self.replica.url}/metrics", timeout=self.timeout_s)).text
+        text = (await self.client.get(f"{self.replica.url}{routes.METRICS}", timeout=self.timeout_s)).text
         match = _KV_USAGE.search(text)
         if match:
             self.replica.kv_usage = float(match.group(1))

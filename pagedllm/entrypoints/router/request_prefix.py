@@ -15,18 +15,14 @@ from collections.abc import Collection
 from typing import Any
 
 from pagedllm.entrypoints.chat_utils import ChatRenderOptions, render_chat, template_variables
-from pagedllm.entrypoints.openai import messages_to_chat, responses_input
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.protocol_messages import MessagesRequest
-from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
-from pagedllm.entrypoints.openai.serving_chat import render_inputs
-from pagedllm.entrypoints.openai.state import cache_salt_of
-
-# Routes whose body carries a prompt, and how to read it.
-CHAT_PATH = "/v1/chat/completions"
-COMPLETION_PATH = "/v1/completions"
-RESPONSES_PATH = "/v1/responses"
-MESSAGES_PATH = "/v1/messages"
+from pagedllm.entrypoints.openai.common import routes
+from pagedllm.entrypoints.openai.messages import to_chat as messages_to_chat
+from pagedllm.entrypoints.openai.responses import input as responses_input
+from pagedllm.entrypoints.openai.common.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.messages.protocol import MessagesRequest
+from pagedllm.entrypoints.openai.responses.protocol import ResponsesRequest
+from pagedllm.entrypoints.openai.chat.serving import render_inputs
+from pagedllm.entrypoints.openai.common.state import cache_salt_of
 
 _PROBE_CONVERSATION = [{"role": "system", "content": "You route requests."},
                        {"role": "user", "content": "Which replica holds this prefix?"}]
@@ -43,7 +39,7 @@ def routing_token_ids(path: str, body: Any, tokenizer: Any, chat_template: str |
         if chat is not None:
             conversation, options = render_inputs(chat, chat_template)
             return list(render_chat(tokenizer, conversation, options)["prompt_token_ids"])
-        if path == COMPLETION_PATH:
+        if path == routes.COMPLETIONS:
             return _completion_token_ids(body.get("prompt"), tokenizer)
     except (ValueError, TypeError):  # pydantic's ValidationError is a ValueError
         return []  # a request the replica will refuse with its own 400
@@ -56,11 +52,11 @@ def _as_chat_request(path: str, body: dict, tokenizer: Any, chat_template: str |
     functions, so the conversation renders as the replica's does. A Responses body's
     ``previous_response_id`` conversation lives on the replica that stored it: the router
     sends the request there (``response_homes``) and hashes only the new input."""
-    if path == CHAT_PATH:
+    if path == routes.CHAT:
         return ChatCompletionRequest.model_validate(body)
-    if path == RESPONSES_PATH:
+    if path == routes.RESPONSES:
         return responses_input.to_chat_request(ResponsesRequest.model_validate(body), [])
-    if path == MESSAGES_PATH:
+    if path == routes.MESSAGES:
         switch = messages_to_chat.THINKING_SWITCH in template_variables(chat_template or tokenizer.chat_template)
         return messages_to_chat.to_chat_request(MessagesRequest.model_validate(body), switch)
     return None

@@ -1,7 +1,7 @@
 """Which replica stored each Responses API response, so the requests that read it
 (``previous_response_id``, ``GET``/``DELETE /v1/responses/{id}``) reach it.
 
-A replica keeps its stored responses in its own memory (``response_store``); the
+A replica keeps its stored responses in its own memory (``openai.responses.store``); the
 router learns each id from the replica's answer (the JSON body, or a stream's
 ``response.created`` event) and remembers a bounded number, least recently used
 out. An id the router does not know (evicted, or made before it started) is
@@ -14,7 +14,7 @@ import re
 from collections import OrderedDict
 from typing import Any
 
-from pagedllm.entrypoints.router.request_prefix import RESPONSES_PATH
+from pagedllm.entrypoints.openai.common.routes import RESPONSES
 
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
 # A stream's response.created event comes first; its id is within this many bytes.
@@ -33,9 +33,9 @@ class ResponseHomes:
 
     def home_of(self, method: str, path: str, body: Any) -> int | None:
         """The replica a request must reach because it reads a stored response (None: any)."""
-        if path.startswith(RESPONSES_PATH + "/"):
-            response_id = path[len(RESPONSES_PATH) + 1:].split("/", 1)[0]
-        elif path == RESPONSES_PATH and method == "POST" and isinstance(body, dict):
+        if path.startswith(RESPONSES + "/"):
+            response_id = path[len(RESPONSES) + 1:].split("/", 1)[0]
+        elif path == RESPONSES and method == "POST" and isinstance(body, dict):
             response_id = body.get("previous_response_id")
         else:
             return None
@@ -47,7 +47,7 @@ class ResponseHomes:
     def learn(self, path: str, replica_index: int, head: bytes) -> bool:
         """Remember the response id at the start of a ``POST /v1/responses`` answer
         (``head``: its first bytes); False when there is none in them (yet)."""
-        if path != RESPONSES_PATH:
+        if path != RESPONSES:
             return False
         match = _RESPONSE_ID.search(head)
         if match is None:

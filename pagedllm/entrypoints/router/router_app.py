@@ -32,20 +32,19 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pagedllm.core.block_hash import hash_request_tokens
-from pagedllm.entrypoints.openai.state import presented_key, tenant_of_key
+from pagedllm.entrypoints.openai.common import routes, sse
+from pagedllm.entrypoints.openai.common.routes import ROUTED_PATHS
+from pagedllm.entrypoints.openai.common.state import presented_key, tenant_of_key
 from pagedllm.entrypoints.router.metrics_merge import merge_expositions
 from pagedllm.fleet.prefix_index import PrefixIndex
 from pagedllm.entrypoints.router.replica import Replica, ReplicaWatch, now, refresh_adapters, stop_watches
-from pagedllm.entrypoints.router.request_prefix import (CHAT_PATH, COMPLETION_PATH, MESSAGES_PATH, RESPONSES_PATH,
-                                                        routing_lora_name, routing_salt, routing_token_ids)
+from pagedllm.entrypoints.router.request_prefix import routing_lora_name, routing_salt, routing_token_ids
 from pagedllm.entrypoints.router.response_homes import SNIFF_BYTES, ResponseHomes
 from pagedllm.fleet.routing import ReplicaLoad, RouteDecision, RoutingPolicy
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-# Generations: their prompts are hashed to place them where their prefix is cached.
-ROUTED_PATHS = (CHAT_PATH, COMPLETION_PATH, RESPONSES_PATH, MESSAGES_PATH)
 # Headers that describe one hop's connection, not the message (RFC 9110 7.6.1), and the length httpx recomputes.
 _HOP_HEADERS = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                           "proxy-authorization", "proxy-authenticate", "content-length"})
@@ -139,7 +138,7 @@ def error_response(status: int, message: str, code: str) -> JSONResponse:
 
 def _sse_error(message: str) -> bytes:
     body = {"error": {"message": message, "type": "server_error", "param": None, "code": "replica_down"}}
-    return f"data: {json.dumps(body)}\n\n".encode()
+    return sse.data_event(body).encode()
 
 
 async def _unless_down(awaitable: Any, replica: Replica) -> Any:
@@ -188,16 +187,16 @@ def build_router_app(state: RouterState, client: httpx.AsyncClient | None = None
 
 
 def _add_own_routes(app: FastAPI, state: RouterState, http: httpx.AsyncClient) -> None:
-    @app.get("/health")
+    @app.get(routes.HEALTH)
     async def health() -> Response:
         up = len(state.up_replicas())
         if up == 0:
             return error_response(503, "no replica is up", "no_replica")
         return JSONResponse({"status": "ok", "replicas_up": up, "replicas": len(state.replicas)})
 
-    @app.get("/v1/models")
+    @app.get(routes.MODELS)
     async def models(request: Request) -> Response:
-        answers = await asyncio.gather(*(http.get(f"{r.url}/v1/models", headers=_forwarded_headers(request),
+        answers = await asyncio.gather(*(http.get(f"{r.url}{routes.MODELS}", headers=_forwarded_headers(request),
                                                   timeout=5.0) for r in state.up_replicas()),
                                        return_exceptions=True)
         merged: dict[str, dict] = {}
@@ -209,14 +208,14 @@ def _add_own_routes(app: FastAPI, state: RouterState, http: httpx.AsyncClient) -
                     merged.setdefault(model["id"], model)
         return JSONResponse({"object": "list", "data": list(merged.values())})
 
-    @app.post("/reset_prefix_cache")
+    @app.post(routes.RESET_PREFIX_CACHE)
     async def reset_prefix_cache(request: Request) -> Response:
         """Every replica's cache, not one's: the sum of the blocks they dropped."""
         answers, refusal = await _post_to_every_replica(state, http, request, 30.0)
         return refusal or JSONResponse({"dropped_blocks": sum(answer.json()["dropped_blocks"] for answer in answers)})
 
-    @app.post("/v1/load_lora_adapter")
-    @app.post("/v1/unload_lora_adapter")
+    @app.post(routes.LOAD_LORA_ADAPTER)
+    @app.post(routes.UNLOAD_LORA_ADAPTER)
     async def lora_adapter(request: Request) -> Response:
         """Every replica loads (unloads) the adapter, so a request naming it may go to any
         of them; the first refusal is the answer. A replica down meanwhile misses it (one
@@ -228,10 +227,10 @@ def _add_own_routes(app: FastAPI, state: RouterState, http: httpx.AsyncClient) -
         await asyncio.gather(*(refresh_adapters(r, http) for r in state.up_replicas()), return_exceptions=True)
         return refusal or Response(answers[0].content, 200, media_type=answers[0].headers.get("content-type"))
 
-    @app.get("/metrics")
+    @app.get(routes.METRICS)
     async def metrics() -> Response:
         up = state.up_replicas()
-        answers = await asyncio.gather(*(http.get(f"{r.url}/metrics", timeout=10.0) for r in up),
+        answers = await asyncio.gather(*(http.get(f"{r.url}{routes.METRICS}", timeout=10.0) for r in up),
                                        return_exceptions=True)
         texts = {str(r.index): a.text for r, a in zip(up, answers) if isinstance(a, httpx.Response)}
         state.refresh_gauges()
@@ -296,7 +295,7 @@ async def _answer(state: RouterState, replica: Replica, response: httpx.Response
     # httpx hands over decoded bytes, so the replica's content-encoding no longer applies.
     headers = {name: value for name, value in response.headers.items() if name.lower() not in _HOP_HEADERS
                and name.lower() != "content-encoding"}
-    if response.headers.get("content-type", "").startswith("text/event-stream"):
+    if response.headers.get("content-type", "").startswith(sse.MEDIA_TYPE):
         relay = _relay(state, replica, response, path)
         # Started here, so its cleanup (in_flight, the upstream stream) runs even if the client
         # leaves before Starlette iterates the body: asyncio finalizes a started generator.
@@ -327,7 +326,7 @@ async def _relay(state: RouterState, replica: Replica, response: httpx.Response,
     away) closes the upstream stream, so the replica aborts the request. A
     Responses stream's id is learned from its first bytes (``response_homes``)."""
     chunks = response.aiter_bytes()
-    head = b"" if path == RESPONSES_PATH else None
+    head = b"" if path == routes.RESPONSES else None
     try:
         while True:
             try:

@@ -2,15 +2,14 @@
 Responses events), ``GET`` and ``DELETE /v1/responses/{id}`` for stored ones.
 
 One implementation under this front door: the request becomes a chat request
-(``responses_input``), runs as chat completions do (``prepare_chat``,
-``generate``) and the chat answer becomes the Response (``responses_output``).
+(``responses.input``), runs as chat completions do (``prepare_chat``,
+``generate_chat``) and chat's typed answer becomes the Response (``responses.output``).
 Stored responses (``store``, the default, and ``previous_response_id``) live in
-``ServerState.responses_store``, per tenant (``response_store``).
+``ServerState.responses_store``, per tenant (``responses.store``).
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -21,27 +20,24 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.entrypoints.openai.errors import APIError, ErrorResponse, error_responses
-from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
-from pagedllm.entrypoints.openai.responses_input import (CHAT_TO_RESPONSES_FIELDS, input_messages, output_messages,
+from pagedllm.entrypoints.openai.common import routes, sse
+from pagedllm.entrypoints.openai.common.errors import APIError, ErrorResponse, error_responses
+from pagedllm.entrypoints.openai.responses.protocol import ResponsesRequest
+from pagedllm.entrypoints.openai.responses.input import (CHAT_TO_RESPONSES_FIELDS, input_messages, output_messages,
                                                          to_chat_request)
-from pagedllm.entrypoints.openai.responses_output import STREAM_EVENTS, ResponseAssembler, echo_fields
-from pagedllm.entrypoints.openai.serving import generate
-from pagedllm.entrypoints.openai.serving_chat import prepare_chat
-from pagedllm.entrypoints.openai.state import ServerState, TenantDependency
+from pagedllm.entrypoints.openai.responses.output import STREAM_EVENTS, ResponseAssembler, echo_fields
+from pagedllm.entrypoints.openai.chat.events import ChatEvent, ChatResult, EngineFailure
+from pagedllm.entrypoints.openai.chat.serving import generate_chat, prepare_chat
+from pagedllm.entrypoints.openai.common.state import ServerState, TenantDependency
 
-# One server-sent event of a stream: its type, and the event as JSON.
-_SSE_EVENT = {"type": "object", "required": ["event", "data"], "properties": {
-    "event": {"type": "string", "enum": list(STREAM_EVENTS)},
-    "data": {"type": "string", "description": "the event as JSON (its type and sequence_number included)"}}}
 CREATE_RESPONSES = {
     200: {"description": "the Response (JSON), or with `stream` true its events as server-sent events",
-          "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
+          "content": sse.stream_content(sse.event_schema(
+              "the event as JSON (its type and sequence_number included)", STREAM_EVENTS))},
     **error_responses(400, 401, 503),
     404: {"model": ErrorResponse, "description": "the request's `model` is not served here, or its "
                                                  "`previous_response_id` names no response stored for this API key"},
 }
-STORED_PATH = "/v1/responses/{response_id}"
 STORED_RESPONSES = {
     **error_responses(401, 503),
     404: {"model": ErrorResponse, "description": "no response of this id is stored for this API key (never stored, "
@@ -50,35 +46,34 @@ STORED_RESPONSES = {
 
 
 def add_responses_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
-    @app.post("/v1/responses", responses=CREATE_RESPONSES)
+    @app.post(routes.RESPONSES, responses=CREATE_RESPONSES)
     async def create_response(body: ResponsesRequest, tenant: str | None = Depends(tenant_of)):
         previous = _previous_conversation(state, body, tenant)
         with _named_as_responses_fields():
             chat_body = to_chat_request(body, previous)
             job = prepare_chat(state, chat_body)
-            answer = await generate(state, "resp", [job.prompt], job.params, chat_body, tenant, chat=True,
-                                    output=job.output, lora_request=job.lora_request)
+            answer = await generate_chat(state, "resp", job, chat_body, tenant)
         tokenizer = state.engine_info.tokenizer
         assembler = ResponseAssembler(echo_fields(body, chat_body.model or state.served_model_name),
                                       lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
         conversation = previous + input_messages(body)
-        if isinstance(answer, dict):
+        if isinstance(answer, ChatResult):
             assembler.start()
-            assembler.feed_completion(answer)
+            assembler.feed_result(answer)
             assembler.finish()
             _keep(state, tenant, assembler, conversation)
             return assembler.response()
         return StreamingResponse(_events(state, tenant, assembler, conversation, answer),
-                                 media_type="text/event-stream")
+                                 media_type=sse.MEDIA_TYPE)
 
-    @app.get(STORED_PATH, responses=STORED_RESPONSES)
+    @app.get(routes.STORED_RESPONSE, responses=STORED_RESPONSES)
     async def get_response(response_id: str, tenant: str | None = Depends(tenant_of)) -> dict:
         stored = state.responses_store.get(tenant, response_id)
         if stored is None:
             raise _not_stored(response_id)
         return stored.response
 
-    @app.delete(STORED_PATH, responses=STORED_RESPONSES)
+    @app.delete(routes.STORED_RESPONSE, responses=STORED_RESPONSES)
     async def delete_response(response_id: str, tenant: str | None = Depends(tenant_of)) -> dict:
         if not state.responses_store.delete(tenant, response_id):
             raise _not_stored(response_id)
@@ -86,7 +81,7 @@ def add_responses_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepe
 
     # Starlette answers another method with the 405 of the first route of the path, which would
     # allow GET alone: this one answers it with both.
-    @app.api_route(STORED_PATH, methods=["HEAD", "OPTIONS", "POST", "PUT", "PATCH", "TRACE"], include_in_schema=False)
+    @app.api_route(routes.STORED_RESPONSE, methods=["HEAD", "OPTIONS", "POST", "PUT", "PATCH", "TRACE"], include_in_schema=False)
     async def other_method(response_id: str) -> None:
         raise StarletteHTTPException(405, "Method Not Allowed", headers={"Allow": "GET, DELETE"})
 
@@ -145,25 +140,25 @@ def _keep(state: ServerState, tenant: str | None, assembler: ResponseAssembler,
 
 
 async def _events(state: ServerState, tenant: str | None, assembler: ResponseAssembler,
-                  conversation: list[dict[str, Any]], chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+                  conversation: list[dict[str, Any]], chat_events: AsyncIterator[ChatEvent]) -> AsyncIterator[str]:
     """The Responses events of a streamed chat answer, as SSE; the response is stored
     before the last event. Closing this closes the chat stream (aborting the request)."""
     try:
         yield _sse(assembler.start())
-        async for chunk in chunks:
-            if "error" in chunk:  # the engine died mid-stream
-                yield _sse(assembler.fail(chunk["error"]["message"]))
+        async for chat_event in chat_events:
+            if isinstance(chat_event, EngineFailure):
+                yield _sse(assembler.fail(chat_event.message))
                 return
-            events = assembler.feed_chunk(chunk)
+            events = assembler.feed_event(chat_event)
             if events:
                 yield _sse(events)
         events = assembler.finish()
         _keep(state, tenant, assembler, conversation)
         yield _sse(events + [assembler.final_event()])
     finally:
-        await chunks.aclose()
+        await chat_events.aclose()
 
 
 def _sse(events: list[dict[str, Any]]) -> str:
-    return "".join(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n" for event in events)
+    return "".join(sse.named_event(event["type"], event) for event in events)
 

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from pagedllm.engine.engine_info import EngineInfo
-from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.common.errors import APIError
 from pagedllm.sampling_params import SamplingParams
 
 # Request fields holding token ids (every integer inside is one, and logit_bias's keys): the

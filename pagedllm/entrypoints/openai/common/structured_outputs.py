@@ -6,8 +6,8 @@ names the request field the client set (``response_format``, ``guided_json``,
 from __future__ import annotations
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.entrypoints.openai.errors import RequestFieldError
-from pagedllm.entrypoints.openai.protocol import _SamplingFields
+from pagedllm.entrypoints.openai.common.errors import RequestFieldError
+from pagedllm.entrypoints.openai.common.protocol import _SamplingFields
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import StructuredOutputError
 

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from fastapi import Depends, FastAPI
 
 from pagedllm.engine.core_client import tokenized
 from pagedllm.engine.llm_engine import PromptType
-from pagedllm.entrypoints.openai.completion_choices import CompletionOptions
-from pagedllm.entrypoints.openai.errors import APIError, bad_request
-from pagedllm.entrypoints.openai.limits import check_limits, check_request_tokens
-from pagedllm.entrypoints.openai.protocol import CompletionRequest
-from pagedllm.entrypoints.openai.serving import GENERATION_RESPONSES, serve
-from pagedllm.entrypoints.openai.structured_outputs import check_structured_outputs
-from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
+from pagedllm.entrypoints.openai.common import routes
+from pagedllm.entrypoints.openai.completions.bodies import CompletionBodies
+from pagedllm.entrypoints.openai.completions.choices import CompletionOptions
+from pagedllm.entrypoints.openai.common.errors import APIError, bad_request, error_body
+from pagedllm.entrypoints.openai.common.limits import check_limits, check_request_tokens
+from pagedllm.entrypoints.openai.common.protocol import CompletionRequest
+from pagedllm.entrypoints.openai.common.generation import (GENERATION_RESPONSES, add_prompts, finals, sse_response,
+                                                            stream_events)
+from pagedllm.entrypoints.openai.common.structured_outputs import check_structured_outputs
+from pagedllm.entrypoints.openai.common.state import ServerState, TenantDependency, check_model
+from pagedllm.lora.request import LoRARequest
+from pagedllm.sampling_params import SamplingParams
 
 # Fill-in-the-middle tokens (prefix, suffix, middle), in the spellings models use:
 # StarCoder / SantaCoder, then Qwen2.5-Coder and its kin.
@@ -22,7 +28,7 @@ FIM_TOKENS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), ("<|fim_prefix|>
 
 
 def add_completion_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
-    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
+    @app.post(routes.COMPLETIONS, responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, tenant: str | None = Depends(tenant_of)):
         lora_request = check_model(state, body.model)
         check_limits(state.engine_info, body)
@@ -52,8 +58,20 @@ def add_completion_route(app: FastAPI, state: ServerState, tenant_of: TenantDepe
                              [len(prompt["prompt_token_ids"]) for prompt in prompts], params)
         options = CompletionOptions(echo=body.echo, echo_only=echo_only, prompt_logprobs=body.prompt_logprobs is not None,
                                     tokens_as_ids=body.return_tokens_as_token_ids)
-        return await serve(state, "cmpl", prompts, params, body, tenant, chat=False, completion=options,
-                           lora_request=lora_request)
+        return await _answer(state, prompts, params, body, tenant, options, lora_request)
+
+
+async def _answer(state: ServerState, prompts: list[PromptType], params: SamplingParams, body: CompletionRequest,
+                  tenant: str | None, options: CompletionOptions, lora_request: LoRARequest | None) -> Any:
+    """The whole ``text_completion``, or its chunks as SSE events."""
+    streams = await add_prompts(state, "cmpl", prompts, params, body, tenant, lora_request)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    bodies = CompletionBodies(state.engine_info.tokenizer, params, body.model or state.served_model_name, options,
+                              include_usage)
+    if not body.stream:
+        return bodies.full(await finals(streams))
+    failure = partial(error_body, type_="server_error", code="engine_dead")
+    return sse_response(stream_events(streams, bodies.chunks, bodies.usage_chunk, failure), lambda chunk: chunk)
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:

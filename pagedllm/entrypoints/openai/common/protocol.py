@@ -13,7 +13,7 @@ silently: a field of OpenAI's or vLLM's API that pagedllm does not implement is 
 400 naming it (``request_fields.UNIMPLEMENTED_FIELDS``) unless it has its harmless
 default, and a truly unknown field is ignored and logged once per name, as vLLM does
 (up to ``IgnoredFieldLog.limit`` names per process: fuzzed names must not grow memory).
-A chat request's messages and tools are in ``protocol_chat``.
+A chat request's messages and tools are in ``chat.protocol``.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import ConfigDict, Field, WithJsonSchema, model_validator
 
-from pagedllm.entrypoints.openai.errors import RequestFieldError
+from pagedllm.entrypoints.openai.common.errors import RequestFieldError
 # Re-exported: the other front doors' request models share them.
-from pagedllm.entrypoints.openai.protocol_chat import (  # noqa: F401
+from pagedllm.entrypoints.openai.chat.protocol import (  # noqa: F401
     _FUNCTION_NAME, AssistantMessage, ChatMessage, ChatTool, FunctionCall, FunctionDefinition, NamedFunction,
     NamedToolChoice, PlainMessage, TextPart, ToolCall, ToolMessage,
 )
-from pagedllm.entrypoints.openai.request_fields import (  # noqa: F401
+from pagedllm.entrypoints.openai.common.request_fields import (  # noqa: F401
     UNIMPLEMENTED_FIELD_HINTS, UNIMPLEMENTED_FIELDS, IgnoredFieldLog, StrictModel, one_of_cases,
     refuse_unimplemented_fields, schema_rules, set_field,
 )
@@ -278,7 +278,7 @@ _NOT_ZERO = {"anyOf": [_NULL, {"type": "integer", "minimum": 1}]}
 
 class CompletionRequest(_SamplingFields):
     model_config = ConfigDict(json_schema_extra=schema_rules(
-        # serving_completion: max_tokens 0 only with echo (which it then returns alone); suffix not with echo.
+        # completions.serving: max_tokens 0 only with echo (which it then returns alone); suffix not with echo.
         one_of_cases({"properties": {"max_tokens": _NOT_ZERO, "echo": {"const": False}}},
                       {"properties": {"max_tokens": _NOT_ZERO, "suffix": {"type": "null"}}},
                       {"required": ["echo"],

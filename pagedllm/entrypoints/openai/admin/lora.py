@@ -19,11 +19,12 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
-from pagedllm.entrypoints.openai.errors import APIError, RequestFieldError, bad_request, error_responses
+from pagedllm.entrypoints.openai.common import routes
+from pagedllm.entrypoints.openai.common.errors import APIError, RequestFieldError, bad_request, error_responses
 from pagedllm.lora.request import LoRARequest
 
 if TYPE_CHECKING:
-    from pagedllm.entrypoints.openai.state import ServerState, TenantDependency
+    from pagedllm.entrypoints.openai.common.state import ServerState, TenantDependency
 
 _MODULE_KEYS = frozenset({"name", "path", "base_model_name"})
 
@@ -167,7 +168,7 @@ def add_lora_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependenc
     vLLM also asks for ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), behind the API keys."""
     adapters = state.adapters
 
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
+    @app.post(routes.LOAD_LORA_ADAPTER, response_class=PlainTextResponse,
               responses={**_TEXT_OK, **error_responses(400, 401, 503)})
     async def load_lora_adapter(body: LoadLoRAAdapterRequest,
                                 tenant: str | None = Depends(tenant_of)) -> PlainTextResponse:
@@ -180,7 +181,7 @@ def add_lora_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependenc
             raise bad_request(exc) from exc
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+    @app.post(routes.UNLOAD_LORA_ADAPTER, response_class=PlainTextResponse,
               responses={**_TEXT_OK, **error_responses(400, 401, 503)})
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest,
                                   tenant: str | None = Depends(tenant_of)) -> PlainTextResponse:

@@ -14,13 +14,13 @@ from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.core_client import AsyncEngineCoreClient
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.entrypoints.chat_utils import ChatSettings, template_variables
-from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.reasoning import ReasoningSettings
-from pagedllm.entrypoints.openai.response_store import ResponseStore
+from pagedllm.entrypoints.openai.common.errors import APIError
+from pagedllm.entrypoints.openai.common.reasoning import ReasoningSettings
+from pagedllm.entrypoints.openai.responses.store import ResponseStore
 
 if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.entrypoints.openai.serving_lora import ServedAdapters
+    from pagedllm.entrypoints.openai.admin.lora import ServedAdapters
     from pagedllm.lora.request import LoRARequest
 
 
@@ -102,7 +102,7 @@ class ServerState:
     @property
     def request_token_cap(self) -> int:
         """The work cap of one request (``--max-tokens-per-request`` or its default)."""
-        from pagedllm.entrypoints.openai.limits import max_tokens_per_request
+        from pagedllm.entrypoints.openai.common.limits import max_tokens_per_request
 
         return max_tokens_per_request(self.engine_info, self.max_tokens_per_request)
 

@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from pagedllm.entrypoints.openai.protocol import (_FUNCTION_NAME, NonEmptyStr, StrictModel,
+from pagedllm.entrypoints.openai.common.protocol import (_FUNCTION_NAME, NonEmptyStr, StrictModel,
                                                   refuse_unimplemented_fields)
 
 # Fields of OpenAI's Responses API that pagedllm does not implement, with the

@@ -15,17 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.entrypoints.openai.common.logprobs import json_logprob
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-
-
-# JSON has no -inf: a token the sampling rules excluded (allowed_token_ids, a
-# grammar) gets vLLM's floor instead, which any client reads as "impossible".
-LOWEST_LOGPROB = -9999.0
-
-
-def json_logprob(value: float) -> float:
-    """``value`` as a JSON number (-inf and NaN become ``LOWEST_LOGPROB``)."""
-    return value if value > LOWEST_LOGPROB else LOWEST_LOGPROB
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.protocol_messages import (
+from pagedllm.entrypoints.openai.common.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.messages.protocol import (
     AssistantMessage, MessagesCountTokensRequest, MessagesRequest, TextBlock, ThinkingDisabled, ToolChoiceAny,
     ToolChoiceAuto, ToolChoiceTool, ToolResultBlock, ToolUseBlock, UserMessage,
 )

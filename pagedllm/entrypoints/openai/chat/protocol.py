@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from pagedllm.entrypoints.openai.request_fields import StrictModel
+from pagedllm.entrypoints.openai.common.request_fields import StrictModel
 
 # OpenAI's rule for function names.
 _FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"

@@ -2,9 +2,9 @@
 stream) and POST /v1/messages/count_tokens.
 
 One implementation under this front door: a Messages request becomes a chat
-completions request (``messages_to_chat.to_chat_request``), runs through chat's
+completions request (``messages.to_chat.to_chat_request``), runs through chat's
 checks, rendering, tool parsing, grammars and reasoning split (``prepare_chat``,
-``generate``), and its answer is translated back (``messages_output``).
+``generate_chat``), and chat's typed answer is rendered as Anthropic's (``messages.output``).
 
 Errors on these paths are Anthropic-shaped (``{"type": "error", "error": {"type",
 "message"}}``, same statuses): ``AnthropicErrors`` rewrites every error answer
@@ -21,21 +21,20 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedllm.entrypoints.openai.errors import APIError, bad_request
-from pagedllm.entrypoints.openai.messages_output import (
+from pagedllm.entrypoints.openai.common import routes, sse
+from pagedllm.entrypoints.openai.common.errors import APIError, bad_request
+from pagedllm.entrypoints.openai.messages.output import (
     STREAM_EVENTS, MessageStream, message_events, message_of, new_message_id,
 )
-from pagedllm.entrypoints.openai.messages_to_chat import THINKING_SWITCH, to_chat_request
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.protocol_messages import (
+from pagedllm.entrypoints.openai.messages.to_chat import THINKING_SWITCH, to_chat_request
+from pagedllm.entrypoints.openai.common.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.messages.protocol import (
     AnthropicErrorResponse, CountTokensResponse, MessageResponse, MessagesCountTokensRequest, MessagesRequest,
     ThinkingDisabled,
 )
-from pagedllm.entrypoints.openai.serving import generate
-from pagedllm.entrypoints.openai.serving_chat import chat_prompt, prepare_chat
-from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
-
-MESSAGES_PATH = "/v1/messages"
+from pagedllm.entrypoints.openai.chat.events import ChatResult
+from pagedllm.entrypoints.openai.chat.serving import chat_prompt, generate_chat, prepare_chat
+from pagedllm.entrypoints.openai.common.state import ServerState, TenantDependency, check_model
 
 # Anthropic's error type of each status (a 503 is "overloaded" unless the engine died: ``_error_type``).
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -47,10 +46,6 @@ _ERROR_MEANINGS = {
     404: "not_found_error: the request's `model` is not served here",
     503: "overloaded_error while the model loads; api_error once the engine loop died",
 }
-# One server-sent event of a stream: its type, and the event as JSON (the schema applies to each event).
-_SSE_EVENT = {"type": "object", "required": ["event", "data"], "properties": {
-    "event": {"type": "string", "enum": list(STREAM_EVENTS)},
-    "data": {"type": "string", "description": "the event as JSON, its `type` the event's"}}}
 
 
 def _error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -61,22 +56,21 @@ def add_messages_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepen
     app.add_middleware(AnthropicErrors)
     _document_server_rules(app, state)
 
-    @app.post(MESSAGES_PATH, response_model=None, responses={
-        200: {"model": MessageResponse, "content": {"text/event-stream": {"schema": _SSE_EVENT}},
+    @app.post(routes.MESSAGES, response_model=None, responses={
+        200: {"model": MessageResponse, "content": sse.stream_content(sse.event_schema("the event as JSON, its `type` the event's", STREAM_EVENTS)),
               "description": "the message (JSON), or with `stream` true Anthropic's events as server-sent events"},
         **_error_responses(400, 401, 404, 503)})
     async def messages(body: MessagesRequest,
                        tenant: str | None = Depends(tenant_of)) -> dict[str, Any] | StreamingResponse:
         chat_body = messages_chat_request(state, body)
         job = prepare_chat(state, chat_body)
-        answer = await generate(state, "msg", [job.prompt], job.params, chat_body, tenant, chat=True,
-                                output=job.output, lora_request=job.lora_request)
-        if isinstance(answer, dict):
+        answer = await generate_chat(state, "msg", job, chat_body, tenant)
+        if isinstance(answer, ChatResult):
             return message_of(answer, body.model, new_message_id())
         stream = MessageStream(body.model, new_message_id(), len(job.prompt["prompt_token_ids"]))
-        return StreamingResponse(message_events(answer, stream), media_type="text/event-stream")
+        return StreamingResponse(message_events(answer, stream), media_type=sse.MEDIA_TYPE)
 
-    @app.post(MESSAGES_PATH + "/count_tokens", responses={
+    @app.post(routes.COUNT_TOKENS, responses={
         200: {"model": CountTokensResponse, "description": "the prompt's tokens as /v1/messages would run it"},
         **_error_responses(400, 401, 404, 503)})
     async def count_tokens(body: MessagesCountTokensRequest,
@@ -139,7 +133,7 @@ def _check_thinking(state: ServerState, body: MessagesCountTokensRequest, switch
 
 
 def is_messages_path(path: str) -> bool:
-    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+    return routes.is_under(path, routes.MESSAGES)
 
 
 def anthropic_error(status: int, body: bytes) -> bytes:

@@ -15,7 +15,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from pagedllm.logger import init_logger
 
-logger = init_logger("pagedllm.entrypoints.openai.protocol")
+logger = init_logger("pagedllm.entrypoints.openai.common.protocol")
 
 # Request fields of OpenAI's and vLLM's APIs that pagedllm does not implement,
 # with the values that ask for nothing (None is always one): setting another

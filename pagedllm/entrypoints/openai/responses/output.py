@@ -1,6 +1,6 @@
-"""The Response object of the Responses API and its stream of events, built
-from what the chat path answers (``serving.generate``): the whole
-chat.completion, or its chunks. One builder does both: a whole answer is fed as
+"""The Response object of the Responses API and its stream of events: the
+Responses encoder of chat's typed events (``chat.events``: the whole
+``ChatResult``, or the stream's steps). One builder does both: a whole answer is fed as
 one delta, so a stream and a whole response end with the same output items.
 
 Output items, in order: a ``reasoning`` item (the thinking, under
@@ -22,7 +22,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.entrypoints.openai.protocol_responses import FunctionToolChoice, ResponsesRequest
+from pagedllm.entrypoints.openai.chat.events import ChatResult, ChoiceDelta, MessageDelta
+from pagedllm.entrypoints.openai.common.usage import Usage
+from pagedllm.entrypoints.openai.responses.protocol import FunctionToolChoice, ResponsesRequest
+from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallDelta
 
 # Text item kind -> (id prefix, content part type, event name prefix).
 _TEXT_ITEMS = {"message": ("msg", "output_text", "response.output_text"),
@@ -90,33 +93,31 @@ class ResponseAssembler:
         return [self._event("response.created", response=self.response()),
                 self._event("response.in_progress", response=self.response())]
 
-    def feed_chunk(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
-        """The events of one chat.completion.chunk (its delta, its finish reason, the usage)."""
-        if chunk.get("usage") is not None:
-            self._set_usage(chunk["usage"])
-        events = []
-        for choice in chunk["choices"]:
-            events += self.feed(choice["delta"])
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+    def feed_event(self, event: ChoiceDelta | Usage) -> list[dict[str, Any]]:
+        """The events of one of chat's stream events (a step of the choice, or the usage)."""
+        if isinstance(event, Usage):
+            self._set_usage(event)
+            return []
+        events = self.feed(event.message)
+        self.finish_reason = event.message.finish_reason or self.finish_reason
         return events
 
-    def feed_completion(self, completion: dict[str, Any]) -> None:
-        """A whole chat.completion: its message as one delta."""
-        choice = completion["choices"][0]
-        message = choice["message"]
-        calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls") or ())]
-        self.feed({**message, "tool_calls": calls})
-        self.finish_reason = choice["finish_reason"]
-        self._set_usage(completion["usage"])
+    def feed_result(self, result: ChatResult) -> None:
+        """A whole chat answer: its message as one delta."""
+        choice = result.choices[0]
+        calls = tuple(ToolCallDelta(i, call.arguments, call.id, call.name) for i, call in enumerate(choice.tool_calls))
+        self.feed(MessageDelta(choice.reasoning, choice.content, calls))
+        self.finish_reason = choice.finish_reason
+        self._set_usage(result.usage)
 
-    def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+    def feed(self, delta: MessageDelta) -> list[dict[str, Any]]:
         """The events of a chat delta: thinking, answer text, tool calls."""
         events = []
-        if delta.get("reasoning_content"):
-            events += self._add_text("reasoning", delta["reasoning_content"])
-        if delta.get("content"):
-            events += self._add_text("message", delta["content"])
-        for call in delta.get("tool_calls") or ():
+        if delta.reasoning:
+            events += self._add_text("reasoning", delta.reasoning)
+        if delta.content:
+            events += self._add_text("message", delta.content)
+        for call in delta.tool_calls:
             events += self._add_call(call)
         return events
 
@@ -139,18 +140,17 @@ class ResponseAssembler:
         self.status, self.error = "failed", {"code": "server_error", "message": message}
         return [self._event("response.failed", response=self.response())]
 
-    def _set_usage(self, usage: dict[str, Any]) -> None:
+    def _set_usage(self, usage: Usage) -> None:
         thinking = "".join(part["text"] for item in self.output if item["type"] == "reasoning"
                            for part in item["content"])
-        output_tokens = usage["completion_tokens"]
+        output_tokens = usage.completion_tokens
         # Re-encoding the thinking's text: the chat path reports no per-part token counts.
         reasoning_tokens = min(self.count_tokens(thinking), output_tokens) if thinking else 0
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        self.usage = {"input_tokens": usage["prompt_tokens"],
+        self.usage = {"input_tokens": usage.prompt_tokens,
                       # prefix caching is automatic: nothing is charged as a cache write
-                      "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+                      "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
                       "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-                      "total_tokens": usage["prompt_tokens"] + output_tokens}
+                      "total_tokens": usage.prompt_tokens + output_tokens}
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self._sequence, **copy.deepcopy(fields)}
@@ -181,16 +181,16 @@ class ResponseAssembler:
                                   content_index=0, part=part))
         return events
 
-    def _add_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+    def _add_call(self, call: ToolCallDelta) -> list[dict[str, Any]]:
         events = []
-        if call.get("id") is not None:  # a new call: its header first
+        if call.id is not None:  # a new call: its header first
             events += self._close("completed")
-            item = {"id": new_id("fc"), "type": "function_call", "call_id": call["id"],
-                    "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
-            self._calls[call["index"]] = item
+            item = {"id": new_id("fc"), "type": "function_call", "call_id": call.id,
+                    "name": call.name, "arguments": "", "status": "in_progress"}
+            self._calls[call.index] = item
             events.append(self._open_item(item))
-        item = self._calls[call["index"]]
-        piece = call["function"].get("arguments") or ""
+        item = self._calls[call.index]
+        piece = call.arguments
         if piece:
             item["arguments"] += piece
             events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],

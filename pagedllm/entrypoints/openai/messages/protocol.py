@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from pagedllm.entrypoints.openai.protocol import NonEmptyStr, StrictModel, refuse_unimplemented_fields
+from pagedllm.entrypoints.openai.common.protocol import NonEmptyStr, StrictModel, refuse_unimplemented_fields
 
 # Fields of Anthropic's Messages API that pagedllm does not implement, with the values
 # that ask for nothing (None always does): any other value is a 400 naming the field.

@@ -12,15 +12,16 @@ lists those)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from pagedllm.entrypoints.chat_utils import rendering_arguments
-from pagedllm.entrypoints.openai.limits import bound_schema, document_request_tokens
-from pagedllm.entrypoints.openai.serving_completion import fim_token_names
-from pagedllm.entrypoints.openai.state import ServerState
+from pagedllm.entrypoints.openai.common.limits import bound_schema, document_request_tokens
+from pagedllm.entrypoints.openai.completions.serving import fim_token_names
+from pagedllm.entrypoints.openai.common.state import ServerState
 
 # FastAPI's components for its 422 answers, which this server never gives.
 _UNUSED_COMPONENTS = ("HTTPValidationError", "ValidationError")
@@ -46,7 +47,8 @@ def install_openapi(app: FastAPI, state: ServerState) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
-        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        schema = _published_names(get_openapi(title=app.title, version=app.version, description=app.description,
+                                              routes=app.routes))
         _integer_bounds(schema)
         for operation in _operations(schema):
             operation["responses"].pop("422", None)
@@ -61,6 +63,25 @@ def install_openapi(app: FastAPI, state: ServerState) -> None:
         return schema
 
     app.openapi = openapi
+
+
+# Chat's and Anthropic's AssistantMessage share a class name, so FastAPI names each component by
+# its module's path. These are the names the document published before the modules moved into a
+# folder per API: clients generated from it keep them, whatever the layout.
+_PUBLISHED_NAMES = {
+    "pagedllm__entrypoints__openai__chat__protocol__AssistantMessage":
+        "pagedllm__entrypoints__openai__protocol_chat__AssistantMessage",
+    "pagedllm__entrypoints__openai__messages__protocol__AssistantMessage":
+        "pagedllm__entrypoints__openai__protocol_messages__AssistantMessage",
+}
+
+
+def _published_names(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with its path-derived component names as published (keys, ``$ref``s, mappings)."""
+    text = json.dumps(schema)
+    for name, published in _PUBLISHED_NAMES.items():
+        text = text.replace(f'"{name}"', f'"{published}"').replace(f'/{name}"', f'/{published}"')
+    return json.loads(text)
 
 
 # JSON Schema's numeric bounds. FastAPI's OpenAPI models hold them as floats: 0 comes out as 0.0,

@@ -4,21 +4,28 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI
 
 from pagedllm.entrypoints.chat_utils import ChatRenderOptions, render_chat
-from pagedllm.entrypoints.openai.chat_output import ChatOutput
-from pagedllm.entrypoints.openai.errors import APIError, bad_request
-from pagedllm.entrypoints.openai.limits import check_limits, check_request_tokens
-from pagedllm.entrypoints.openai.protocol import (
+from pagedllm.entrypoints.openai.common import routes
+from pagedllm.entrypoints.openai.chat.choices import ChatChoices
+from pagedllm.entrypoints.openai.chat.encoder import ChatEncoder
+from pagedllm.entrypoints.openai.chat.events import ChatEvent, ChatResult, EngineFailure
+from pagedllm.entrypoints.openai.chat.output import ChatOutput
+from pagedllm.entrypoints.openai.common.errors import APIError, bad_request
+from pagedllm.entrypoints.openai.common.limits import check_limits, check_request_tokens
+from pagedllm.entrypoints.openai.common.protocol import (
     ChatCompletionRequest, NamedToolChoice, TokenizeRequest,
 )
-from pagedllm.entrypoints.openai.reasoning import ReasoningSplitter
-from pagedllm.entrypoints.openai.serving import GENERATION_RESPONSES, serve
-from pagedllm.entrypoints.openai.structured_outputs import check_structured_outputs
-from pagedllm.entrypoints.openai.state import ServerState, TenantDependency, check_model
+from pagedllm.entrypoints.openai.common.reasoning import ReasoningSplitter
+from pagedllm.entrypoints.openai.common.generation import (GENERATION_RESPONSES, add_prompts, finals, sse_response,
+                                                            stream_events)
+from pagedllm.entrypoints.openai.common.usage import Usage
+from pagedllm.entrypoints.openai.common.structured_outputs import check_structured_outputs
+from pagedllm.entrypoints.openai.common.state import ServerState, TenantDependency, check_model
 from pagedllm.entrypoints.openai.tool_parsers import ToolPlan, plan_tool_choice
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
@@ -37,11 +44,34 @@ class ChatJob:
 
 
 def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
-    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
+    @app.post(routes.CHAT, responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, tenant: str | None = Depends(tenant_of)):
         job = prepare_chat(state, body)
-        return await serve(state, "chatcmpl", [job.prompt], job.params, body, tenant, chat=True, output=job.output,
-                           lora_request=job.lora_request)
+        # made before the run, so that "created" is when the request came
+        encoder = ChatEncoder(state.engine_info.tokenizer, "chatcmpl", job.params.logprobs,
+                              body.model or state.served_model_name, _includes_usage(body))
+        answer = await generate_chat(state, "chatcmpl", job, body, tenant)
+        if isinstance(answer, ChatResult):
+            return encoder.body(answer)
+        return sse_response(answer, encoder.chunk)
+
+
+async def generate_chat(state: ServerState, kind: str, job: ChatJob, body: ChatCompletionRequest,
+                        tenant: str | None) -> ChatResult | AsyncIterator[ChatEvent]:
+    """Run a prepared chat request: the whole answer, or (``body.stream``) its
+    events, the usage last when ``stream_options.include_usage`` asks. The one run
+    of chat completions, the Responses API and the Messages API (``kind`` prefixes
+    the engine's request ids)."""
+    streams = await add_prompts(state, kind, [job.prompt], job.params, body, tenant, job.lora_request)
+    choices = ChatChoices(job.params, job.output)
+    if not body.stream:
+        return choices.result(await finals(streams))
+    usage = _includes_usage(body)
+    return stream_events(streams, choices.deltas, lambda last: [Usage.of(last)] if usage else [], EngineFailure)
+
+
+def _includes_usage(body: ChatCompletionRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
 
 
 def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> ChatJob:

@@ -10,9 +10,9 @@ tell its last call may be incomplete.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
-from pagedllm.entrypoints.openai.reasoning import ReasoningSplitter
+from pagedllm.entrypoints.openai.chat.events import ChoiceResult, MessageDelta, ToolCall
+from pagedllm.entrypoints.openai.common.reasoning import ReasoningSplitter
 from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallRecord
 from pagedllm.outputs import CompletionOutput
 
@@ -37,46 +37,41 @@ class ChatOutput:
         self._parsers: dict[int, ToolCallRecord] = {}
         self._splitters: dict[int, ReasoningSplitter] = {}
 
-    def message(self, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-        """The whole message and the choice's finish reason."""
-        text, message = completion.text, {"role": "assistant"}
+    def result(self, index: int, completion: CompletionOutput) -> ChoiceResult:
+        """The whole choice."""
+        text, reasoning = completion.text, None
+        shows_reasoning = self.new_reasoning_splitter is not None and self.show_reasoning
         if self.new_reasoning_splitter is not None:
             splitter = self.new_reasoning_splitter()
             text = splitter.take(text, finished=True).content
-            if self.show_reasoning:
-                message["reasoning_content"] = splitter.reasoning
-        if self.new_tool_parser is None:
-            return {**message, "content": text}, completion.finish_reason
-        parser = self.new_tool_parser()
-        parser.take(text, finished=True)
-        content, tool_calls = parser.message()
-        message["content"] = content
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        return message, _finish_reason(completion.finish_reason, bool(tool_calls))
+            reasoning = splitter.reasoning
+        content, calls, finish_reason = text, (), completion.finish_reason
+        if self.new_tool_parser is not None:
+            parser = self.new_tool_parser()
+            parser.take(text, finished=True)
+            content, tool_calls = parser.message()
+            calls = tuple(ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in tool_calls)
+            finish_reason = _finish_reason(completion.finish_reason, bool(calls))
+        return ChoiceResult(index, content, calls, reasoning if shows_reasoning else None, shows_reasoning,
+                            finish_reason, completion.stop_reason, completion.logprobs)
 
-    def delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict[str, Any] | None, str | None]:
-        """The stream delta for the choice's new ``text`` (None: nothing to send
-        yet, a parser holds it back) and the finish reason to report."""
-        delta: dict[str, Any] = {}
+    def delta(self, index: int, text: str, finish_reason: str | None) -> MessageDelta | None:
+        """What the choice's new ``text`` adds, with the finish reason to report
+        (None: nothing to send yet, a parser holds it back)."""
         finished = finish_reason is not None
+        reasoning = None
         if self.new_reasoning_splitter is not None:
             split = self._splitters.setdefault(index, self.new_reasoning_splitter()).take(text, finished)
             if split.reasoning and self.show_reasoning:
-                delta["reasoning_content"] = split.reasoning
+                reasoning = split.reasoning
             text = split.content
-        called = False
         if self.new_tool_parser is None:
-            if text:
-                delta["content"] = text
+            delta = MessageDelta(reasoning, text or None, (), finish_reason)
         else:
             parser = self._parsers.setdefault(index, self.new_tool_parser())
             parsed = parser.take(text, finished)
-            if parsed.content:
-                delta["content"] = parsed.content
-            if parsed.tool_calls:
-                delta["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
-            called = bool(parser.calls)
-        if not delta and not finished:
-            return None, None
-        return delta, _finish_reason(finish_reason, called)
+            delta = MessageDelta(reasoning, parsed.content or None, tuple(parsed.tool_calls),
+                                 _finish_reason(finish_reason, bool(parser.calls)))
+        if delta.reasoning is None and delta.content is None and not delta.tool_calls and not finished:
+            return None
+        return delta

@@ -18,8 +18,8 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.protocol_responses import (
+from pagedllm.entrypoints.openai.common.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.responses.protocol import (
     FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, InputItem, MessageItem, Refusal, ResponsesRequest,
     TextFormatJsonObject, TextFormatJsonSchema,
 )

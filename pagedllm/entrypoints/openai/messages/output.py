@@ -1,8 +1,7 @@
-"""Chat completions answers as Anthropic Messages answers: the whole message from
-a ``chat.completion``, and Anthropic's event stream from ``chat.completion.chunk``s.
+"""The Messages encoder of chat's typed events (``chat.events``): the whole
+message from a ``ChatResult``, and Anthropic's event stream from the stream's steps.
 
-Content blocks come in the order chat parses them: the thinking (chat's
-``reasoning_content``), the text, then one ``tool_use`` block per call. The
+Content blocks come in the order chat parses them: the thinking, the text, then one ``tool_use`` block per call. The
 stream opens a block when its first piece arrives and closes it when another
 kind begins, so empty text or thinking makes no block, whole or streamed.
 
@@ -19,6 +18,11 @@ import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
+
+from pagedllm.entrypoints.openai.chat.events import ChatEvent, ChatResult, ChoiceDelta, EngineFailure
+from pagedllm.entrypoints.openai.common import sse
+from pagedllm.entrypoints.openai.common.usage import Usage
+from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallDelta
 
 # Event types of a stream, in the order they come ("error" ends one early).
 STREAM_EVENTS = ("message_start", "content_block_start", "content_block_delta", "content_block_stop",
@@ -46,10 +50,9 @@ def stop_reason_of(finish_reason: str | None, matched: Any) -> tuple[str, str | 
     return "end_turn", None
 
 
-def usage_of(usage: dict[str, Any]) -> dict[str, int]:
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+def usage_of(usage: Usage) -> dict[str, int]:
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
+            "cache_read_input_tokens": usage.cached_tokens, "cache_creation_input_tokens": 0}
 
 
 def tool_input(arguments: str) -> dict[str, Any]:
@@ -63,28 +66,27 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def message_of(completion: dict[str, Any], model: str, message_id: str) -> dict[str, Any]:
-    """The Messages response of a whole ``chat.completion`` (one choice)."""
-    choice = completion["choices"][0]
-    message = choice["message"]
+def message_of(result: ChatResult, model: str, message_id: str) -> dict[str, Any]:
+    """The Messages response of a whole chat answer (one choice)."""
+    choice = result.choices[0]
     content: list[dict[str, Any]] = []
-    if message.get("reasoning_content"):
-        content.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
-    if message.get("content"):
-        content.append({"type": "text", "text": message["content"]})
-    for call in message.get("tool_calls") or []:
-        content.append({"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"],
-                        "input": tool_input(call["function"]["arguments"])})
-    stop_reason, stop_sequence = stop_reason_of(choice["finish_reason"], choice.get("stop_reason"))
+    if choice.reasoning:
+        content.append({"type": "thinking", "thinking": choice.reasoning, "signature": ""})
+    if choice.content:
+        content.append({"type": "text", "text": choice.content})
+    for call in choice.tool_calls:
+        content.append({"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
+                        "input": tool_input(call.arguments)})
+    stop_reason, stop_sequence = stop_reason_of(choice.finish_reason, choice.stop_reason)
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage_of(completion["usage"])}
+            "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage_of(result.usage)}
 
 
 Event = tuple[str, dict[str, Any]]
 
 
 class MessageStream:
-    """Anthropic's events for the chunks of one streamed chat completion."""
+    """Anthropic's events for one streamed chat answer's events."""
 
     def __init__(self, model: str, message_id: str, prompt_tokens: int) -> None:
         self.model, self.id, self.prompt_tokens = model, message_id, prompt_tokens
@@ -93,7 +95,7 @@ class MessageStream:
         self.call_blocks: dict[int, int] = {}  # chat's tool call index -> its block's index
         self.finish_reason: str | None = None
         self.matched: Any = None
-        self.usage: dict[str, Any] | None = None
+        self.usage: Usage | None = None
 
     def start(self) -> list[Event]:
         usage = {"input_tokens": self.prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0,
@@ -102,20 +104,20 @@ class MessageStream:
                    "stop_reason": None, "stop_sequence": None, "usage": usage}
         return [("message_start", {"message": message})]
 
-    def chunk(self, chunk: dict[str, Any]) -> list[Event]:
+    def event(self, event: ChoiceDelta | Usage) -> list[Event]:
+        if isinstance(event, Usage):
+            self.usage = event
+            return []
         events: list[Event] = []
-        for choice in chunk["choices"]:
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                events += self._piece("thinking", {"type": "thinking_delta", "thinking": delta["reasoning_content"]})
-            if delta.get("content"):
-                events += self._piece("text", {"type": "text_delta", "text": delta["content"]})
-            for call in delta.get("tool_calls") or []:
-                events += self._call_piece(call)
-            if choice.get("finish_reason") is not None:
-                self.finish_reason, self.matched = choice["finish_reason"], choice.get("stop_reason")
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
+        delta = event.message
+        if delta.reasoning:
+            events += self._piece("thinking", {"type": "thinking_delta", "thinking": delta.reasoning})
+        if delta.content:
+            events += self._piece("text", {"type": "text_delta", "text": delta.content})
+        for call in delta.tool_calls:
+            events += self._call_piece(call)
+        if delta.finish_reason is not None:
+            self.finish_reason, self.matched = delta.finish_reason, event.stop_reason
         return events
 
     def end(self) -> list[Event]:
@@ -145,38 +147,36 @@ class MessageStream:
             events = self._begin(block)
         return [*events, ("content_block_delta", {"index": len(self.kinds) - 1, "delta": delta})]
 
-    def _call_piece(self, call: dict[str, Any]) -> list[Event]:
+    def _call_piece(self, call: ToolCallDelta) -> list[Event]:
         """A call's first delta opens its tool_use block; its argument pieces are input_json_deltas."""
         events: list[Event] = []
-        function = call.get("function") or {}
-        if call.get("id") is not None:
-            events = self._begin({"type": "tool_use", "id": tool_use_id(call["id"]), "name": function["name"],
-                                  "input": {}})
-            self.call_blocks[call["index"]] = len(self.kinds) - 1
-        if function.get("arguments"):
-            events.append(("content_block_delta", {"index": self.call_blocks[call["index"]], "delta": {
-                "type": "input_json_delta", "partial_json": function["arguments"]}}))
+        if call.id is not None:
+            events = self._begin({"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": {}})
+            self.call_blocks[call.index] = len(self.kinds) - 1
+        if call.arguments:
+            events.append(("content_block_delta", {"index": self.call_blocks[call.index], "delta": {
+                "type": "input_json_delta", "partial_json": call.arguments}}))
         return events
 
 
 def server_sent_event(kind: str, data: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+    return sse.named_event(kind, {"type": kind, **data})
 
 
-async def message_events(chunks: AsyncGenerator[dict[str, Any], None], stream: MessageStream) -> AsyncIterator[str]:
-    """The SSE text of ``chunks`` (``serving.generate``'s); an engine that died
-    mid-stream ends it with an ``error`` event. Closing this closes ``chunks``,
+async def message_events(chat_events: AsyncGenerator[ChatEvent, None], stream: MessageStream) -> AsyncIterator[str]:
+    """The SSE text of chat's events (``chat.serving.generate_chat``'s); an engine that
+    died mid-stream ends it with an ``error`` event. Closing this closes ``chat_events``,
     which aborts the request (a client that went away)."""
     try:
         for kind, data in stream.start():
             yield server_sent_event(kind, data)
-        async for chunk in chunks:
-            if "error" in chunk:
-                yield server_sent_event("error", {"error": {"type": "api_error", "message": chunk["error"]["message"]}})
+        async for event in chat_events:
+            if isinstance(event, EngineFailure):
+                yield server_sent_event("error", {"error": {"type": "api_error", "message": event.message}})
                 return
-            for kind, data in stream.chunk(chunk):
+            for kind, data in stream.event(event):
                 yield server_sent_event(kind, data)
         for kind, data in stream.end():
             yield server_sent_event(kind, data)
     finally:
-        await chunks.aclose()
+        await chat_events.aclose()
