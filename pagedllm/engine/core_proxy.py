@@ -152,7 +152,10 @@ class EngineCoreProxy:
         return bool(self._live)
 
     def step(self) -> list[RequestOutput]:
-        """The outputs of the core's next step for this process's live requests."""
+        """The outputs of the core's next step for this process's live requests; [] without any
+        (the core sends nothing until it has work: waiting would never end)."""
+        if not self._live:
+            return []
         batch = self._early.popleft() if self._early else self._answer_batch()
         outputs = []
         for delta in batch.outputs:
