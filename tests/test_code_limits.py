@@ -3,12 +3,14 @@
 - no source file in ``pagedllm/`` (Python, C++ and its headers) over 400 lines;
 - no Python function over 60 lines, the Triton kernels included;
 - no import circle between the folders of ``pagedllm/``: each subpackage is one
-  node, each top-level module (``config.py``, ``utils.py``, ...) is its own node,
+  node, each top-level module (``utils.py``, ``outputs.py``, ...) is its own node,
   and so is the ``pagedllm/__init__.py`` facade. Function-level imports count;
   only imports under ``if TYPE_CHECKING:`` are exempt, since they never run;
 - ``pagedllm.core`` is pure bookkeeping: importing it never loads torch;
 - an HTTP path of the API server is written once, in its route table
   (``entrypoints/openai/common/routes.py``): the server and the router import it.
+- no ``isinstance`` on the engine's request kinds outside their own modules:
+  the engine reads them through ``engine/user_request.py``'s ``UserRequest``.
 
 Every failure names the file and line (and the function, or the import) to fix.
 """
@@ -249,3 +251,32 @@ def test_route_paths_are_written_only_in_the_route_table():
                     and (node.value in paths or node.value.startswith("/v1/")):
                 copies.append(f"{_shown(path)}:{node.lineno}: {node.value!r}")
     assert not copies, "route paths written outside the route table:\n" + "\n".join(copies)
+
+
+# The engine's request kinds, each with the module that defines (and alone may test for) it.
+REQUEST_KINDS = {"RequestState": "pagedllm/engine/output_processor.py", "BeamGroup": "pagedllm/engine/beam_search.py"}
+
+
+def _isinstance_kinds(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """(line, kind) of every ``isinstance(x, KIND)`` (or a tuple holding one) under ``tree``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance" \
+                and len(node.args) == 2:
+            classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            for cls in classes:
+                name = cls.id if isinstance(cls, ast.Name) else cls.attr if isinstance(cls, ast.Attribute) else None
+                if name in REQUEST_KINDS:
+                    yield node.lineno, name
+
+
+def test_no_isinstance_on_request_kinds_outside_their_modules():
+    found = [f"{_shown(path)}:{line} isinstance on {kind}"
+             for path in _source_files({".py"})
+             for line, kind in _isinstance_kinds(_parsed(path))
+             if _shown(path) != REQUEST_KINDS[kind]]
+    assert not found, "branch on UserRequest's members instead:\n" + "\n".join(found)
+
+
+def test_the_request_kind_rule_sees_names_attributes_and_tuples():
+    tree = ast.parse("isinstance(a, BeamGroup)\nisinstance(b, (int, output_processor.RequestState))\nisinstance(c, int)")
+    assert list(_isinstance_kinds(tree)) == [(1, "BeamGroup"), (2, "RequestState")]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.lora_admin import add_lora, remove_lora
@@ -99,9 +100,9 @@ class AsyncLLMEngine:
             self._lock, self._wakeup = asyncio.Lock(), asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
 
-    async def wait_ready(self) -> None:
-        """Ready once started (the engine is built before this object): the
-        engine-core client's counterpart waits for its process."""
+    async def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Ready once started (the engine is built before this object), so
+        ``timeout_s`` never runs out: the engine-core client's counterpart waits for its process."""
 
     async def stop(self) -> None:
         if self._loop_task is not None:
@@ -127,13 +128,14 @@ class AsyncLLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
+        *,
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Queue a request now (raises ``ValueError`` at once for a bad one) and
-        return the stream of its outputs."""
+        """Queue a request now, sampled or a beam search (``LLMEngine.add_request``:
+        raises ``ValueError`` at once for a bad one) and return the stream of its outputs."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine loop died ({self.dead_error!r}); restart the server")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()

@@ -111,7 +111,7 @@ class _Hypothesis:
 @dataclass
 class BeamGroup:
     """One prompt's beam search: HF's ranking state, and the sequence-group
-    policy of its beams (pure Python). Its first beam is the request itself
+    policy of its beams (pure Python); a ``UserRequest`` of the engine. Its first beam is the request itself
     (id ``request_id``), which reserves ``beam_width`` places at admission.
 
     Safety rule: beams are never swapped (``may_swap``): a parked beam that is
@@ -140,6 +140,17 @@ class BeamGroup:
     # candidates; the sampled token is ignored), never swaps, never speculates.
     may_swap = False
     may_speculate = False
+    streams_tokens = False  # (``UserRequest``) it reports itself, once done
+
+    @property
+    def num_completions(self) -> int:
+        return self.params.beam_width
+
+    def output_lengths(self) -> list[int]:  # no hypothesis is reported before the search is done
+        return []
+
+    def own_output(self, tokenizer) -> RequestOutput | None:
+        return self.request_output(tokenizer) if self.done else None
 
     def __post_init__(self) -> None:
         self.running = {self.request_id: 0.0}

@@ -22,6 +22,7 @@ import psutil
 import zmq
 import zmq.asyncio
 
+from pagedllm.core.prompt_tokens import tokenized
 from pagedllm.engine.async_engine import EngineDeadError, RequestStream
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.core_messages import (AbortRequests, AddRequest, AddResult, EngineFacts, EngineFailed, Hello,
@@ -50,16 +51,13 @@ def info_of(facts: EngineFacts, tokenizer: Any) -> EngineInfo:
     )
 
 
-def tokenized(tokenizer: Any, prompt: Any) -> Any:
-    """``prompt`` with its token ids, so the core does not tokenize: text becomes
-    ``{"prompt": text, "prompt_token_ids": ids}`` (the engine's own
-    ``tokenizer.encode``); anything else goes as it is (the core validates it)."""
-    if isinstance(prompt, str) and prompt:
-        return {"prompt": prompt, "prompt_token_ids": tokenizer.encode(prompt)}
-    if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str) \
-            and prompt["prompt"]:
-        return {**prompt, "prompt_token_ids": tokenizer.encode(prompt["prompt"])}
-    return prompt
+def add_message(tokenizer: Any, request_id: str, prompt: Any, params: SamplingParams | BeamSearchParams,
+                priority: int, cache_salt: str | None, lora_request: LoRARequest | None) -> AddRequest:
+    """The message that adds a request to the core: its prompt tokenized here, a beam
+    search's params in ``beam`` (the core's engine refuses what it cannot run)."""
+    beam = params if isinstance(params, BeamSearchParams) else None
+    return AddRequest(request_id, tokenized(tokenizer, prompt), None if beam else params, beam=beam,
+                      priority=priority, cache_salt=cache_salt, lora_request=lora_request)
 
 
 def request_error(error: RequestError) -> ValueError:
@@ -176,19 +174,12 @@ class AsyncEngineCoreClient:
         self._ids += 1
         return f"{prefix}-{self.identity.decode()}-{self._ids}"
 
-    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams, priority: int = 0,
-                          cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams | BeamSearchParams, *,
+                          priority: int = 0, cache_salt: str | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request in the core (raises ``ValueError`` as ``LLMEngine.add_request``
         does, once the core has checked it) and return the stream of its outputs."""
-        message = AddRequest(request_id, tokenized(self.info.tokenizer, prompt), params,
-                             priority=priority, cache_salt=cache_salt, lora_request=lora_request)
-        queue = await self._add(message)
-        return RequestStream(request_id, queue, self.abort)
-
-    async def add_beam_request(self, request_id: str, prompt: Any, params: BeamSearchParams,
-                               priority: int = 0, cache_salt: str | None = None) -> RequestStream:
-        message = AddRequest(request_id, tokenized(self.info.tokenizer, prompt), beam=params,
-                             priority=priority, cache_salt=cache_salt)
+        message = add_message(self.info.tokenizer, request_id, prompt, params, priority, cache_salt, lora_request)
         return RequestStream(request_id, await self._add(message), self.abort)
 
     async def _add(self, message: AddRequest) -> asyncio.Queue:

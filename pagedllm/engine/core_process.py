@@ -177,13 +177,9 @@ class EngineCore:
         from pagedllm.structured_output import StructuredOutputError
 
         try:
-            if message.beam is not None:
-                self.engine.add_beam_request(message.request_id, message.prompt, message.beam,
-                                             priority=message.priority, cache_salt=message.cache_salt)
-            else:
-                self.engine.add_request(message.request_id, message.prompt, message.params,
-                                        priority=message.priority, cache_salt=message.cache_salt,
-                                        lora_request=message.lora_request)
+            self.engine.add_request(message.request_id, message.prompt, message.beam or message.params,
+                                    priority=message.priority, cache_salt=message.cache_salt,
+                                    lora_request=message.lora_request)
         except StructuredOutputError as exc:
             self._send(identity, AddResult(message.request_id, RequestError(str(exc), exc.kind, exc.reason)))
             return

@@ -17,7 +17,8 @@ from typing import Any
 import zmq
 
 from pagedllm.engine.beam_search import BeamSearchParams
-from pagedllm.engine.core_client import LIVENESS_INTERVAL_S, core_process_alive, info_of, request_error, tokenized
+from pagedllm.engine.core_client import (LIVENESS_INTERVAL_S, add_message, core_process_alive, info_of,
+                                         request_error)
 from pagedllm.engine.core_messages import (AbortRequests, AddRequest, AddResult, EngineFailed, Hello, OutputBatch,
                                            Ready, RequestsDropped, UtilityCall, UtilityResult, input_codec,
                                            output_codec)
@@ -126,16 +127,10 @@ class EngineCoreProxy:
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | BeamSearchParams | None = None, *,
                     priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> None:
         params = params or self.get_default_sampling_params()
-        self._add(AddRequest(request_id, tokenized(self.info.tokenizer, prompt), params, priority=priority,
-                             cache_salt=cache_salt, lora_request=lora_request))
-
-    def add_beam_request(self, request_id: str, prompt: Any, params: BeamSearchParams, priority: int = 0,
-                         cache_salt: str | None = None) -> None:
-        self._add(AddRequest(request_id, tokenized(self.info.tokenizer, prompt), beam=params, priority=priority,
-                             cache_salt=cache_salt))
+        self._add(add_message(self.info.tokenizer, request_id, prompt, params, priority, cache_salt, lora_request))
 
     def _add(self, message: AddRequest) -> None:
         self._send(message)
@@ -157,7 +152,10 @@ class EngineCoreProxy:
         return bool(self._live)
 
     def step(self) -> list[RequestOutput]:
-        """The outputs of the core's next step for this process's live requests."""
+        """The outputs of the core's next step for this process's live requests; [] without any
+        (the core sends nothing until it has work: waiting would never end)."""
+        if not self._live:
+            return []
         batch = self._early.popleft() if self._early else self._answer_batch()
         outputs = []
         for delta in batch.outputs:

@@ -24,7 +24,8 @@ from pagedllm.engine.setup import (create_kv_cache_manager, create_lora, eos_tok
 from pagedllm.engine.beam_search import BeamGroup, BeamSearchParams
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.kv_channels import KVChannels
-from pagedllm.engine.output_processor import OutputProcessor, RequestState
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.user_request import UserRequest
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import IterationStats
@@ -58,8 +59,8 @@ class _LaunchedStep:
 class _AppliedStep:
     """A step's tokens, applied; what is left to report."""
 
-    sampled: list[Request]  # sequences of sampled requests that got tokens (beams report as a group)
-    beam_outputs: list[RequestOutput]
+    sampled: list[Request]  # sequences that got tokens, of requests whose tokens stream (beams report as a group)
+    own_outputs: list[RequestOutput]  # of requests that report themselves (finished beam searches)
     iteration: IterationStats
 
 
@@ -99,8 +100,8 @@ class LLMEngine:
         # Grammar state of guided sequences; the driver alone samples, so it lives here.
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         # The one registry of user requests: sampled ones by their output state,
-        # beam searches by their ranking state (both carry the request's metrics).
-        self.requests: dict[str, RequestState | BeamGroup] = {}
+        # beam searches by their ranking state (``UserRequest``s, with the request's metrics).
+        self.requests: dict[str, UserRequest] = {}
         self._request_counter = self.num_steps = self.num_scheduled_sequences = 0
         self.peak_running_per_step = 0  # most sequences in one forward pass
         self.num_batched_tokens = 0  # tokens through the forward, summed over steps
@@ -147,8 +148,12 @@ class LLMEngine:
     def get_default_sampling_params(self) -> SamplingParams:  # what a request without SamplingParams runs with
         return SamplingParams(**self.default_sampling_params)
 
-    def reset_step_timings(self) -> None:  # seconds spent per phase of step(), for the benchmarks' split
-        self.step_timings = {"bookkeeping": 0.0, "input preparation": 0.0, "forward": 0.0, "sampling": 0.0}
+    @property
+    def step_timings(self) -> dict[str, float]:  # seconds spent per phase of step(), for the benchmarks' split
+        return self._step_timings
+
+    def reset_step_timings(self) -> None:
+        self._step_timings = {"bookkeeping": 0.0, "input preparation": 0.0, "forward": 0.0, "sampling": 0.0}
 
     def capacity_line(self) -> str:
         """The start-up description of the KV pool and its tiers (the CLI and the server print it)."""
@@ -181,21 +186,31 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | None = None,
+        *,
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request (under ``lora_request``'s adapter, if any).
-        Raises ``ValueError`` (and changes nothing) on an empty or too-long prompt,
-        out-of-vocabulary token ids, a request that could never fit in the pool, a
-        reused request id, a bad adapter, or a structured-output constraint that
-        does not compile."""
+        """Validate and queue a request: sampled with ``SamplingParams`` (under
+        ``lora_request``'s adapter, if any; None: the defaults), or a beam search
+        with ``BeamSearchParams``, whose result is one finished RequestOutput whose
+        outputs are the ``beam_width`` best hypotheses, best first. Raises
+        ``ValueError`` (and changes nothing) on other params, an empty or too-long
+        prompt, out-of-vocabulary token ids, a request that could never fit in the
+        pool, a reused request id, a bad adapter (or one with a beam search), or a
+        structured-output constraint that does not compile."""
         params = params or self.get_default_sampling_params()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError(f"params must be a SamplingParams or a BeamSearchParams, got {type(params).__name__}")
         self._check_new_id(request_id)
+        if isinstance(params, BeamSearchParams):
+            if lora_request is not None:
+                raise ValueError("beam search runs on the base model: it takes no lora_request")
+            self.requests[request_id] = self._new_beam_group(request_id, prompt, params, arrival_time, priority,
+                                                             cache_salt)
+            return
         self.input_processor.check_logprobs(params)  # beam search's internal candidates are exempt
         request, prompt_text = self.input_processor.new_request(
             request_id, prompt, params, params.num_sequences, arrival_time, priority, cache_salt,
@@ -207,19 +222,9 @@ class LLMEngine:
             self.structured_output.add_sequence(request_id, grammar, params.structured_outputs.reasoning)
         self.requests[request_id] = self.output_processor.new_state(request, prompt_text)
 
-    def add_beam_request(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: BeamSearchParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> None:
-        """Queue a beam search; its result is one finished RequestOutput whose
-        outputs are the ``beam_width`` best hypotheses, best first."""
-        if not isinstance(params, BeamSearchParams):
-            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        self._check_new_id(request_id)
+    def _new_beam_group(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
+                        arrival_time: float | None, priority: int, cache_salt: str | None) -> BeamGroup:
+        """Queue a beam search's first beam; its group ranks the hypotheses."""
         group = BeamGroup(
             request_id, None, [], params, self.eos_token_ids, RequestMetrics(arrival_time=time.time())
         )
@@ -229,12 +234,12 @@ class LLMEngine:
         )
         # Admission reserves beam_width places; the group's policy decides each step's tokens.
         request, group.prompt = self.input_processor.new_request(
-            request_id, prompt, sampling, params.beam_width, None, priority, cache_salt, group_policy=group
+            request_id, prompt, sampling, params.beam_width, arrival_time, priority, cache_salt, group_policy=group
         )
         group.prompt_token_ids = request.prompt_token_ids
         group.metrics.arrival_time = request.arrival_time
         self.scheduler.add_request(request)
-        self.requests[request_id] = group
+        return group
 
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self.requests:
@@ -345,13 +350,12 @@ class LLMEngine:
         iteration = self.stats_reporter.begin()
         self.stats_reporter.observe_advanced(iteration, advanced, self.requests, runner_output.sampled)
         states = {request.group_id: self.requests[request.group_id] for request in advanced}
-        beam_outputs = [state.request_output(self.tokenizer) for state in states.values()
-                        if isinstance(state, BeamGroup) and state.done]
+        own_outputs = [output for state in states.values() if (output := state.own_output(self.tokenizer))]
         self.structured_output.retain(self.scheduler.requests)
         if self.config.debug_invariants:
             self.check_invariants()
-        sampled = [request for request in advanced if isinstance(states[request.group_id], RequestState)]
-        return _AppliedStep(sampled, beam_outputs, iteration)
+        sampled = [request for request in advanced if states[request.group_id].streams_tokens]
+        return _AppliedStep(sampled, own_outputs, iteration)
 
     def _report(self, applied: _AppliedStep, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         """Text, stop strings (the engine finishes those sequences here) and the
@@ -359,7 +363,7 @@ class LLMEngine:
         processed = self.output_processor.process(applied.sampled, runner_output.sampled, self.requests)
         for sequence_id in processed.stopped_sequence_ids:
             self.scheduler.finish_request(sequence_id, RequestStatus.FINISHED_STOPPED)
-        outputs = processed.outputs + applied.beam_outputs
+        outputs = processed.outputs + applied.own_outputs
         for output in outputs:
             if output.finished:
                 self.stats_reporter.observe_output(applied.iteration, output, self.requests.pop(output.request_id))

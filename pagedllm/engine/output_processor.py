@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.core.request import Request, child_request_id
 from pagedllm.core.runner_output import SampledTokens
@@ -43,7 +44,7 @@ class SequenceState:
 
 @dataclass
 class RequestState:
-    """One user request: its prompt and the sequences it became."""
+    """One user request: its prompt and the sequences it became (a ``UserRequest``)."""
 
     request_id: str
     prompt: str | None
@@ -53,9 +54,21 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     sequences: dict[int, SequenceState] = field(default_factory=dict)
 
+    streams_tokens = True  # (``UserRequest``) the output processor reports its tokens
+
     @property
     def num_sequences(self) -> int:
         return self.params.num_sequences
+
+    @property
+    def num_completions(self) -> int:
+        return self.params.n
+
+    def output_lengths(self) -> list[int]:
+        return [len(s.request.output_token_ids) for s in self.sequences.values()]
+
+    def own_output(self, tokenizer: Any) -> None:  # its outputs are the output processor's
+        return None
 
     def live_sequence_ids(self) -> list[str]:
         """Ids of every sequence the request may still have in the scheduler."""

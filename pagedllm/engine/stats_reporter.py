@@ -16,8 +16,7 @@ from typing import Any
 from pagedllm.config.engine import EngineConfig, SchedulerConfig
 from pagedllm.core.request import Request
 from pagedllm.core.runner_output import SampledTokens
-from pagedllm.engine.beam_search import BeamGroup
-from pagedllm.engine.output_processor import RequestState
+from pagedllm.engine.user_request import UserRequest
 from pagedllm.metrics import IterationStats, MetricsContext, PrometheusStatLogger, StatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.worker.memory import PoolPlan
@@ -61,7 +60,7 @@ class StatsReporter:
 
     @staticmethod
     def observe_advanced(iteration: IterationStats, advanced: list[Request],
-                         states: Mapping[str, RequestState | BeamGroup], sampled: Mapping[str, SampledTokens]) -> None:
+                         states: Mapping[str, UserRequest], sampled: Mapping[str, SampledTokens]) -> None:
         """The sequences that got tokens this step, grouped by user request;
         ``sampled``: the runner's tokens per sequence (several for a speculating one)."""
         by_request: dict[str, tuple[int, int]] = {}
@@ -71,23 +70,19 @@ class StatsReporter:
         for request_id, (prompt_len, tokens) in by_request.items():
             iteration.observe_tokens(states[request_id].metrics, prompt_len, tokens)
 
-    def observe_output(self, iteration: IterationStats, output: RequestOutput, state: RequestState | BeamGroup) -> None:
+    def observe_output(self, iteration: IterationStats, output: RequestOutput, state: UserRequest) -> None:
         """A request that finished with its last output."""
         reason = output.outputs[0].finish_reason if output.outputs else "abort"
         self._observe_end(iteration, state, reason or "abort", [len(c.token_ids) for c in output.outputs])
 
-    def observe_abort(self, iteration: IterationStats, state: RequestState | BeamGroup) -> None:
-        lengths = [len(s.request.output_token_ids) for s in state.sequences.values()] \
-            if isinstance(state, RequestState) else []
-        self._observe_end(iteration, state, "abort", lengths)
+    def observe_abort(self, iteration: IterationStats, state: UserRequest) -> None:
+        self._observe_end(iteration, state, "abort", state.output_lengths())
 
-    def _observe_end(self, iteration: IterationStats, state: RequestState | BeamGroup, reason: str,
+    def _observe_end(self, iteration: IterationStats, state: UserRequest, reason: str,
                      lengths: list[int]) -> None:
-        params = state.params
-        n = params.beam_width if isinstance(state, BeamGroup) else params.n
         prompt_len = len(state.prompt_token_ids)
-        max_tokens = params.max_tokens or self.context.max_model_len - prompt_len
-        iteration.observe_finished(state.metrics, reason, prompt_len, lengths, n, max_tokens)
+        max_tokens = state.params.max_tokens or self.context.max_model_len - prompt_len
+        iteration.observe_finished(state.metrics, reason, prompt_len, lengths, state.num_completions, max_tokens)
 
     def record(self, iteration: IterationStats) -> None:
         stats = self._scheduler_stats()

@@ -1,24 +1,20 @@
-"""The offline ``LLM`` class: vLLM's user-facing shape over ``LLMEngine``."""
+"""The offline ``LLM`` class: vLLM's user-facing shape over an ``EngineClient`` (``engine/client.py``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedllm.config.engine import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.client import EngineClient, make_engine_client
+from pagedllm.engine.input_processor import PromptType
 from pagedllm.entrypoints.chat_utils import ChatRenderOptions, load_chat_template, render_chat
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.reader import Metric, get_metrics_snapshot
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagedllm.engine.core_proxy import EngineCoreProxy
-    from pagedllm.fleet.offline import OfflineFleet
 
 ChatMessages = list[dict[str, Any]]
 
@@ -51,21 +47,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, engine_process: bool = False, data_parallel_size: int = 1,
                  **options: Any) -> None:
-        from pagedllm.fleet.offline import check_data_parallel_size
-
-        self.data_parallel_size = check_data_parallel_size(data_parallel_size)
-        config = EngineConfig.from_options(model=model, **options)  # bad options raise here, in this process
-        if data_parallel_size > 1:
-            from pagedllm.fleet.offline import OfflineFleet
-
-            self.llm_engine: LLMEngine | EngineCoreProxy | OfflineFleet = OfflineFleet(
-                {"model": model, **options}, data_parallel_size)
-        elif engine_process:
-            from pagedllm.engine.core_proxy import EngineCoreProxy
-
-            self.llm_engine = EngineCoreProxy({"model": model, **options})
-        else:
-            self.llm_engine = LLMEngine(config)
+        self.llm_engine: EngineClient = make_engine_client({"model": model, **options}, engine_process=engine_process,
+                                                           data_parallel_size=data_parallel_size)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes (a no-op with one rank) and the
@@ -221,7 +204,7 @@ class LLM:
         + generated tokens), best score first."""
         prompt_list = _as_prompt_list(prompts)
         finished = self._drive(
-            prompt_list, lambda engine, rid, prompt, i: engine.add_beam_request(rid, prompt, params), use_tqdm
+            prompt_list, lambda engine, rid, prompt, i: engine.add_request(rid, prompt, params), use_tqdm
         )
         results = []
         for out in finished:
@@ -244,10 +227,8 @@ class LLM:
     def _drive(self, prompts: list[PromptType], add, use_tqdm: bool) -> list[RequestOutput]:
         """Queue every prompt with ``add(engine, request_id, prompt, index)``, step
         until all finish, and return the final outputs in prompt order (with
-        ``data_parallel_size`` > 1 the fleet routes, queues and steps them)."""
+        ``data_parallel_size`` > 1 the fleet routes each to a replica and steps them all)."""
         engine = self.llm_engine
-        if self.data_parallel_size > 1:
-            return engine.run(prompts, add, use_tqdm)
         request_ids = [engine.next_request_id() for _ in prompts]
         finished: dict[str, RequestOutput] = {}
         try:
@@ -260,7 +241,7 @@ class LLM:
                             finished[output.request_id] = output
                             bar.update(1)
         finally:
-            # On any error (bad prompt midway, interrupt) nothing stays queued or holds blocks.
+            # On any error (bad prompt midway, interrupt, a dead core) nothing stays queued or holds blocks.
             engine.abort_request([rid for rid in request_ids if rid not in finished])
         return [finished[rid] for rid in request_ids]
 

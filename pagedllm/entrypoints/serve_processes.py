@@ -18,7 +18,8 @@ import socket
 import sys
 import time
 
-from pagedllm.engine.core_client import LIVENESS_INTERVAL_S, AsyncEngineCoreClient
+from pagedllm.engine.client import CoreConnection
+from pagedllm.engine.core_client import LIVENESS_INTERVAL_S
 from pagedllm.engine.core_process import CoreLaunch, EngineCoreProcess
 from pagedllm.entrypoints.serve_setup import ServerStopper, run_uvicorn, server_state, uvicorn_options
 from pagedllm.entrypoints.engine_args import engine_options_from_args
@@ -58,7 +59,7 @@ def _serve_here(args: argparse.Namespace, names: list[str], core: EngineCoreProc
         logger.error("the engine core exited (status %s): the server stops", exitcode)
         stop_server()  # open streams have ended with their error event
 
-    state = server_state(args, names, lambda: AsyncEngineCoreClient(
+    state = server_state(args, names, lambda: CoreConnection(
         core.launch.address, core, restart=args.restart_engine_on_failure, on_core_exit=core_exited), stop_server)
     run_uvicorn(build_app(state, args.allowed_origins), uvicorn_options(args), stop_server)
     return 1 if core_died or state.load_error is not None else 0
@@ -81,7 +82,7 @@ def _api_server_main(args: argparse.Namespace, names: list[str], sock: socket.so
     from pagedllm.entrypoints.openai.api_server import build_app
 
     stop_server = ServerStopper()
-    state = server_state(args, names, lambda: AsyncEngineCoreClient(address, name=f"api{index}"), stop_server)
+    state = server_state(args, names, lambda: CoreConnection(address, name=f"api{index}"), stop_server)
     run_uvicorn(build_app(state, args.allowed_origins), uvicorn_options(args), stop_server, sockets=[sock])
     if state.load_error is not None:
         sys.exit(1)

@@ -77,7 +77,7 @@ def make_machine(make_llm):
         def add_beam_request(self, own, beam_width, max_tokens, priority):
             request_id = self._new_id()
             params = BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens)
-            self.engine.add_beam_request(request_id, {"prompt_token_ids": own}, params, priority=priority)
+            self.engine.add_request(request_id, {"prompt_token_ids": own}, params, priority=priority)
             self.asked[request_id] = {"prompt": own, "params": params, "beam": True}
             self.live.add(request_id)
 

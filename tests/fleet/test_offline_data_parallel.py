@@ -92,7 +92,7 @@ def test_a_bad_prompt_raises_and_nothing_leaks(fleet):
             fleet.generate(bad, SamplingParams(max_tokens=4), use_tqdm=False)
         stats = fleet.stats()
         assert stats["num_free_blocks"] == stats["num_blocks"]
-        assert fleet.llm_engine.call("num_unfinished_requests") == [0, 0]
+        assert [replica.call("num_unfinished_requests") for replica in fleet.llm_engine.replicas] == [0, 0]
         assert not fleet.llm_engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="scheduling_policy"):  # refused by the replica, after others were queued
         fleet.generate(PROMPTS[:4], GREEDY, priority=[0, 0, 0, 1], use_tqdm=False)
@@ -102,7 +102,7 @@ def test_a_bad_prompt_raises_and_nothing_leaks(fleet):
     assert fleet.generate("still works", GREEDY, use_tqdm=False)[0].finished
 
 
-def test_the_other_methods_aggregate_or_refuse(fleet):
+def test_the_other_methods_aggregate(fleet):
     fleet.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
     snapshot = fleet.kv_pool_snapshot()
     assert snapshot["data_parallel_size"] == 2 and [s["num_blocks"] for s in snapshot["replicas"]] == [128, 128]
@@ -113,8 +113,22 @@ def test_the_other_methods_aggregate_or_refuse(fleet):
     fleet.reset_step_timings()
     fleet.reset_peak_blocks_in_use()
     assert fleet.reset_prefix_cache() > 0 and fleet.stats()["num_cached_blocks"] == 0
-    with pytest.raises(ValueError, match="data_parallel_size > 1"):
-        fleet.llm_engine.step()
+    assert fleet.llm_engine.step() == []  # nothing queued
+
+
+def test_the_fleet_is_an_engine_client_routing_each_request(single, fleet):
+    engine = fleet.llm_engine
+    for prompt in PROMPTS[:3]:
+        engine.add_request(engine.next_request_id(), prompt, GREEDY)
+    engine.add_request(engine.next_request_id(), PROMPTS[3], BeamSearchParams(beam_width=2, max_tokens=6))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((output.request_id, output) for output in engine.step() if output.finished)
+    got = sorted(finished.values(), key=lambda output: int(output.request_id))
+    assert _texts(got[:3]) == _texts(single.generate(PROMPTS[:3], GREEDY, use_tqdm=False))
+    beams = single.beam_search(PROMPTS[3:4], BeamSearchParams(beam_width=2, max_tokens=6))
+    assert [got[3].prompt_token_ids + c.token_ids for c in got[3].outputs] == [s.tokens for s in beams[0].sequences]
+    assert len(engine.last_assignment) == 4
 
 
 @pytest.mark.parametrize("size", [0, -1, True, 1.0, "2"])

@@ -27,8 +27,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.version import __version__
 from pagedllm.logger import init_logger
-from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from pagedllm.engine.core_client import AsyncEngineCoreClient
+from pagedllm.engine.async_engine import EngineDeadError
+from pagedllm.engine.client import make_async_engine_client
 from pagedllm.entrypoints.openai.common import routes
 from pagedllm.entrypoints.openai.common.errors import APIError, error_body, error_responses, install_error_handlers
 from pagedllm.entrypoints.openai.common.openapi_doc import install_openapi
@@ -108,8 +108,7 @@ async def _load_engine(state: ServerState) -> None:
     ready; then serve. A failed load is kept for /health and logged."""
     client = None
     try:
-        loaded = await asyncio.to_thread(state.load_engine)
-        client = loaded if isinstance(loaded, AsyncEngineCoreClient) else AsyncLLMEngine(loaded)
+        client = make_async_engine_client(await asyncio.to_thread(state.load_engine))
         client.start()
         await client.wait_ready()
         if state.reasoning_parser is not None:  # a parser that does not fit the model stops the server

@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.engine.core_client import AsyncEngineCoreClient
+from pagedllm.engine.client import AsyncEngineClient, CoreConnection
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.entrypoints.chat_utils import ChatSettings, template_variables
 from pagedllm.entrypoints.openai.common.errors import APIError
@@ -26,27 +25,25 @@ if TYPE_CHECKING:
 
 @dataclass
 class ServerState:
-    """Safety rules: routes reach the engine only through ``async_engine`` (its
-    ``info`` for the fixed facts, its methods for anything that reads or changes
-    the scheduler or the pool): an ``AsyncEngineCoreClient`` talking to the
-    engine-core process, or an ``AsyncLLMEngine`` over an engine in this
-    process (without ``--engine-process``), never the ``LLMEngine`` under it, whose
-    step runs in another thread. ``async_engine`` is None only while
+    """Safety rules: routes reach the engine only through ``async_engine``, an
+    ``AsyncEngineClient`` (``engine/client.py``: its ``info`` for the fixed facts,
+    its methods for anything that reads or changes the scheduler or the pool),
+    never an ``LLMEngine`` under it, whose step runs in another thread. ``async_engine`` is None only while
     ``load_engine`` runs; the app's middleware answers every route but /health
     and /version with a 503 until then, so a route never sees None."""
 
     served_model_name: str  # the first name: reported when a request names no model
     # API key -> tenant name (None: a key without a tenant). Empty: no auth.
     api_keys: dict[str, str | None] = field(default_factory=dict)
-    async_engine: AsyncLLMEngine | AsyncEngineCoreClient | None = None
+    async_engine: AsyncEngineClient | None = None
     chat: ChatSettings = field(default_factory=ChatSettings)  # --chat-template, --trust-request-chat-template
     # Further names a request's "model" may use (--served-model-name A B C: B and C).
     model_aliases: list[str] = field(default_factory=list)
     # Builds the engine when ``async_engine`` is not given: called in a thread once
     # the server listens, so /health answers 503 (not "connection refused") while
-    # the model loads. An ``LLMEngine`` goes straight into an ``AsyncLLMEngine``; an
-    # ``AsyncEngineCoreClient`` (of a core process starting) serves once the core is ready.
-    load_engine: Callable[[], LLMEngine | AsyncEngineCoreClient] | None = None
+    # the model loads. ``make_async_engine_client`` makes the client of what it returns:
+    # an ``LLMEngine``, or the ``CoreConnection`` of a core process (served once the core is ready).
+    load_engine: Callable[[], LLMEngine | CoreConnection] | None = None
     load_error: BaseException | None = None
     # Called on the event loop once a failed load is logged (`pagedllm serve` stops with
     # status 1); None keeps the server up, answering /health with the error.

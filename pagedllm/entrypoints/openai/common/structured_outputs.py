@@ -5,14 +5,14 @@ names the request field the client set (``response_format``, ``guided_json``,
 
 from __future__ import annotations
 
-from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.client import AsyncEngineClient
 from pagedllm.entrypoints.openai.common.errors import RequestFieldError
 from pagedllm.entrypoints.openai.common.protocol import _SamplingFields
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import StructuredOutputError
 
 
-def check_structured_outputs(engine: AsyncLLMEngine, body: _SamplingFields, params: SamplingParams) -> None:
+def check_structured_outputs(engine: AsyncEngineClient, body: _SamplingFields, params: SamplingParams) -> None:
     """Raise ``ValueError`` (a ``RequestFieldError`` naming the request field when
     it is the constraint's fault) unless the engine can enforce the constraint
     ``params`` carries. The compiled grammar is cached, so adding the request

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 
-from pagedllm.engine.core_client import tokenized
+from pagedllm.core.prompt_tokens import tokenized
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.entrypoints.openai.common import routes
 from pagedllm.entrypoints.openai.completions.bodies import CompletionBodies
