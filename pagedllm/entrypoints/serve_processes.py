@@ -20,14 +20,16 @@ import time
 
 from pagedllm.engine.core_client import LIVENESS_INTERVAL_S, AsyncEngineCoreClient
 from pagedllm.engine.core_process import CoreLaunch, EngineCoreProcess
+from pagedllm.engine.supervisor import Supervisor
 from pagedllm.entrypoints.serve_setup import ServerStopper, run_uvicorn, server_state, uvicorn_options
 from pagedllm.entrypoints.engine_args import engine_options_from_args
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-# With --api-server-count N > 1 the supervisor cannot tell a core that failed to load from one
-# that crashed later; one that exits within this long of its start is not restarted.
+# With --api-server-count N > 1 this process cannot see the core's Ready (only the API servers
+# talk to it): the core counts as ready once it has run this long, so one that exits sooner
+# (it most likely cannot load the model) is not restarted.
 MIN_CORE_UPTIME_TO_RESTART_S = 30.0
 
 
@@ -104,22 +106,14 @@ def _serve_with_api_processes(args: argparse.Namespace, names: list[str], core: 
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     status = 0
-    started = time.monotonic()
+    supervisor = Supervisor(core, "the engine core", args.restart_engine_on_failure, lambda exitcode: None,
+                            ready_after_s=MIN_CORE_UPTIME_TO_RESTART_S)
     try:
         while not stopping:
             time.sleep(LIVENESS_INTERVAL_S)
-            if core.exitcode is not None:
-                # A core that dies this soon after its start most likely cannot load the model:
-                # starting it again would loop, so stop as without --restart-engine-on-failure.
-                early = time.monotonic() - started < MIN_CORE_UPTIME_TO_RESTART_S
-                if not args.restart_engine_on_failure or early:
-                    logger.error("the engine core exited (status %s%s): the server stops", core.exitcode,
-                                 f", {MIN_CORE_UPTIME_TO_RESTART_S:.0f} s or less after its start" if early else "")
-                    status = 1
-                    break
-                logger.warning("the engine core exited (status %s): starting another", core.exitcode)
-                core.start()
-                started = time.monotonic()
+            if not supervisor.check():
+                status = 1
+                break
             dead = [server.name for server in servers if server.exitcode is not None]
             if dead:
                 logger.error("API server %s exited: the server stops", ", ".join(dead))
