@@ -22,7 +22,7 @@ import psutil
 import zmq
 import zmq.asyncio
 
-from pagedllm.engine.async_engine import EngineDeadError, RequestStream
+from pagedllm.engine.async_engine import EngineDeadError, RequestStream, end_requests
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.core_messages import (AbortRequests, AddRequest, AddResult, EngineFacts, EngineFailed, Hello,
                                            OutputBatch, Ready, RequestError, RequestsDropped, UtilityCall,
@@ -223,6 +223,11 @@ class AsyncEngineCoreClient:
         self._assembler.forget(request_id)
         if self._socket is not None and self.dead_error is None:
             self._send_soon(AbortRequests([request_id]))
+
+    def end_all_requests(self) -> int:
+        """End every request in flight, each stream with a last output finished
+        "abort" (``end_requests``: a shutdown past its deadline); how many."""
+        return end_requests(self._streams, self.abort)
 
     def _send_soon(self, message: Any) -> None:
         """Send from code that cannot wait (an abort): zmq queues it; a failure is logged."""

@@ -21,7 +21,9 @@ import time
 from pagedllm.engine.core_client import LIVENESS_INTERVAL_S, AsyncEngineCoreClient
 from pagedllm.engine.core_process import CoreLaunch, EngineCoreProcess
 from pagedllm.engine.supervisor import Supervisor
-from pagedllm.entrypoints.serve_setup import ServerStopper, run_uvicorn, server_state, uvicorn_options
+from pagedllm.entrypoints.draining import FINAL_EVENTS_S
+from pagedllm.entrypoints.serve_setup import (ServerStopper, server_drain, run_uvicorn, server_state,
+                                              uvicorn_options)
 from pagedllm.entrypoints.engine_args import engine_options_from_args
 from pagedllm.logger import init_logger
 
@@ -62,7 +64,8 @@ def _serve_here(args: argparse.Namespace, names: list[str], core: EngineCoreProc
 
     state = server_state(args, names, lambda: AsyncEngineCoreClient(
         core.launch.address, core, restart=args.restart_engine_on_failure, on_core_exit=core_exited), stop_server)
-    run_uvicorn(build_app(state, args.allowed_origins), uvicorn_options(args), stop_server)
+    run_uvicorn(build_app(state, args.allowed_origins), uvicorn_options(args), stop_server,
+                server_drain(args, state))
     return 1 if core_died or state.load_error is not None else 0
 
 
@@ -84,7 +87,8 @@ def _api_server_main(args: argparse.Namespace, names: list[str], sock: socket.so
 
     stop_server = ServerStopper()
     state = server_state(args, names, lambda: AsyncEngineCoreClient(address, name=f"api{index}"), stop_server)
-    run_uvicorn(build_app(state, args.allowed_origins), uvicorn_options(args), stop_server, sockets=[sock])
+    run_uvicorn(build_app(state, args.allowed_origins), uvicorn_options(args), stop_server,
+                server_drain(args, state), sockets=[sock])
     if state.load_error is not None:
         sys.exit(1)
 
@@ -123,9 +127,9 @@ def _serve_with_api_processes(args: argparse.Namespace, names: list[str], core: 
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for server in servers:
-            server.terminate()  # uvicorn's graceful shutdown: open streams have ended
+            server.terminate()  # each drains: its requests in flight get --shutdown-timeout, then end
         for server in servers:
-            server.join(30)
+            server.join(args.shutdown_timeout + 2 * FINAL_EVENTS_S)
             if server.exitcode is None:
                 server.kill()
         sock.close()

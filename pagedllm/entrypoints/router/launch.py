@@ -26,6 +26,7 @@ from typing import Protocol
 
 from pagedllm.config.engine import threads_per_rank
 from pagedllm.engine.supervisor import Supervisor
+from pagedllm.entrypoints.draining import FINAL_EVENTS_S
 from pagedllm.entrypoints.engine_args import engine_flags_from_args
 from pagedllm.logger import init_logger
 from pagedllm.utils import free_port
@@ -36,7 +37,7 @@ _SUPERVISE_INTERVAL_S = 0.5
 # serve flags that every replica gets as they are (the engine's own come from engine_flags_from_args).
 _PASSED_FLAGS = ("served_model_name", "api_key", "api_keys_file", "chat_template", "metrics_namespace",
                  "log_stats_interval", "uvicorn_log_level", "timeout_keep_alive", "lora_modules",
-                 "max_tokens_per_request")
+                 "max_tokens_per_request", "shutdown_timeout")
 _PASSED_SWITCHES = ("trust_request_chat_template", "disable_log_stats", "restart_engine_on_failure")
 
 
@@ -84,6 +85,7 @@ class LocalReplica:
         self.command = replica_command(args, "127.0.0.1", self.port, f"ipc://{base}-events",
                                        f"ipc://{base}-replay", threads_per_replica(args))
         self.cores = cores
+        self.grace_s = replica_grace_s(args)
         self.process: subprocess.Popen | None = None
 
     def start(self) -> str:
@@ -96,7 +98,12 @@ class LocalReplica:
         return self.process.poll() if self.process is not None else None
 
     def stop(self) -> None:
-        stop_process(self.process)
+        stop_process(self.process, self.grace_s)
+
+
+def replica_grace_s(args: argparse.Namespace) -> float:
+    """How long a SIGTERM'd replica may take: its drain, its final events, its cleanup."""
+    return args.shutdown_timeout + 2 * FINAL_EVENTS_S
 
 
 def stop_process(process: subprocess.Popen | None, grace_s: float = 30.0) -> None:
@@ -155,6 +162,7 @@ class ReplicaSupervisors:
         self.was_ready: Callable[[int], bool] = lambda rank: False
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="replica-supervisor", daemon=True)
+        self._stoppers: list[threading.Thread] = []
 
     def start(self) -> list[str]:
         self.urls = [supervisor.start() for supervisor in self.supervisors]
@@ -175,14 +183,26 @@ class ReplicaSupervisors:
         self.failed = True
         self.stop_router()
 
-    def stop(self) -> None:
+    def stop_soon(self) -> None:
+        """Stop supervising and SIGTERM every replica now, without waiting: they drain
+        alongside the router (its drain calls this). Idempotent."""
         self._stopping.set()
-        for replica in self.replicas:
-            replica.stop()
+        if not self._stoppers:
+            self._stoppers = [threading.Thread(target=replica.stop, name=f"replica-{rank}-stop", daemon=True)
+                              for rank, replica in enumerate(self.replicas)]
+            for stopper in self._stoppers:
+                stopper.start()
+
+    def stop(self) -> None:
+        """Stop every replica (``stop_soon``) and wait until they have exited."""
+        self.stop_soon()
+        for stopper in self._stoppers:
+            stopper.join()
 
 
 def serve_data_parallel(args: argparse.Namespace) -> int:
     """Run the replicas and the router until SIGTERM/SIGINT; the exit status."""
+    from pagedllm.entrypoints.draining import Drain
     from pagedllm.entrypoints.router.router_command import router_state, serve_router
     from pagedllm.entrypoints.serve_setup import ServerStopper
 
@@ -203,7 +223,9 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
     try:
         state = router_state(args, supervisor.start())
         supervisor.was_ready = lambda rank: state.replicas[rank].ever_up  # a bool read across threads
-        serve_router(args, state, stop_router)
+        # The replicas end their streams at --shutdown-timeout; the router waits for those final events.
+        drain = Drain(args.shutdown_timeout + FINAL_EVENTS_S, on_draining=supervisor.stop_soon)
+        serve_router(args, state, stop_router, drain)
     finally:
         supervisor.stop()
         if release is not None:
