@@ -39,6 +39,7 @@ FINAL_EVENTS_S = 5.0
 # Answered as usual while draining: metrics stay scrapable to the end.
 _PASSED_THROUGH = frozenset({"/metrics", "/version"})
 _HEALTH = "/health"
+_DRAINING_CODE = "draining"  # the error code of every answer while draining
 
 
 class Drain:
@@ -113,9 +114,19 @@ class RefuseWhileDraining:
             self.drain.request_done()
 
 
+def says_draining(status: int, body: bytes) -> bool:
+    """Whether a server's answer is ``RefuseWhileDraining``'s (the router reads its replicas' /health so)."""
+    if status != 503:
+        return False
+    try:
+        return json.loads(body)["error"]["code"] == _DRAINING_CODE
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 async def _refuse(send: Send, health: bool) -> None:
     message = "the server is shutting down and takes no new requests; retry (another server)"
-    body = json.dumps(error_body("draining" if health else message, "server_error", code="draining")).encode()
+    body = json.dumps(error_body("draining" if health else message, "server_error", code=_DRAINING_CODE)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if not health:
         headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))

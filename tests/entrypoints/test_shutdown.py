@@ -134,7 +134,7 @@ def sigterm_and_check(base: str, pid: int, shutdown_timeout_s: float, finish_rea
 def test_serve_drains_on_sigterm_and_exits_0(tiny_llama):
     """The real signal on `pagedllm serve` (engine-core process): a long stream past
     ``--shutdown-timeout 1`` ends with abort and [DONE]; the server exits 0 (its core stopped)."""
-    with running_server([tiny_llama, "--num-kv-blocks", "256", "--shutdown-timeout", "1"],
+    with running_server([tiny_llama, "--host", "127.0.0.1", "--num-kv-blocks", "256", "--shutdown-timeout", "1"],
                         start_timeout_s=300) as (base, pid):
         sigterm_and_check(base, pid, 1.0, "abort")
 
@@ -143,9 +143,10 @@ def test_serve_drains_on_sigterm_and_exits_0(tiny_llama):
 def test_the_router_drains_its_proxied_stream_on_sigterm(tiny_llama):
     """`pagedllm router` on SIGTERM: 503 + Retry-After, /health draining, the stream it proxies
     finishes (within the deadline), exit 0; the replica is not its own and keeps serving."""
-    with running_server([tiny_llama, "--num-kv-blocks", "256"], start_timeout_s=300) as (replica, _):
-        router = lambda port: [sys.executable, "-m", "pagedllm.entrypoints.cli", "router", "--replica", replica,
-                               "--model", tiny_llama, "--port", str(port), "--shutdown-timeout", "120"]
+    with running_server([tiny_llama, "--host", "127.0.0.1", "--num-kv-blocks", "256"], start_timeout_s=300) as (replica, _):
+        router = lambda port: [sys.executable, "-m", "pagedllm.cli", "router", "--replica", replica,
+                               "--model", tiny_llama, "--host", "127.0.0.1", "--port", str(port),
+                               "--shutdown-timeout", "120"]
         with running_command(router, start_timeout_s=120) as (base, pid):
             sigterm_and_check(base, pid, 120.0, "length")
         assert httpx.get(f"{replica}/health", timeout=10).status_code == 200
@@ -155,7 +156,7 @@ def test_the_router_drains_its_proxied_stream_on_sigterm(tiny_llama):
 def test_data_parallel_serve_drains_its_replicas_on_sigterm(tiny_llama):
     """`serve --data-parallel-size 2 --shutdown-timeout 1`: the router passes SIGTERM to its
     replicas, the long stream ends with abort and [DONE] through it, everything exits 0."""
-    with running_server([tiny_llama, "--num-kv-blocks", "256", "--data-parallel-size", "2",
+    with running_server([tiny_llama, "--host", "127.0.0.1", "--num-kv-blocks", "256", "--data-parallel-size", "2",
                          "--shutdown-timeout", "1"], start_timeout_s=600) as (base, pid):
         replicas = psutil.Process(pid).children()
         sigterm_and_check(base, pid, 1.0, "abort")
