@@ -117,10 +117,12 @@ def model_of(base: str) -> str:
     return httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
-def sigterm_and_check(base: str, pid: int, shutdown_timeout_s: float, finish_reason: str) -> None:
+def sigterm_and_check(base: str, pid: int, shutdown_timeout_s: float, finish_reason: str,
+                      max_tokens: int = LONG_STREAM["max_tokens"]) -> None:
     """SIGTERM ``pid`` during a long stream through ``base``: refusals while it drains, the
     stream's ``finish_reason``, exit status 0 soon after the deadline."""
-    stream = StreamReader(f"{base}/v1/completions", {**LONG_STREAM, "model": model_of(base)})
+    stream = StreamReader(f"{base}/v1/completions",
+                          {**LONG_STREAM, "model": model_of(base), "max_tokens": max_tokens})
     process = psutil.Process(pid)
     signalled = time.monotonic()
     process.terminate()
@@ -143,12 +145,13 @@ def test_serve_drains_on_sigterm_and_exits_0(tiny_llama):
 def test_the_router_drains_its_proxied_stream_on_sigterm(tiny_llama):
     """`pagedllm router` on SIGTERM: 503 + Retry-After, /health draining, the stream it proxies
     finishes (within the deadline), exit 0; the replica is not its own and keeps serving."""
-    with running_server([tiny_llama, "--host", "127.0.0.1", "--num-kv-blocks", "256"], start_timeout_s=300) as (replica, _):
+    replica_flags = [tiny_llama, "--host", "127.0.0.1", "--num-kv-blocks", "256"]
+    with running_server(replica_flags, start_timeout_s=300) as (replica, _):
         router = lambda port: [sys.executable, "-m", "pagedllm.cli", "router", "--replica", replica,
                                "--model", tiny_llama, "--host", "127.0.0.1", "--port", str(port),
                                "--shutdown-timeout", "120"]
         with running_command(router, start_timeout_s=120) as (base, pid):
-            sigterm_and_check(base, pid, 120.0, "length")
+            sigterm_and_check(base, pid, 120.0, "length", max_tokens=1000)  # long enough to be in flight
         assert httpx.get(f"{replica}/health", timeout=10).status_code == 200
 
 
