@@ -71,9 +71,10 @@ class Drain:
         self.on_draining()
         if await self._idle_within(self.timeout_s):
             return
+        in_flight = self.in_flight
         ended = self.end_the_rest()
-        logger.warning("the shutdown timeout (%.0f s) passed: %d requests ended (finish_reason abort)",
-                       self.timeout_s, ended)
+        logger.warning("the shutdown timeout (%.0f s) passed with %d requests in flight: the engine ended %d "
+                       "(finish_reason abort), the rest are closed", self.timeout_s, in_flight, ended)
         await self._idle_within(FINAL_EVENTS_S)
 
     async def _idle_within(self, timeout_s: float) -> bool:

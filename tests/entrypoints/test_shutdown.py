@@ -82,6 +82,12 @@ class StreamReader:
 
 
 def assert_draining(base: str) -> None:
+    """Refusals while draining, once it has begun (a supervising process passes SIGTERM on
+    to its API servers within its 0.25 s watch interval)."""
+    deadline = time.monotonic() + 5
+    while httpx.get(f"{base}/health", timeout=10).status_code == 200:
+        assert time.monotonic() < deadline, "the server did not start draining"
+        time.sleep(0.05)
     refused = httpx.post(f"{base}/v1/completions", json={**LONG_STREAM, "stream": False}, timeout=10)
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["code"] == "draining"
@@ -133,11 +139,12 @@ def sigterm_and_check(base: str, pid: int, shutdown_timeout_s: float, finish_rea
 
 
 @pytest.mark.slow
-def test_serve_drains_on_sigterm_and_exits_0(tiny_llama):
-    """The real signal on `pagedllm serve` (engine-core process): a long stream past
+@pytest.mark.parametrize("mode", [["--engine-process"], ["--no-engine-process"], ["--api-server-count", "2"]])
+def test_serve_drains_on_sigterm_and_exits_0(tiny_llama, mode):
+    """The real signal on `pagedllm serve`, in each of its process layouts: a long stream past
     ``--shutdown-timeout 1`` ends with abort and [DONE]; the server exits 0 (its core stopped)."""
-    with running_server([tiny_llama, "--host", "127.0.0.1", "--num-kv-blocks", "256", "--shutdown-timeout", "1"],
-                        start_timeout_s=300) as (base, pid):
+    with running_server([tiny_llama, "--host", "127.0.0.1", "--num-kv-blocks", "256", "--shutdown-timeout", "1",
+                         *mode], start_timeout_s=300) as (base, pid):
         sigterm_and_check(base, pid, 1.0, "abort")
 
 
