@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.engine_info import EngineInfo
@@ -28,7 +29,7 @@ from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.lora_admin import add_lora, remove_lora
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -36,6 +37,31 @@ logger = init_logger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped after a failed step; restart the server."""
+
+
+# Put on an open stream's queue by ``end_requests``: the stream ends with its latest output, finished "abort".
+_END_ABORTED = object()
+
+
+def end_requests(queues: dict[str, asyncio.Queue], abort: Callable[[str], None]) -> int:
+    """End every request whose stream is open (``queues``: request id -> its stream's
+    queue) as a shutdown's deadline does: the engine stops it (``abort``, which forgets
+    its queue, so nothing follows) and its stream's last output is its latest one,
+    finished with "abort". How many there were."""
+    request_ids = list(queues)
+    for request_id in request_ids:
+        queues[request_id].put_nowait(_END_ABORTED)
+        abort(request_id)
+    return len(request_ids)
+
+
+def aborted_output(latest: RequestOutput | None, request_id: str) -> RequestOutput:
+    """``latest`` finished with "abort" (sequences that had finished keep their reason);
+    a request ended before its first step has one empty choice."""
+    if latest is None:
+        return RequestOutput(request_id, None, [], None, [CompletionOutput(0, "", [], None, None, "abort")], True)
+    outputs = [replace(c, finish_reason=c.finish_reason or "abort") for c in latest.outputs]
+    return replace(latest, outputs=outputs, finished=True)
 
 
 class RequestStream:
@@ -50,6 +76,7 @@ class RequestStream:
         self.request_id = request_id
         self._queue = queue
         self._abort = abort
+        self._latest: RequestOutput | None = None  # what an end by ``end_requests`` finishes
         self.finished = False
 
     def __aiter__(self) -> RequestStream:
@@ -62,6 +89,9 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        if item is _END_ABORTED:
+            item = aborted_output(self._latest, self.request_id)
+        self._latest = item
         self.finished = item.finished
         return item
 
@@ -152,6 +182,11 @@ class AsyncLLMEngine:
         self._queues.pop(request_id, None)
         self._pending_aborts.add(request_id)
         self._wakeup.set()
+
+    def end_all_requests(self) -> int:
+        """End every request in flight, each stream with a last output finished
+        "abort" (``end_requests``: a shutdown past its deadline); how many."""
+        return end_requests(self._queues, self.abort)
 
     async def add_lora(self, lora_request: LoRARequest) -> str:
         """Check an adapter now, between steps (``lora_admin.add_lora``: ``ValueError``

@@ -133,6 +133,10 @@ class AsyncEngineClient(Protocol):
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed before the next step. Idempotent."""
 
+    def end_all_requests(self) -> int:
+        """End every request in flight, each stream with a last output finished "abort"
+        (a shutdown past its deadline); how many. Call it on the event loop's thread."""
+
     async def add_lora(self, lora_request: LoRARequest) -> str:
         """Check an adapter between steps (``ValueError`` naming the problem); its fingerprint."""
 

@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from pagedllm.core.prompt_tokens import tokenized
-from pagedllm.engine.async_engine import EngineDeadError, RequestStream
+from pagedllm.engine.async_engine import EngineDeadError, RequestStream, end_requests
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.core_messages import (AbortRequests, AddRequest, AddResult, EngineFacts, EngineFailed, Hello,
                                            OutputBatch, Ready, RequestError, RequestsDropped, UtilityCall,
@@ -32,6 +32,7 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.engine.core_process import EngineCoreProcess, metrics_address
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.output_deltas import OutputAssembler
+from pagedllm.engine.supervisor import Supervisor
 from pagedllm.logger import init_logger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -85,10 +86,11 @@ class AsyncEngineCoreClient:
     """The server's door to an engine-core process: ``AsyncLLMEngine``'s methods.
 
     ``core``: the process this client launched and supervises (None when
-    another process does, as with ``--api-server-count`` > 1). With
-    ``restart`` a core that died is started again, and the client serves again
-    once it is ready; without, ``on_core_exit`` is called once (the server
-    stops with status 1).
+    another process does, as with ``--api-server-count`` > 1), by the
+    ``Supervisor``'s rule: with ``restart`` a core that died after it was
+    ready is started again, and the client serves again once it is ready;
+    otherwise ``on_core_exit`` is called once (the server stops with status 1).
+    A core that exits before its first ``Ready`` is ``wait_ready``'s load failure.
 
     Safety rules: call ``start()`` from the running event loop, then await
     ``wait_ready()`` before anything else; a consumer that stops reading a
@@ -98,8 +100,8 @@ class AsyncEngineCoreClient:
                  on_core_exit: Callable[[int | None], None] | None = None, name: str = "api") -> None:
         self.address = address
         self.core = core
-        self.restart = restart
-        self.on_core_exit = on_core_exit
+        self.supervisor = None if core is None else Supervisor(
+            core, "the engine core", restart, on_core_exit or (lambda exitcode: None))
         self.identity = f"{name}-{uuid.uuid4().hex[:8]}".encode()
         self.info: EngineInfo | None = None
         self.dead_error: BaseException | None = None
@@ -212,6 +214,11 @@ class AsyncEngineCoreClient:
         self._assembler.forget(request_id)
         if self._socket is not None and self.dead_error is None:
             self._send_soon(AbortRequests([request_id]))
+
+    def end_all_requests(self) -> int:
+        """End every request in flight, each stream with a last output finished
+        "abort" (``end_requests``: a shutdown past its deadline); how many."""
+        return end_requests(self._streams, self.abort)
 
     def _send_soon(self, message: Any) -> None:
         """Send from code that cannot wait (an abort): zmq queues it; a failure is logged."""
@@ -331,39 +338,26 @@ class AsyncEngineCoreClient:
             logger.info("the engine core (pid %d) is ready again: serving", facts.pid)
         self._core_pid = facts.pid
         self.dead_error = None
+        if self.supervisor is not None:
+            self.supervisor.ready()
         self._ready.set()
 
     async def _watch_loop(self) -> None:
-        """Say hello until a core answers; then check every interval that it lives."""
+        """Say hello until a core answers; then check every interval that it lives.
+        The core this client launched is supervised once it was first ready (before
+        that, its exit is ``wait_ready``'s load failure)."""
         last_hello = 0.0
         while True:
             now = time.monotonic()
-            if self._core_pid is None and self.info is not None and self.core is not None \
-                    and self.core.exitcode is not None:
-                # A restarted core that exited before it was ready (the model no longer
-                # loads): starting it again would loop, so stop as without --restart.
-                logger.error("the restarted engine core exited (status %s) before it was ready",
-                             self.core.exitcode)
-                if self.on_core_exit is not None:
-                    self.on_core_exit(self.core.exitcode)
-                return
             if self._core_pid is None and now - last_hello >= _HELLO_INTERVAL_S:
                 await self._socket.send(self._encoder.encode(Hello(self.identity.decode())))
                 last_hello = now
             elif self._core_pid is not None and not core_process_alive(self._core_pid):
                 self._core_pid = None
                 self._die(EngineDeadError("the engine-core process died; see the server log"))
-                self._core_exited()
+            if self.supervisor is not None and self.info is not None and not self.supervisor.check():
+                return
             await asyncio.sleep(LIVENESS_INTERVAL_S)
-
-    def _core_exited(self) -> None:
-        if self.core is None:
-            return  # the launching process restarts it (or stops the server)
-        if self.restart:
-            logger.warning("the engine core exited with status %s: starting another", self.core.exitcode)
-            self.core.start()
-        elif self.on_core_exit is not None:
-            self.on_core_exit(self.core.exitcode)
 
     def _die(self, error: EngineDeadError) -> None:
         """Fail every open stream, pending add and call with ``error``; the client

@@ -346,6 +346,9 @@ class EngineCoreProcess:
         """None while it runs; its exit status once it stopped."""
         return self._process.exitcode if self._process is not None else None
 
+    def exit_code(self) -> int | None:  # the supervisor's ``Child`` asks this way (replicas answer so too)
+        return self.exitcode
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout_s``; the endpoint's folder goes too. Safe to call twice."""
         process = self._process

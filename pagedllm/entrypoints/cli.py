@@ -17,6 +17,7 @@ from pagedllm.config.engine import CacheConfig, DType, EngineConfig
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_options_from_args, make_llm
 from pagedllm.entrypoints.openai.common.reasoning import REASONING_PARSERS
 from pagedllm.entrypoints.openai.responses.store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
+from pagedllm.entrypoints.serve_setup import add_shutdown_timeout_option
 from pagedllm.logger import init_logger
 from pagedllm.sampling_params import SamplingParams
 
@@ -76,8 +77,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if not args.engine_process and (args.api_server_count != 1 or args.restart_engine_on_failure):
         raise ValueError("--api-server-count and --restart-engine-on-failure need the engine-core process; "
                          "drop --no-engine-process")
-    from pagedllm.entrypoints.serve_setup import (ServerStopper, api_keys_of, run_uvicorn, served_adapters,
-                                                  served_model_names, server_state, uvicorn_options)
+    from pagedllm.entrypoints.serve_setup import (ServerStopper, api_keys_of, server_drain, run_uvicorn,
+                                                  served_adapters, served_model_names, server_state, uvicorn_options)
 
     api_keys = api_keys_of(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_keys:
@@ -95,7 +96,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         sys.exit(serve_with_engine_process(args, names))
     stop_server = ServerStopper()
     state = server_state(args, names, lambda: _load_served_engine(args, names[0]), stop_server)
-    run_uvicorn(build_app(state, args.allowed_origins), uvicorn_options(args), stop_server)
+    run_uvicorn(build_app(state, args.allowed_origins), uvicorn_options(args), stop_server,
+                server_drain(args, state))
     if state.async_engine is not None:  # finish the disk tier's queued writes, close the event sockets
         state.async_engine.shutdown()
     if state.load_error is not None:
@@ -207,6 +209,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="info logs one access line per request (default: %(default)s)")
     serve.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle connection is kept")
+    add_shutdown_timeout_option(serve)
     serve.add_argument("--ssl-keyfile", default=None, help="TLS private key file (serve https)")
     serve.add_argument("--ssl-certfile", default=None, help="TLS certificate file")
     serve.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify client certificates with")

@@ -21,14 +21,18 @@ import time
 from pagedllm.engine.client import CoreConnection
 from pagedllm.engine.core_client import LIVENESS_INTERVAL_S
 from pagedllm.engine.core_process import CoreLaunch, EngineCoreProcess
-from pagedllm.entrypoints.serve_setup import ServerStopper, run_uvicorn, server_state, uvicorn_options
+from pagedllm.engine.supervisor import Supervisor
+from pagedllm.entrypoints.draining import FINAL_EVENTS_S
+from pagedllm.entrypoints.serve_setup import (ServerStopper, server_drain, run_uvicorn, server_state,
+                                              uvicorn_options)
 from pagedllm.entrypoints.engine_args import engine_options_from_args
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-# With --api-server-count N > 1 the supervisor cannot tell a core that failed to load from one
-# that crashed later; one that exits within this long of its start is not restarted.
+# With --api-server-count N > 1 this process cannot see the core's Ready (only the API servers
+# talk to it): the core counts as ready once it has run this long, so one that exits sooner
+# (it most likely cannot load the model) is not restarted.
 MIN_CORE_UPTIME_TO_RESTART_S = 30.0
 
 
@@ -61,7 +65,8 @@ def _serve_here(args: argparse.Namespace, names: list[str], core: EngineCoreProc
 
     state = server_state(args, names, lambda: CoreConnection(
         core.launch.address, core, restart=args.restart_engine_on_failure, on_core_exit=core_exited), stop_server)
-    run_uvicorn(build_app(state, args.allowed_origins), uvicorn_options(args), stop_server)
+    run_uvicorn(build_app(state, args.allowed_origins), uvicorn_options(args), stop_server,
+                server_drain(args, state))
     return 1 if core_died or state.load_error is not None else 0
 
 
@@ -83,7 +88,8 @@ def _api_server_main(args: argparse.Namespace, names: list[str], sock: socket.so
 
     stop_server = ServerStopper()
     state = server_state(args, names, lambda: CoreConnection(address, name=f"api{index}"), stop_server)
-    run_uvicorn(build_app(state, args.allowed_origins), uvicorn_options(args), stop_server, sockets=[sock])
+    run_uvicorn(build_app(state, args.allowed_origins), uvicorn_options(args), stop_server,
+                server_drain(args, state), sockets=[sock])
     if state.load_error is not None:
         sys.exit(1)
 
@@ -105,22 +111,14 @@ def _serve_with_api_processes(args: argparse.Namespace, names: list[str], core: 
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     status = 0
-    started = time.monotonic()
+    supervisor = Supervisor(core, "the engine core", args.restart_engine_on_failure, lambda exitcode: None,
+                            ready_after_s=MIN_CORE_UPTIME_TO_RESTART_S)
     try:
         while not stopping:
             time.sleep(LIVENESS_INTERVAL_S)
-            if core.exitcode is not None:
-                # A core that dies this soon after its start most likely cannot load the model:
-                # starting it again would loop, so stop as without --restart-engine-on-failure.
-                early = time.monotonic() - started < MIN_CORE_UPTIME_TO_RESTART_S
-                if not args.restart_engine_on_failure or early:
-                    logger.error("the engine core exited (status %s%s): the server stops", core.exitcode,
-                                 f", {MIN_CORE_UPTIME_TO_RESTART_S:.0f} s or less after its start" if early else "")
-                    status = 1
-                    break
-                logger.warning("the engine core exited (status %s): starting another", core.exitcode)
-                core.start()
-                started = time.monotonic()
+            if not supervisor.check():
+                status = 1
+                break
             dead = [server.name for server in servers if server.exitcode is not None]
             if dead:
                 logger.error("API server %s exited: the server stops", ", ".join(dead))
@@ -130,9 +128,9 @@ def _serve_with_api_processes(args: argparse.Namespace, names: list[str], core: 
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for server in servers:
-            server.terminate()  # uvicorn's graceful shutdown: open streams have ended
+            server.terminate()  # each drains: its requests in flight get --shutdown-timeout, then end
         for server in servers:
-            server.join(30)
+            server.join(args.shutdown_timeout + 2 * FINAL_EVENTS_S)
             if server.exitcode is None:
                 server.kill()
         sock.close()

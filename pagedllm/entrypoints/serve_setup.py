@@ -9,8 +9,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pagedllm.entrypoints.draining import Drain
     from pagedllm.entrypoints.openai.admin.lora import ServedAdapters
     from pagedllm.entrypoints.openai.common.state import ServerState
+
+
+def add_shutdown_timeout_option(parser: argparse.ArgumentParser) -> None:
+    """``--shutdown-timeout``, shared by ``pagedllm serve`` and ``pagedllm router``."""
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds the requests in flight may still run (new ones get 503); then "
+                             "the rest end with finish_reason abort and the server exits 0 (default: %(default)s, "
+                             "Kubernetes' grace period)")
 
 
 def served_model_names(args: argparse.Namespace) -> list[str]:
@@ -66,8 +75,12 @@ def served_adapters(args: argparse.Namespace) -> ServedAdapters | None:
     return ServedAdapters(parse_lora_modules(args.lora_modules or [])) if args.enable_lora else None
 
 
-def run_uvicorn(app: Any, options: dict[str, Any], stop_server: ServerStopper, sockets: list | None = None) -> None:
+def run_uvicorn(app: Any, options: dict[str, Any], stop_server: ServerStopper, drain: Drain,
+                sockets: list | None = None) -> None:
     """Serve ``app`` until SIGTERM, SIGINT or ``stop_server()`` stops it, then return.
+
+    SIGTERM drains first (``draining``): new requests are refused, those in flight get
+    ``drain``'s timeout, then what is left is ended.
 
     uvicorn re-raises the signal that stopped it once it has shut down, to the handler
     that was there before it ran: with the default one the process would die there, and
@@ -78,7 +91,9 @@ def run_uvicorn(app: Any, options: dict[str, Any], stop_server: ServerStopper, s
 
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, **options))
+    from pagedllm.entrypoints.draining import DrainingServer, RefuseWhileDraining
+
+    server = DrainingServer(uvicorn.Config(RefuseWhileDraining(app, drain), **options), drain)
     stop_server.attach(server)
     previous = {sig: signal.signal(sig, _ignore_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -86,6 +101,16 @@ def run_uvicorn(app: Any, options: dict[str, Any], stop_server: ServerStopper, s
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def server_drain(args: argparse.Namespace, state: ServerState) -> Drain:
+    """The API server's drain on SIGTERM: ``--shutdown-timeout``, then the engine ends
+    its requests in flight (finish_reason "abort", a final event each); none while it
+    is still loading."""
+    from pagedllm.entrypoints.draining import Drain
+
+    return Drain(args.shutdown_timeout,
+                 lambda: state.async_engine.end_all_requests() if state.async_engine is not None else 0)
 
 
 def _ignore_signal(signum: int, frame: Any) -> None:

@@ -46,7 +46,7 @@ def test_supervisor_restarts_a_replica_that_served_and_stops_for_one_that_never_
     monkeypatch.setattr(launch, "_SUPERVISE_INTERVAL_S", 0.01)
     stops: list[bool] = []
     replicas = [FakeReplica(), FakeReplica()]
-    supervisor = launch.Supervisor(replicas, lambda: stops.append(True))
+    supervisor = launch.ReplicaSupervisors(replicas, lambda: stops.append(True))
     supervisor.start()
     supervisor.was_ready = lambda rank: rank == 1  # replica 1 has answered once, replica 0 never
     replicas[1].code = -9

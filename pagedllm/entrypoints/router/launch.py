@@ -25,6 +25,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from pagedllm.config.engine import threads_per_rank
+from pagedllm.engine.supervisor import Supervisor
+from pagedllm.entrypoints.draining import FINAL_EVENTS_S
 from pagedllm.entrypoints.engine_args import engine_flags_from_args
 from pagedllm.logger import init_logger
 from pagedllm.utils import free_port
@@ -35,7 +37,7 @@ _SUPERVISE_INTERVAL_S = 0.5
 # serve flags that every replica gets as they are (the engine's own come from engine_flags_from_args).
 _PASSED_FLAGS = ("served_model_name", "api_key", "api_keys_file", "chat_template", "metrics_namespace",
                  "log_stats_interval", "uvicorn_log_level", "timeout_keep_alive", "lora_modules",
-                 "max_tokens_per_request")
+                 "max_tokens_per_request", "shutdown_timeout")
 _PASSED_SWITCHES = ("trust_request_chat_template", "disable_log_stats", "restart_engine_on_failure")
 
 
@@ -83,6 +85,7 @@ class LocalReplica:
         self.command = replica_command(args, "127.0.0.1", self.port, f"ipc://{base}-events",
                                        f"ipc://{base}-replay", threads_per_replica(args))
         self.cores = cores
+        self.grace_s = replica_grace_s(args)
         self.process: subprocess.Popen | None = None
 
     def start(self) -> str:
@@ -95,7 +98,12 @@ class LocalReplica:
         return self.process.poll() if self.process is not None else None
 
     def stop(self) -> None:
-        stop_process(self.process)
+        stop_process(self.process, self.grace_s)
+
+
+def replica_grace_s(args: argparse.Namespace) -> float:
+    """How long a SIGTERM'd replica may take: its drain, its final events, its cleanup."""
+    return args.shutdown_timeout + 2 * FINAL_EVENTS_S
 
 
 def stop_process(process: subprocess.Popen | None, grace_s: float = 30.0) -> None:
@@ -119,51 +127,82 @@ def core_shares(replicas: int) -> list[set[int] | None]:
     return [set(cores[i * share:(i + 1) * share]) for i in range(replicas)]
 
 
-class Supervisor:
-    """Restarts replicas that exit after they had served; stops everything
-    (``failed``) when one exits before it ever answered: it cannot start."""
+class _AtItsUrl:
+    """A replica as a supervised ``Child``: started again, it must come back at the
+    URL it had, the only one the router knows it by."""
+
+    def __init__(self, replica: ReplicaProcess, rank: int) -> None:
+        self.replica, self.rank = replica, rank
+        self.url: str | None = None
+
+    def start(self) -> str:
+        url = self.replica.start()
+        if self.url is not None and url != self.url:
+            logger.error("replica %d came back at %s, not %s: the router cannot follow it", self.rank, url, self.url)
+        self.url = self.url or url
+        return url
+
+    def exit_code(self) -> int | None:
+        return self.replica.exit_code()
+
+
+class ReplicaSupervisors:
+    """One ``Supervisor`` per replica, on one watch thread: a replica that exits
+    after it had served is started again; one that exits before it ever
+    answered cannot start, so everything stops (``failed``)."""
 
     def __init__(self, replicas: list[ReplicaProcess], stop_router: Callable[[], None]) -> None:
         self.replicas, self.stop_router = replicas, stop_router
         self.urls: list[str] = []
         self.failed = False
-        # Whether replica i has been up once (the router's watch knows); set once the router exists.
+        self.supervisors = [Supervisor(_AtItsUrl(replica, rank), f"replica {rank}", True, self._failed)
+                                for rank, replica in enumerate(replicas)]
+        # Whether replica i has answered (the router's watch knows); set once the router exists. It is
+        # the router's ``ever_up``: a replica that served once stays restartable across its restarts.
         self.was_ready: Callable[[int], bool] = lambda rank: False
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="replica-supervisor", daemon=True)
+        self._stoppers: list[threading.Thread] = []
 
     def start(self) -> list[str]:
-        self.urls = [replica.start() for replica in self.replicas]
+        self.urls = [supervisor.start() for supervisor in self.supervisors]
         self._thread.start()
         return self.urls
 
     def _watch(self) -> None:
         while not self._stopping.wait(_SUPERVISE_INTERVAL_S):
-            for rank, replica in enumerate(self.replicas):
-                code = replica.exit_code()
-                if code is None or self._stopping.is_set():
-                    continue
-                if not self.was_ready(rank):
-                    logger.error("replica %d exited (status %s) before it ever served: the server stops", rank, code)
-                    self.failed = True
-                    self.stop_router()
+            for rank, supervisor in enumerate(self.supervisors):
+                if self._stopping.is_set():
                     return
-                logger.warning("replica %d exited (status %s): starting it again", rank, code)
-                self._restart(rank, replica)
+                if self.was_ready(rank):
+                    supervisor.ready()
+                if not supervisor.check():
+                    return
 
-    def _restart(self, rank: int, replica: ReplicaProcess) -> None:
-        url = replica.start()
-        if url != self.urls[rank]:
-            logger.error("replica %d came back at %s, not %s: the router cannot follow it", rank, url, self.urls[rank])
+    def _failed(self, exitcode: int | None) -> None:
+        self.failed = True
+        self.stop_router()
+
+    def stop_soon(self) -> None:
+        """Stop supervising and SIGTERM every replica now, without waiting: they drain
+        alongside the router (its drain calls this). Idempotent."""
+        self._stopping.set()
+        if not self._stoppers:
+            self._stoppers = [threading.Thread(target=replica.stop, name=f"replica-{rank}-stop", daemon=True)
+                              for rank, replica in enumerate(self.replicas)]
+            for stopper in self._stoppers:
+                stopper.start()
 
     def stop(self) -> None:
-        self._stopping.set()
-        for replica in self.replicas:
-            replica.stop()
+        """Stop every replica (``stop_soon``) and wait until they have exited."""
+        self.stop_soon()
+        for stopper in self._stoppers:
+            stopper.join()
 
 
 def serve_data_parallel(args: argparse.Namespace) -> int:
     """Run the replicas and the router until SIGTERM/SIGINT; the exit status."""
+    from pagedllm.entrypoints.draining import Drain
     from pagedllm.entrypoints.router.router_command import router_state, serve_router
     from pagedllm.entrypoints.serve_setup import ServerStopper
 
@@ -180,11 +219,13 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
         replicas, release = [LocalReplica(args, rank, cores, socket_dir)
                              for rank, cores in enumerate(core_shares(args.data_parallel_size))], None
     stop_router = ServerStopper()
-    supervisor = Supervisor(replicas, stop_router)
+    supervisor = ReplicaSupervisors(replicas, stop_router)
     try:
         state = router_state(args, supervisor.start())
         supervisor.was_ready = lambda rank: state.replicas[rank].ever_up  # a bool read across threads
-        serve_router(args, state, stop_router)
+        # The replicas end their streams at --shutdown-timeout; the router waits for those final events.
+        drain = Drain(args.shutdown_timeout + FINAL_EVENTS_S, on_draining=supervisor.stop_soon)
+        serve_router(args, state, stop_router, drain)
     finally:
         supervisor.stop()
         if release is not None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import ray
 
-from pagedllm.entrypoints.router.launch import ReplicaProcess, replica_command, stop_process
+from pagedllm.entrypoints.router.launch import ReplicaProcess, replica_command, replica_grace_s, stop_process
 from pagedllm.utils import free_port
 
 _PR_SET_PDEATHSIG = 1
@@ -39,6 +39,7 @@ class ReplicaActor:
         self.port = free_port("0.0.0.0")
         self.command = replica_command(args, "0.0.0.0", self.port, f"tcp://*:{free_port('0.0.0.0')}",
                                        f"tcp://*:{free_port('0.0.0.0')}", threads)
+        self.grace_s = replica_grace_s(args)
         self.process: subprocess.Popen | None = None
 
     def start(self) -> str:
@@ -52,14 +53,14 @@ class ReplicaActor:
         return self.process.pid if self.process is not None else None
 
     def stop(self) -> None:
-        stop_process(self.process)
+        stop_process(self.process, self.grace_s)
 
 
 class RayReplica:
     """``ReplicaProcess`` over an actor handle. A dead actor reads as an exited replica."""
 
-    def __init__(self, actor) -> None:
-        self.actor = actor
+    def __init__(self, actor, grace_s: float) -> None:
+        self.actor, self.grace_s = actor, grace_s
 
     def start(self) -> str:
         return ray.get(self.actor.start.remote())
@@ -72,7 +73,7 @@ class RayReplica:
 
     def stop(self) -> None:
         try:
-            ray.get(self.actor.stop.remote(), timeout=40)
+            ray.get(self.actor.stop.remote(), timeout=self.grace_s + 10)
         except ray.exceptions.RayError:
             pass
         ray.kill(self.actor)
@@ -89,6 +90,7 @@ def ray_replicas(args: argparse.Namespace, threads: int) -> tuple[list[ReplicaPr
         raise ValueError(f"--data-parallel-size {args.data_parallel_size} x {cpus} CPUs each needs "
                          f"{cpus * args.data_parallel_size} CPUs; the Ray cluster has {available:g}: "
                          "add nodes (ray start --address=...) or lower --num-threads / --data-parallel-size")
-    replicas: list[ReplicaProcess] = [RayReplica(ReplicaActor.options(num_cpus=cpus).remote(args, threads))
+    replicas: list[ReplicaProcess] = [RayReplica(ReplicaActor.options(num_cpus=cpus).remote(args, threads),
+                                                 replica_grace_s(args))
                                       for _ in range(args.data_parallel_size)]
     return replicas, ray.shutdown

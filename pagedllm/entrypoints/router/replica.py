@@ -26,6 +26,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pagedllm.entrypoints.draining import says_draining
 from pagedllm.entrypoints.openai.common import routes
 from pagedllm.fleet.prefix_index import PrefixIndex
 from pagedllm.kv_tiers.event_wire import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -113,16 +114,19 @@ class ReplicaWatch:
 
     async def _poll(self) -> None:
         replica = self.replica
+        draining = False
         try:
             health = await self.client.get(f"{replica.url}{routes.HEALTH}", timeout=self.timeout_s)
             healthy = health.status_code == 200
-            reason = f"/health answered {health.status_code}"
+            draining = says_draining(health.status_code, health.content)
+            reason = "it is shutting down (draining)" if draining else f"/health answered {health.status_code}"
         except httpx.HTTPError as exc:
             healthy, reason = False, f"/health failed: {type(exc).__name__}"
         if not healthy:
             self._failures += 1
-            if replica.up and self._failures >= DOWN_AFTER_FAILURES:
-                self._mark_down(reason)
+            if replica.up and (draining or self._failures >= DOWN_AFTER_FAILURES):
+                # A draining replica gets no new requests, but those it runs finish there.
+                self._mark_down(reason, fail_requests=not draining)
             replica.last_error = reason
             return
         self._failures = 0
@@ -160,12 +164,14 @@ class ReplicaWatch:
         self.replica.down = asyncio.Event()
         logger.info("replica %s is up", self.replica.url)
 
-    def _mark_down(self, reason: str) -> None:
+    def _mark_down(self, reason: str, fail_requests: bool = True) -> None:
+        """No new requests go to the replica; with ``fail_requests`` those it runs end (503)."""
         replica = self.replica
         if replica.up:
             logger.warning("replica %s is down: %s", replica.url, reason)
         replica.up = False
-        replica.down.set()
+        if fail_requests:
+            replica.down.set()
         self.index.cleared(replica.index)
         if self._events_task is not None:
             self._events_task.cancel()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from pagedllm.entrypoints.serve_setup import add_shutdown_timeout_option
 from pagedllm.fleet.routing import POLICIES, BalanceRule
 
 
@@ -43,6 +44,7 @@ def add_router_parser(commands: argparse._SubParsersAction) -> None:
     router.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     router.add_argument("--timeout-keep-alive", type=int, default=5)
+    add_shutdown_timeout_option(router)
     add_routing_options(router)
     router.set_defaults(func=cmd_router)
 
@@ -73,18 +75,21 @@ def router_state(args: argparse.Namespace, urls: list[str]):
         index=PrefixIndex(claim_ttl_s=args.claim_ttl))
 
 
-def serve_router(args: argparse.Namespace, state, stop_router) -> None:
-    """Serve the router over ``state`` on ``args.host``/``args.port`` until SIGTERM/SIGINT
-    or ``stop_router()``."""
+def serve_router(args: argparse.Namespace, state, stop_router, drain) -> None:
+    """Serve the router over ``state`` on ``args.host``/``args.port`` until SIGTERM (after
+    ``drain``), SIGINT or ``stop_router()``."""
     from pagedllm.entrypoints.router.router_app import build_router_app
     from pagedllm.entrypoints.serve_setup import run_uvicorn
 
     options = dict(host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                    timeout_keep_alive=args.timeout_keep_alive)
-    run_uvicorn(build_router_app(state), options, stop_router)
+    run_uvicorn(build_router_app(state), options, stop_router, drain)
 
 
 def cmd_router(args: argparse.Namespace) -> None:
+    """The router alone: on SIGTERM it drains its proxied requests for ``--shutdown-timeout``
+    (the replicas are not its own: what is still open then is cut, and each replica aborts it)."""
+    from pagedllm.entrypoints.draining import Drain
     from pagedllm.entrypoints.serve_setup import ServerStopper
 
-    serve_router(args, router_state(args, args.replica), ServerStopper())
+    serve_router(args, router_state(args, args.replica), ServerStopper(), Drain(args.shutdown_timeout))
