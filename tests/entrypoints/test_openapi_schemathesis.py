@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
@@ -56,10 +57,11 @@ def live_server(tiny_llama) -> Iterator[tuple[str, LLM]]:
     assert_pool_free(llm)
 
 
-def run_schemathesis(base: str) -> tuple[int, int, list[str]]:
+def run_schemathesis(base: str, **untuned: Any) -> tuple[int, int, list[str]]:
     """Run schemathesis's engine (the phases and checks of `schemathesis run`) against
-    ``base``; return the test cases, the checks run and the problems found."""
-    schema = load_schema(base)
+    ``base`` (with ``untuned`` settings: see ``load_schema``); return the test cases, the
+    checks run and the problems found."""
+    schema = load_schema(base, **untuned)
     cases = checks = 0
     problems: list[str] = []
     for event in from_schema(schema).execute():
@@ -77,8 +79,18 @@ def run_schemathesis(base: str) -> tuple[int, int, list[str]]:
     return cases, checks, problems
 
 
-def load_schema(base: str):
-    return schemathesis.openapi.from_url(f"{base}/openapi.json", config=schemathesis.Config.from_path(CONFIG))
+def load_schema(base: str, seed: int | None = None, phases: list[str] | None = None,
+                max_examples: int | None = None):
+    """The document under schemathesis.toml's settings, or with another ``seed``,
+    ``phases`` and ``max_examples`` (and no example database, so a run is its seed's)."""
+    config = schemathesis.Config.from_path(CONFIG)
+    if seed is not None:
+        config.update(seed=seed, max_failures=None)
+    if phases is not None:
+        config.projects.default.phases.update(phases=phases)
+    if max_examples is not None:
+        config.projects.default.generation.update(max_examples=max_examples, database="none")
+    return schemathesis.openapi.from_url(f"{base}/openapi.json", config=config)
 
 
 def test_the_server_passes_every_schemathesis_check(live_server):
@@ -86,6 +98,18 @@ def test_the_server_passes_every_schemathesis_check(live_server):
     cases, checks, problems = run_schemathesis(base)
     assert not problems, "\n".join(problems[:20])
     assert cases > 200 and checks > cases  # every operation was exercised, each case by several checks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [7, 2026])
+def test_the_server_passes_schemathesis_under_settings_it_was_not_tuned_to(live_server, seed):
+    """Other seeds, every phase (the examples and the stateful links too) and more examples
+    than schemathesis.toml's: the document and the server must agree there as well."""
+    base, _ = live_server
+    cases, checks, problems = run_schemathesis(base, seed=seed, phases=["examples", "coverage", "fuzzing", "stateful"],
+                                               max_examples=15)
+    assert not problems, "\n".join(problems[:20])
+    assert cases > 300 and checks > cases
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
