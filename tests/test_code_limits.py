@@ -11,6 +11,11 @@
   (``entrypoints/openai/common/routes.py``): the server and the router import it.
 - no ``isinstance`` on the engine's request kinds outside their own modules:
   the engine reads them through ``engine/user_request.py``'s ``UserRequest``.
+- ``pagedllm.bench`` reads only what a user can read: it imports no engine
+  internals (``BENCH_PRIVATE_PACKAGES``) and reads no engine part's attribute
+  (``BENCH_PRIVATE_ATTRIBUTES``: ``engine.runner``, ``engine.scheduler``, ...);
+  what it measures comes from ``stats()``, ``kv_pool_snapshot()``, metrics and
+  the ``LLM`` class.
 
 Every failure names the file and line (and the function, or the import) to fix.
 """
@@ -280,3 +285,35 @@ def test_no_isinstance_on_request_kinds_outside_their_modules():
 def test_the_request_kind_rule_sees_names_attributes_and_tuples():
     tree = ast.parse("isinstance(a, BeamGroup)\nisinstance(b, (int, output_processor.RequestState))\nisinstance(c, int)")
     assert list(_isinstance_kinds(tree)) == [(1, "BeamGroup"), (2, "RequestState")]
+
+
+# The engine's internals: bench reaches them only through the public API (stats(), snapshots, metrics, LLM).
+BENCH_PRIVATE_PACKAGES = ("pagedllm.core", "pagedllm.worker")
+BENCH_PRIVATE_ATTRIBUTES = frozenset({"runner", "scheduler", "kv_cache_manager", "kv_caches", "executor",
+                                      "runner_spec", "block_pool"})
+
+
+def _private_reads(tree: ast.Module, shown: str, module: str) -> list[str]:
+    """``file:line`` and what it reads, for each engine internal the module ``tree`` imports or reads."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found += [f"{shown}:{node.lineno} imports {name}" for name in _imported_modules(node, module, False)
+                      if any(name == p or name.startswith(p + ".") for p in BENCH_PRIVATE_PACKAGES)]
+        elif isinstance(node, ast.Attribute) and node.attr in BENCH_PRIVATE_ATTRIBUTES:
+            found.append(f"{shown}:{node.lineno} reads .{node.attr}")
+    return found
+
+
+def test_bench_reads_only_the_public_api():
+    found = [read for path in sorted((PACKAGE / "bench").rglob("*.py"))
+             for read in _private_reads(_parsed(path), _shown(path), _module_of(path))]
+    assert not found, "bench reads engine internals (use stats(), kv_pool_snapshot(), metrics):\n" + "\n".join(found)
+
+
+def test_the_bench_rule_sees_private_imports_and_attributes():
+    tree = ast.parse("from pagedllm.core.block_pool import BlockPool\nimport pagedllm.worker\n"
+                     "from ..worker import model_runner\nimport pagedllm.lora\nx = llm.llm_engine.runner.kv_caches\n")
+    assert set(_private_reads(tree, "f.py", "pagedllm.bench.probe")) == {
+        "f.py:1 imports pagedllm.core.block_pool", "f.py:2 imports pagedllm.worker",
+        "f.py:3 imports pagedllm.worker", "f.py:5 reads .runner", "f.py:5 reads .kv_caches"}

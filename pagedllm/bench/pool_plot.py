@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from pagedllm import SamplingParams
+from pagedllm.bench.plotting import require_matplotlib
 
 
 def peak_pool_snapshot(llm, requests) -> dict:
@@ -32,7 +33,9 @@ def peak_pool_snapshot(llm, requests) -> dict:
 
 
 def write_pool_plot(snapshot: dict, directory: str | Path, name: str = "kv_pool.png") -> Path:
-    # Imported here so the engine never needs matplotlib; no pyplot, so no global figure state.
+    # Imported here so the engine never needs matplotlib (an optional extra); no pyplot, so no
+    # global figure state.
+    require_matplotlib()
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

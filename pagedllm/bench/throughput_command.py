@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedllm import LLM
+from pagedllm.bench.plotting import require_matplotlib
 from pagedllm.bench.record import report
 from pagedllm.config.engine import torch_dtype
 from pagedllm.entrypoints.engine_args import make_llm
@@ -124,6 +125,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     from pagedllm.bench import throughput as bench
 
     _check_baseline(args)
+    if args.plot:
+        require_matplotlib()  # before loading anything, not after the run
     llm = make_llm(args)
     args.dtype = llm.llm_engine.config.dtype  # "auto" resolved: the baselines and labels use the same dtype
     requests = _throughput_requests(args, llm.llm_engine.vocab_size)

@@ -8,6 +8,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
+
 if TYPE_CHECKING:
     from pagedllm.core.scheduler_output import SchedulerOutput
     from pagedllm.engine.llm_engine import LLMEngine
@@ -103,7 +104,21 @@ def engine_stats(engine: LLMEngine) -> dict[str, int | float | str]:
         "min_cacheable_prefix_tokens": kv.block_size,
         **engine.runner.speculation_stats(),
         **(engine.kv_tiers.stats() if engine.kv_tiers is not None else {}),
+        **_lora_stats(engine),
     }
+
+
+def _lora_stats(engine: LLMEngine) -> dict[str, int | float]:
+    """What a multi-LoRA workload costs, for ``pagedllm bench lora`` and users alike: the
+    size of an adapter page (one block's key rows of one layer, in values of the model's
+    dtype: with it, ``lora.page_layout.adapter_layout`` says how many blocks an adapter takes)
+    and, with LoRA on, the adapters paged in and the seconds their loads took."""
+    stats: dict[str, int | float] = {"lora_page_elems": engine.runner.adapter_page_elems}
+    pager, loaded = engine.scheduler.adapters, engine.runner.adapters
+    if pager is not None and loaded is not None:
+        stats.update(lora_page_ins=pager.num_page_ins, lora_loads=loaded.num_loads,
+                     lora_load_seconds=loaded.load_seconds)
+    return stats
 
 
 def weight_bytes(engine: LLMEngine) -> int:

@@ -45,7 +45,7 @@ CLAIM_TTL_S = 600.0
 # stats() keys every replica reports alike (the fleet reports replica 0's), and those it reports the largest of;
 # every other number is summed.
 _SHARED_STATS = frozenset({"block_size", "bytes_per_token", "kv_cache_dtype", "tensor_parallel_size",
-                           "min_cacheable_prefix_tokens"})
+                           "min_cacheable_prefix_tokens", "lora_page_elems"})
 _MAX_STATS = frozenset({"peak_running_per_step"})
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,6 +132,21 @@ def test_plot_writes_three_pngs(toy_path: Path, tmp_path: Path, capsys: pytest.C
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n"
         assert len(data) > 1024
+
+
+def test_a_plot_without_matplotlib_names_the_bench_extra(toy_path: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """matplotlib is the optional ``bench`` extra: without it (an import that fails, as when it
+    is not installed) ``--plot`` stops before the replay with a message naming the extra."""
+    from pagedllm.bench.pool_plot import write_pool_plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # ``import matplotlib`` raises ImportError
+    with pytest.raises(ImportError, match=re.escape("pip install 'pagedllm[bench]'")):
+        cli.main(parse(["--dataset", str(toy_path), *TOY_FLAGS, "--plot", str(tmp_path / "plots")]))
+    assert capsys.readouterr().out == "" and not (tmp_path / "plots").exists()  # nothing ran
+    with pytest.raises(ImportError, match=re.escape("pip install 'pagedllm[bench]'")):
+        write_pool_plot({"blocks": []}, tmp_path)
 
 
 def test_record_appends_section(toy_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,9 +9,6 @@ exceptions, each for a rule JSON Schema cannot state:
 ``before_call`` adjusts a valid generated request, keeping it valid:
 - it asks for at most ``LONGEST`` tokens (one asking for none gets the server's
   default, ``--override-generation-config``), so a run stays short;
-- its whole numbers are sent as JSON integers: JSON Schema counts ``2.0`` as an
-  integer, but this server takes an integer field only as an integer (a float
-  or a boolean is a 400), so ``2.0`` would test that rule, not the request;
 - rules that compare two values: ``best_of`` >= ``n``, ``min_tokens`` <= the
   tokens asked for;
 - one constraint on the output at a time (``response_format``,
@@ -25,9 +22,7 @@ exceptions, each for a rule JSON Schema cannot state:
 - ``continue_final_message`` continues the last message: that must be the
   assistant's (an array's last item is out of JSON Schema's reach), else it is
   turned off, and no generation prompt is added, so ``add_generation_prompt``
-  is set to false (that half is stated for /tokenize; on chat completions,
-  beside the other rules, it takes schemathesis's generator past what it
-  models);
+  is set to false (that half is stated in the document too);
 - an assistant's earlier tool call carries its ``arguments`` as JSON text
   (JSON Schema cannot say a string holds JSON): one that does not parse is
   sent as that text quoted as a JSON string.
@@ -82,19 +77,17 @@ _RULES = re.compile("|".join(f"(?:{pattern})" for pattern in RULES_JSON_SCHEMA_C
 STATE_NOT_FOUND_CODES = ("response_not_found", "previous_response_not_found")
 
 
-def _integers_as_integers(value: Any) -> Any:
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+def _whole(value: Any) -> int | None:
+    """``value`` as an integer if JSON Schema counts it as one (``2`` or ``2.0``, as the server does), else None."""
+    if type(value) is int or (type(value) is float and value.is_integer()):
         return int(value)
-    if isinstance(value, list):
-        return [_integers_as_integers(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _integers_as_integers(item) for key, item in value.items()}
-    return value
+    return None
 
 
 def _asked_tokens(body: dict[str, Any]) -> int:
     """The tokens a (clamped) request asks for: what ``min_tokens`` must not exceed."""
-    asked = [body[name] for name in ("max_completion_tokens", "max_tokens") if type(body.get(name)) is int]
+    asked = [_whole(body.get(name)) for name in ("max_completion_tokens", "max_tokens")]
+    asked = [tokens for tokens in asked if tokens is not None]
     if not asked:
         return LONGEST  # the server's default (--override-generation-config), or none
     return max(asked[0], 1)  # max_tokens 0 (echo alone) still samples one token
@@ -133,15 +126,17 @@ def before_call(context: HookContext, case: Case, kwargs: dict[str, Any]) -> Non
     for 500 tokens); schemathesis re-checks the case's validity after it."""
     if case.meta is None or not case.meta.generation.mode.is_positive or not isinstance(case.body, dict):
         return
-    body = case.body = _integers_as_integers(case.body)
+    body = case.body
     for name in LENGTH_FIELDS:
-        value = body.get(name)
-        if type(value) is int and value > LONGEST:
+        value = _whole(body.get(name))
+        if value is not None and value > LONGEST:
             body[name] = LONGEST
-    if type(body.get("best_of")) is int and type(body.get("n")) is int and body["best_of"] < body["n"]:
+    best_of, n = _whole(body.get("best_of")), _whole(body.get("n"))
+    if best_of is not None and n is not None and best_of < n:
         body["best_of"] = body["n"]
-    if type(body.get("min_tokens")) is int:
-        body["min_tokens"] = min(body["min_tokens"], _asked_tokens(body))
+    min_tokens = _whole(body.get("min_tokens"))
+    if min_tokens is not None:
+        body["min_tokens"] = min(min_tokens, _asked_tokens(body))
     if case.operation.path in GENERATION_PATHS:
         _one_constraint(body)
     messages = body.get("messages")

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
@@ -56,10 +57,11 @@ def live_server(tiny_llama) -> Iterator[tuple[str, LLM]]:
     assert_pool_free(llm)
 
 
-def run_schemathesis(base: str) -> tuple[int, int, list[str]]:
+def run_schemathesis(base: str, **untuned: Any) -> tuple[int, int, list[str]]:
     """Run schemathesis's engine (the phases and checks of `schemathesis run`) against
-    ``base``; return the test cases, the checks run and the problems found."""
-    schema = load_schema(base)
+    ``base`` (with ``untuned`` settings: see ``load_schema``); return the test cases, the
+    checks run and the problems found."""
+    schema = load_schema(base, **untuned)
     cases = checks = 0
     problems: list[str] = []
     for event in from_schema(schema).execute():
@@ -77,8 +79,18 @@ def run_schemathesis(base: str) -> tuple[int, int, list[str]]:
     return cases, checks, problems
 
 
-def load_schema(base: str):
-    return schemathesis.openapi.from_url(f"{base}/openapi.json", config=schemathesis.Config.from_path(CONFIG))
+def load_schema(base: str, seed: int | None = None, phases: list[str] | None = None,
+                max_examples: int | None = None):
+    """The document under schemathesis.toml's settings, or with another ``seed``,
+    ``phases`` and ``max_examples`` (and no example database, so a run is its seed's)."""
+    config = schemathesis.Config.from_path(CONFIG)
+    if seed is not None:
+        config.update(seed=seed, max_failures=None)
+    if phases is not None:
+        config.projects.default.phases.update(phases=phases)
+    if max_examples is not None:
+        config.projects.default.generation.update(max_examples=max_examples, database="none")
+    return schemathesis.openapi.from_url(f"{base}/openapi.json", config=config)
 
 
 def test_the_server_passes_every_schemathesis_check(live_server):
@@ -88,6 +100,18 @@ def test_the_server_passes_every_schemathesis_check(live_server):
     assert cases > 200 and checks > cases  # every operation was exercised, each case by several checks
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [7, 2026])
+def test_the_server_passes_schemathesis_under_settings_it_was_not_tuned_to(live_server, seed):
+    """Other seeds, every phase (the examples and the stateful links too) and more examples
+    than schemathesis.toml's: the document and the server must agree there as well."""
+    base, _ = live_server
+    cases, checks, problems = run_schemathesis(base, seed=seed, phases=["examples", "coverage", "fuzzing", "stateful"],
+                                               max_examples=15)
+    assert not problems, "\n".join(problems[:20])
+    assert cases > 300 and checks > cases
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/tokenize", {"messages": []}, "messages"),
     ("/tokenize", {"messages": [{"role": "user", "content": [{}]}]}, "messages.0.user.content.str"),
@@ -95,8 +119,10 @@ def test_the_server_passes_every_schemathesis_check(live_server):
     ("/v1/chat/completions", {"messages": [{"role": "tool", "tool_call_id": "c"}], "max_completion_tokens": False},
      "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "priority": 0.0}, "priority"),
-    ("/v1/completions", {"prompt": "hi", "min_tokens": 0.0}, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "priority": 0.5}, "priority"),  # a whole number only (0.0 is one)
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 197.5}, "min_tokens"),
+    ("/v1/completions", {"prompt": [1, 2.5]}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": True}, "max_tokens"),  # not 1
     ("/v1/completions", {"prompt": "hi", "stream": 1}, "stream"),
     ("/v1/completions", {"prompt": "hi", "n": 5}, "n"),  # over --max-num-seqs
     ("/v1/completions", {"prompt": "hi", "max_tokens": 257}, "max_tokens"),  # over --max-model-len
@@ -148,6 +174,49 @@ def test_edge_bodies_the_document_admits_are_accepted(live_server, path, body):
     assert response.status_code == 200, response.text
 
 
+# Integer fields sent as whole-number floats (JSON Schema counts 2.0 as an integer, vLLM parses it so).
+WHOLE_FLOATS = [
+    ("/v1/completions", {"prompt": [1.0, 2.0], "max_tokens": 3.0, "n": 1.0, "best_of": 1.0, "seed": 197.0,
+                         "min_tokens": 1.0, "priority": 0.0, "top_k": 5.0, "stop_token_ids": [3.0], "logprobs": 1.0,
+                         "truncate_prompt_tokens": -1.0, "temperature": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3.0,
+                              "logprobs": True, "top_logprobs": 2.0, "allowed_token_ids": [7.0, 8.0],
+                              "temperature": 0}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 3.0, "temperature": 0}),
+    ("/v1/messages", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3.0,
+                      "temperature": 0}),
+    ("/detokenize", {"tokens": [0.0, 49151.0]}),
+]
+
+
+def _without_ids(value):
+    """An answer less what differs between two requests (ids, times)."""
+    if isinstance(value, list):
+        return [_without_ids(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _without_ids(item) for key, item in value.items() if key not in ("id", "created", "created_at")}
+    return value
+
+
+def _as_integers(value):
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_as_integers(item) for item in value]
+    return {key: _as_integers(item) for key, item in value.items()} if isinstance(value, dict) else value
+
+
+@pytest.mark.parametrize(("path", "body"), WHOLE_FLOATS)
+def test_whole_number_floats_are_taken_as_the_integers(live_server, path, body):
+    base, _ = live_server
+    document = httpx.get(f"{base}/openapi.json").json()
+    assert _document_admits(document, path, body)
+    as_floats = httpx.post(f"{base}{path}", json=body, timeout=60)
+    as_integers = httpx.post(f"{base}{path}", json=_as_integers(body), timeout=60)
+    assert as_floats.status_code == 200, as_floats.text
+    assert _without_ids(as_floats.json()) == _without_ids(as_integers.json())  # the same answer (greedy)
+
+
 def _document_admits(document: dict, path: str, body: dict) -> bool:
     reference = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     validator = jsonschema.Draft202012Validator({**document, "$ref": reference})
@@ -184,6 +253,11 @@ HI = [{"role": "user", "content": "hi"}]
     ("/tokenize", {"messages": [*HI, {"role": "assistant", "content": "a"}], "continue_final_message": True,
                    "add_generation_prompt": False}),
     ("/tokenize", {"prompt": "hi", "continue_final_message": True}),
+    ("/v1/chat/completions", {"messages": [*HI, {"role": "assistant", "content": "a"}],
+                              "continue_final_message": True}),
+    ("/v1/chat/completions", {"messages": [*HI, {"role": "assistant", "content": "a"}],
+                              "continue_final_message": True, "add_generation_prompt": False}),
+    ("/v1/chat/completions", {"messages": HI, "continue_final_message": False, "add_generation_prompt": True}),
     ("/v1/completions", {"prompt": "hi", "model": "tiny"}),
     ("/v1/completions", {"prompt": "hi", "model": "other"}),
 ])

@@ -10,6 +10,7 @@ from pagedllm.bench.fragmentation.plots import write_plots
 from pagedllm.bench.fragmentation.pool import RESERVATIONS, PoolSpec
 from pagedllm.bench.fragmentation.report import describe, format_tables, run_fragmentation
 from pagedllm.bench.fragmentation.traces import load_trace, poisson_arrivals, sharegpt_like_trace
+from pagedllm.bench.plotting import require_matplotlib
 from pagedllm.bench.record import append_result
 
 
@@ -39,6 +40,8 @@ def build_arg_parser(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     """Replay the trace through both layouts, print the tables (or only JSON with ``--json``),
     write the plots with ``--plot`` and append the tables to ``--record``."""
+    if args.plot:
+        require_matplotlib()  # before the replay, not after it
     if args.dataset:
         trace, trace_name = load_trace(args.dataset), args.dataset
     else:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagedllm.bench.fragmentation.report import FragmentationReport
+from pagedllm.bench.plotting import require_matplotlib
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -15,8 +16,10 @@ if TYPE_CHECKING:
 def write_plots(report: FragmentationReport, directory: str | Path) -> list[Path]:
     """Write ``waste_vs_block_size.png``, ``memory_map.png`` and ``batch_size.png`` into
     ``directory`` (created if missing) and return their paths."""
-    # Imported here so the replay itself needs neither matplotlib nor numpy. Figures are made
-    # without pyplot and drawn by Agg, so no GUI backend or global figure state is involved.
+    # Imported here so the replay itself needs neither matplotlib (an optional extra) nor numpy.
+    # Figures are made without pyplot and drawn by Agg, so no GUI backend or global figure state
+    # is involved.
+    require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

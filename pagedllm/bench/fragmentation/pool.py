@@ -1,18 +1,13 @@
-"""The KV pool both layouts share (``PoolSpec``) and one layout's allocator behind the
-operations the replay needs (``LayoutPool``): the engine's own ``ContiguousKVCacheManager``
-and ``KVCacheManager`` (prefix caching off)."""
+"""The KV pool both layouts share (``PoolSpec``) and one layout's allocator with the
+replay's admission (``LayoutPool``): the engine's own allocators, through their public
+face ``pagedllm.kv_layouts`` (prefix caching off)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.core.contiguous import ContiguousKVCacheManager
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.kv_layouts import CONTIGUOUS, KVLayoutPool
 from pagedllm.utils import cdiv
-
-CONTIGUOUS = "contiguous"
-PAGED = "paged"
-LAYOUTS = (CONTIGUOUS, PAGED)
 RESERVATIONS = ("max", "pow2", "oracle")
 
 
@@ -59,24 +54,17 @@ class PoolSpec:
 
 
 class LayoutPool:
-    """One layout's manager (``manager``: the KV manager interface the scheduler
-    uses), with the replay's admission and growth on top."""
+    """One layout's allocator (``pagedllm.kv_layouts``, the engine's own), admitting a
+    request with the reservation ``spec`` says."""
 
     def __init__(self, spec: PoolSpec, layout: str) -> None:
         self.spec = spec
         self.layout = layout
-        self.manager: ContiguousKVCacheManager | KVCacheManager
-        if layout == CONTIGUOUS:
-            # Per-request mode: every run is sized at admission by reserve_for.
-            self.manager = ContiguousKVCacheManager(spec.num_blocks, spec.block_size, None)
-        else:
-            self.manager = KVCacheManager(spec.num_blocks, spec.block_size, enable_prefix_caching=False)
+        self.manager = KVLayoutPool(layout, spec.num_blocks, spec.block_size)
 
     def admit(self, request_id: str, num_tokens: int, total_len: int) -> bool:
-        if self.layout == CONTIGUOUS:
-            # max reserves max_model_len for everyone; pow2 and oracle size each request apart.
-            self.manager.reserve_for(request_id, self.spec.reserved_tokens(total_len))
-        return self.manager.allocate_slots(request_id, 0, num_tokens) is not None
+        # max reserves max_model_len for everyone; pow2 and oracle size each request apart.
+        return self.manager.admit(request_id, num_tokens, self.spec.reserved_tokens(total_len))
 
     def grow(self, request_id: str, num_tokens: int) -> bool:
-        return self.manager.allocate_slots(request_id, num_tokens, 1) is not None
+        return self.manager.grow(request_id, num_tokens)

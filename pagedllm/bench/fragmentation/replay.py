@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
-from pagedllm.bench.fragmentation.pool import LAYOUTS, LayoutPool, PoolSpec
+from pagedllm.bench.fragmentation.pool import LayoutPool, PoolSpec
+from pagedllm.kv_layouts import LAYOUTS
 from pagedllm.bench.fragmentation.traces import TraceRequest
 
 
@@ -163,7 +164,7 @@ class _Replay:
             self.max_concurrent = len(self.running)
             self.peak_step = step
             self.memory_map = [
-                MapEntry(live.index, tuple(self.pool.manager.get_block_ids(live.request_id)), live.num_tokens)
+                MapEntry(live.index, tuple(self.pool.manager.block_ids(live.request_id)), live.num_tokens)
                 for live in self.running
             ]
 
@@ -173,7 +174,7 @@ class _Replay:
             if live.num_tokens < live.total_len:
                 still_running.append(live)
                 continue
-            self.held_at_departure.append(len(self.pool.manager.get_block_ids(live.request_id)))
+            self.held_at_departure.append(len(self.pool.manager.block_ids(live.request_id)))
             self.needed_at_departure.append(live.total_len)
             self.pool.manager.free(live.request_id)
         self.running = still_running

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from pagedllm.bench.fragmentation.pool import CONTIGUOUS, LAYOUTS, PAGED, PoolSpec
+from pagedllm.bench.fragmentation.pool import PoolSpec
 from pagedllm.bench.fragmentation.replay import LayoutResult, mean_or_zero, simulate, waste_percent
+from pagedllm.kv_layouts import CONTIGUOUS, LAYOUTS, PAGED
 from pagedllm.bench.fragmentation.traces import TraceRequest
 from pagedllm.bench.tables import markdown_table
 

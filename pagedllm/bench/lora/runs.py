@@ -83,9 +83,8 @@ def blocks_for(requests: list[BenchRequest], block_size: int) -> int:
 def pages_per_adapter(llm: LLM, rank: int, targets: tuple[str, ...]) -> int:
     """Blocks one rank-``rank`` adapter on ``targets`` takes in ``llm``'s pool (the layout the
     LoRA engines use: same model, same block size and dtype)."""
-    engine = llm.llm_engine
-    page_elems = engine.runner.adapter_page_elems
-    return adapter_layout(rank, targets, projection_shapes(engine.model_config), page_elems).num_pages
+    page_elems = llm.stats()["lora_page_elems"]
+    return adapter_layout(rank, targets, projection_shapes(llm.llm_engine.model_config), page_elems).num_pages
 
 
 def lora_requests(paths: list[str], num_adapters: int, num_requests: int) -> list[LoRARequest]:
@@ -103,14 +102,12 @@ def timed_run(llm: LLM, label: str, requests: list[BenchRequest], loras: list[Lo
         _warm_lora_path(llm, warm_path, len(requests) + 1)
         for lora in {lora.lora_name: lora for lora in loras}.values():
             engine.adapter_registry.spec_for(lora)
-    pager, runner_adapters = engine.scheduler.adapters, engine.runner.adapters
-    page_ins = getattr(pager, "num_page_ins", 0)
-    load_seconds = getattr(runner_adapters, "load_seconds", 0.0)
+    before = llm.stats()
     result = run_pagedllm(llm, requests, label, lora_request=loras)
     stats = check_pool_free(llm, label)
     return LoRARun(label, num_adapters, len({lora.lora_name for lora in loras or []}), stats["num_blocks"], result,
-                   page_ins=getattr(pager, "num_page_ins", 0) - page_ins,
-                   page_in_seconds=getattr(runner_adapters, "load_seconds", 0.0) - load_seconds,
+                   page_ins=stats.get("lora_page_ins", 0) - before.get("lora_page_ins", 0),
+                   page_in_seconds=stats.get("lora_load_seconds", 0.0) - before.get("lora_load_seconds", 0.0),
                    peak_running=stats["peak_running_per_step"], step_timings=llm.step_timings())
 
 
@@ -139,7 +136,6 @@ def page_in_cost(llm: LLM, paths: list[str], first_id: int) -> PageInCost:
     from pagedllm.bench.lora.adapters import folder_megabytes
 
     engine = llm.llm_engine
-    runner_adapters = engine.runner.adapters
     reads, loads, pages = [], [], 0
     for index, path in enumerate(paths):
         lora = LoRARequest(f"{PROBE_NAME}-{index}", first_id + index, path)
@@ -147,14 +143,15 @@ def page_in_cost(llm: LLM, paths: list[str], first_id: int) -> PageInCost:
         start = time.perf_counter()
         read_adapter(path, engine.model_config, engine.config.lora.max_lora_rank)
         reads.append(time.perf_counter() - start)
-        before = (runner_adapters.num_loads, runner_adapters.load_seconds)
+        before = llm.stats()
         llm.generate([{"prompt_token_ids": [0] * 8}], SamplingParams(temperature=0.0, max_tokens=1),
                      use_tqdm=False, lora_request=lora)
-        if runner_adapters.num_loads != before[0] + 1:
-            raise RuntimeError(f"adapter {lora.lora_name!r} was paged in {runner_adapters.num_loads - before[0]} "
+        after = llm.stats()
+        if after["lora_loads"] != before["lora_loads"] + 1:
+            raise RuntimeError(f"adapter {lora.lora_name!r} was paged in {after['lora_loads'] - before['lora_loads']} "
                                "times by one request; expected once")
-        loads.append(runner_adapters.load_seconds - before[1])
-    check_pool_free(llm, "page-in probe")
-    block_bytes = engine.bytes_per_token * engine.pool_plan.block_size
+        loads.append(after["lora_load_seconds"] - before["lora_load_seconds"])
+    stats = check_pool_free(llm, "page-in probe")
+    block_bytes = stats["bytes_per_token"] * stats["block_size"]
     return PageInCost(1000 * statistics.median(reads), 1000 * statistics.median(loads), folder_megabytes(paths[0]),
                       pages, pages * block_bytes / 2**20)

@@ -3,7 +3,8 @@
 Field names follow OpenAI plus vLLM's extras (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``cache_salt``,
 ``priority``, ...). A known field of the wrong type is a 400: types are strict
-(``StrictModel``), so ``true`` or ``1.0`` is no integer and ``1`` no boolean.
+(``StrictModel``), so ``true`` or ``"1"`` is no integer and ``1`` no boolean; a
+whole-number float (``1.0``) is an integer, as JSON Schema and vLLM count it.
 The bounds that do not depend on the engine are ``Field`` constraints here (in
 the OpenAPI document too), and so are the rules between fields, as JSON Schema
 in each model's ``json_schema_extra`` (``request_fields.schema_rules``) beside the code that
@@ -307,9 +308,9 @@ class ChatCompletionRequest(_SamplingFields):
     model_config = ConfigDict(json_schema_extra=schema_rules(
         # prepare_chat: top_logprobs needs logprobs.
         one_of_cases({"properties": {"top_logprobs": {"type": "null"}}}, set_field("logprobs", {"const": True})),
-        # Not _CONTINUE_RULE: beside these rules it takes schemathesis's generator past what it models
-        # (its canonical form gives up), and continue_final_message's other rule, the last message being
-        # the assistant's, is beyond JSON Schema anyway (tests/entrypoints/schemathesis_hooks.py).
+        # continue_final_message's other rule, the last message being the assistant's, is beyond JSON
+        # Schema (tests/entrypoints/schemathesis_hooks.py keeps fuzzed requests to it).
+        _CONTINUE_RULE,
         # plan_tool_choice: a tool choice other than "none" needs tools; a required or named one
         # constrains the output itself (_with_tool_grammar), so no other constraint beside it.
         one_of_cases(

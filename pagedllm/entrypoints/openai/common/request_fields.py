@@ -7,10 +7,12 @@ model's fields spelled as JSON Schema for the OpenAPI document (``schema_rules``
 from __future__ import annotations
 
 import threading
+import types
 from collections.abc import Callable, Mapping
-from typing import Any
+from functools import cache
+from typing import Annotated, Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from pagedllm.logger import init_logger
@@ -155,8 +157,54 @@ def schema_rules(*rules: dict[str, Any]) -> Callable[[dict[str, Any], type[BaseM
     return extra
 
 
+def _whole_numbers_as_int(annotation: Any, value: Any) -> Any:
+    """``value`` with each whole-number float where ``annotation`` has an ``int``
+    made that int (``197.0`` -> ``197``); anything else as it was."""
+    origin = get_origin(annotation)
+    if annotation is int:
+        return int(value) if type(value) is float and value.is_integer() else value
+    if origin is Annotated:
+        return _whole_numbers_as_int(get_args(annotation)[0], value)
+    if origin is Union or origin is types.UnionType:
+        for branch in get_args(annotation):
+            value = _whole_numbers_as_int(branch, value)
+        return value
+    if origin is list and isinstance(value, list):
+        return [_whole_numbers_as_int(get_args(annotation)[0], item) for item in value]
+    if origin is dict and isinstance(value, dict):
+        return {key: _whole_numbers_as_int(get_args(annotation)[1], item) for key, item in value.items()}
+    return value
+
+
+@cache
+def _integer_fields(model: type[BaseModel]) -> tuple[tuple[str, Any], ...]:
+    """(JSON key, annotation) of ``model``'s fields whose type holds an ``int``
+    (a nested request object does its own)."""
+    def holds_int(annotation: Any) -> bool:
+        return annotation is int or any(holds_int(arg) for arg in get_args(annotation))
+
+    return tuple((field.alias or name, field.annotation) for name, field in model.model_fields.items()
+                 if holds_int(field.annotation))
+
+
 class StrictModel(BaseModel):
-    """A request object: no coercion between JSON types (a float or a bool is
-    not an integer), as the OpenAPI document's types say."""
+    """A request object: no coercion between JSON types (a bool or ``"1"`` is
+    not an integer, ``1`` no boolean), as the OpenAPI document's types say;
+    but a whole-number float is an integer (``197.0``), as JSON Schema counts
+    it and as vLLM (pydantic's lax mode) parses it. ``197.5`` stays a 400
+    naming the field."""
 
     model_config = ConfigDict(strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _whole_numbers_are_integers(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = [(key, annotation) for key, annotation in _integer_fields(cls) if key in data]
+        if not fields:
+            return data
+        data = dict(data)  # the caller's body stays as it was sent
+        for key, annotation in fields:
+            data[key] = _whole_numbers_as_int(annotation, data[key])
+        return data
