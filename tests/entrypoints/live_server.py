@@ -18,6 +18,14 @@ def uvicorn_thread(app, options: dict) -> Iterator[uvicorn.Server]:
     """``app`` served by uvicorn with ``options`` (what ``uvicorn.run`` would have got) in a
     thread, once it listens; stopped on exit. The model may still be loading then."""
     server = uvicorn.Server(uvicorn.Config(app, **options))
+    with server_thread(server):
+        yield server
+
+
+@contextlib.contextmanager
+def server_thread(server: uvicorn.Server) -> Iterator[threading.Thread]:
+    """``server`` run in a thread, once it listens (the thread, to see whether it ended);
+    asked to exit, and joined, on exit."""
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -25,7 +33,7 @@ def uvicorn_thread(app, options: dict) -> Iterator[uvicorn.Server]:
         while not server.started:
             assert time.time() < deadline and thread.is_alive(), "the server did not start"
             time.sleep(0.05)
-        yield server
+        yield thread
     finally:
         server.should_exit = True
         thread.join(timeout=30)

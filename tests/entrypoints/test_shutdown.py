@@ -25,6 +25,7 @@ from pagedllm.entrypoints.draining import Drain, DrainingServer, RefuseWhileDrai
 from pagedllm.entrypoints.openai.api_server import ServerState, build_app
 from pagedllm.utils import free_port
 from tests.conftest import assert_pool_free_once_idle
+from tests.entrypoints.live_server import server_thread
 
 LONG_STREAM = {"model": "tiny", "prompt": "Hello", "max_tokens": 3000, "ignore_eos": True, "stream": True,
                "temperature": 0}
@@ -43,17 +44,8 @@ def draining_server(llm, timeout_s: float) -> Iterator[tuple[str, DrainingServer
     app = RefuseWhileDraining(build_app(ServerState(async_engine=engine, served_model_name="tiny")), drain)
     port = free_port()
     server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"), drain)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-            time.sleep(0.02)
+    with server_thread(server) as thread:
         yield f"http://127.0.0.1:{port}", server, thread
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 class StreamReader:
