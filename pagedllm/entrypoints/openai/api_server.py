@@ -1,15 +1,14 @@
-"""OpenAI-compatible HTTP server: FastAPI + uvicorn over one engine client (the
+"""OpenAI-compatible HTTP server: the app assembled over one engine client (the
 engine-core process's, or an AsyncLLMEngine in this process).
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE
-streaming), Anthropic's POST /v1/messages (SSE streaming too) and POST
-/v1/messages/count_tokens (``messages/``), GET /v1/models, GET /health (503 while the model loads, until the
-engine loop runs and after it died), GET /version, POST /tokenize, POST /detokenize,
-POST /reset_prefix_cache, GET /metrics (Prometheus), and with LoRA POST
-/v1/load_lora_adapter and /v1/unload_lora_adapter (``admin/lora``), POST /v1/responses
-and GET/DELETE /v1/responses/{id} (OpenAI's Responses API, ``responses/``). Errors use OpenAI's JSON
-shape ``{"error": {"message", "type", "param", "code"}}`` (Anthropic's on /v1/messages); /openapi.json documents
-each route's statuses and content types (``openapi_doc``).
+Each API registers its own routes from its folder: ``chat/`` (POST /v1/chat/completions),
+``completions/``, ``responses/`` (OpenAI's Responses API), ``messages/`` (Anthropic's), and
+``admin/`` (the server's own routes: /health, /version, /server_info, /metrics, /v1/models,
+the block pool; /tokenize and /detokenize; the LoRA admin routes). Every path is in
+``common/routes.py``. Here: the lifespan that loads the engine, the refusal while it loads,
+the API-key dependency, CORS, and the error shapes (OpenAI's ``{"error": {"message",
+"type", "param", "code"}}``; Anthropic's on /v1/messages); /openapi.json documents each
+route's statuses and content types (``common/openapi_doc``).
 """
 
 from __future__ import annotations
@@ -17,12 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from contextlib import asynccontextmanager
-from pathlib import Path
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.version import __version__
@@ -30,12 +27,13 @@ from pagedllm.logger import init_logger
 from pagedllm.engine.async_engine import EngineDeadError
 from pagedllm.engine.client import make_async_engine_client
 from pagedllm.entrypoints.openai.common import routes
-from pagedllm.entrypoints.openai.common.errors import APIError, error_body, error_responses, install_error_handlers
+from pagedllm.entrypoints.openai.common.errors import APIError, error_body, install_error_handlers
 from pagedllm.entrypoints.openai.common.openapi_doc import install_openapi
 from pagedllm.entrypoints.openai.common.reasoning import ReasoningSettings
 from pagedllm.entrypoints.openai.chat.serving import add_chat_route
 from pagedllm.entrypoints.openai.completions.serving import add_completion_route
 from pagedllm.entrypoints.openai.admin.lora import add_lora_routes
+from pagedllm.entrypoints.openai.admin.server import add_server_routes
 from pagedllm.entrypoints.openai.admin.tokens import add_token_routes
 from pagedllm.entrypoints.openai.messages.serving import add_messages_routes
 from pagedllm.entrypoints.openai.responses.serving import add_responses_routes
@@ -47,7 +45,6 @@ __all__ = ["ServerState", "build_app"]
 logger = init_logger(__name__)
 
 
-_DASHBOARD = Path(__file__).parent / "static" / "dashboard.html"
 # Routes that work without an engine (probes); the rest answer 503 while the model loads.
 _ANSWERED_WHILE_LOADING = frozenset({routes.HEALTH, routes.VERSION})
 
@@ -91,7 +88,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
         return JSONResponse(error_body(str(exc), "server_error", code="engine_dead"), status_code=503)
 
     tenant_of = _tenant_dependency(state)
-    _add_pool_routes(app, state, tenant_of)
+    add_server_routes(app, state, tenant_of)
     add_token_routes(app, state, tenant_of)
     add_completion_route(app, state, tenant_of)
     add_chat_route(app, state, tenant_of)
@@ -164,69 +161,3 @@ def _tenant_dependency(state: ServerState) -> TenantDependency:
         return tenant
 
     return tenant_of
-
-
-def _add_pool_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
-    """Health, version, metrics, the model list and the block pool (its page, its JSON, its reset)."""
-
-    @app.get(routes.HEALTH, responses=error_responses(503))
-    async def health() -> dict[str, str]:
-        if not state.is_ready:
-            raise APIError(503, state.not_ready_reason(), "server_error", code="engine_not_ready")
-        return {"status": "ok"}
-
-    @app.get(routes.VERSION)
-    async def version() -> dict:
-        return {"version": __version__}
-
-    @app.get(routes.SERVER_INFO)
-    async def server_info() -> dict:
-        """What a fleet router needs to hash prompts as this server does and to follow its cache."""
-        from pagedllm.entrypoints.router.request_prefix import prompt_fingerprint
-
-        return {"model": state.served_model_name, "model_names": state.model_names, "version": __version__,
-                "lora_adapters": dict(state.adapters.fingerprints) if state.adapters is not None else {},
-                **state.engine_settings,
-                "prompt_fingerprint": prompt_fingerprint(state.engine_info.tokenizer, state.chat.chat_template)}
-
-    @app.get(routes.METRICS, response_class=PlainTextResponse, responses=error_responses(503),
-             description="Prometheus text exposition format")
-    async def metrics() -> Response:
-        try:
-            text = await state.async_engine.metrics_text()
-        except TimeoutError:  # (asyncio's is the builtin since 3.11)
-            raise APIError(503, "the engine core did not answer for its metrics within 10 s", "server_error",
-                           code="engine_busy") from None
-        return Response(text, media_type=CONTENT_TYPE_LATEST)
-
-    @app.get(routes.MODELS, responses=error_responses(401, 503))
-    async def models(tenant: str | None = Depends(tenant_of)) -> dict:
-        return {"object": "list", "data": _model_cards(state)}
-
-    @app.get(routes.DASHBOARD, response_class=HTMLResponse, responses=error_responses(401, 503))
-    async def dashboard(request: Request) -> Response:
-        """The live block-pool page. Under --api-key the key comes as ``?key=``
-        (a browser cannot set the header on a page load); the page sends it on."""
-        if state.api_keys and not tenant_of_key(state.api_keys, request.query_params.get("key"))[0]:
-            raise APIError(401, "invalid or missing API key: open /dashboard?key=YOUR_KEY", "authentication_error",
-                           code="invalid_api_key")
-        return HTMLResponse(_DASHBOARD.read_text(encoding="utf-8"))
-
-    @app.get(routes.KV_POOL, responses=error_responses(401, 503))
-    async def kv_pool(tenant: str | None = Depends(tenant_of)) -> dict:
-        """The live block pool (see ``LLM.kv_pool_snapshot``), between two steps."""
-        return await state.async_engine.kv_pool_snapshot()
-
-    @app.post(routes.RESET_PREFIX_CACHE, responses=error_responses(401, 503))
-    async def reset_prefix_cache(tenant: str | None = Depends(tenant_of)) -> dict:
-        return {"dropped_blocks": await state.async_engine.reset_prefix_cache()}
-
-
-def _model_cards(state: ServerState) -> list[dict]:
-    """The base model's names, then the LoRA adapters (vLLM's shape: ``root`` a path, ``parent`` the base)."""
-    max_model_len = state.engine_info.max_model_len
-    base = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedllm",
-             "root": state.model_root or state.served_model_name, "parent": None, "max_model_len": max_model_len}
-            for name in state.model_names]
-    adapters = state.adapters.model_cards(state.served_model_name, max_model_len) if state.adapters is not None else []
-    return base + adapters
