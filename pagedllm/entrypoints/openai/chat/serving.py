@@ -7,9 +7,10 @@ import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 
 from pagedllm.entrypoints.chat_utils import ChatRenderOptions, render_chat
+from pagedllm.entrypoints.openai.common.disconnect import cancel_on_disconnect
 from pagedllm.entrypoints.openai.common import routes
 from pagedllm.entrypoints.openai.chat.choices import ChatChoices
 from pagedllm.entrypoints.openai.chat.encoder import ChatEncoder
@@ -45,7 +46,9 @@ class ChatJob:
 
 def add_chat_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
     @app.post(routes.CHAT, responses=GENERATION_RESPONSES)
-    async def chat_completions(body: ChatCompletionRequest, tenant: str | None = Depends(tenant_of)):
+    @cancel_on_disconnect
+    async def chat_completions(body: ChatCompletionRequest, request: Request,
+                               tenant: str | None = Depends(tenant_of)):
         job = prepare_chat(state, body)
         # made before the run, so that "created" is when the request came
         encoder = ChatEncoder(state.engine_info.tokenizer, "chatcmpl", job.params.logprobs,

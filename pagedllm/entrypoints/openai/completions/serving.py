@@ -5,10 +5,11 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 
 from pagedllm.core.prompt_tokens import tokenized
 from pagedllm.engine.llm_engine import PromptType
+from pagedllm.entrypoints.openai.common.disconnect import cancel_on_disconnect
 from pagedllm.entrypoints.openai.common import routes
 from pagedllm.entrypoints.openai.completions.bodies import CompletionBodies
 from pagedllm.entrypoints.openai.completions.choices import CompletionOptions
@@ -29,7 +30,8 @@ FIM_TOKENS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), ("<|fim_prefix|>
 
 def add_completion_route(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
     @app.post(routes.COMPLETIONS, responses=GENERATION_RESPONSES)
-    async def completions(body: CompletionRequest, tenant: str | None = Depends(tenant_of)):
+    @cancel_on_disconnect
+    async def completions(body: CompletionRequest, request: Request, tenant: str | None = Depends(tenant_of)):
         lora_request = check_model(state, body.model)
         check_limits(state.engine_info, body)
         echo_only = body.max_tokens == 0

@@ -17,10 +17,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagedllm.entrypoints.openai.common.disconnect import cancel_on_disconnect
 from pagedllm.entrypoints.openai.common import routes, sse
 from pagedllm.entrypoints.openai.common.errors import APIError, bad_request
 from pagedllm.entrypoints.openai.messages.output import (
@@ -60,7 +61,8 @@ def add_messages_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepen
         200: {"model": MessageResponse, "content": sse.stream_content(sse.event_schema("the event as JSON, its `type` the event's", STREAM_EVENTS)),
               "description": "the message (JSON), or with `stream` true Anthropic's events as server-sent events"},
         **_error_responses(400, 401, 404, 503)})
-    async def messages(body: MessagesRequest,
+    @cancel_on_disconnect
+    async def messages(body: MessagesRequest, request: Request,
                        tenant: str | None = Depends(tenant_of)) -> dict[str, Any] | StreamingResponse:
         chat_body = messages_chat_request(state, body)
         job = prepare_chat(state, chat_body)

@@ -15,11 +15,12 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedllm.entrypoints.openai.common.disconnect import cancel_on_disconnect
 from pagedllm.entrypoints.openai.common import routes, sse
 from pagedllm.entrypoints.openai.common.errors import APIError, ErrorResponse, error_responses
 from pagedllm.entrypoints.openai.responses.protocol import ResponsesRequest
@@ -47,7 +48,8 @@ STORED_RESPONSES = {
 
 def add_responses_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
     @app.post(routes.RESPONSES, responses=CREATE_RESPONSES)
-    async def create_response(body: ResponsesRequest, tenant: str | None = Depends(tenant_of)):
+    @cancel_on_disconnect
+    async def create_response(body: ResponsesRequest, request: Request, tenant: str | None = Depends(tenant_of)):
         previous = _previous_conversation(state, body, tenant)
         with _named_as_responses_fields():
             chat_body = to_chat_request(body, previous)
