@@ -34,9 +34,13 @@ SHARED = "Shared instructions for every request: be brief, be exact, never guess
 
 
 def fleet_command(model: str, *extra: str) -> list[str]:
+    # A short drain deadline: these tests stop an idle fleet, and with the default 30 s its
+    # worst case (replicas' deadline, their final events, the router's wait) passes the
+    # tests' wait for the exit on a loaded machine.
     return [sys.executable, "-m", "pagedllm.cli", "serve", "--model", model, "--served-model-name", "m",
             "--host", "127.0.0.1", "--data-parallel-size", "2", "--num-threads", "1", "--num-kv-blocks", "128",
-            "--health-interval", "0.25", "--disable-log-stats", "--uvicorn-log-level", "warning", *extra]
+            "--health-interval", "0.25", "--disable-log-stats", "--uvicorn-log-level", "warning",
+            "--shutdown-timeout", "5", *extra]
 
 
 @pytest.fixture(scope="module")
