@@ -72,6 +72,12 @@ class CacheConfig:
         metadata={"help": "KV storage: auto (the model dtype), or int8 / fp8_e4m3 with an fp32 scale "
                           "per (token, KV head) vector"},
     )
+    disable_hybrid_kv_cache_manager: bool = field(
+        default=False,
+        metadata={"help": "keep every layer's blocks: one block table for all layers, even in a model that "
+                          "mixes full and sliding-window layers (Gemma 2/3, gpt-oss), whose sliding layers "
+                          "otherwise keep only their window's blocks (vLLM's flag of the same name)"},
+    )
     kv_cache_pretouch: bool = field(
         default=False,
         metadata={"help": "write the whole KV pool (and the swap space) once at start, so its memory is "

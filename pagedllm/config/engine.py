@@ -18,6 +18,7 @@ from pagedllm.config.kv_events import KVEventsConfig
 from pagedllm.config.lora import LoRAConfig
 from pagedllm.config.kv_offload import KVOffloadConfig
 from pagedllm.config.speculative import SpeculativeConfig
+from pagedllm.core.kv_groups import KVGroupLayout, kv_group_layout
 
 if TYPE_CHECKING:
     import torch
@@ -71,10 +72,10 @@ class SchedulerConfig:
     # Most prompt tokens one request may prefill in one step (None: no cap), so a
     # huge prompt cannot stall everyone else's decoding.
     long_prefill_token_threshold: int | None = None
-    # The model's sliding window when every layer slides with it (Mistral,
-    # all-sliding Qwen2): blocks that fall out of it are released. None: every
-    # block is kept (full attention, or a hybrid of full and sliding layers).
-    sliding_window: int | None = None
+    # The model's KV cache groups (``core.kv_groups``): which layers share a block
+    # table and how they attend; a sliding group releases the blocks behind its
+    # window. None: one group of full-attention layers (every block is kept).
+    kv_groups: KVGroupLayout | None = None
     # Speculative decoding: most draft tokens a decoding sequence verifies per
     # step (0: off). Drafts ride in the step's token budget.
     num_speculative_tokens: int = 0
@@ -90,9 +91,6 @@ class SchedulerConfig:
                 raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill=True")
         if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        window = self.sliding_window
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"sliding_window must be an integer >= 1 or None, got {window!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
@@ -289,8 +287,9 @@ class EngineConfig:
 
     def scheduler_config(self, model_max_len: int, layer_windows: Sequence[int | None] = ()) -> SchedulerConfig:
         """Resolve the defaults that depend on the loaded model. ``layer_windows``:
-        each layer's sliding window (``model.shapes.sliding_windows_of``); blocks
-        are released out of the window only when every layer shares one."""
+        each layer's sliding window (``model.shapes.sliding_windows_of``), from which
+        the KV cache groups are made (``core.kv_groups``; one group without the
+        hybrid manager)."""
         max_model_len = self.max_model_len or model_max_len
         if max_model_len > model_max_len:
             raise ValueError(
@@ -299,9 +298,8 @@ class EngineConfig:
         batched = self.max_num_batched_tokens
         if batched is None:
             batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
-        # The window every layer shares; None when some layer attends to its whole context (or none is given).
-        windows = set(layer_windows)
-        sliding_window = windows.pop() if len(windows) == 1 else None
+        kv_groups = kv_group_layout(layer_windows, hybrid=not self.cache.disable_hybrid_kv_cache_manager) \
+            if layer_windows else None
         return SchedulerConfig(
             max_model_len=max_model_len,
             max_num_seqs=self.max_num_seqs,
@@ -310,7 +308,7 @@ class EngineConfig:
             preemption_mode=self.preemption_mode,
             scheduling_policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            sliding_window=sliding_window,
+            kv_groups=kv_groups,
             num_speculative_tokens=spec.num_speculative_tokens if (spec := self.speculative) else 0,
         )
 

@@ -32,8 +32,14 @@ def create_kv_cache_manager(cache: CacheConfig, plan: PoolPlan, scheduler_config
         tokens = {"max_model_len": scheduler_config.max_model_len, "request": None}.get(reservation, reservation)
         return ContiguousKVCacheManager(num_blocks, block_size, tokens)
     return KVCacheManager(num_blocks, block_size, cache.enable_block_sharing, cache.enable_prefix_caching,
-                          plan.num_swap_blocks, sliding_window=scheduler_config.sliding_window,
+                          plan.num_swap_blocks, sliding_window=_only_window(scheduler_config),
                           tiers=channels.tier_index, events=channels.events)
+
+
+def _only_window(scheduler_config: SchedulerConfig) -> int | None:
+    """The window of a model whose every layer slides with one (the manager before per-group tables)."""
+    groups = scheduler_config.kv_groups
+    return groups.groups[0].window if groups is not None and groups.num_groups == 1 else None
 
 
 def create_lora(config: EngineConfig, model_config: PretrainedConfig, runner: Any,

@@ -39,13 +39,6 @@ def test_out_of_window_blocks_are_those_no_later_query_sees(next_position, windo
     assert num_out_of_window_blocks(next_position, None, block_size) == 0
 
 
-@pytest.mark.parametrize("layers, expected", [
-    ([8, 8, 8], 8), ([None, 8], None), ([4, 8], None), ([None, None], None), ([], None),
-])
-def test_only_a_window_every_layer_shares_releases_blocks(layers, expected):
-    assert EngineConfig().scheduler_config(4096, layers).sliding_window == expected
-
-
 class SlidingWindowMachine(RuleBasedStateMachine):
     """Sequences grow, fork, swap out and back, and end, under a window of ``WINDOW`` tokens."""
 

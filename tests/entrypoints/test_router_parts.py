@@ -80,3 +80,55 @@ def test_replica_command_passes_the_engine_and_serve_flags(tiny_llama):
                  "--served-model-name a b", "--max-tokens-per-request 5000", f"--model {tiny_llama}", '"replay_endpoint": "ipc:///tmp/r"'):
         assert part in joined, part
     assert "--data-parallel-size" not in joined and isinstance(args, argparse.Namespace)
+
+
+def test_a_stopped_watch_closes_its_event_socket_so_the_context_terminates():
+    """The router's shutdown: it cancels each replica's watch, then terminates its zmq
+    context, which blocks until every socket is closed. A watch that followed a
+    replica's events must have closed that socket when its cancellation is awaited
+    (a fleet once hung there on SIGTERM, the follower cancelled but not yet run)."""
+    import asyncio
+    import threading
+
+    import httpx
+    import zmq
+    import zmq.asyncio
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from pagedllm.entrypoints.router.replica import Replica, ReplicaWatch, stop_watches
+    from pagedllm.fleet.prefix_index import PrefixIndex
+    from pagedllm.utils import free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    info = {"prompt_fingerprint": "f", "block_size": 16, "model": "m",
+            "kv_events": {"enable_kv_cache_events": True, "endpoint": endpoint}}
+    replica_app = Starlette(routes=[Route("/health", lambda request: JSONResponse({})),
+                                    Route("/server_info", lambda request: JSONResponse(info)),
+                                    Route("/metrics", lambda request: JSONResponse({}))])
+
+    async def follow_then_stop() -> tuple[bool, bool]:
+        context = zmq.asyncio.Context()
+        publisher = context.socket(zmq.PUB)
+        publisher.setsockopt(zmq.LINGER, 0)
+        publisher.bind(endpoint)
+        replica = Replica(0, "http://replica")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(replica_app)) as client:
+            watch = asyncio.create_task(ReplicaWatch(replica, PrefixIndex(), client, "f", context, 0.01).run())
+            for _ in range(500):  # until it joined and its follower waits on the socket
+                await asyncio.sleep(0.01)
+                if replica.up:
+                    break
+            await asyncio.sleep(0.05)
+            up = replica.up
+            publisher.close()
+            await stop_watches([watch])
+            # As the router's lifespan does, with no await in between; in a thread so a hang fails the test.
+            terminated = threading.Event()
+            threading.Thread(target=lambda: (context.term(), terminated.set()), daemon=True).start()
+            return up, terminated.wait(10)
+
+    up, terminated = asyncio.run(follow_then_stop())
+    assert up
+    assert terminated, "a socket of the stopped watch is still open"

@@ -101,6 +101,9 @@ class ReplicaWatch:
         self.fingerprint, self.context = fingerprint, context
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self._events_task: asyncio.Task | None = None
+        # Event followers cancelled but maybe not yet ended: ``run`` awaits them, so their
+        # sockets are closed before the router terminates the zmq context (``term`` waits for that).
+        self._ending_events: set[asyncio.Task] = set()
         self._failures = 0
         self._polls = 0
 
@@ -111,6 +114,7 @@ class ReplicaWatch:
                 await asyncio.sleep(self.interval_s)
         finally:
             self._mark_down("the router stops")
+            await asyncio.gather(*self._ending_events, return_exceptions=True)
 
     async def _poll(self) -> None:
         replica = self.replica
@@ -175,6 +179,8 @@ class ReplicaWatch:
         self.index.cleared(replica.index)
         if self._events_task is not None:
             self._events_task.cancel()
+            self._ending_events.add(self._events_task)
+            self._events_task.add_done_callback(self._ending_events.discard)
             self._events_task = None
 
     async def _read_usage(self) -> None:

@@ -1,0 +1,158 @@
+"""KV cache groups: which layers share a block table (no torch).
+
+Layers are grouped by how they attend (vLLM v1's KV cache groups): a
+full-attention layer reads every earlier token, a sliding-window layer of
+window ``W`` only the last ``W``. Each group has its own block table per
+request, all in one shared pool, so a sliding group can give back the blocks
+behind its window while the full group keeps every block.
+
+One pool needs one block size in bytes, so every group has the same number of
+layers (vLLM's uniform page size): the kinds' layer lists are cut into groups
+of ``group_size`` layers, the smallest kind's count, and a block holds one
+block of K/V for each of ``num_slots`` (= ``group_size``) layers. Layer
+``layers[i]`` of a group reads and writes slot ``i`` of that group's blocks: the
+runner keeps ``num_slots`` KV tensors and layer ``l`` uses tensor
+``slot_of_layer[l]`` through the table of group ``group_of_layer[l]``. A group
+with fewer layers (the last of a kind whose count is not a multiple) leaves
+its blocks' remaining slots unused.
+
+Gemma 3 (5 sliding layers of every 6) with 18 layers: one full group of the 3
+global layers and 5 sliding groups of 3; a block holds 3 layers, and at 16k
+tokens a request holds 1/6 of its full-attention blocks plus 5 windows.
+Without the hybrid manager (``hybrid=False``) there is one group of every
+layer, which keeps every block unless every layer slides with one window
+(Mistral), as before groups existed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from pagedllm.core.sliding_window import num_out_of_window_blocks
+from pagedllm.utils import cdiv
+
+AttentionKind = Literal["full", "sliding_window"]
+
+
+@dataclass(frozen=True)
+class KVGroupSpec:
+    """One group: its layers (model layer indices, in slot order) and how they attend."""
+
+    kind: AttentionKind
+    layers: tuple[int, ...]
+    window: int | None = None  # sliding_window only: a query at p sees keys p - window < j <= p
+
+    def __post_init__(self) -> None:
+        if (self.kind == "sliding_window") != (self.window is not None):
+            raise ValueError(f"a {self.kind} group takes a window only when it slides, got window={self.window!r}")
+        if not self.layers:
+            raise ValueError("a KV group needs at least one layer")
+
+    def blocks_held(self, num_tokens: int, block_size: int) -> int:
+        """Blocks a request of ``num_tokens`` tokens holds in this group once the
+        next token's window has moved past the earlier ones (the bench's and the
+        start-up line's arithmetic; the manager's rule is ``core.sliding_window``)."""
+        blocks = cdiv(num_tokens, block_size)
+        if self.window is None:
+            return blocks
+        return blocks - num_out_of_window_blocks(num_tokens, self.window, block_size)
+
+    def describe(self) -> str:
+        what = "full attention" if self.window is None else f"sliding window {self.window}"
+        return f"{what}, layers {','.join(map(str, self.layers))}"
+
+
+@dataclass(frozen=True)
+class KVGroupLayout:
+    """Every layer's group and slot (see the module docstring). Group 0 is a
+    full-attention group whenever the model has one: its blocks are the ones KV
+    events announce and the offload tiers keep (they cover every token)."""
+
+    groups: tuple[KVGroupSpec, ...]
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        seen = sorted(layer for group in self.groups for layer in group.layers)
+        if seen != list(range(self.num_layers)):
+            raise ValueError(f"KV groups must cover layers 0..{self.num_layers - 1} once each, got {seen}")
+        sizes = {len(group.layers) for group in self.groups}
+        if len(self.groups) > 1 and max(sizes) != len(self.groups[0].layers):
+            raise ValueError("the first KV group must be one of the largest (its size is the block's slots)")
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def num_slots(self) -> int:
+        """Layers' K/V one block holds: the largest group's layer count."""
+        return max(len(group.layers) for group in self.groups)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return len(self.groups) > 1
+
+    @property
+    def group_of_layer(self) -> tuple[int, ...]:
+        owner = [0] * self.num_layers
+        for index, group in enumerate(self.groups):
+            for layer in group.layers:
+                owner[layer] = index
+        return tuple(owner)
+
+    @property
+    def slot_of_layer(self) -> tuple[int, ...]:
+        slot = [0] * self.num_layers
+        for group in self.groups:
+            for position, layer in enumerate(group.layers):
+                slot[layer] = position
+        return tuple(slot)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each group's window (None: full attention), in group order."""
+        return tuple(group.window for group in self.groups)
+
+    def blocks_held(self, num_tokens: int, block_size: int) -> int:
+        """Pool blocks a request of ``num_tokens`` tokens holds over all groups."""
+        return sum(group.blocks_held(num_tokens, block_size) for group in self.groups)
+
+    def describe(self, bytes_per_layer_token: int) -> str:
+        """The start-up line's part: each group, its layers and what a token costs in it."""
+        per_group = [f"group {index} ({group.describe()}): {bytes_per_layer_token * len(group.layers)} B/token"
+                     + ("" if group.window is None else f" for its last {group.window} tokens")
+                     for index, group in enumerate(self.groups)]
+        return "; ".join(per_group)
+
+
+def kv_group_layout(layer_windows: Sequence[int | None], hybrid: bool = True) -> KVGroupLayout:
+    """The groups of a model whose layer ``l`` slides with window ``layer_windows[l]``
+    (None: full attention), ``model.shapes.sliding_windows_of``.
+
+    One group when every layer attends alike (all full: Llama; all sliding with one
+    window: Mistral) or when ``hybrid`` is off (``disable_hybrid_kv_cache_manager``:
+    then a model that mixes kinds keeps every block of every layer). Otherwise the
+    layers of each kind (full, then each window, smallest first) in order, cut into
+    groups of the smallest kind's layer count."""
+    num_layers = len(layer_windows)
+    if num_layers == 0:
+        raise ValueError("a model needs at least one layer")
+    kinds: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(layer_windows):
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"layer {layer}'s sliding window must be an integer >= 1 or None, got {window!r}")
+        kinds.setdefault(window, []).append(layer)
+    if len(kinds) == 1 or not hybrid:
+        (window,) = kinds if len(kinds) == 1 else (None,)
+        return KVGroupLayout((_group(window, tuple(range(num_layers))),), num_layers)
+    group_size = min(len(layers) for layers in kinds.values())
+    ordered = sorted(kinds.items(), key=lambda item: -1 if item[0] is None else item[0])
+    groups = [_group(window, tuple(layers[start:start + group_size]))
+              for window, layers in ordered for start in range(0, len(layers), group_size)]
+    return KVGroupLayout(tuple(groups), num_layers)
+
+
+def _group(window: int | None, layers: tuple[int, ...]) -> KVGroupSpec:
+    return KVGroupSpec("full" if window is None else "sliding_window", layers, window)
