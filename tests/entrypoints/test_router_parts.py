@@ -4,6 +4,9 @@ the replica supervisor of serve --data-parallel-size, a replica's command line."
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+import time
 
 from pagedllm.entrypoints.router import launch
 from pagedllm.entrypoints.router.metrics_merge import merge_expositions
@@ -85,8 +88,7 @@ def test_replica_command_passes_the_engine_and_serve_flags(tiny_llama):
 def test_a_stopped_watch_closes_its_event_socket_so_the_context_terminates():
     """The router's shutdown: it cancels each replica's watch, then terminates its zmq
     context, which blocks until every socket is closed. A watch that followed a
-    replica's events must have closed that socket when its cancellation is awaited
-    (a fleet once hung there on SIGTERM, the follower cancelled but not yet run)."""
+    replica's events must have closed that socket once its cancellation is awaited."""
     import asyncio
     import threading
 
@@ -132,3 +134,17 @@ def test_a_stopped_watch_closes_its_event_socket_so_the_context_terminates():
     up, terminated = asyncio.run(follow_then_stop())
     assert up
     assert terminated, "a socket of the stopped watch is still open"
+
+
+def test_a_cleanup_that_hangs_past_the_deadline_still_ends_the_fleet_process():
+    """``exit_by_deadline``: a stopped fleet whose cleanup hangs (a never-ending exit handler,
+    as leaving a Ray cluster has done) exits by the deadline with its status, the stacks logged."""
+    script = ("import atexit, threading, time\n"
+              "from pagedllm.entrypoints.router.launch import exit_by_deadline\n"
+              "atexit.register(lambda: threading.Event().wait())\n"
+              "exit_by_deadline(1.0, lambda: 3)\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "took over 1 s" in done.stderr and "(most recent call first)" in done.stderr  # the hung handler shows
+    assert time.monotonic() - started < 30

@@ -15,6 +15,7 @@ start at all; then the whole server stops with status 1.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import shutil
 import subprocess
@@ -34,6 +35,9 @@ from pagedllm.utils import free_port
 logger = init_logger(__name__)
 
 _SUPERVISE_INTERVAL_S = 0.5
+# What the cleanup after the router stops may take beyond the replicas' own grace: leaving a
+# Ray cluster has been seen to hang (its driver's shutdown), and the fleet must still exit.
+_CLEANUP_SLACK_S = 30.0
 # serve flags that every replica gets as they are (the engine's own come from engine_flags_from_args).
 _PASSED_FLAGS = ("served_model_name", "api_key", "api_keys_file", "chat_template", "metrics_namespace",
                  "log_stats_interval", "uvicorn_log_level", "timeout_keep_alive", "lora_modules",
@@ -200,6 +204,23 @@ class ReplicaSupervisors:
             stopper.join()
 
 
+def exit_by_deadline(deadline_s: float, exit_code: Callable[[], int]) -> None:
+    """Make sure the process ends within ``deadline_s`` from now: the router has stopped, and
+    what is left (stopping the replicas, leaving the Ray cluster, the interpreter's exit
+    handlers) is cleanup that must not keep a stopped fleet alive. Past the deadline every
+    thread's stack is logged (what hung) and the process exits with ``exit_code()``."""
+    def expire() -> None:
+        logger.error("the cleanup after the router stopped took over %.0f s; every thread's stack follows, "
+                     "then the process exits", deadline_s)
+        faulthandler.dump_traceback(all_threads=True)
+        sys.stderr.flush()
+        os._exit(exit_code())
+
+    timer = threading.Timer(deadline_s, expire)
+    timer.daemon = True  # it never keeps the interpreter alive; it runs until the very end if that hangs
+    timer.start()
+
+
 def serve_data_parallel(args: argparse.Namespace) -> int:
     """Run the replicas and the router until SIGTERM/SIGINT; the exit status."""
     from pagedllm.entrypoints.draining import Drain
@@ -227,6 +248,7 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
         drain = Drain(args.shutdown_timeout + FINAL_EVENTS_S, on_draining=supervisor.stop_soon)
         serve_router(args, state, stop_router, drain)
     finally:
+        exit_by_deadline(replica_grace_s(args) + _CLEANUP_SLACK_S, lambda: 1 if supervisor.failed else 0)
         supervisor.stop()
         if release is not None:
             release()
