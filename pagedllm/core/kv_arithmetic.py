@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.core.kv_groups import KVGroupLayout, kv_group_layout
 from pagedllm.utils import cdiv
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -105,3 +106,26 @@ def explain(shape: KVShape, *, context: int = 4096, chat_tokens: int = 300, pool
         f"{human(per_block)} = {human(cached)}: {unshared / cached:.0f}x less"
     )
     return lines
+
+
+def explain_groups(shape: KVShape, layer_windows: list[int | None], context: int) -> list[str]:
+    """What the hybrid KV manager keeps of a model whose layers attend differently
+    (``core.kv_groups``): its groups, a block's size, and a ``context``-token sequence's
+    bytes with it and with every block kept. No lines for a model whose layers all attend alike."""
+    hybrid = kv_group_layout(layer_windows)
+    if not hybrid.is_hybrid:
+        return []
+    per_layer_token = shape.bytes_per_token // shape.num_layers
+    lines = [f"KV cache groups (hybrid manager): {hybrid.describe(per_layer_token)}",
+             f"a block of the hybrid pool holds {hybrid.num_slots} layers: {shape.block_size} x "
+             f"{hybrid.num_slots} x {human(per_layer_token)} = {human(shape.block_size * hybrid.num_slots * per_layer_token)}"]
+    for tokens in sorted({1024, 4096, context}):
+        kept = _held_bytes(hybrid, tokens, shape.block_size, per_layer_token)
+        every = _held_bytes(kv_group_layout(layer_windows, hybrid=False), tokens, shape.block_size, per_layer_token)
+        lines.append(f"  a {tokens:,}-token sequence holds {human(kept)} (hybrid) vs {human(every)} with every "
+                     f"block kept (--disable-hybrid-kv-cache-manager): {kept / every:.2f}x")
+    return lines
+
+
+def _held_bytes(layout: KVGroupLayout, tokens: int, block_size: int, per_layer_token: int) -> int:
+    return layout.blocks_held(tokens, block_size) * layout.num_slots * block_size * per_layer_token

@@ -128,25 +128,30 @@ def _load_served_engine(args: argparse.Namespace, model_name: str) -> LLMEngine:
 
 
 def cmd_explain(args: argparse.Namespace) -> None:
-    from pagedllm.core.kv_arithmetic import GIB, KVShape, explain
+    from pagedllm.core.kv_arithmetic import GIB, KVShape, explain, explain_groups
 
     explicit = (args.layers, args.kv_heads, args.head_dim)
     if any(v is not None for v in explicit) and not all(v is not None for v in explicit):
         raise ValueError("give all of --layers, --kv-heads and --head-dim, or none (then the model's are used)")
     context = args.context
+    layer_windows: list[int | None] = []
     if explicit[0] is None:
-        from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
+        from pagedllm.model.shapes import head_dim_of, num_kv_heads_of, sliding_windows_of
         from pagedllm.model.loader import load_checkpoint
 
         config = load_checkpoint(args.model).config
         explicit = (config.num_hidden_layers, num_kv_heads_of(config), head_dim_of(config))
+        layer_windows = sliding_windows_of(config)
         context = context or config.max_position_embeddings
         print(f"model: {args.model or 'SmolLM2-135M-Instruct (embedded)'}")
     shape = KVShape(*explicit, dtype=args.dtype, block_size=args.block_size)
     pool = None if args.kv_memory_gib is None else int(args.kv_memory_gib * GIB)
-    for line in explain(shape, context=context or 4096, chat_tokens=args.chat_tokens, pool_bytes=pool, n=args.n,
-                        prompt_tokens=args.prompt_tokens, sessions=args.sessions,
-                        shared_prefix_tokens=args.shared_prefix_tokens):
+    lines = explain(shape, context=context or 4096, chat_tokens=args.chat_tokens, pool_bytes=pool, n=args.n,
+                    prompt_tokens=args.prompt_tokens, sessions=args.sessions,
+                    shared_prefix_tokens=args.shared_prefix_tokens)
+    if layer_windows:
+        lines += explain_groups(shape, layer_windows, context or 4096)
+    for line in lines:
         print(line)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.core.kv_arithmetic import KVShape, human
+from pagedllm.core.kv_arithmetic import KVShape, explain_groups, human
 from pagedllm.entrypoints.cli import main
 
 SEVENTY_B = ["explain", "--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--dtype", "float16"]
@@ -56,3 +56,15 @@ def test_bad_shapes_are_clear_errors(capsys):
 
 def test_human_units():
     assert [human(n) for n in (512, 1536, 5 * 2**20, int(1.25 * 2**30))] == ["512 bytes", "1.5 KiB", "5 MiB", "1.25 GiB"]
+
+
+def test_a_hybrid_model_explains_its_groups_and_what_the_window_saves():
+    gemma3 = [512 if (layer + 1) % 6 else None for layer in range(18)]  # Gemma 3 270M's layout
+    lines = "\n".join(explain_groups(KVShape(18, 1, 256, "float32"), gemma3, 32768))
+    # 2 x 1 head x 256 dims x 4 bytes = 2 KiB per layer and token; a block of 16 tokens x 3 layers.
+    assert "group 0 (full attention, layers 5,11,17): 6144 B/token" in lines
+    assert "group 5 (sliding window 512, layers 14,15,16): 6144 B/token for its last 512 tokens" in lines
+    assert "holds 3 layers: 16 x 3 x 2 KiB = 96 KiB" in lines
+    # 32,768 tokens: 2,048 full blocks + 5 groups x the 32 blocks of a 512 window, against 2,048 blocks x 18 layers.
+    assert f"a 32,768-token sequence holds {human((2048 + 5 * 32) * 96 * 2**10)} (hybrid) vs 1.12 GiB" in lines
+    assert explain_groups(KVShape(4, 1, 8, "float32"), [None] * 4, 4096) == []
