@@ -153,8 +153,11 @@ class KVCacheManager:
                  for group, hit in zip(self.groups, hits)]
         if sum(plan.cost for plan in plans) > self.num_free_blocks:
             return None
-        copies = [copy for group, hit, plan in zip(self.groups, hits, plans)
-                  for copy in group.allocate(request_id, num_computed_tokens, hit, plan)]
+        # Every group revives its cached hit before any takes a fresh block: taking
+        # one may evict a free cached block, which must not be another group's hit.
+        for group, hit, plan in zip(self.groups, hits, plans):
+            group.adopt_hit(request_id, hit, plan)
+        copies = [copy for group, plan in zip(self.groups, plans) for copy in group.grow(request_id, num_computed_tokens, plan)]
         self._note_peak()
         return copies
 

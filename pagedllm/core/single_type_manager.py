@@ -27,7 +27,7 @@ HitEntry = KVCacheBlock | BlockHash | None
 
 
 class AllocationPlan(NamedTuple):
-    """What ``allocate`` will do for one group, counted before anything changes."""
+    """What ``adopt_hit`` and ``grow`` will do for one group, counted before anything changes."""
 
     num_released: int  # the new table's leading entries a cached hit leaves released
     num_from_pool: int  # of the hit's kept entries, those the pool holds (the rest load from a tier)
@@ -86,7 +86,7 @@ class SingleTypeManager:
 
     def plan(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
              hit: list[HitEntry]) -> AllocationPlan:
-        """Count what ``allocate`` takes for this group (no change). ``hit`` (this
+        """Count what ``adopt_hit`` and ``grow`` take for this group (no change). ``hit`` (this
         group's entries of a ``PrefixHit``) goes only to a request with no table."""
         record = self.tables.get(request_id)
         blocks = record.entries if record is not None else []
@@ -105,21 +105,27 @@ class SingleTypeManager:
         cost = num_new_blocks + needs_copy + revived + len(kept) - num_from_pool
         return AllocationPlan(released, num_from_pool, num_new_blocks, needs_copy, cost)
 
-    def allocate(self, request_id: str, num_computed_tokens: int, hit: list[HitEntry],
-                 plan: AllocationPlan) -> list[BlockCopy]:
-        """Carry out ``plan`` (the coordinator checked its cost against the free
-        blocks): the hit becomes a new table's head, a shared write target is
-        copied, the table grows. Returns the copy owed, if any."""
-        record = self.tables.get(request_id)
-        if record is None:  # a new table: the cached blocks are registered, those out of the window released
-            kept = hit[plan.num_released:]
-            pooled = kept[:plan.num_from_pool]
-            self.block_pool.touch(pooled)
-            # Loaded blocks are registered by the step's cache_full_blocks, which knows their tokens.
-            loaded = self.prefix_cache.load_from_tiers(kept[plan.num_from_pool:])
-            record = self.tables[request_id] = BlockTableRecord(
-                [None] * plan.num_released + pooled + loaded, plan.num_released, plan.num_released + len(pooled))
-        blocks = record.entries
+    def adopt_hit(self, request_id: str, hit: list[HitEntry], plan: AllocationPlan) -> None:
+        """Make ``hit`` the head of a new table (no-op for a request that has one):
+        its cached blocks get one more reference (revived out of the free queue),
+        its tier hits are loaded into fresh blocks. The coordinator does this for
+        every group before any group takes a fresh block, which could otherwise
+        evict another group's cached hit."""
+        if request_id in self.tables:
+            return
+        kept = hit[plan.num_released:]
+        pooled = kept[:plan.num_from_pool]
+        self.block_pool.touch(pooled)
+        # Loaded blocks are registered by the step's cache_full_blocks, which knows their tokens.
+        loaded = self.prefix_cache.load_from_tiers(kept[plan.num_from_pool:])
+        self.tables[request_id] = BlockTableRecord(
+            [None] * plan.num_released + pooled + loaded, plan.num_released, plan.num_released + len(pooled))
+
+    def grow(self, request_id: str, num_computed_tokens: int, plan: AllocationPlan) -> list[BlockCopy]:
+        """Carry out the rest of ``plan`` (the coordinator checked its cost against
+        the free blocks): a shared write target is copied, the table grows.
+        Returns the copy owed, if any."""
+        blocks = self.tables[request_id].entries
         copies = []
         if plan.needs_copy:
             write_index = num_computed_tokens // self.block_size

@@ -126,6 +126,23 @@ def test_the_full_group_bounds_the_hit():
     assert hit.num_tokens == 20 and [len(entries) for entries in hit.blocks] == [5, 5, 5]
 
 
+def test_a_groups_fresh_blocks_never_evict_another_groups_hit():
+    """Every group revives its hit before any takes a fresh block: here group 0's
+    three fresh blocks would otherwise evict group 1's hit (block 2), next in line."""
+    kv = manager(num_blocks=12)
+    prefill(kv, "a", list(range(8)))  # blocks 0-1, 2-3, 4-5 in groups 0, 1, 2
+    prefill(kv, "d", list(range(50, 58)))  # blocks 6-11
+    kv.free("a")
+    kv.free("d")  # every block cached and free, a's first in line
+    second = request("b", [0, 1, 2, 3] + [9] * 9)
+    hits, num_cached, _ = kv.get_computed_blocks(second)
+    assert num_cached == 4 and [[block.block_id for block in group] for group in hits] == [[0], [2], [4]]
+    assert kv.allocate_slots("b", 4, 9, hits) == []
+    assert [table[0] for table in kv.get_block_ids("b")] == [0, 2, 4]
+    kv.check_invariants({"b": 13}, swapped=())
+    kv.free("b")
+
+
 def test_the_same_tokens_are_cached_apart_in_each_group():
     kv = manager()
     prefill(kv, "a", list(range(8)))
@@ -232,7 +249,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     contents are simulated: every written slot holds (group, token), so a group
     reading another's K/V, a stale block or a missed copy shows up."""
 
-    NUM_BLOCKS = 40
+    NUM_BLOCKS = 24  # small: admissions evict cached blocks, other groups' hits among them
     sequences = Bundle("sequences")
 
     def __init__(self) -> None:
