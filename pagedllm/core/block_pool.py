@@ -281,7 +281,8 @@ class BlockPool:
                 raise RuntimeError(f"block {block.block_id} has negative ref_cnt")
             if block.ref_cnt == 0 and block.block_id not in in_queue:
                 raise RuntimeError(f"block {block.block_id} has ref_cnt 0 but is not free (leak)")
-            if block.block_hash is not None and self.cached_blocks.get((block.cache_group, block.block_hash)) is not block:
+            key = (block.cache_group, block.block_hash)
+            if block.block_hash is not None and self.cached_blocks.get(key) is not block:
                 raise RuntimeError(f"block {block.block_id} has a hash the cache does not map to it")
         for key, block in self.cached_blocks.items():
             if (block.cache_group, block.block_hash) != key:

@@ -157,7 +157,8 @@ class KVCacheManager:
         # one may evict a free cached block, which must not be another group's hit.
         for group, hit, plan in zip(self.groups, hits, plans):
             group.adopt_hit(request_id, hit, plan)
-        copies = [copy for group, plan in zip(self.groups, plans) for copy in group.grow(request_id, num_computed_tokens, plan)]
+        copies = [copy for group, plan in zip(self.groups, plans)
+                  for copy in group.grow(request_id, num_computed_tokens, plan)]
         self._note_peak()
         return copies
 
