@@ -44,8 +44,6 @@ class PrefixCache:
 
     def __init__(self, num_blocks: int, block_size: int, enabled: bool, tiers: TierIndex | None = None,
                  events: KVEventLog | None = None, windows: Sequence[int | None] = (None,)) -> None:
-        if tiers is not None and tuple(windows) != (None,):
-            raise ValueError("KV offload tiers hold the blocks of one full-attention group only")
         self.block_size = block_size
         # Each KV cache group's sliding window (None: full attention), in group order.
         self.windows = tuple(windows)
@@ -78,7 +76,7 @@ class PrefixCache:
         for group, window in enumerate(self.windows):
             if window is None:  # full attention: the longest cached prefix
                 hit = min(hit, next((i for i, block in enumerate(cached[group]) if block is None), hit))
-        if self.tiers is not None:  # one full group (checked at construction)
+        if self.tiers is not None:  # one full-attention group: the KV manager refuses tiers otherwise
             num_ready, loading = self.tiers.lookup(hashes[hit:max_blocks]) if hit < max_blocks else (0, False)
             return PrefixHit([cached[0][:hit] + hashes[hit:hit + num_ready]], (hit + num_ready) * self.block_size,
                              loading)
