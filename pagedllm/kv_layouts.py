@@ -44,7 +44,8 @@ class KVLayoutPool:
         self._manager.free(request_id)
 
     def block_ids(self, request_id: str) -> list[int]:
-        return list(self._manager.get_block_ids(request_id))
+        (table,) = self._manager.get_block_ids(request_id)  # one KV cache group
+        return table
 
     @property
     def num_free_blocks(self) -> int:

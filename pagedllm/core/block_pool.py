@@ -22,14 +22,18 @@ class KVCacheBlock:
     ``origin`` (parent hash, token ids) is kept only while KV events are on:
     a tier that takes the block over announces it with them. ``adapter_name`` is
     set while the block is a page of a resident LoRA adapter (``adapter_pages``).
+    ``cache_group`` is the KV cache group whose prefix cache holds the hash: the
+    same tokens in two groups are different K/V (``core.kv_groups``).
     """
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "origin", "prev_free", "next_free", "adapter_name")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "cache_group", "origin", "prev_free", "next_free",
+                 "adapter_name")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        self.cache_group = 0
         self.origin: tuple[BlockHash | None, tuple[int, ...]] | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
@@ -116,12 +120,16 @@ class BlockPool:
       ``num_free_blocks`` first and never leave a half-made allocation.
     - A block is in the free queue exactly when its ``ref_cnt`` is 0; a block
       with ``ref_cnt`` > 0 is never evicted.
-    - A hashed block is full and immutable; a hash maps to at most one block.
+    - A hashed block is full and immutable; a (group, hash) key maps to at most
+      one block. The key carries the KV cache group because the same tokens in
+      two groups are different K/V.
     - ``on_evict`` sees an evicted block while it still holds its hash and its
       contents: the caller may copy it down a tier, but must do so before the
       block is written again (the tier moves of the same step).
     - With ``events``, every hash that enters or leaves the cache is recorded
       there (medium "GPU"), in order: the pool is the one source of pool events.
+      Only group 0's blocks are announced (it covers every token whenever the
+      model has a full-attention layer; a one-group model's events are as before).
     - A free page of a resident adapter (``adapter_name`` set) sits in the free
       queue like a cached block, LRU beside them; taking it evicts the adapter
       through ``on_adapter_evict`` before the block is handed out.
@@ -134,7 +142,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
-        self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        self.cached_blocks: dict[tuple[int, BlockHash], KVCacheBlock] = {}
         self.num_evictions = 0
         self.on_evict = on_evict
         self.events = events
@@ -194,26 +202,30 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if self.on_evict is not None:
             self.on_evict(block)
-        if self.events is not None:
+        if self.events is not None and block.cache_group == 0:
             self.events.append(BlockRemoved([block.block_hash], MEDIUM_POOL))
-        del self.cached_blocks[block.block_hash]
-        block.block_hash = block.origin = None
+        self._forget_hash(block)
         self.num_evictions += 1
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_blocks.get(block_hash)
+    def _forget_hash(self, block: KVCacheBlock) -> None:
+        del self.cached_blocks[(block.cache_group, block.block_hash)]
+        block.block_hash = block.origin = None
+        block.cache_group = 0
+
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVCacheBlock | None:
+        return self.cached_blocks.get((group, block_hash))
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, parent: BlockHash | None = None,
-                    token_ids: Sequence[int] = ()) -> bool:
-        """Register a full, in-use block under its hash (``parent``: the previous
-        block's hash, ``token_ids``: its tokens, for the events). If another block
-        already holds that content it stays the cached one; this block stays
-        unhashed. Returns whether this block became the cached one."""
-        if block.block_hash is not None or block_hash in self.cached_blocks:
+                    token_ids: Sequence[int] = (), group: int = 0) -> bool:
+        """Register a full, in-use block of KV cache group ``group`` under its hash
+        (``parent``: the previous block's hash, ``token_ids``: its tokens, for the
+        events). If another block already holds that content it stays the cached
+        one; this block stays unhashed. Returns whether this block became the cached one."""
+        if block.block_hash is not None or (group, block_hash) in self.cached_blocks:
             return False
-        block.block_hash = block_hash
-        self.cached_blocks[block_hash] = block
-        if self.events is not None:
+        block.block_hash, block.cache_group = block_hash, group
+        self.cached_blocks[(group, block_hash)] = block
+        if self.events is not None and group == 0:
             block.origin = (parent, tuple(token_ids))
             self.events.append(BlockStored([block_hash], parent, list(token_ids), len(token_ids), MEDIUM_POOL))
         return True
@@ -244,11 +256,11 @@ class BlockPool:
         """Forget every cached block nobody uses; returns how many were dropped.
         Blocks still in use keep their hashes."""
         dropped = [b for b in self.cached_blocks.values() if b.ref_cnt == 0]
-        if dropped and self.events is not None:
-            self.events.append(BlockRemoved([block.block_hash for block in dropped], MEDIUM_POOL))
+        announced = [block.block_hash for block in dropped if block.cache_group == 0]
+        if announced and self.events is not None:
+            self.events.append(BlockRemoved(announced, MEDIUM_POOL))
         for block in dropped:
-            del self.cached_blocks[block.block_hash]
-            block.block_hash = block.origin = None
+            self._forget_hash(block)
         return len(dropped)
 
     def check_invariants(self) -> None:
@@ -269,8 +281,9 @@ class BlockPool:
                 raise RuntimeError(f"block {block.block_id} has negative ref_cnt")
             if block.ref_cnt == 0 and block.block_id not in in_queue:
                 raise RuntimeError(f"block {block.block_id} has ref_cnt 0 but is not free (leak)")
-            if block.block_hash is not None and self.cached_blocks.get(block.block_hash) is not block:
+            key = (block.cache_group, block.block_hash)
+            if block.block_hash is not None and self.cached_blocks.get(key) is not block:
                 raise RuntimeError(f"block {block.block_id} has a hash the cache does not map to it")
-        for block_hash, block in self.cached_blocks.items():
-            if block.block_hash != block_hash:
+        for key, block in self.cached_blocks.items():
+            if (block.cache_group, block.block_hash) != key:
                 raise RuntimeError(f"the cache maps a hash to block {block.block_id}, which holds another")

@@ -97,7 +97,7 @@ class ContiguousKVCacheManager:
         per-request mode it is where the reservation size (prompt + max_tokens) is learnt."""
         if self.reservation_blocks is None:
             self.reserve_for(request.request_id, request.num_prompt_tokens + request.max_tokens)
-        return PrefixHit([], 0)
+        return PrefixHit([[]], 0)  # one KV cache group, no hit
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """No prefix cache: nothing to count."""
@@ -158,15 +158,15 @@ class ContiguousKVCacheManager:
             self.holes.pop(index)
         self.holes.insert(index, (start, length))
 
-    def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
-        return list(self.req_to_blocks.get(request_id, range(0))[start:])
+    def get_block_ids(self, request_id: str, start: int = 0) -> list[list[int]]:
+        return [list(self.req_to_blocks.get(request_id, range(0))[start:])]  # one KV cache group
 
     def truncate(self, request_id: str, num_tokens: int) -> int:
         """Nothing to release: the reservation is held whole until the request ends."""
         return len(self.req_to_blocks.get(request_id, range(0)))
 
-    def num_released(self, request_id: str) -> int:
-        return 0  # a reservation is held whole until the request ends
+    def num_released(self, request_id: str) -> list[int]:
+        return [0]  # one group; a reservation is held whole until the request ends
 
     def fork(self, parent_id: str, child_id: str) -> list[BlockCopy] | None:
         raise ValueError("the contiguous KV layout cannot fork sequences (n > 1, beam search); use kv_layout='paged'")

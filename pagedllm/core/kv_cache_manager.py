@@ -1,56 +1,53 @@
-"""Block tables: which physical blocks hold each request's tokens.
+"""The KV cache coordinator: one shared block pool, one block table per request
+in each KV cache group (vLLM v1's ``KVCacheCoordinator``).
 
-Token ``t`` of a request lives in slot
-``block_table[t // block_size] * block_size + t % block_size``. With a sliding
-window the leading entries that fell out of it are None: released, owning nothing.
+Each group of ``core.kv_groups`` (full attention, or a sliding window) has a
+``SingleTypeManager`` that keeps its tables; this class decides, across every
+group at once, what a step may take from the pool, so each call stays
+all-or-nothing. Token ``t`` of a request lives, in group ``g``, in slot
+``tables[g][t // block_size] * block_size + t % block_size``; a sliding
+group's leading entries that fell out of its window are None (released).
 """
 
 from __future__ import annotations
 
-from pagedllm.core.block_hash import BlockHash, external_block_hash
+from collections.abc import Collection, Mapping, Sequence
+
+from pagedllm.core.block_hash import external_block_hash
 from pagedllm.core.block_pool import KVCacheBlock
-from pagedllm.core.block_table import BlockTableRecord, SwappedTable, TableEntry
 from pagedllm.core.kv_events import KVEventLog
-from pagedllm.core.kv_interface import NULL_BLOCK_ID, BlockCopy, KVCacheStats, PrefixHit
+from pagedllm.core.kv_interface import BlockCopy, KVCacheStats, PrefixHit
 from pagedllm.core.prefix_cache import PrefixCache
 from pagedllm.core.request import Request
-from pagedllm.core.sliding_window import num_out_of_window_blocks
+from pagedllm.core.single_type_manager import HitEntry, SingleTypeManager
 from pagedllm.core.swap_space import SwapSpace
 from pagedllm.core.table_invariants import check_paged_tables
 from pagedllm.core.tier_index import TierCounters, TierIndex, TierMoves
-from collections.abc import Collection, Mapping
-
 from pagedllm.utils import cdiv, check_block_size
+
+HYBRID_FLAG = "--disable-hybrid-kv-cache-manager"
 
 
 class KVCacheManager:
-    """Allocates blocks on demand and frees them when a request ends
-    (implements ``KVCacheManagerProtocol``).
+    """Allocates blocks on demand in every KV cache group and frees them when a
+    request ends (implements ``KVCacheManagerProtocol``).
 
     Safety rules:
-    - ``allocate_slots`` is all-or-nothing: it counts the blocks a step needs
-      (including a copy-on-write block) before mutating anything and returns
-      None on shortfall, so the scheduler can preempt and retry without undoing
-      a half-made allocation.
-    - Only a table's last block is ever written, and never while it is shared:
-      writing into a block with ``ref_cnt > 1`` first replaces it by a copy.
-      Reads never check sharing.
-    - Block tables only grow at the tail while a request lives (``truncate``,
-      a speculative rollback, cuts back only blocks a step just took); a block is
-      taken only when the previous last block is full, so a table never holds
-      more than ``ceil(num_tokens / block_size)`` entries and waste per request
-      is at most ``block_size - 1`` slots. With ``sliding_window`` (every layer
-      slides with that window) the leading entries no query will read again
-      are released at the start of ``allocate_slots`` and become None, in
-      order, never to be filled again: only the last
-      ``ceil(sliding_window / block_size) + 1`` entries (plus a step's new
-      ones) hold blocks. A released block keeps its hash, so it stays in the
-      prefix cache until evicted.
-    - ``free`` releases tail-first, so (once prefix caching keeps freed blocks
-      around) a shared prefix is evicted after the private tails that follow it.
-    - Lookups and registration are the ``PrefixCache``'s (with ``tiers``, it
-      reaches below the pool); a tier hit takes a fresh block, counted like
-      any other before anything changes, into which its bytes are loaded.
+    - ``allocate_slots``, ``fork`` and ``swap_in`` are all-or-nothing across
+      groups: every group's cost (new blocks, a copy-on-write block, revived
+      cached blocks, tier loads) is counted against the shared free count before
+      any group changes, and on shortfall they return None with nothing added.
+      Releasing blocks behind a window comes first: nothing reads them again.
+    - Every group's table of a request has the same length (entries aligned by
+      logical block), so the runner reads them side by side.
+    - A block serves one group at a time: taken from the pool it is unhashed,
+      and each group caches under its own key (the same tokens are other K/V
+      in another group). KV events announce group 0's blocks only.
+    - ``free`` releases each group's table tail-first, so a shared prefix is
+      evicted after the private tails that follow it.
+    - The offload tiers keep the blocks of one full-attention group: with a
+      hybrid layout they are refused (``--disable-hybrid-kv-cache-manager``
+      makes one group), as for a model whose every layer slides.
     """
 
     def __init__(
@@ -60,29 +57,33 @@ class KVCacheManager:
         enable_block_sharing: bool = True,
         enable_prefix_caching: bool = True,
         num_swap_blocks: int = 0,
-        sliding_window: int | None = None,
+        windows: Sequence[int | None] = (None,),
         tiers: TierIndex | None = None,
         events: KVEventLog | None = None,
     ) -> None:
         check_block_size(block_size)
-        if tiers is not None and (sliding_window is not None or not enable_prefix_caching):
+        if not windows:
+            raise ValueError("the KV cache manager needs at least one KV cache group")
+        if tiers is not None and len(windows) > 1:
+            raise ValueError("KV offload tiers keep the blocks of one full-attention KV cache group: with a model "
+                             f"that mixes full and sliding-window layers, pass {HYBRID_FLAG}")
+        if tiers is not None and (windows[0] is not None or not enable_prefix_caching):
             raise ValueError("KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching and a "
                              "model without a sliding window")
         self.block_size = block_size
         self.tiers = tiers
-        self.prefix_cache = PrefixCache(num_blocks, block_size, enable_prefix_caching, tiers, events)
+        self.prefix_cache = PrefixCache(num_blocks, block_size, enable_prefix_caching, tiers, events, windows)
         self.block_pool = self.prefix_cache.block_pool
-        # Each resident request's table, and each swapped-out one's (never both: ``block_table``).
-        self.tables: dict[str, BlockTableRecord] = {}
-        self.swapped_tables: dict[str, SwappedTable] = {}
-        # The window every layer shares (None: keep every block).
-        self.sliding_window = sliding_window
+        self.groups = [SingleTypeManager(group, window, block_size, self.prefix_cache, enable_block_sharing)
+                       for group, window in enumerate(windows)]
         self.peak_blocks_in_use = 0
-        # False only for the no-sharing baseline of `pagedllm bench sharing`.
-        self.enable_block_sharing = enable_block_sharing
         self.swap_space = SwapSpace(num_swap_blocks)
         self.num_swap_out_blocks = 0
         self.num_swap_in_blocks = 0
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
 
     @property
     def num_blocks(self) -> int:
@@ -100,6 +101,9 @@ class KVCacheManager:
     def num_blocks_in_use(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
+    def _note_peak(self) -> None:
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
+
     def reset_peak_blocks_in_use(self) -> None:
         """Start a new peak measurement from the blocks in use now."""
         self.peak_blocks_in_use = self.num_blocks_in_use
@@ -108,7 +112,7 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     def get_computed_blocks(self, request: Request) -> PrefixHit:
-        """The request's cached prefix in the pool and the tiers (``PrefixCache.lookup``)."""
+        """The request's cached prefix, per group, in the pool and the tiers (``PrefixCache.lookup``)."""
         return self.prefix_cache.lookup(request)
 
     def prefetch(self, request: Request) -> None:
@@ -124,85 +128,51 @@ class KVCacheManager:
         request_id: str,
         num_computed_tokens: int,
         num_new_tokens: int,
-        computed_blocks: list[KVCacheBlock | BlockHash] | None = None,
+        computed_blocks: list[list[HitEntry]] | None = None,
     ) -> list[BlockCopy] | None:
-        """Make room to write tokens ``[num_computed_tokens, num_computed_tokens + num_new_tokens)``.
+        """Make room to write tokens ``[num_computed_tokens, num_computed_tokens + num_new_tokens)``
+        in every group.
 
-        ``computed_blocks`` (from ``get_computed_blocks``, for a request with no
-        table yet) become the head of the table with one more reference each;
-        cached free ones are revived, and count against the free blocks, as do
-        the tier hits among them (hashes), each loaded into a fresh block.
-        Grows the table with fresh blocks and, if the first token lands in a
-        block shared with another table (a partly filled tail after a fork),
-        replaces that entry by a private copy: copy-on-write. Returns the
-        block copies the model runner must perform before the forward pass (at
-        most one, whatever the sequence length, and only ever of the entry at
-        ``num_computed_tokens // block_size``), or None if the pool is short;
-        on None nothing was added. Either way, first releases the entries out
-        of the sliding window of ``num_computed_tokens`` (nothing reads them
-        again, so that is never undone), and cached blocks already out of it
-        are not taken at all (their entries start as None).
+        ``computed_blocks`` (a ``PrefixHit``'s per-group lists, for a request
+        with no table yet) become the head of each group's table with one more
+        reference each; cached free ones are revived, and count against the free
+        blocks, as do the tier hits among them (hashes), each loaded into a
+        fresh block. Grows the tables with fresh blocks and, where the first
+        token lands in a block shared with another table (a partly filled tail
+        after a fork), replaces that entry by a private copy: copy-on-write.
+        Returns the block copies the runner must perform before the forward
+        pass (at most one per group, only ever of the entry at
+        ``num_computed_tokens // block_size``), or None if the pool is short; on
+        None nothing was added. Either way, first releases each sliding group's
+        entries out of the window of ``num_computed_tokens``.
         """
-        computed_blocks = computed_blocks or []
-        record = self.tables.get(request_id)
-        blocks = record.entries if record is not None else []
-        if computed_blocks and blocks:
-            raise ValueError(f"request {request_id!r} already has blocks; cached blocks go only to a new table")
-        released = num_out_of_window_blocks(num_computed_tokens, self.sliding_window, self.block_size)
-        self._release_out_of_window(request_id, released)
-        kept = computed_blocks[released:]
-        held = len(blocks) + len(computed_blocks)
-        num_new_blocks = max(0, self.num_blocks_for(num_computed_tokens + num_new_tokens) - held)
-        write_index = num_computed_tokens // self.block_size
-        needs_copy = write_index < len(blocks) and blocks[write_index].ref_cnt > 1
-        num_from_pool = next((i for i, b in enumerate(kept) if not isinstance(b, KVCacheBlock)), len(kept))
-        revived = sum(1 for block in kept[:num_from_pool] if block.ref_cnt == 0)
-        num_loads = len(kept) - num_from_pool
-        if num_new_blocks + needs_copy + revived + num_loads > self.num_free_blocks:
+        hits = computed_blocks or [[] for _ in self.groups]
+        for group in self.groups:
+            group.release_out_of_window(request_id, num_computed_tokens)
+        plans = [group.plan(request_id, num_computed_tokens, num_new_tokens, hit)
+                 for group, hit in zip(self.groups, hits)]
+        if sum(plan.cost for plan in plans) > self.num_free_blocks:
             return None
-        if record is None:  # a new table: the cached blocks are registered, those out of the window released
-            pooled = kept[:num_from_pool]
-            self.block_pool.touch(pooled)
-            loaded = self.prefix_cache.load_from_tiers(kept[num_from_pool:])
-            num_released = len(computed_blocks) - len(kept)
-            # Loaded blocks are registered by the step's cache_full_blocks, which knows their tokens.
-            record = self.tables[request_id] = BlockTableRecord([None] * num_released + pooled + loaded,
-                                                                num_released, num_released + len(pooled))
-        blocks = record.entries
-        copies = []
-        if needs_copy:
-            shared = blocks[write_index]
-            (private,) = self.block_pool.get_new_blocks(1)
-            self.block_pool.free_blocks([shared])  # drops our reference only
-            blocks[write_index] = private
-            copies.append(BlockCopy(shared.block_id, private.block_id, write_index))
-        blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
-        self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
+        # Every group revives its cached hit before any takes a fresh block: taking
+        # one may evict a free cached block, which must not be another group's hit.
+        for group, hit, plan in zip(self.groups, hits, plans):
+            group.adopt_hit(request_id, hit, plan)
+        copies = [copy for group, plan in zip(self.groups, plans)
+                  for copy in group.grow(request_id, num_computed_tokens, plan)]
+        self._note_peak()
         return copies
 
     def take_tier_moves(self) -> TierMoves:
         return self.prefix_cache.take_tier_moves()
 
-    def _release_out_of_window(self, request_id: str, num_released: int) -> None:
-        """Release the request's table entries before ``num_released`` (None
-        entries stay None), last first like ``free``: each drops one reference."""
-        record = self.tables.get(request_id)
-        if record is None or num_released <= record.num_released:
-            return
-        start, num_released = record.num_released, min(num_released, len(record.entries))
-        self.block_pool.free_blocks(reversed(record.entries[start:num_released]))
-        record.entries[start:num_released] = [None] * (num_released - start)
-        record.num_released = num_released
-
-    def num_released(self, request_id: str) -> int:
-        """Leading entries of the request's table released by the sliding window
-        (a swapped-out request's too: they stay released)."""
-        record = self.tables.get(request_id) or self.swapped_tables.get(request_id)
-        return record.num_released if record is not None else 0
+    def num_released(self, request_id: str) -> list[int]:
+        """Per group, the leading entries of the request's table its window
+        released (a swapped-out request's too: they stay released)."""
+        return [group.num_released(request_id) for group in self.groups]
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Register the blocks that the request's first ``num_tokens`` tokens fill,
-        so later requests with the same prefix find them.
+        """Register, in every group, the blocks that the request's first
+        ``num_tokens`` tokens fill, so later requests with the same prefix find them.
 
         The scheduler calls this right after allocating a step, before the
         forward pass: a request admitted later in the same step may then hit a
@@ -210,75 +180,51 @@ class KVCacheManager:
         writes every new token's K/V of a layer before any query of that layer
         reads, and a block in use (ref_cnt > 0) is never evicted.
         """
-        record = self.tables.get(request.request_id)
-        if record is not None:
-            self.prefix_cache.register(request, record, num_tokens)
+        for group in self.groups:
+            group.register(request, num_tokens)
 
     def reset_prefix_cache(self) -> int:
         return self.prefix_cache.reset()
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
-        """Move the request's private blocks to host memory and free them.
+        """Move the request's private blocks (of every group) to host memory and free them.
 
         Blocks shared with another table stay resident (the request keeps its
         reference), so a preempted sibling never takes memory from the others.
         Returns the ``(device block, host block)`` copies to perform before the
         next forward pass, or None (nothing changed) if the host pool is short.
         """
-        record = self.tables.get(request_id, BlockTableRecord())
-        private = [block for block in record.blocks() if block.ref_cnt == 1]
+        private = [block for group in self.groups for block in group.private_blocks(request_id)]
         host_blocks = self.swap_space.allocate(len(private))
         if host_blocks is None:
             return None
         to_host: dict[KVCacheBlock, int] = dict(zip(private, host_blocks))
-        # Swapped-in copies come back unhashed: the registered count is dropped here.
-        self.swapped_tables[request_id] = SwappedTable([to_host.get(block, block) for block in record.entries],
-                                                       record.num_released)
-        self.tables.pop(request_id, None)
-        self.block_pool.free_blocks(reversed(private))
+        for group in self.groups:
+            group.swap_out(request_id, to_host)
         self.num_swap_out_blocks += len(private)
         return [(block.block_id, host) for block, host in to_host.items()]
 
     def swap_in_cost(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> int:
         """Free blocks that ``swap_in`` followed by ``allocate_slots(num_computed_tokens,
         num_new_tokens)`` will take, so the scheduler can check before doing either."""
-        table = self.swapped_tables[request_id].entries
-        host = sum(1 for entry in table if isinstance(entry, int))
-        new_blocks = max(0, self.num_blocks_for(num_computed_tokens + num_new_tokens) - len(table))
-        write_index = num_computed_tokens // self.block_size
-        shared_tail = (
-            write_index < len(table)
-            and not isinstance(table[write_index], int)
-            and table[write_index].ref_cnt > 1
-        )
-        return host + new_blocks + shared_tail
+        return sum(group.swap_in_cost(request_id, num_computed_tokens, num_new_tokens) for group in self.groups)
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
         """Bring a swapped request's blocks back into fresh device blocks.
         Returns the ``(host block, device block)`` copies, or None if the pool is short.
         Released (None) entries stay released."""
-        swapped = self.swapped_tables[request_id]
-        host_blocks = [entry for entry in swapped.entries if isinstance(entry, int)]
-        if len(host_blocks) > self.num_free_blocks:
+        needed = sum(group.num_host_blocks(request_id) for group in self.groups)
+        if needed > self.num_free_blocks:
             return None
-        fresh = iter(self.block_pool.get_new_blocks(len(host_blocks)))
-        blocks: list[TableEntry] = []
-        copies = []
-        for entry in swapped.entries:
-            if isinstance(entry, int):
-                block = next(fresh)
-                copies.append((entry, block.block_id))
-                entry = block
-            blocks.append(entry)
-        del self.swapped_tables[request_id]
-        self.tables[request_id] = BlockTableRecord(blocks, swapped.num_released)
-        self.swap_space.free(host_blocks)
-        self.num_swap_in_blocks += len(host_blocks)
-        self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
+        fresh = iter(self.block_pool.get_new_blocks(needed))
+        copies = [copy for group in self.groups for copy in group.swap_in(request_id, fresh)]
+        self.swap_space.free([host for host, _ in copies])
+        self.num_swap_in_blocks += needed
+        self._note_peak()
         return copies
 
     def fork(self, parent_id: str, child_id: str) -> list[BlockCopy] | None:
-        """Give ``child_id`` the parent's block table.
+        """Give ``child_id`` the parent's tables.
 
         With block sharing (the normal case) the child points at the parent's
         blocks and each block's count goes up: no data moves, and a later write
@@ -286,61 +232,46 @@ class KVCacheManager:
         baseline) the child gets private copies of every block, returned as
         block copies, or None if the pool is short.
         """
-        if child_id in self.tables:
-            raise ValueError(f"request {child_id!r} already has a block table")
-        parent = self.tables.get(parent_id, BlockTableRecord())
-        released, held = parent.num_released, parent.blocks()  # the child's released entries are the parent's
-        if self.enable_block_sharing:
-            self.block_pool.touch(held)
-            self.tables[child_id] = BlockTableRecord(list(parent.entries), released, parent.num_registered)
-            return []
-        if len(held) > self.num_free_blocks:
+        if sum(group.fork_cost(parent_id) for group in self.groups) > self.num_free_blocks:
             return None
-        child_blocks = self.block_pool.get_new_blocks(len(held))
-        self.tables[child_id] = BlockTableRecord([None] * released + child_blocks, released)
-        self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
-        return [
-            BlockCopy(src.block_id, dst.block_id, index)
-            for index, (src, dst) in enumerate(zip(held, child_blocks), released)
-        ]
+        copies = [copy for group in self.groups for copy in group.fork(parent_id, child_id)]
+        self._note_peak()
+        return copies
 
     def free(self, request_id: str) -> None:
-        """Release the request's blocks (tail first). Freeing an unknown request is a no-op,
-        so every finish/abort/preempt path can call it unconditionally."""
-        entries = self._entries(request_id)
-        self.tables.pop(request_id, None)
-        swapped = self.swapped_tables.pop(request_id, None)
-        if swapped is not None:
-            self.swap_space.free([entry for entry in swapped.entries if isinstance(entry, int)])
-            entries = [entry for entry in swapped.entries if not isinstance(entry, int)]
-        self.block_pool.free_blocks(reversed([block for block in entries if block is not None]))
+        """Release the request's blocks (each group tail first) and host blocks.
+        Freeing an unknown request is a no-op, so every finish/abort/preempt path
+        can call it unconditionally."""
+        for group in self.groups:
+            self.swap_space.free(group.free(request_id))
 
     def truncate(self, request_id: str, num_tokens: int) -> int:
-        """Release the table entries past what ``num_tokens`` tokens need, last
-        first: the blocks of rejected draft tokens. They hold no registered
-        (hashed) block, since drafts are never cached; returns the entries kept."""
-        blocks = self._entries(request_id)
+        """Release the table entries past what ``num_tokens`` tokens need, in every
+        group, last first: the blocks of rejected draft tokens. They hold no
+        registered (hashed) block, since drafts are never cached; returns the
+        entries kept (the same in every group)."""
         keep = self.num_blocks_for(num_tokens)
-        if len(blocks) > keep:
-            self.block_pool.free_blocks(reversed(blocks[keep:]))
-            del blocks[keep:]
-        return len(blocks)
+        return min(group.truncate(request_id, keep) for group in self.groups)
 
     def pool_snapshot(self) -> list[dict]:
         """Per physical block, for the live pool view: ``state`` ("used": some
         table points at it; "cached": free but hashed, so prefix caching can
         revive it until it is evicted; "free"), ``ref_cnt``, the ids of the
         requests whose tables hold it (a swapped request keeps the shared blocks
-        it points at), ``hashed``, and ``adapter`` (the LoRA adapter whose weights
-        it holds, if any: "used" while pinned, "cached" while idle). Safe to call while another thread steps
-        the engine: each mapping is copied in one call, so the view may straddle
-        a step but never raises."""
+        it points at), ``hashed``, ``group`` (the KV cache group whose tables or
+        cache hold it; None when free and uncached, or an adapter page), and
+        ``adapter`` (the LoRA adapter whose weights it holds, if any: "used"
+        while pinned, "cached" while idle). Safe to call while another thread
+        steps the engine: each mapping is copied in one call, so the view may
+        straddle a step but never raises."""
         owners: dict[int, list[str]] = {}
-        tables = list(self.tables.items()) + list(self.swapped_tables.items())
-        for request_id, table in tables:
-            for block in list(table.entries):
-                if isinstance(block, KVCacheBlock):
-                    owners.setdefault(block.block_id, []).append(request_id)
+        group_of: dict[int, int] = {}
+        for group in self.groups:
+            for request_id, table in list(group.tables.items()) + list(group.swapped_tables.items()):
+                for block in list(table.entries):
+                    if isinstance(block, KVCacheBlock):
+                        owners.setdefault(block.block_id, []).append(request_id)
+                        group_of[block.block_id] = group.group
         return [
             {
                 "block_id": block.block_id,
@@ -350,23 +281,17 @@ class KVCacheManager:
                 "hashed": block.block_hash is not None,
                 # As KV events name it (``external_block_hash``), so a subscriber's view can be checked.
                 "block_hash": None if block.block_hash is None else external_block_hash(block.block_hash),
+                "group": group_of.get(block.block_id, None if block.block_hash is None else block.cache_group),
                 "adapter": block.adapter_name,
             }
             for block in self.block_pool.blocks
         ]
 
-    def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
-        """Block ids of the request's table from entry ``start`` on (the scheduler
-        sends a running request's new entries only, so this stays O(new));
-        released entries read ``NULL_BLOCK_ID``."""
-        blocks = self._entries(request_id)
-        return [NULL_BLOCK_ID if (block := blocks[index]) is None else block.block_id
-                for index in range(start, len(blocks))]
-
-    def _entries(self, request_id: str) -> list[TableEntry]:
-        """The resident request's table entries (empty for any other request)."""
-        record = self.tables.get(request_id)
-        return record.entries if record is not None else []
+    def get_block_ids(self, request_id: str, start: int = 0) -> list[list[int]]:
+        """Per group, the block ids of the request's table from entry ``start`` on
+        (the scheduler sends a running request's new entries only, so this stays
+        O(new)); released entries read ``NULL_BLOCK_ID``."""
+        return [group.get_block_ids(request_id, start) for group in self.groups]
 
     def stats(self) -> KVCacheStats:
         tiers = self.tiers.counters if self.tiers is not None else TierCounters()

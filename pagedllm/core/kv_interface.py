@@ -27,21 +27,26 @@ NULL_BLOCK_ID = 0
 
 
 class BlockCopy(NamedTuple):
-    """Copy physical block ``src`` into ``dst`` before the next forward pass;
-    ``dst`` becomes entry ``table_index`` of the requesting sequence's table
-    (copy-on-write of a shared tail, or a fork when sharing is off)."""
+    """Copy physical block ``src`` into ``dst`` before the next forward pass
+    (every slot cache's row: a block serves one group at a time); ``dst``
+    becomes entry ``table_index`` of the requesting sequence's table of KV
+    cache group ``group`` (copy-on-write of a shared tail, or a fork when
+    sharing is off)."""
 
     src: int
     dst: int
     table_index: int
+    group: int = 0
 
 
 class PrefixHit(NamedTuple):
-    """What a prefix lookup found: ``blocks`` (cached pool blocks, then the
-    hashes of blocks a tier will load) covering ``num_tokens`` tokens, and
-    whether more of the prefix is ``loading`` from disk (wait for it)."""
+    """What a prefix lookup found: ``blocks``, one list per KV cache group, each
+    covering ``num_tokens`` tokens (cached pool blocks, then the hashes of blocks
+    a tier will load; a sliding group's leading entries outside the window of
+    the hit point are None), and whether more of the prefix is ``loading`` from
+    disk (wait for it). No hit: one empty list per group."""
 
-    blocks: list[Any]
+    blocks: list[list[Any]]
     num_tokens: int
     loading: bool = False
 
@@ -121,7 +126,8 @@ class KVCacheManagerProtocol(Protocol):
         """Count one admitted request's prefix-cache lookup."""
 
     def allocate_slots(
-        self, request_id: str, num_computed_tokens: int, num_new_tokens: int, computed_blocks: list[Any] | None = None
+        self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
+        computed_blocks: list[list[Any]] | None = None,
     ) -> list[BlockCopy] | None:
         """Room to write the next ``num_new_tokens`` tokens, or None if the pool is short."""
 
@@ -147,13 +153,14 @@ class KVCacheManagerProtocol(Protocol):
         """Keep only the table entries ``num_tokens`` tokens need (a speculative
         rollback); returns the entries kept."""
 
-    def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
-        """Physical block ids of the request's table from entry ``start`` on
-        (``NULL_BLOCK_ID`` for released entries)."""
+    def get_block_ids(self, request_id: str, start: int = 0) -> list[list[int]]:
+        """Physical block ids of the request's tables from entry ``start`` on, one
+        list per KV cache group, all of one length (``NULL_BLOCK_ID`` for released
+        entries)."""
 
-    def num_released(self, request_id: str) -> int:
-        """Leading entries of the request's table released by the sliding window
-        (they stay released while the request lives)."""
+    def num_released(self, request_id: str) -> list[int]:
+        """Per KV cache group, the leading entries of the request's table released
+        by the group's sliding window (they stay released while the request lives)."""
 
     def reset_prefix_cache(self) -> int:
         """Forget cached blocks no request uses; returns how many."""

@@ -2,11 +2,15 @@
 
 Full blocks are found again by their chained hash (``core/block_hash.py``): in
 the pool's hash map first, then (with tiers, ``core/tier_index.py``) in host
-memory and on disk. The block tables stay the KV manager's; this class only
-reads a table to register its full blocks.
+memory and on disk. Each KV cache group caches its own blocks under
+``(group, hash)``: the hashes are the same in every group, the K/V are not.
+The block tables stay the KV manager's; this class only reads a table to
+register its full blocks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from pagedllm.core.block_hash import BlockHash, extend_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
@@ -14,6 +18,7 @@ from pagedllm.core.block_table import BlockTableRecord
 from pagedllm.core.kv_events import AllBlocksCleared, KVEventLog
 from pagedllm.core.kv_interface import PrefixHit
 from pagedllm.core.request import Request
+from pagedllm.core.sliding_window import num_out_of_window_blocks
 from pagedllm.core.tier_index import TierIndex, TierMoves
 
 
@@ -21,10 +26,14 @@ class PrefixCache:
     """Owns the block pool's hash map side: what is cached, where, and what a lookup finds.
 
     Safety rules:
-    - A lookup stops at the first miss and short of the last token (at least
-      one token is computed, so there are logits to sample from); a request
-      that asks for prompt logprobs never hits (their logits are never computed
-      for cached positions).
+    - A lookup stops short of the last token (at least one token is computed,
+      so there are logits to sample from); a request that asks for prompt
+      logprobs never hits (their logits are never computed for cached positions).
+    - The hit is the longest block-aligned prefix ``h`` every group can resume
+      from: a full-attention group needs every block before ``h`` cached, a
+      sliding group of window ``W`` only the blocks a query at ``h`` reads
+      (those the window has not released at ``h``, ``core.sliding_window``).
+      A sliding group's entries before them are None: the request never takes them.
     - A tier hit is a hash, not a block: ``load_from_tiers`` gives it a fresh
       block only once the caller has counted that block as needed (the
       manager's all-or-nothing check), and the tiers load its bytes before the
@@ -34,8 +43,10 @@ class PrefixCache:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enabled: bool, tiers: TierIndex | None = None,
-                 events: KVEventLog | None = None) -> None:
+                 events: KVEventLog | None = None, windows: Sequence[int | None] = (None,)) -> None:
         self.block_size = block_size
+        # Each KV cache group's sliding window (None: full attention), in group order.
+        self.windows = tuple(windows)
         self.enabled = enabled
         self.tiers = tiers
         self.block_pool = BlockPool(num_blocks, on_evict=self._offload if tiers is not None else None, events=events)
@@ -51,24 +62,45 @@ class PrefixCache:
             self.lookup(request)
 
     def lookup(self, request: Request) -> PrefixHit:
-        """Cached pool blocks of the request's leading full blocks, then the
-        hashes of those host memory holds, up to the first miss; ``loading``
-        when the next ones are being fetched from disk (the request should wait)."""
+        """Per group, the cached pool blocks of the request's hit (see the class
+        rules); with tiers (one full group) the hashes of the blocks host memory
+        holds after the pool's, and ``loading`` when the next ones are being
+        fetched from disk (the request should wait)."""
         if not self.enabled or request.sampling_params.prompt_logprobs is not None:
-            return PrefixHit([], 0)
+            return PrefixHit([[] for _ in self.windows], 0)
         hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock | BlockHash] = []
-        for block_hash in hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        loading = False
-        if self.tiers is not None and len(hits) < max_blocks:
-            num_ready, loading = self.tiers.lookup(hashes[len(hits):max_blocks])
-            hits += hashes[len(hits):len(hits) + num_ready]
-        return PrefixHit(hits, len(hits) * self.block_size, loading)
+        cached = [[self.block_pool.get_cached_block(block_hash, group) for block_hash in hashes[:max_blocks]]
+                  for group in range(len(self.windows))]
+        hit = max_blocks
+        for group, window in enumerate(self.windows):
+            if window is None:  # full attention: the longest cached prefix
+                hit = min(hit, next((i for i, block in enumerate(cached[group]) if block is None), hit))
+        if self.tiers is not None:  # one full-attention group: the KV manager refuses tiers otherwise
+            num_ready, loading = self.tiers.lookup(hashes[hit:max_blocks]) if hit < max_blocks else (0, False)
+            return PrefixHit([cached[0][:hit] + hashes[hit:hit + num_ready]], (hit + num_ready) * self.block_size,
+                             loading)
+        hit = self._sliding_agreement(cached, hit)
+        starts = [num_out_of_window_blocks(hit * self.block_size, window, self.block_size) for window in self.windows]
+        return PrefixHit([[None] * start + entries[start:hit] for start, entries in zip(starts, cached)],
+                         hit * self.block_size)
+
+    def _sliding_agreement(self, cached: list[list[KVCacheBlock | None]], hit: int) -> int:
+        """The largest ``h <= hit`` at which every sliding group has the blocks a
+        query at block ``h`` reads cached. A miss at block ``i`` rules out every
+        ``h > i`` whose window reaches back to ``i``, so the search jumps to ``i``."""
+        while hit > 0:
+            last_miss = max((self._last_miss(entries, window, hit)
+                             for window, entries in zip(self.windows, cached) if window is not None), default=-1)
+            if last_miss < 0:
+                return hit
+            hit = last_miss
+        return 0
+
+    def _last_miss(self, entries: list[KVCacheBlock | None], window: int, hit: int) -> int:
+        """The last uncached block a query at block ``hit`` reads through ``window`` (-1: none)."""
+        start = num_out_of_window_blocks(hit * self.block_size, window, self.block_size)
+        return next((i for i in range(hit - 1, start - 1, -1) if entries[i] is None), -1)
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         if self.enabled:
@@ -88,23 +120,24 @@ class PrefixCache:
         parent, token_ids = block.origin or (None, None)
         self.tiers.offload(block.block_id, block.block_hash, parent, token_ids)
 
-    def register(self, request: Request, record: BlockTableRecord, num_tokens: int) -> None:
-        """Register the table's blocks that the request's first ``num_tokens`` tokens fill."""
+    def register(self, request: Request, record: BlockTableRecord, num_tokens: int, group: int = 0) -> None:
+        """Register the blocks of group ``group``'s table that the request's first
+        ``num_tokens`` tokens fill."""
         if not self.enabled:
             return
         num_full = min(num_tokens // self.block_size, len(record.entries))
         if num_full <= record.num_registered:
             return
         hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys)
-        # Token ids and parents only for the events and tiers that announce blocks.
-        described = self.block_pool.events is not None
+        # Token ids and parents only for the events and tiers that announce blocks (group 0's).
+        described = self.block_pool.events is not None and group == 0
         tokens, size = request.all_token_ids, self.block_size
         # Released entries hold no block to register (after a swap-in restarts from 0).
         for index in range(max(record.num_registered, record.num_released), num_full):
             parent = hashes[index - 1] if index else None
             block_tokens = tokens[index * size:(index + 1) * size] if described else ()
             block = record.entries[index]
-            if self.block_pool.cache_block(block, hashes[index], parent, block_tokens) and self.tiers is not None:
+            if self.block_pool.cache_block(block, hashes[index], parent, block_tokens, group) and self.tiers is not None:
                 self.tiers.persist(block.block_id, hashes[index], parent, block_tokens or None)
         record.num_registered = num_full
 

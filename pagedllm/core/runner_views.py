@@ -12,11 +12,12 @@ from pagedllm.core.scheduler_output import NewSequenceData, SampleRow, Scheduled
 @dataclass
 class _View:
     """The runner's copy of a sequence covers these many tokens and table
-    entries, the first ``num_released`` of them released by the sliding window."""
+    entries (in every KV cache group), the first ``num_released[g]`` of them
+    released by group ``g``'s sliding window."""
 
     num_tokens: int
     num_blocks: int
-    num_released: int
+    num_released: list[int]
     # Set by a speculative rollback until the next step tells the runner.
     truncated_to: int | None = None
 
@@ -79,20 +80,24 @@ class RunnerViews:
                 sequence_id, request.prompt_token_ids, list(request.output_token_ids), block_ids,
                 request.sampling_params, None if request.lora is None else request.lora.name,
             ))
-            self._views[sequence_id] = _View(request.num_tokens, len(block_ids), kv.num_released(sequence_id))
+            self._views[sequence_id] = _View(request.num_tokens, len(block_ids[0]), kv.num_released(sequence_id))
         else:
             scheduled.new_token_ids = request.all_token_ids[view.num_tokens :]
             scheduled.truncated_table_length, view.truncated_to = view.truncated_to, None
-            scheduled.new_block_ids = kv.get_block_ids(sequence_id, view.num_blocks)
-            # The window released entries the runner holds (so its table never
-            # names a block it no longer owns), and copy-on-write replaced one.
+            new_block_ids = kv.get_block_ids(sequence_id, view.num_blocks)
+            scheduled.new_block_ids = new_block_ids if new_block_ids[0] else []
+            # A window released entries the runner holds (so its tables never
+            # name a block they no longer own), and copy-on-write replaced some.
             released = kv.num_released(sequence_id)
             scheduled.replaced_blocks = [
-                (index, NULL_BLOCK_ID) for index in range(view.num_released, min(released, view.num_blocks))
+                (group, index, NULL_BLOCK_ID)
+                for group, (before, now) in enumerate(zip(view.num_released, released))
+                for index in range(before, min(now, view.num_blocks))
             ]
-            scheduled.replaced_blocks += [(c.table_index, c.dst) for c in copies if c.table_index < view.num_blocks]
+            scheduled.replaced_blocks += [(c.group, c.table_index, c.dst) for c in copies
+                                          if c.table_index < view.num_blocks]
             view.num_tokens = request.num_tokens
-            view.num_blocks += len(scheduled.new_block_ids)
+            view.num_blocks += len(new_block_ids[0])
             view.num_released = released
         output.scheduled.append(scheduled)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from pagedllm.config.engine import SchedulerConfig
 from pagedllm.core.adapter_pages import NO_ADAPTERS, AdapterPager
 from pagedllm.core.kv_interface import BlockCopy, KVCacheManagerProtocol
 from pagedllm.core.request import Request, RequestStatus
@@ -23,6 +23,9 @@ from pagedllm.core.scheduler_update import StepUpdates
 from pagedllm.core.speculation import num_drafts_to_propose
 from pagedllm.core.waiting_queue import WaitingQueue
 from pagedllm.logger import init_logger
+
+if TYPE_CHECKING:  # config imports core (its KV groups): core reads the config's types only
+    from pagedllm.config.engine import SchedulerConfig
 
 logger = init_logger(__name__)
 

@@ -40,12 +40,14 @@ class NewSequenceData:
 
     Safety rule: ``prompt_token_ids`` is shared with the scheduler and never
     changes; ``output_token_ids`` and ``block_ids`` are the runner's own copies.
+    ``block_ids`` holds one table per KV cache group, in group order, all of one
+    length (``NULL_BLOCK_ID`` for an entry a sliding window released).
     """
 
     sequence_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]
     sampling_params: SamplingParams
     # The LoRA adapter it runs under (None: the base); its pages are resident while it runs.
     lora_name: str | None = None
@@ -58,18 +60,20 @@ class ScheduledSequence:
 
     Diffs against what the runner holds (empty for a sequence in
     ``new_sequences`` this step): ``new_token_ids`` were appended since it last
-    ran, ``new_block_ids`` extend its block table, and ``replaced_blocks`` are
-    ``(table index, block id)`` entries a copy-on-write replaced, or that the
-    sliding window released (block id ``NULL_BLOCK_ID``). Applied in the
-    order the fields are listed, after ``truncated_table_length``.
+    ran, ``new_block_ids`` extend its block tables (one list per KV cache
+    group, all of one length; ``[]`` when the tables did not grow), and
+    ``replaced_blocks`` are ``(group, table index, block id)`` entries a
+    copy-on-write replaced, or that a sliding window released (block id
+    ``NULL_BLOCK_ID``). Applied in the order the fields are listed, after
+    ``truncated_table_length`` (which cuts every group's table).
     """
 
     sequence_id: str
     num_computed_tokens: int
     num_scheduled_tokens: int
     new_token_ids: list[int] = field(default_factory=list)
-    new_block_ids: list[int] = field(default_factory=list)
-    replaced_blocks: list[tuple[int, int]] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    replaced_blocks: list[tuple[int, int, int]] = field(default_factory=list)
     # Not None when a speculative rollback freed the table's tail since the
     # runner last saw it: cut the table to this many entries first, then
     # replace and extend as above.
@@ -105,7 +109,8 @@ class SchedulerOutput:
     released_sequence_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     # (src, dst) physical blocks to copy, in order (copy-on-write, and forks
-    # when block sharing is off).
+    # when block sharing is off). Copies and swaps are group-agnostic: moving
+    # block b moves its row in every slot cache.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)

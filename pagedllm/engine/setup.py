@@ -11,7 +11,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from pagedllm.config.engine import CacheConfig, EngineConfig, SchedulerConfig, sampling_overrides
 from pagedllm.core.adapter_pages import AdapterPager
 from pagedllm.core.contiguous import ContiguousKVCacheManager
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_manager import HYBRID_FLAG, KVCacheManager
 from pagedllm.core.kv_interface import KVCacheManagerProtocol
 from pagedllm.engine.kv_channels import KVChannels
 from pagedllm.logger import init_logger
@@ -24,22 +24,21 @@ logger = init_logger(__name__)
 
 def create_kv_cache_manager(cache: CacheConfig, plan: PoolPlan, scheduler_config: SchedulerConfig,
                             channels: KVChannels) -> KVCacheManagerProtocol:
-    """The block bookkeeping over the planned pool: paged (with the tiers'
-    index and the event log, if any), or the contiguous baseline."""
+    """The block bookkeeping over the planned pool: paged, one table per KV
+    cache group (with the tiers' index and the event log, if any), or the
+    contiguous baseline (one group only)."""
     num_blocks, block_size = plan.num_blocks, plan.block_size
+    groups = scheduler_config.kv_groups
+    if cache.kv_layout == "contiguous" and groups is not None and groups.is_hybrid:
+        raise ValueError("kv_layout='contiguous' keeps one table of every layer: with a model that mixes full and "
+                         f"sliding-window layers, pass {HYBRID_FLAG}")
     if cache.kv_layout == "contiguous":
         reservation = cache.contiguous_reservation
         tokens = {"max_model_len": scheduler_config.max_model_len, "request": None}.get(reservation, reservation)
         return ContiguousKVCacheManager(num_blocks, block_size, tokens)
     return KVCacheManager(num_blocks, block_size, cache.enable_block_sharing, cache.enable_prefix_caching,
-                          plan.num_swap_blocks, sliding_window=_only_window(scheduler_config),
+                          plan.num_swap_blocks, windows=(None,) if groups is None else groups.windows,
                           tiers=channels.tier_index, events=channels.events)
-
-
-def _only_window(scheduler_config: SchedulerConfig) -> int | None:
-    """The window of a model whose every layer slides with one (the manager before per-group tables)."""
-    groups = scheduler_config.kv_groups
-    return groups.groups[0].window if groups is not None and groups.num_groups == 1 else None
 
 
 def create_lora(config: EngineConfig, model_config: PretrainedConfig, runner: Any,

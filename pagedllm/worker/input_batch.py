@@ -87,7 +87,7 @@ class InputBatch:
         self._reserve_tokens(sequence.num_tokens)
         self.token_ids[sequence.row, : len(data.prompt_token_ids)] = data.prompt_token_ids
         self.token_ids[sequence.row, len(data.prompt_token_ids) : sequence.num_tokens] = data.output_token_ids
-        self._append_blocks(sequence, data.block_ids)
+        self._append_blocks(sequence, data.block_ids[0])  # group 0 only: one KV cache group runs here
         return sequence
 
     def release(self, sequence_id: str) -> None:
@@ -122,10 +122,11 @@ class InputBatch:
             if length is not None:
                 self.block_table[sequence.row, length : sequence.num_blocks] = 0
                 sequence.num_blocks = length
-            for index, block_id in scheduled.replaced_blocks:
-                self.block_table[sequence.row, index] = block_id
+            for group, index, block_id in scheduled.replaced_blocks:
+                if group == 0:
+                    self.block_table[sequence.row, index] = block_id
             if scheduled.new_block_ids:
-                self._append_blocks(sequence, scheduled.new_block_ids)
+                self._append_blocks(sequence, scheduled.new_block_ids[0])
             if scheduled.draft_token_ids:
                 rows += [sequence.row] * len(scheduled.draft_token_ids)
                 positions += range(sequence.num_tokens, sequence.num_tokens + len(scheduled.draft_token_ids))

@@ -41,22 +41,22 @@ def test_pool_allocation_is_all_or_nothing_and_counts_references():
 def test_manager_takes_a_block_only_when_the_last_one_fills():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     assert kv.allocate_slots("a", 0, 3) == []
-    assert len(kv.get_block_ids("a")) == 1
+    assert len(kv.get_block_ids("a")[0]) == 1
     kv.allocate_slots("a", 3, 1)  # still fits in block 0
-    assert len(kv.get_block_ids("a")) == 1
+    assert len(kv.get_block_ids("a")[0]) == 1
     kv.allocate_slots("a", 4, 1)
-    assert len(kv.get_block_ids("a")) == 2
+    assert len(kv.get_block_ids("a")[0]) == 2
     assert kv.num_free_blocks == 8
 
 
 def test_manager_returns_none_and_changes_nothing_on_shortfall():
     kv = KVCacheManager(num_blocks=3, block_size=4)
     kv.allocate_slots("a", 0, 8)
-    before = kv.get_block_ids("a")
+    before = kv.get_block_ids("a")[0]
     assert kv.allocate_slots("b", 0, 8) is None
-    assert "b" not in kv.tables
+    assert "b" not in kv.groups[0].tables
     assert kv.allocate_slots("a", 8, 8) is None
-    assert kv.get_block_ids("a") == before
+    assert kv.get_block_ids("a")[0] == before
     assert kv.num_free_blocks == 1
     kv.check_invariants({"a": 8}, swapped=())
 
@@ -72,7 +72,7 @@ def test_free_is_tail_first_and_uncached_blocks_are_reused_first():
     kv.allocate_slots("a", 0, 7)
     request.num_computed_tokens = 7
     kv.cache_full_blocks(request, 7)  # 3 full blocks hashed, the 4th (1 token) not
-    ids = kv.get_block_ids("a")
+    ids = kv.get_block_ids("a")[0]
     kv.free("a")
     free_order = [b.block_id for b in kv.block_pool.free_block_queue]
     assert free_order[0] == ids[3]  # the unhashed tail: reused first
@@ -102,23 +102,23 @@ def test_random_operations_keep_every_invariant(block_size, num_blocks, operatio
         if op == "grow":
             target = tokens.get(rid, 0) + amount
             free_before = kv.num_free_blocks
-            table_before = kv.get_block_ids(rid)
+            table_before = kv.get_block_ids(rid)[0]
             result = kv.allocate_slots(rid, tokens.get(rid, 0), amount)
             if result is None:
                 # All-or-nothing: a refusal changes nothing.
                 assert kv.num_free_blocks == free_before
-                assert kv.get_block_ids(rid) == table_before
+                assert kv.get_block_ids(rid)[0] == table_before
                 assert math.ceil(target / block_size) - len(table_before) > free_before
             else:
                 tokens[rid] = target
                 # Append-only table, exactly ceil(tokens / block_size) long.
-                assert kv.get_block_ids(rid)[: len(table_before)] == table_before
-                assert len(kv.get_block_ids(rid)) == math.ceil(target / block_size)
+                assert kv.get_block_ids(rid)[0][: len(table_before)] == table_before
+                assert len(kv.get_block_ids(rid)[0]) == math.ceil(target / block_size)
         else:
             kv.free(rid)
             tokens.pop(rid, None)
         kv.check_invariants(tokens, swapped=())
-        assert kv.num_free_blocks + sum(len(kv.get_block_ids(r)) for r in tokens) == num_blocks
+        assert kv.num_free_blocks + sum(len(kv.get_block_ids(r)[0]) for r in tokens) == num_blocks
     for rid in list(tokens):
         kv.free(rid)
     assert kv.num_free_blocks == num_blocks

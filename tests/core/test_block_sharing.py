@@ -40,10 +40,10 @@ class BlockSharingMachine(RuleBasedStateMachine):
             return False
         # A write into a shared block is one copy, never more.
         assert len(copies) <= 1
-        for src, dst, table_index in copies:
+        for src, dst, table_index, _ in copies:
             self.pool[dst] = list(self.pool[src])
             assert table_index == len(tokens) // BLOCK_SIZE  # only the entry being written is replaced
-        table = self.kv.get_block_ids(seq)
+        table = self.kv.get_block_ids(seq)[0]
         for position in range(len(tokens), len(tokens) + num_new):
             label = next(self.labels)
             block = table[position // BLOCK_SIZE]
@@ -59,27 +59,27 @@ class BlockSharingMachine(RuleBasedStateMachine):
         self.expected[seq] = []
         if not self._write(seq, num_tokens):
             del self.expected[seq]
-            assert seq not in self.kv.tables
+            assert seq not in self.kv.groups[0].tables
             return multiple()
         return seq
 
     @rule(seq=sequences, num_tokens=st.integers(1, 6))
     def append(self, seq, num_tokens):
         if seq in self.expected:
-            before = list(self.kv.get_block_ids(seq))
+            before = list(self.kv.get_block_ids(seq)[0])
             if not self._write(seq, num_tokens):
-                assert self.kv.get_block_ids(seq) == before  # all-or-nothing
+                assert self.kv.get_block_ids(seq)[0] == before  # all-or-nothing
 
     @rule(target=sequences, parent=sequences)
     def fork(self, parent):
         if parent not in self.expected:
             return multiple()
         child = f"s{next(self.ids)}"
-        counts = [self.kv.block_pool.blocks[b].ref_cnt for b in self.kv.get_block_ids(parent)]
+        counts = [self.kv.block_pool.blocks[b].ref_cnt for b in self.kv.get_block_ids(parent)[0]]
         assert self.kv.fork(parent, child) == []
         self.expected[child] = list(self.expected[parent])
-        assert self.kv.get_block_ids(child) == self.kv.get_block_ids(parent)
-        assert [self.kv.block_pool.blocks[b].ref_cnt for b in self.kv.get_block_ids(child)] == [c + 1 for c in counts]
+        assert self.kv.get_block_ids(child)[0] == self.kv.get_block_ids(parent)[0]
+        assert [self.kv.block_pool.blocks[b].ref_cnt for b in self.kv.get_block_ids(child)[0]] == [c + 1 for c in counts]
         return child
 
     @rule(seq=consumes(sequences))
@@ -91,7 +91,7 @@ class BlockSharingMachine(RuleBasedStateMachine):
     @invariant()
     def every_sequence_reads_its_own_tokens(self):
         for seq, tokens in self.expected.items():
-            table = self.kv.get_block_ids(seq)
+            table = self.kv.get_block_ids(seq)[0]
             assert len(table) == math.ceil(len(tokens) / BLOCK_SIZE)
             read = [self.pool[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in range(len(tokens))]
             assert read == tokens
@@ -99,7 +99,7 @@ class BlockSharingMachine(RuleBasedStateMachine):
     @invariant()
     def counts_match_tables_and_no_block_is_both_free_and_used(self):
         self.kv.check_invariants({seq: len(tokens) for seq, tokens in self.expected.items()}, swapped=())
-        used = {b for seq in self.expected for b in self.kv.get_block_ids(seq)}
+        used = {b for seq in self.expected for b in self.kv.get_block_ids(seq)[0]}
         assert len(used) + self.kv.num_free_blocks == NUM_BLOCKS
 
     def teardown(self):
@@ -117,12 +117,12 @@ def test_copy_on_write_copies_exactly_one_block_on_divergence():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     kv.allocate_slots("parent", 0, 6)  # blocks: [full, 2 of 4 used]
     kv.fork("parent", "child")
-    shared_tail = kv.get_block_ids("parent")[1]
+    shared_tail = kv.get_block_ids("parent")[0][1]
     assert kv.block_pool.blocks[shared_tail].ref_cnt == 2
     copies = kv.allocate_slots("child", 6, 1)
     assert len(copies) == 1 and copies[0].src == shared_tail and copies[0].table_index == 1
-    assert kv.get_block_ids("child")[0] == kv.get_block_ids("parent")[0]  # the full block stays shared
-    assert kv.get_block_ids("child")[1] == copies[0][1] != shared_tail
+    assert kv.get_block_ids("child")[0][0] == kv.get_block_ids("parent")[0][0]  # the full block stays shared
+    assert kv.get_block_ids("child")[0][1] == copies[0][1] != shared_tail
     assert kv.block_pool.blocks[shared_tail].ref_cnt == 1
     assert kv.allocate_slots("parent", 6, 1) == []  # the parent now owns its tail alone
 
@@ -131,7 +131,7 @@ def test_fork_without_sharing_copies_every_block():
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_block_sharing=False)
     kv.allocate_slots("parent", 0, 6)
     copies = kv.fork("parent", "child")
-    assert [copy.src for copy in copies] == kv.get_block_ids("parent")
-    assert [copy.dst for copy in copies] == kv.get_block_ids("child")
+    assert [copy.src for copy in copies] == kv.get_block_ids("parent")[0]
+    assert [copy.dst for copy in copies] == kv.get_block_ids("child")[0]
     assert [copy.table_index for copy in copies] == list(range(len(copies)))
     assert kv.num_free_blocks == 4

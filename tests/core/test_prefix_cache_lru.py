@@ -30,7 +30,7 @@ def test_least_recently_freed_cached_blocks_are_evicted_first():
     kv = KVCacheManager(num_blocks=6, block_size=BLOCK_SIZE)
     for rid, first in (("a", 10), ("b", 20), ("c", 30)):
         admit(kv, rid, [first, first + 1, first + 2, first + 3])  # 2 full blocks each
-    tables = {rid: kv.get_block_ids(rid) for rid in "abc"}
+    tables = {rid: kv.get_block_ids(rid)[0] for rid in "abc"}
     for rid in ("b", "a", "c"):
         kv.free(rid)
     assert kv.block_pool.num_cached_blocks == 6
@@ -38,11 +38,11 @@ def test_least_recently_freed_cached_blocks_are_evicted_first():
     order = [b.block_id for b in kv.block_pool.free_block_queue]
     assert order == tables["b"][::-1] + tables["a"][::-1] + tables["c"][::-1]
     admit(kv, "d", [1, 2, 3, 4, 5])  # needs 3 fresh blocks: evicts b's two, then a's tail
-    assert set(kv.get_block_ids("d")) == set(tables["b"]) | {tables["a"][1]}
+    assert set(kv.get_block_ids("d")[0]) == set(tables["b"]) | {tables["a"][1]}
     assert kv.block_pool.num_cached_blocks == 3 + 2  # a's head, c's two, and d's two full blocks
     # a's surviving head block is found again.
     hits, _, _ = kv.get_computed_blocks(Request("e", [10, 11, 99, 98, 97], SamplingParams(), [0], 1))
-    assert [b.block_id for b in hits] == [tables["a"][0]]
+    assert [[b.block_id for b in group_hits] for group_hits in hits] == [[tables["a"][0]]]
 
 
 prompts = st.lists(st.integers(0, 3), min_size=1, max_size=9)  # tiny alphabet: many shared prefixes
@@ -68,7 +68,7 @@ def test_random_workloads_never_evict_referenced_blocks_and_keep_lru_order(ops, 
                 assert kv.block_pool.blocks[block_id].block_hash == block_hash
         else:
             rid = sorted(live)[len(prompt) % len(live)]
-            table = [kv.block_pool.blocks[b] for b in kv.get_block_ids(rid)]
+            table = [kv.block_pool.blocks[b] for b in kv.get_block_ids(rid)[0]]
             kv.free(rid)
             del live[rid]
             for block in reversed(table):

@@ -62,7 +62,7 @@ def test_a_list_of_k_plus_one_tokens_accepts_k_drafts():
     assert advanced == [req]
     assert req.output_token_ids == [5, 7, 7, 9]
     assert req.num_computed_tokens == 8  # 5 + 4 scheduled - 1 rejected draft
-    assert len(kv.get_block_ids("a")) == 2  # positions 0..7: the block of the rejected one went back
+    assert len(kv.get_block_ids("a")[0]) == 2  # positions 0..7: the block of the rejected one went back
 
 
 def test_a_one_token_list_rejects_every_draft():
@@ -126,7 +126,7 @@ def test_the_scheduler_carries_out_a_policy_s_forks_appends_and_finishes():
     assert advanced == [scheduler.requests["g"]]  # one sequence per sample row
     assert (copy.output_token_ids, copy.seed, copy.sample_index) == ([41], 99, 1)
     assert copy.group_policy is policy  # forks share their request's policy
-    assert kv.get_block_ids("g::copy")[0] == kv.get_block_ids("g")[0]  # the prompt's full block is shared
+    assert kv.get_block_ids("g::copy")[0][0] == kv.get_block_ids("g")[0][0]  # the prompt's full block is shared
     assert scheduler.num_seats_in_use == 2
     out, _ = step(scheduler, {"g": [42], "g::copy": [43]})
     assert "g::copy" not in scheduler.requests and scheduler.requests["g"].output_token_ids == [40, 42]

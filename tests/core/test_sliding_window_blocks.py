@@ -49,7 +49,7 @@ class SlidingWindowMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.kv = KVCacheManager(NUM_BLOCKS, self.BLOCK_SIZE, num_swap_blocks=NUM_BLOCKS,
-                                 sliding_window=self.WINDOW)
+                                 windows=(self.WINDOW,))
         self.pool = [[None] * self.BLOCK_SIZE for _ in range(NUM_BLOCKS)]
         self.host = [[None] * self.BLOCK_SIZE for _ in range(NUM_BLOCKS)]
         self.expected: dict[str, list[int]] = {}
@@ -64,9 +64,9 @@ class SlidingWindowMachine(RuleBasedStateMachine):
         self.allocated_at[seq] = len(tokens)
         if copies is None:
             return False
-        for src, dst, _ in copies:
+        for src, dst, *_ in copies:
             self.pool[dst] = list(self.pool[src])
-        table = self.kv.get_block_ids(seq)
+        table = self.kv.get_block_ids(seq)[0]
         for position in range(len(tokens), len(tokens) + num_new):
             block = table[position // self.BLOCK_SIZE]
             assert self.kv.block_pool.blocks[block].ref_cnt == 1
@@ -97,7 +97,7 @@ class SlidingWindowMachine(RuleBasedStateMachine):
         assert self.kv.fork(parent, child) == []
         self.expected[child] = list(self.expected[parent])
         self.allocated_at[child] = self.allocated_at[parent]
-        assert self.kv.get_block_ids(child) == self.kv.get_block_ids(parent)
+        assert self.kv.get_block_ids(child)[0] == self.kv.get_block_ids(parent)[0]
         return child
 
     @rule(seq=sequences)
@@ -118,10 +118,10 @@ class SlidingWindowMachine(RuleBasedStateMachine):
     @invariant()
     def released_exactly_out_of_window_and_the_window_reads_back(self):
         for seq, tokens in self.expected.items():
-            table = self.kv.get_block_ids(seq)
+            table = self.kv.get_block_ids(seq)[0]
             released = num_out_of_window_blocks(self.allocated_at[seq], self.WINDOW, self.BLOCK_SIZE)
-            assert self.kv.num_released(seq) == released
-            assert all(entry is None for entry in self.kv.tables[seq].entries[:released])
+            assert self.kv.num_released(seq) == [released]
+            assert all(entry is None for entry in self.kv.groups[0].tables[seq].entries[:released])
             assert table[:released] == [NULL_BLOCK_ID] * released
             # The next query (position len) sees keys from len - WINDOW + 1 on.
             window = range(max(0, len(tokens) - self.WINDOW + 1), len(tokens))
@@ -131,7 +131,7 @@ class SlidingWindowMachine(RuleBasedStateMachine):
     @invariant()
     def only_held_entries_own_blocks(self):
         self.kv.check_invariants({seq: len(tokens) for seq, tokens in self.expected.items()}, swapped=())
-        held = {block.block_id for record in self.kv.tables.values() for block in record.entries if block is not None}
+        held = {block.block_id for record in self.kv.groups[0].tables.values() for block in record.entries if block is not None}
         assert len(held) + self.kv.num_free_blocks == NUM_BLOCKS
 
     def teardown(self):
@@ -152,7 +152,7 @@ TestDividingWindow.settings = settings(max_examples=40, stateful_step_count=30, 
 
 
 def test_a_long_sequence_holds_only_its_window():
-    kv = KVCacheManager(num_blocks=8, block_size=4, sliding_window=16)
+    kv = KVCacheManager(num_blocks=8, block_size=4, windows=(16,))
     kv.allocate_slots("a", 0, 3)
     for position in range(3, 400):  # 100 blocks' worth of tokens through an 8-block pool
         assert kv.allocate_slots("a", position, 1) == []
@@ -163,14 +163,14 @@ def test_a_long_sequence_holds_only_its_window():
 
 
 def test_released_blocks_stay_cached_and_a_hit_takes_only_its_window():
-    kv = KVCacheManager(num_blocks=16, block_size=4, sliding_window=6)
+    kv = KVCacheManager(num_blocks=16, block_size=4, windows=(6,))
     prompt = list(range(100, 124))  # 6 full blocks
     first = Request("a", prompt, SamplingParams(), [0], max_tokens=1)
     kv.allocate_slots("a", 0, 20)
     kv.cache_full_blocks(first, 20)
     kv.allocate_slots("a", 20, 4)  # releases blocks 0-2 (positions <= 14): still cached, refcount 0
     kv.cache_full_blocks(first, 24)
-    assert kv.num_released("a") == 3 and kv.num_cached_blocks == 6
+    assert kv.num_released("a") == [3] and kv.num_cached_blocks == 6
     kv.free("a")
     second = Request("b", prompt + [7, 8], SamplingParams(), [0], max_tokens=1)
     hits, num_cached, _ = kv.get_computed_blocks(second)
@@ -178,32 +178,35 @@ def test_released_blocks_stay_cached_and_a_hit_takes_only_its_window():
     free_before = kv.num_free_blocks
     kv.allocate_slots("b", num_cached, 2, hits)
     # Position 24 sees 19..24: blocks 0-3 are out of window, so they were never revived.
-    assert kv.num_released("b") == 4 and kv.get_block_ids("b")[:4] == [NULL_BLOCK_ID] * 4
+    assert kv.num_released("b") == [4] and kv.get_block_ids("b")[0][:4] == [NULL_BLOCK_ID] * 4
     assert kv.num_free_blocks == free_before - 3  # blocks 4, 5 revived, one new for 24-25
     kv.free("b")
-    # A lookup stops at the first block no longer cached.
-    kv.block_pool._evict(hits[2])
+    # A prefix that outgrew the window still hits without the blocks behind its window...
+    kv.block_pool._evict(kv.block_pool.blocks[2])
+    assert kv.get_computed_blocks(second).num_tokens == 24
+    # ...but losing a block the hit point's window reads lowers the hit to where a window is whole.
+    kv.block_pool._evict(hits[0][4])
     hits, num_cached, _ = kv.get_computed_blocks(second)
-    assert num_cached == 8
+    assert num_cached == 8 and hits[0][0] is not None
 
 
 def test_a_swapped_table_keeps_its_released_entries_and_registers_again():
     """A request's table record moves to the swapped tables and back: the
     released count with it, the registered count dropped (the blocks come back
     as fresh copies, registered again by the next ``cache_full_blocks``)."""
-    kv = KVCacheManager(num_blocks=16, block_size=4, num_swap_blocks=8, sliding_window=6)
+    kv = KVCacheManager(num_blocks=16, block_size=4, num_swap_blocks=8, windows=(6,))
     request = Request("a", list(range(100, 124)), SamplingParams(), [0], max_tokens=1)
     kv.allocate_slots("a", 0, 20)
     kv.allocate_slots("a", 20, 4)  # releases entries 0-2
     kv.cache_full_blocks(request, 24)
-    assert (kv.tables["a"].num_released, kv.tables["a"].num_registered) == (3, 6)
+    assert (kv.groups[0].tables["a"].num_released, kv.groups[0].tables["a"].num_registered) == (3, 6)
     assert len(kv.swap_out("a")) == 3
-    assert "a" not in kv.tables and kv.num_released("a") == 3
+    assert "a" not in kv.groups[0].tables and kv.num_released("a") == [3]
     kv.check_invariants({}, swapped={"a"})
     assert len(kv.swap_in("a")) == 3
-    record = kv.tables["a"]
+    record = kv.groups[0].tables["a"]
     assert (record.num_released, record.num_registered) == (3, 0)
-    assert kv.get_block_ids("a")[:3] == [NULL_BLOCK_ID] * 3
+    assert kv.get_block_ids("a")[0][:3] == [NULL_BLOCK_ID] * 3
     kv.cache_full_blocks(request, 24)  # the swapped-out originals are still cached: they stay the cached ones
     assert record.num_registered == 6
     kv.check_invariants({"a": 24}, swapped=())

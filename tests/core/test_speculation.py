@@ -23,7 +23,7 @@ class MirroredRunner:
     """What a runner holds of each sequence, built only from the diffs."""
 
     def __init__(self) -> None:
-        self.tables: dict[str, list[int]] = {}
+        self.tables: dict[str, list[list[int]]] = {}  # per KV cache group
         self.tokens: dict[str, list[int]] = {}
 
     def apply(self, out: SchedulerOutput) -> None:
@@ -31,21 +31,23 @@ class MirroredRunner:
             self.tables.pop(sequence_id, None)
             self.tokens.pop(sequence_id, None)
         for data in out.new_sequences:
-            self.tables[data.sequence_id] = list(data.block_ids)
+            self.tables[data.sequence_id] = [list(table) for table in data.block_ids]
             self.tokens[data.sequence_id] = data.prompt_token_ids + data.output_token_ids
         for s in out.scheduled:
-            table = self.tables[s.sequence_id]
+            tables = self.tables[s.sequence_id]
             if s.truncated_table_length is not None:
-                del table[s.truncated_table_length :]
-            for index, block_id in s.replaced_blocks:
-                table[index] = block_id
-            table.extend(s.new_block_ids)
+                for table in tables:
+                    del table[s.truncated_table_length :]
+            for group, index, block_id in s.replaced_blocks:
+                tables[group][index] = block_id
+            for table, new in zip(tables, s.new_block_ids):
+                table.extend(new)
             self.tokens[s.sequence_id] += s.new_token_ids
 
 
-def make(num_blocks=64, block_size=4, prefix_caching=False, **config):
+def make(num_blocks=64, block_size=4, prefix_caching=False, windows=(None,), **config):
     config.setdefault("max_model_len", 256)
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, windows=windows)
     return Scheduler(SchedulerConfig(num_speculative_tokens=K, **config), kv), kv
 
 
@@ -91,9 +93,9 @@ def test_drafts_ride_in_the_span_and_a_rejection_frees_the_tail():
     (s,) = out.scheduled
     # The last known token then 3 drafts: positions 7..10 need a third block.
     assert (s.num_computed_tokens, s.num_scheduled_tokens, s.draft_token_ids) == (7, 4, [7, 7, 7])
-    assert free_before - len(s.new_block_ids) == kv.num_free_blocks - 1  # the third block went back
+    assert free_before - len(s.new_block_ids[0]) == kv.num_free_blocks - 1  # the third block went back
     assert req.num_computed_tokens == 8 and req.num_tokens == 9
-    assert len(kv.get_block_ids("a")) == 2
+    assert len(kv.get_block_ids("a")[0]) == 2
     out = step(scheduler, runner, accept=lambda sid, d: len(d))
     assert out.scheduled[0].truncated_table_length == 2  # the runner hears of the cut
     assert runner.tables["a"] == kv.get_block_ids("a")
@@ -145,7 +147,7 @@ def test_blocks_holding_drafts_are_never_cached():
     scheduler.add_request(request("a", [1, 2, 3]))
     step(scheduler, runner, accept=lambda sid, d: 0)
     step(scheduler, runner, accept=lambda sid, d: 0)  # positions 3..6 written: block 1 full of drafts
-    blocks = kv.tables["a"].entries
+    blocks = kv.groups[0].tables["a"].entries
     assert blocks[0].block_hash is not None and len(blocks) == 1
 
 
@@ -164,10 +166,15 @@ def test_a_preempted_sequence_drops_its_drafts():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(0, 10_000), st.booleans(), st.integers(6, 24))
-def test_random_acceptance_keeps_every_table_consistent(seed, prefix_caching, num_blocks):
+@given(st.integers(0, 10_000), st.booleans(), st.integers(6, 24), st.sampled_from([(None,), (None, 6, 6)]))
+def test_random_acceptance_keeps_every_table_consistent(seed, prefix_caching, num_blocks, windows):
+    """The runner's mirrored tables (every group's, one or a hybrid layout:
+    released entries, copies on write, cuts) follow the manager's through
+    random drafts and acceptances."""
     rng = random.Random(seed)
-    scheduler, kv = make(num_blocks=num_blocks, prefix_caching=prefix_caching, max_num_batched_tokens=12)
+    # A step takes a block in every group: the pool grows with them, so the same requests fit.
+    scheduler, kv = make(num_blocks=num_blocks * len(windows), prefix_caching=prefix_caching,
+                         max_num_batched_tokens=12, windows=windows)
     runner = MirroredRunner()
     shared = [rng.randrange(1, 50) for _ in range(5)]
     for i in range(4):

@@ -150,7 +150,7 @@ def test_beam_group_is_the_policy_of_its_beams():
     assert scheduler.num_seats_in_use == 2
     assert group.running == pytest.approx({"r": -0.1, "r::beam1": -0.7})
     assert scheduler.requests["r::beam1"].output_token_ids == [8]
-    assert kv.get_block_ids("r")[0] == kv.get_block_ids("r::beam1")[0]  # the prompt's full block is shared
+    assert kv.get_block_ids("r")[0][0] == kv.get_block_ids("r::beam1")[0][0]  # the prompt's full block is shared
     while not group.done:
         fake_step(scheduler)
     assert not scheduler.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks

@@ -93,7 +93,7 @@ def test_prefix_cache_hit_reads_the_same_bytes_a_recompute_writes(tiny_llama):
         engine = llm.llm_engine
         engine.add_request("probe", prompts[0], SamplingParams(temperature=0, max_tokens=2))
         engine.step()  # the cached engine finds the prefix; the fresh one computes it
-        probe_blocks.append(engine.kv_cache_manager.get_block_ids("probe")[:3])
+        probe_blocks.append(engine.kv_cache_manager.get_block_ids("probe")[0][:3])
         while engine.has_unfinished_requests():
             engine.step()
     for cached_layer, fresh_layer in zip(cached.llm_engine.runner.kv_caches, fresh.llm_engine.runner.kv_caches):

@@ -71,13 +71,13 @@ def test_copy_on_write_copies_the_shared_tail_exactly(tiny_llama, kv_cache_dtype
     kv = engine.kv_cache_manager
     engine.add_request("r", long_prompt(20), SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6))
     engine.step()  # prefill, then fork into "r" and "r::1"
-    table = kv.get_block_ids("r")
-    assert kv.get_block_ids("r::1") == table and kv.block_pool.blocks[table[1]].ref_cnt == 2
+    table = kv.get_block_ids("r")[0]
+    assert kv.get_block_ids("r::1")[0] == table and kv.block_pool.blocks[table[1]].ref_cnt == 2
     tail = table[1]
     before = [[t[tail].clone() for t in layer.tensors()] for layer in engine.runner.kv_caches]
     assert len(before[0]) == (4 if kv_cache_dtype == "int8" else 2)
     engine.step()  # both decode: exactly one copy-on-write
-    tables = {rid: kv.get_block_ids(rid) for rid in ("r", "r::1")}
+    tables = {rid: kv.get_block_ids(rid)[0] for rid in ("r", "r::1")}
     assert tables["r"][0] == tables["r::1"][0]  # the full block stays shared
     copy = tables["r"][1] if tables["r"][1] != tail else tables["r::1"][1]
     assert {tables["r"][1], tables["r::1"][1]} == {tail, copy}

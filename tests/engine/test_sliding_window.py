@@ -128,12 +128,16 @@ def test_released_blocks_bound_a_long_generation(sliding_model):
     assert_pool_free(llm)
 
 
-def test_hybrid_model_keeps_every_block(sliding_model):
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "disable-hybrid"])
+def test_a_hybrid_models_sliding_group_keeps_only_its_window(sliding_model, hybrid):
+    """The full-attention group keeps every block and the sliding group only its
+    window; ``disable_hybrid_kv_cache_manager`` makes one group that keeps every block."""
     folder, _ = sliding_model("qwen2-hybrid")
-    llm = LLM(folder, num_kv_blocks=64, block_size=4)
+    llm = LLM(folder, num_kv_blocks=64, block_size=4, disable_hybrid_kv_cache_manager=not hybrid)
     prompt = prompts(llm.get_tokenizer(), [6])[0]
     llm.generate([{"prompt_token_ids": prompt}], greedy(60), use_tqdm=False)
-    assert llm.stats()["peak_blocks_in_use"] == cdiv(len(prompt) + 60 - 1, 4)
+    window_blocks = cdiv(WINDOW, 4) + 1 if hybrid else 0
+    assert llm.stats()["peak_blocks_in_use"] == cdiv(len(prompt) + 60 - 1, 4) + window_blocks
     assert_pool_free(llm)
 
 

@@ -64,7 +64,7 @@ def _pool_bytes(llm: LLM) -> dict[bytes, bytes]:
     cached = dict(engine.kv_cache_manager.block_pool.cached_blocks)
     codec = engine.kv_tiers.runner.host.codec
     payloads = codec.gather(engine.runner.kv_caches, [block.block_id for block in cached.values()])
-    return {block_hash: payload.numpy().tobytes() for block_hash, payload in zip(cached, payloads)}
+    return {block_hash: payload.numpy().tobytes() for (_, block_hash), payload in zip(cached, payloads)}
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ BLOCK_SIZE = 4
 
 
 def new_sequence(sequence_id: str, prompt: list[int], blocks: list[int], outputs: list[int] | None = None):
-    return NewSequenceData(sequence_id, prompt, list(outputs or []), list(blocks), SamplingParams())
+    return NewSequenceData(sequence_id, prompt, list(outputs or []), [list(blocks)], SamplingParams())  # one group
 
 
 def expected_inputs(tokens: list[int], table: list[int], start: int, count: int):
@@ -38,7 +38,7 @@ def test_diffs_and_gather_match_the_full_state():
     batch.add(new_sequence("a", [1, 2, 3, 4, 5], [7, 3]))
     batch.add(new_sequence("b", [9, 8], [5], outputs=[6]))
     batch.apply([ScheduledSequence("a", 5, 1, new_token_ids=[11], new_block_ids=[])])
-    batch.apply([ScheduledSequence("b", 1, 2, replaced_blocks=[(0, 12)])])
+    batch.apply([ScheduledSequence("b", 1, 2, replaced_blocks=[(0, 0, 12)])])
     assert batch.sequences["a"].output_token_ids == [11]
     assert batch.block_ids("b") == [12]
 
@@ -64,7 +64,7 @@ def test_truncation_and_drafts():
     assert arrays.slot_mapping.tolist() == [11 * 4 + 2, 11 * 4 + 3, 12 * 4 + 0]
     # Drafts never join the history: one was accepted (8), the table rolls back to 2 entries
     # and gets a fresh third block.
-    batch.apply([ScheduledSequence("s", 8, 1, new_token_ids=[40, 8], new_block_ids=[20], truncated_table_length=2)])
+    batch.apply([ScheduledSequence("s", 8, 1, new_token_ids=[40, 8], new_block_ids=[[20]], truncated_table_length=2)])
     assert batch.sequences["s"].output_token_ids == [7, 40, 8]
     assert batch.block_ids("s") == [10, 11, 20]
     arrays = gather(batch, [("s", 8, 1)])
@@ -83,7 +83,7 @@ def test_truncation_and_drafts():
 def test_released_rows_are_reused_clean_and_the_batch_grows():
     batch = InputBatch(max_num_seqs=1, max_model_len=4, block_size=BLOCK_SIZE)
     batch.add(new_sequence("a", [1, 2, 3], [5]))
-    batch.apply([ScheduledSequence("a", 3, 1, new_block_ids=[6, 7])])
+    batch.apply([ScheduledSequence("a", 3, 1, new_block_ids=[[6, 7]])])
     batch.release("a")
     batch.add(new_sequence("b", [4], [8]))
     # The reused row carries no entry of a's table past b's own.
@@ -118,12 +118,12 @@ def test_random_diffs_match_a_list_model():
             cut = rng.randint(0, len(table)) if rng.random() < 0.2 else None
             if cut is not None:
                 del table[cut:]
-            replaced = [(i, rng.randrange(1, 99)) for i in range(len(table)) if rng.random() < 0.1]
-            for i, block in replaced:
+            replaced = [(0, i, rng.randrange(1, 99)) for i in range(len(table)) if rng.random() < 0.1]
+            for _, i, block in replaced:
                 table[i] = block
             added = [rng.randrange(1, 99) for _ in range(max(0, -(-len(tokens) // BLOCK_SIZE) - len(table)))]
             table.extend(added)
-            diffs.append(ScheduledSequence(sid, 0, 1, new_token_ids=new, new_block_ids=added,
+            diffs.append(ScheduledSequence(sid, 0, 1, new_token_ids=new, new_block_ids=[added] if added else [],
                                            replaced_blocks=replaced, truncated_table_length=cut))
         batch.apply(diffs)  # one step: every sequence's tokens land in one vectorized write
         spans = [(sid, start, len(tokens) - start)

@@ -72,7 +72,7 @@ def test_plan_keeps_the_committed_block_and_gives_a_decode_its_tail():
     the decode at position 5 writes offset 1 of block 5's new tail and reads it."""
     tails = TailSlots(num_blocks=8, num_slots=2, block_size=4)
     tails.ensure(np.array([3]))
-    sequence = CachedSequence(NewSequenceData("a", [1, 2, 3, 4, 5], [], [3, 5], SamplingParams()), row=0)
+    sequence = CachedSequence(NewSequenceData("a", [1, 2, 3, 4, 5], [], [[3, 5]], SamplingParams()), row=0)
     sequence.num_blocks = 2
     metadata = AttentionMetadata(slot_mapping=torch.tensor([21]), num_decodes=1,
                                  decode_block_tables=torch.tensor([[3, 5]]), decode_context_lens=torch.tensor([6]),
