@@ -1,0 +1,168 @@
+"""The model runner over a hybrid KV layout (``core.kv_groups``): slot caches
+shared by the layers of different groups, one block table per group. Driven by
+hand-built scheduler outputs whose groups take different physical blocks and
+whose sliding groups give back the entries behind their window (the null
+block), it generates what Hugging Face's model does, and what the runner with
+one group of every layer does."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import Gemma3TextConfig
+
+from pagedllm.core.kv_groups import KVGroupLayout, kv_group_layout
+from pagedllm.core.kv_interface import NULL_BLOCK_ID
+from pagedllm.core.scheduler_output import NewSequenceData, SampleRow, ScheduledSequence, SchedulerOutput
+from pagedllm.model.gemma import GemmaForCausalLM
+from pagedllm.model.shapes import sliding_windows_of
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils import cdiv
+from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.runner_spec import RunnerSpec
+from tests.model.test_gemma import tiny_gemma
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 96
+VOCAB = 96
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    """A tiny random Gemma 3 of 12 layers (window 8, 5 local : 1 global): two full layers
+    and ten sliding ones, so six groups of two layers and a block of two slots."""
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                              initializer_range=0.05, num_hidden_layers=12, sliding_window=8,
+                              query_pre_attn_scalar=24)
+    return tiny_gemma(config)
+
+
+def runner_for(hf_model, layout: KVGroupLayout) -> ModelRunner:
+    model = GemmaForCausalLM(hf_model.config)
+    model.load_weights({name: tensor.clone() for name, tensor in hf_model.state_dict().items()})
+    spec = RunnerSpec(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_swap_blocks=0, dtype=torch.float32,
+                      kv_cache_dtype="auto", num_tail_slots=0, max_num_seqs=2, max_model_len=64, cuda_graphs=False,
+                      kv_groups=layout)
+    return ModelRunner(model.eval(), spec, CPU)
+
+
+class HandScheduler:
+    """Per-group tables as the coordinator keeps them: every group takes its own blocks
+    from one shuffled free list (block ids, 0 included, go to any group and come back
+    to the list when released), and a sliding group gives back each entry once no
+    query of the next span can see it, leaving ``NULL_BLOCK_ID`` in its place."""
+
+    def __init__(self, layout: KVGroupLayout, seed: int) -> None:
+        self.windows = layout.windows
+        self.free = list(range(NUM_BLOCKS))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[str, list[list[int]]] = {}
+
+    def grow(self, sid: str, end: int) -> list[list[int]]:
+        """Each group's new entries for a context of ``end`` tokens."""
+        tables = self.tables.setdefault(sid, [[] for _ in self.windows])
+        added = [[self.free.pop() for _ in range(cdiv(end, BLOCK_SIZE) - len(table))] for table in tables]
+        for table, more in zip(tables, added):
+            table.extend(more)
+        return added if added[0] else []
+
+    def release_behind(self, sid: str, first: int) -> list[tuple[int, int, int]]:
+        """(group, index, NULL_BLOCK_ID) of the entries no query from position ``first`` on reads."""
+        released = []
+        for group, (window, table) in enumerate(zip(self.windows, self.tables[sid])):
+            if window is None:
+                continue
+            for index in range(max(0, first - window + 1) // BLOCK_SIZE):
+                if table[index] != NULL_BLOCK_ID:
+                    self.free.append(table[index])
+                    table[index] = NULL_BLOCK_ID
+                    released.append((group, index, NULL_BLOCK_ID))
+        return released
+
+
+def generate(runner: ModelRunner, layout: KVGroupLayout, prompts: dict[str, list[int]], chunk: int,
+             max_tokens: int, seed: int = 0) -> dict[str, tuple[list[int], list[float]]]:
+    """Greedy tokens and their logprobs of every prompt, run together: prompts in
+    chunks of ``chunk`` tokens, then one token a step."""
+    scheduler = HandScheduler(layout, seed)
+    computed = dict.fromkeys(prompts, 0)
+    outputs: dict[str, tuple[list[int], list[float]]] = {sid: ([], []) for sid in prompts}
+    unseen: dict[str, list[int]] = {sid: [] for sid in prompts}  # tokens the runner has not been sent
+    params = SamplingParams(temperature=0.0)
+    while any(len(tokens) < max_tokens for tokens, _ in outputs.values()):
+        step = SchedulerOutput()
+        for sid, prompt in prompts.items():
+            tokens = outputs[sid][0]
+            if len(tokens) == max_tokens:
+                continue
+            known = len(prompt) + len(tokens)
+            start = computed[sid]
+            count = min(chunk, known - start)
+            samples = [SampleRow(sid, 0, len(tokens))] if start + count == known else []
+            if sid not in scheduler.tables:
+                step.new_sequences.append(NewSequenceData(sid, prompt, [], [list(t) for t in scheduler.grow(
+                    sid, start + count)], params))
+                step.scheduled.append(ScheduledSequence(sid, start, count, sample_rows=samples))
+            else:
+                replaced = scheduler.release_behind(sid, start)
+                step.scheduled.append(ScheduledSequence(
+                    sid, start, count, new_token_ids=unseen[sid], new_block_ids=scheduler.grow(sid, start + count),
+                    replaced_blocks=replaced, sample_rows=samples))
+            unseen[sid] = []
+            computed[sid] = start + count
+        result = runner.execute(step)
+        for sid, sampled in result.sampled.items():
+            outputs[sid][0].extend(sampled.token_ids)
+            outputs[sid][1].extend(sampled.logprobs)
+            unseen[sid] = list(sampled.token_ids)
+    return outputs
+
+
+PROMPTS = {"a": [(37 * j + 11) % VOCAB for j in range(19)], "b": [(13 * j + 5) % VOCAB for j in range(30)]}
+
+
+def test_the_gemma3_layout_is_hybrid(gemma3):
+    layout = kv_group_layout(sliding_windows_of(gemma3.config))
+    assert (layout.num_groups, layout.num_slots) == (6, 2)
+    assert layout.groups[0].layers == (5, 11) and layout.windows == (None, 8, 8, 8, 8, 8)
+
+
+def test_hybrid_runner_generates_what_hugging_face_and_one_group_do(gemma3):
+    """Two prompts (one prefilled in chunks past its window) decode 14 tokens each, so
+    every sliding group releases most of its entries; the tokens are HF's greedy ones
+    with its logprobs, and the one-group runner's bit for bit."""
+    windows = sliding_windows_of(gemma3.config)
+    hybrid_layout, one_layout = kv_group_layout(windows), kv_group_layout(windows, hybrid=False)
+    hybrid = runner_for(gemma3, hybrid_layout)
+    assert len(hybrid.kv_caches) == 2 and len(hybrid.layer_caches) == 12
+    # Layer l reads slot slot_of_layer[l]'s tensors through its group's tables.
+    for layer, cache in enumerate(hybrid.layer_caches):
+        assert cache.key is hybrid.kv_caches[hybrid_layout.slot_of_layer[layer]].key
+        assert cache.group == hybrid_layout.group_of_layer[layer]
+    ours = generate(hybrid, hybrid_layout, PROMPTS, chunk=12, max_tokens=14)
+    one_group = generate(runner_for(gemma3, one_layout), one_layout, PROMPTS, chunk=12, max_tokens=14)
+    for sid, prompt in PROMPTS.items():
+        tokens, logprobs = ours[sid]
+        assert tokens == one_group[sid][0]
+        with torch.inference_mode():
+            logits = gemma3(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1].float()
+        assert tokens == logits.argmax(-1).tolist()
+        expected = torch.log_softmax(logits, -1)[torch.arange(len(tokens)), tokens]
+        assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4)
+
+
+def test_one_group_metadata_has_no_views(gemma3):
+    """A one-group runner takes today's path: its layers read the step's metadata itself."""
+    layout = kv_group_layout(sliding_windows_of(gemma3.config), hybrid=False)
+    runner = runner_for(gemma3, layout)
+    assert runner.layer_caches is runner.kv_caches and len(runner.kv_caches) == 12
+    prompt = PROMPTS["a"]
+    step = SchedulerOutput(scheduled=[ScheduledSequence("a", 0, len(prompt))],
+                           new_sequences=[NewSequenceData("a", prompt, [], [list(range(1, 6))], SamplingParams())])
+    runner._update_sequences(step)
+    metadata = runner._prepare(step).metadata
+    assert metadata.group_views is None and metadata.for_cache(runner.layer_caches[3]) is metadata
