@@ -286,6 +286,8 @@ def test_a_hybrid_pool_holds_num_layers_over_num_slots_times_the_blocks():
     dict(cache=CacheConfig(kv_cache_memory=GIB // 64, kv_cache_dtype="int8")),
     dict(speculative_config={"model": "/a/draft", "num_speculative_tokens": 2}),
     dict(lora=LoRAConfig(enable_lora=True)),
+    dict(cache=CacheConfig(kv_cache_memory=GIB // 64, kv_layout="contiguous")),
+    dict(cache=CacheConfig(kv_cache_memory=GIB // 64, kv_offload_host_bytes=GIB // 64)),
 ])
 def test_what_a_hybrid_layout_does_not_run_is_refused_naming_the_escape_hatch(engine_options):
     config = EngineConfig(**{"cache": CacheConfig(kv_cache_memory=GIB // 64), **engine_options})
