@@ -88,6 +88,7 @@ class InputBatch:
 
     def add(self, data: NewSequenceData) -> CachedSequence:
         """Learn a sequence (new, resumed after a preemption, or a fresh fork)."""
+        self._check_groups(data.block_ids)
         if data.sequence_id in self.sequences:
             self.release(data.sequence_id)
         if not self._free_rows:
@@ -117,6 +118,8 @@ class InputBatch:
         for scheduled in step:
             if scheduled.truncated_table_length is not None or scheduled.draft_token_ids:
                 self._check(scheduled)
+            if scheduled.new_block_ids:
+                self._check_groups(scheduled.new_block_ids)
         rows: list[int] = []
         positions: list[int] = []
         tokens: list[int] = []
@@ -166,11 +169,13 @@ class InputBatch:
         if num_tokens > self.token_ids.shape[1]:
             self._grow(tokens=num_tokens)
 
+    def _check_groups(self, block_ids: list[list[int]]) -> None:
+        """One list of block ids per group (numpy would broadcast one list over every group's table)."""
+        if len(block_ids) != self.num_groups:
+            raise ValueError(f"block ids of {len(block_ids)} groups for a batch of {self.num_groups}")
+
     def _append_blocks(self, sequence: CachedSequence, block_ids: list[list[int]]) -> None:
         """Extend every group's table by its list (one per group, of one length)."""
-        if len(block_ids) != self.num_groups:
-            # numpy would broadcast one list over every group's table: refuse it instead.
-            raise ValueError(f"block ids of {len(block_ids)} groups for a batch of {self.num_groups}")
         end = sequence.num_blocks + len(block_ids[0])
         if end > self.block_table.shape[2]:
             self._grow(blocks=end)

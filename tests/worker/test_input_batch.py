@@ -162,3 +162,8 @@ def test_block_ids_must_name_every_group():
     batch = InputBatch(max_num_seqs=1, max_model_len=8, block_size=BLOCK_SIZE, num_groups=2)
     with pytest.raises(ValueError, match="1 groups for a batch of 2"):
         batch.add(new_sequence("s", [1, 2], [5]))
+    assert not batch.sequences  # refused before anything changed
+    batch.add(new_sequence("s", [1, 2], [[5], [6]]))
+    with pytest.raises(ValueError, match="1 groups for a batch of 2"):
+        batch.apply([ScheduledSequence("s", 2, 1, new_token_ids=[3, 4, 5], new_block_ids=[[7]])])
+    assert batch.sequences["s"].output_token_ids == [] and batch.block_ids("s", 1) == [6]
