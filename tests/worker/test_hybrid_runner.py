@@ -41,10 +41,10 @@ def gemma3():
     return tiny_gemma(config)
 
 
-def runner_for(hf_model, layout: KVGroupLayout) -> ModelRunner:
+def runner_for(hf_model, layout: KVGroupLayout, num_swap_blocks: int = 0) -> ModelRunner:
     model = GemmaForCausalLM(hf_model.config)
     model.load_weights({name: tensor.clone() for name, tensor in hf_model.state_dict().items()})
-    spec = RunnerSpec(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_swap_blocks=0, dtype=torch.float32,
+    spec = RunnerSpec(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_swap_blocks=num_swap_blocks, dtype=torch.float32,
                       kv_cache_dtype="auto", num_tail_slots=0, max_num_seqs=2, max_model_len=64, cuda_graphs=False,
                       kv_groups=layout)
     return ModelRunner(model.eval(), spec, CPU)
@@ -166,3 +166,23 @@ def test_one_group_metadata_has_no_views(gemma3):
     runner._update_sequences(step)
     metadata = runner._prepare(step).metadata
     assert metadata.group_views is None and metadata.for_cache(runner.layer_caches[3]) is metadata
+
+
+def test_block_moves_move_every_slot_cache_once(gemma3):
+    """Copies and swaps name physical blocks: each moves row b of every slot cache, and
+    the host swap pool mirrors the slot caches, not the layers that alias them."""
+    layout = kv_group_layout(sliding_windows_of(gemma3.config))
+    runner = runner_for(gemma3, layout, num_swap_blocks=4)
+    assert len(runner.swap_pool.caches) == layout.num_slots
+    torch.manual_seed(0)
+    for cache in runner.kv_caches:
+        for tensor in cache.tensors():
+            tensor.normal_()
+    before = [[tensor.clone() for tensor in cache.tensors()] for cache in runner.kv_caches]
+    # Block 3 goes out to host block 1 and comes back as block 9; block 5 is copied to 7.
+    runner.execute(SchedulerOutput(swap_out=[(3, 1)], block_copies=[(5, 7)], swap_in=[(1, 9)]))
+    for cache, tensors in zip(runner.kv_caches, before):
+        for tensor, old in zip(cache.tensors(), tensors):
+            assert torch.equal(tensor[9], old[3]) and torch.equal(tensor[7], old[5])
+            untouched = [b for b in range(NUM_BLOCKS) if b not in (7, 9)]
+            assert torch.equal(tensor[untouched], old[untouched])
