@@ -83,18 +83,36 @@ class HandScheduler:
                     released.append((group, index, NULL_BLOCK_ID))
         return released
 
+    def hit(self, sid: str, cached: str, num_tokens: int) -> None:
+        """``sid`` takes the first ``num_tokens`` tokens' blocks of ``cached`` (a prefix
+        hit of whole blocks), each group its own: a sliding group only those inside the
+        window of the first token computed, its earlier entries null; ``cached`` is gone."""
+        tables = self.tables.pop(cached)
+        num_blocks = num_tokens // BLOCK_SIZE
+        self.tables[sid] = []
+        for window, table in zip(self.windows, tables):
+            outside = 0 if window is None else max(0, num_tokens - window + 1) // BLOCK_SIZE
+            kept = [NULL_BLOCK_ID] * outside + table[outside:num_blocks]
+            self.free += [block for block in table[:outside] + table[num_blocks:] if block != NULL_BLOCK_ID]
+            self.tables[sid].append(kept)
+
 
 def generate(runner: ModelRunner, layout: KVGroupLayout, prompts: dict[str, list[int]], chunk: int,
-             max_tokens: int, seed: int = 0) -> dict[str, tuple[list[int], list[float]]]:
+             max_tokens: int, seed: int = 0, scheduler: HandScheduler | None = None,
+             computed: dict[str, int] | None = None,
+             released: list[str] = ()) -> dict[str, tuple[list[int], list[float]]]:
     """Greedy tokens and their logprobs of every prompt, run together: prompts in
-    chunks of ``chunk`` tokens, then one token a step."""
-    scheduler = HandScheduler(layout, seed)
-    computed = dict.fromkeys(prompts, 0)
+    chunks of ``chunk`` tokens, then one token a step. ``computed``: tokens of a prompt
+    already in the pool (a prefix hit ``scheduler`` holds); ``released``: sequences
+    the first step releases."""
+    scheduler = scheduler or HandScheduler(layout, seed)
+    computed = {sid: 0 for sid in prompts} | (computed or {})
     outputs: dict[str, tuple[list[int], list[float]]] = {sid: ([], []) for sid in prompts}
     unseen: dict[str, list[int]] = {sid: [] for sid in prompts}  # tokens the runner has not been sent
+    sent: set[str] = set()
     params = SamplingParams(temperature=0.0)
     while any(len(tokens) < max_tokens for tokens, _ in outputs.values()):
-        step = SchedulerOutput()
+        step = SchedulerOutput(released_sequence_ids=[] if sent else list(released))
         for sid, prompt in prompts.items():
             tokens = outputs[sid][0]
             if len(tokens) == max_tokens:
@@ -103,10 +121,12 @@ def generate(runner: ModelRunner, layout: KVGroupLayout, prompts: dict[str, list
             start = computed[sid]
             count = min(chunk, known - start)
             samples = [SampleRow(sid, 0, len(tokens))] if start + count == known else []
-            if sid not in scheduler.tables:
-                step.new_sequences.append(NewSequenceData(sid, prompt, [], [list(t) for t in scheduler.grow(
-                    sid, start + count)], params))
+            if sid not in sent:
+                scheduler.grow(sid, start + count)
+                step.new_sequences.append(NewSequenceData(sid, prompt, [], [list(t) for t in scheduler.tables[sid]],
+                                                          params))
                 step.scheduled.append(ScheduledSequence(sid, start, count, sample_rows=samples))
+                sent.add(sid)
             else:
                 replaced = scheduler.release_behind(sid, start)
                 step.scheduled.append(ScheduledSequence(
@@ -186,3 +206,24 @@ def test_block_moves_move_every_slot_cache_once(gemma3):
             assert torch.equal(tensor[9], old[3]) and torch.equal(tensor[7], old[5])
             untouched = [b for b in range(NUM_BLOCKS) if b not in (7, 9)]
             assert torch.equal(tensor[untouched], old[untouched])
+
+
+def test_a_prefix_hit_with_null_entries_behind_the_window(gemma3):
+    """A sequence admitted on another's cached prefix of 28 tokens: the full group's table
+    is the prefix's blocks, each sliding group's holds only the blocks inside the window of
+    token 28 (null before); computing from token 28 on gives HF's greedy tokens."""
+    layout = kv_group_layout(sliding_windows_of(gemma3.config))
+    runner = runner_for(gemma3, layout)
+    scheduler = HandScheduler(layout, seed=1)
+    prefix = PROMPTS["b"]
+    generate(runner, layout, {"a": prefix}, chunk=32, max_tokens=1, scheduler=scheduler)
+    scheduler.hit("b", "a", 28)
+    assert [table.count(NULL_BLOCK_ID) for table in scheduler.tables["b"]][1:] == [5] * 5
+    prompt = prefix + [(7 * j + 3) % VOCAB for j in range(9)]
+    tokens, logprobs = generate(runner, layout, {"b": prompt}, chunk=32, max_tokens=8, scheduler=scheduler,
+                                computed={"b": 28}, released=["a"])["b"]
+    with torch.inference_mode():
+        logits = gemma3(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1].float()
+    assert tokens == logits.argmax(-1).tolist()
+    expected = torch.log_softmax(logits, -1)[torch.arange(len(tokens)), tokens]
+    assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4)
