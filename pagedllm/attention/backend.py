@@ -51,6 +51,16 @@ class AttentionMetadata:
     tail_write_rows: torch.Tensor | None = None
     tail_write_slots: torch.Tensor | None = None
     decode_tail_slots: torch.Tensor | None = None
+    # A hybrid KV layout (``core.kv_groups``, more than one group): view g holds
+    # group g's slot_mapping, decode_block_tables and spans' block tables, and
+    # shares everything else with this metadata (view 0 is this metadata). None:
+    # one group, every layer reads this metadata.
+    group_views: list[AttentionMetadata] | None = None
+
+    def for_cache(self, kv_cache: LayerKVCache) -> AttentionMetadata:
+        """The metadata ``kv_cache``'s layer reads: its group's view (itself with one group)."""
+        views = self.group_views
+        return self if views is None else views[kv_cache.group]
 
     def reads_tails(self, kv_cache: LayerKVCache) -> bool:
         """Whether this step applies the tail reading rule to ``kv_cache`` (a

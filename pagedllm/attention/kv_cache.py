@@ -85,6 +85,10 @@ class LayerKVCache:
     # dtype, rotated; indexed by tail slot, not block (not in ``tensors()``).
     tail_key: torch.Tensor | None = None
     tail_value: torch.Tensor | None = None
+    # The KV cache group whose block tables this layer reads (``core.kv_groups``;
+    # ``AttentionMetadata.for_cache``). Layers of different groups may share one
+    # slot cache's tensors: they never use the same block at the same time.
+    group: int = 0
 
     @property
     def quantized(self) -> bool:

@@ -129,7 +129,8 @@ class LLMEngine:
         self.bytes_per_token = self.pool_plan.bytes_per_token
         self.executor = self._start_tensor_parallel()
         self.eos_token_ids = eos_token_ids_of(self.tokenizer, self.model_config, config, self.model_path)
-        self.runner_spec = RunnerSpec.from_plan(self.pool_plan, config, self.scheduler_config)
+        self.runner_spec = RunnerSpec.from_plan(self.pool_plan, config, self.scheduler_config,
+                                               self.model.config.num_hidden_layers)
         if self.executor is not None:
             self.executor.send_runner_spec(self.runner_spec)
         return RunnerPlan(self.runner_spec, self.eos_token_ids, speculative_config=config.speculative,

@@ -74,8 +74,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:  # None: a SmolLM3 "NoPE" layer, which attends without positions
             q, k = self.rotary(positions, q, k, metadata)
-        out = backend.forward(q, k, v, kv_cache, metadata, self.scale, sliding_window=self.sliding_window,
-                              logits_soft_cap=self.logits_soft_cap)
+        # A hybrid KV layout: this layer reads its own group's block tables.
+        out = backend.forward(q, k, v, kv_cache, metadata.for_cache(kv_cache), self.scale,
+                              sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
 
 

@@ -2,31 +2,49 @@
 
 Shared by the model runner and a speculative draft model: both keep a pool
 indexed by the same block ids, so both must perform every copy and swap.
+
+Safety rule (hybrid KV layouts, ``core.kv_groups``): the pool is ``num_slots``
+slot caches, and the model's per-layer list (``layer_caches``) aliases them.
+Every mover here, the swap pool, the tiers' codec, LoRA pages and pretouch
+work on the slot caches only: moving an alias would move its slot twice.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from pagedllm.attention.kv_cache import LayerKVCache, allocate_layer
+from pagedllm.core.kv_groups import KVGroupLayout
 from pagedllm.model.base import CausalLM
 from pagedllm.model.shapes import head_dim_of
 from pagedllm.worker.swap import HostSwapPool
 
 
 def allocate_caches(model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                    kv_cache_dtype: str, device: torch.device, num_tail_slots: int = 0) -> list[LayerKVCache]:
-    """One block-major layer cache per layer of ``model`` (its share of KV
-    heads under tensor parallelism): one block of one layer is one slab; with
-    ``num_tail_slots`` (int8), each layer's full-precision tails."""
+                    kv_cache_dtype: str, device: torch.device, num_tail_slots: int = 0,
+                    num_slots: int | None = None) -> list[LayerKVCache]:
+    """One block-major slot cache per slot of a block (``num_slots``; None: one
+    per layer of ``model``), each with ``model``'s share of KV heads under tensor
+    parallelism: one block of one slot is one slab; with ``num_tail_slots``
+    (int8), each slot's full-precision tails."""
     config = model.config
     return [
         allocate_layer(num_blocks, block_size, model.num_kv_heads, head_dim_of(config), dtype, kv_cache_dtype, device,
                        num_tail_slots)
-        for _ in range(config.num_hidden_layers)
+        for _ in range(config.num_hidden_layers if num_slots is None else num_slots)
     ]
+
+
+def layer_caches(slot_caches: list[LayerKVCache], layout: KVGroupLayout) -> list[LayerKVCache]:
+    """The model's per-layer caches: layer ``l`` shares the tensors of slot cache
+    ``slot_of_layer[l]`` and reads the tables of group ``group_of_layer[l]``.
+    With one group it is ``slot_caches`` itself (slot ``l`` is layer ``l``)."""
+    if not layout.is_hybrid:
+        return slot_caches
+    return [replace(slot_caches[slot], group=group)
+            for slot, group in zip(layout.slot_of_layer, layout.group_of_layer)]
 
 
 def pretouch_pool(kv_caches: list[LayerKVCache], swap_pool: HostSwapPool) -> None:

@@ -45,10 +45,15 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-def why_no_graphs(model: CausalLM, device: torch.device, attention: TorchPagedAttention) -> str | None:
-    """Why decode steps of this model cannot be captured here (None: they can)."""
+def why_no_graphs(model: CausalLM, device: torch.device, attention: TorchPagedAttention,
+                  num_kv_groups: int = 1) -> str | None:
+    """Why decode steps of this model cannot be captured here (None: they can);
+    ``num_kv_groups``: the KV cache groups of its layout (``core.kv_groups``)."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {device.type}"
+    if num_kv_groups > 1:
+        return (f"a hybrid KV cache layout's {num_kv_groups} groups each read their own block tables, "
+                "which the captured decode step does not carry")
     if attention.decode_kernel is None:
         return ("CUDA graphs need the paged decode kernel (Triton, a power-of-two block size, an auto pool or "
                 "int8 without full-precision tails)")

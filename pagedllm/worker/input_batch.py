@@ -1,7 +1,10 @@
 """The persistent input batch: what the runner holds of every live sequence.
 
 Each sequence the scheduler has sent owns one row of preallocated host arrays
-(token ids, block table, their lengths) for as long as the runner holds it.
+(token ids, block tables, their lengths) for as long as the runner holds it.
+A hybrid KV layout (``core.kv_groups``) gives a sequence one block table per
+group, all of one length (entries aligned by logical block index): the tables
+are ``block_table[group, row]``, and each step's slots are gathered per group.
 A step applies the scheduler's diffs to those rows (tokens appended, blocks
 added, replaced or truncated) and then gathers the step's inputs (token ids,
 positions, slots, decode block tables) from them with a few vectorized
@@ -56,21 +59,28 @@ class StepArrays:
 
     input_ids: np.ndarray  # [num_tokens] int64
     positions: np.ndarray  # [num_tokens] int64
-    slot_mapping: np.ndarray  # [num_tokens] int64
+    slot_mappings: np.ndarray  # [num_groups, num_tokens] int64: each token's slot in each group's blocks
     last_rows: np.ndarray  # [num_spans]: index of each span's last token
     context_lens: np.ndarray  # [num_spans]: tokens in each span's context after this step
     num_blocks: np.ndarray  # [num_spans]: table entries each span's context covers
+
+    @property
+    def slot_mapping(self) -> np.ndarray:
+        """[num_tokens]: group 0's slots (every layer's with one group)."""
+        return self.slot_mappings[0]
 
 
 class InputBatch:
     """Rows of token ids and block tables, one per live sequence (see the module doc)."""
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
-        if max_num_seqs < 1 or max_model_len < 1 or block_size < 1:
-            raise ValueError("max_num_seqs, max_model_len and block_size must be >= 1")
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, num_groups: int = 1) -> None:
+        if max_num_seqs < 1 or max_model_len < 1 or block_size < 1 or num_groups < 1:
+            raise ValueError("max_num_seqs, max_model_len, block_size and num_groups must be >= 1")
         self.block_size = block_size
+        self.num_groups = num_groups
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)
-        self.block_table = np.zeros((max_num_seqs, cdiv(max_model_len, block_size)), dtype=np.int64)
+        # [group, row, entry]: each group's table of each row.
+        self.block_table = np.zeros((num_groups, max_num_seqs, cdiv(max_model_len, block_size)), dtype=np.int64)
         self.sequences: dict[str, CachedSequence] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))  # popped from the end: low rows first
 
@@ -78,6 +88,7 @@ class InputBatch:
 
     def add(self, data: NewSequenceData) -> CachedSequence:
         """Learn a sequence (new, resumed after a preemption, or a fresh fork)."""
+        self._check_groups(data.block_ids)
         if data.sequence_id in self.sequences:
             self.release(data.sequence_id)
         if not self._free_rows:
@@ -87,14 +98,14 @@ class InputBatch:
         self._reserve_tokens(sequence.num_tokens)
         self.token_ids[sequence.row, : len(data.prompt_token_ids)] = data.prompt_token_ids
         self.token_ids[sequence.row, len(data.prompt_token_ids) : sequence.num_tokens] = data.output_token_ids
-        self._append_blocks(sequence, data.block_ids[0])  # group 0 only: one KV cache group runs here
+        self._append_blocks(sequence, data.block_ids)
         return sequence
 
     def release(self, sequence_id: str) -> None:
         """Forget a sequence (unknown ids are ignored: it may never have run)."""
         sequence = self.sequences.pop(sequence_id, None)
         if sequence is not None:
-            self.block_table[sequence.row, : sequence.num_blocks] = 0
+            self.block_table[:, sequence.row, : sequence.num_blocks] = 0
             self._free_rows.append(sequence.row)
 
     def apply(self, step: list[ScheduledSequence]) -> None:
@@ -102,10 +113,13 @@ class InputBatch:
         (speculative rollback), append new tokens, replace and extend table
         entries, write drafts past the known tokens. The step's tokens are
         written in one vectorized assignment. A truncation or drafts that do
-        not fit a sequence raise ``ValueError`` before anything changes."""
+        not fit a sequence raise ``ValueError`` before anything changes.
+        Truncations apply to every group's table, replacements name their group."""
         for scheduled in step:
             if scheduled.truncated_table_length is not None or scheduled.draft_token_ids:
                 self._check(scheduled)
+            if scheduled.new_block_ids:
+                self._check_groups(scheduled.new_block_ids)
         rows: list[int] = []
         positions: list[int] = []
         tokens: list[int] = []
@@ -120,13 +134,12 @@ class InputBatch:
                 sequence.num_tokens += len(new)
             length = scheduled.truncated_table_length
             if length is not None:
-                self.block_table[sequence.row, length : sequence.num_blocks] = 0
+                self.block_table[:, sequence.row, length : sequence.num_blocks] = 0
                 sequence.num_blocks = length
             for group, index, block_id in scheduled.replaced_blocks:
-                if group == 0:
-                    self.block_table[sequence.row, index] = block_id
+                self.block_table[group, sequence.row, index] = block_id
             if scheduled.new_block_ids:
-                self._append_blocks(sequence, scheduled.new_block_ids[0])
+                self._append_blocks(sequence, scheduled.new_block_ids)
             if scheduled.draft_token_ids:
                 rows += [sequence.row] * len(scheduled.draft_token_ids)
                 positions += range(sequence.num_tokens, sequence.num_tokens + len(scheduled.draft_token_ids))
@@ -156,34 +169,41 @@ class InputBatch:
         if num_tokens > self.token_ids.shape[1]:
             self._grow(tokens=num_tokens)
 
-    def _append_blocks(self, sequence: CachedSequence, block_ids: list[int]) -> None:
-        end = sequence.num_blocks + len(block_ids)
-        if end > self.block_table.shape[1]:
+    def _check_groups(self, block_ids: list[list[int]]) -> None:
+        """One list of block ids per group (numpy would broadcast one list over every group's table)."""
+        if len(block_ids) != self.num_groups:
+            raise ValueError(f"block ids of {len(block_ids)} groups for a batch of {self.num_groups}")
+
+    def _append_blocks(self, sequence: CachedSequence, block_ids: list[list[int]]) -> None:
+        """Extend every group's table by its list (one per group, of one length)."""
+        end = sequence.num_blocks + len(block_ids[0])
+        if end > self.block_table.shape[2]:
             self._grow(blocks=end)
-        self.block_table[sequence.row, sequence.num_blocks : end] = block_ids
+        self.block_table[:, sequence.row, sequence.num_blocks : end] = block_ids
         sequence.num_blocks = end
 
     def _grow(self, rows: int = 0, tokens: int = 0, blocks: int = 0) -> None:
         """Reallocate to at least these sizes (doubling, so growth is rare)."""
         old_rows, old_tokens = self.token_ids.shape
-        old_blocks = self.block_table.shape[1]
+        old_blocks = self.block_table.shape[2]
         new_rows = max(rows, old_rows)
         new_tokens = max(tokens, 2 * old_tokens) if tokens > old_tokens else old_tokens
         new_blocks = max(blocks, 2 * old_blocks) if blocks > old_blocks else old_blocks
         self.token_ids = _resized(self.token_ids, new_rows, new_tokens)
-        self.block_table = _resized(self.block_table, new_rows, new_blocks)
+        self.block_table = _resized(self.block_table, self.num_groups, new_rows, new_blocks)
         self._free_rows[:0] = range(new_rows - 1, old_rows - 1, -1)
 
     # ------------------------------------------------------------ the step
 
-    def block_ids(self, sequence_id: str) -> list[int]:
-        """A held sequence's block table."""
+    def block_ids(self, sequence_id: str, group: int = 0) -> list[int]:
+        """A held sequence's block table of ``group``."""
         sequence = self.sequences[sequence_id]
-        return self.block_table[sequence.row, : sequence.num_blocks].tolist()
+        return self.block_table[group, sequence.row, : sequence.num_blocks].tolist()
 
     def gather(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> StepArrays:
         """The inputs of spans ``[starts[i], starts[i] + counts[i])`` of ``rows[i]``,
-        back to back (drafts included: they sit right after the known tokens)."""
+        back to back (drafts included: they sit right after the known tokens);
+        each token's slot in every group."""
         ends = starts + counts
         last_rows = np.cumsum(counts) - 1
         span_of_token = np.repeat(np.arange(len(rows)), counts)
@@ -191,21 +211,21 @@ class InputBatch:
         offsets = np.arange(int(counts.sum())) - np.repeat(last_rows + 1 - counts, counts)
         positions = starts[span_of_token] + offsets
         token_rows = rows[span_of_token]
-        blocks = self.block_table[token_rows, positions // self.block_size]
+        blocks = self.block_table[:, token_rows, positions // self.block_size]
         return StepArrays(
             input_ids=self.token_ids[token_rows, positions].astype(np.int64),
             positions=positions,
-            slot_mapping=blocks * self.block_size + positions % self.block_size,
+            slot_mappings=blocks * self.block_size + positions % self.block_size,
             last_rows=last_rows,
             context_lens=ends,
             num_blocks=-(-ends // self.block_size),
         )
 
-    def decode_tables(self, rows: np.ndarray, width: int) -> np.ndarray:
-        """The first ``width`` table entries of each row (0 past a row's table)."""
-        if width > self.block_table.shape[1]:
+    def decode_tables(self, rows: np.ndarray, width: int, group: int = 0) -> np.ndarray:
+        """The first ``width`` entries of each row's table of ``group`` (0 past a row's table)."""
+        if width > self.block_table.shape[2]:
             self._grow(blocks=width)
-        return self.block_table[rows, :width]
+        return self.block_table[group, rows, :width]
 
 
 def _resized(array: np.ndarray, *shape: int) -> np.ndarray:

@@ -7,6 +7,11 @@ free after the weights are loaded (CPU or GPU), and on CUDA
 peak activations of the largest step, and the pool) stays within that fraction
 of the GPU's total memory. The peak is measured by running one dummy step of
 the largest size the scheduler may build before the pool exists.
+
+A hybrid KV layout (``core.kv_groups``) keeps ``num_slots`` layers' K/V per
+block, not every layer's: each group's table has its own blocks, so the same
+bytes hold ``num_layers / num_slots`` times the blocks, and a token of a group
+costs only that group's layers.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
 from pagedllm.attention.kv_cache import allocate_layer, kv_bytes_per_token_per_kv_head
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.config.engine import CacheConfig, EngineConfig, SchedulerConfig, torch_dtype
+from pagedllm.core.kv_groups import KVGroupLayout, kv_group_layout
 from pagedllm.model.base import CausalLM
 from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
 from pagedllm.utils import cdiv
@@ -50,6 +56,9 @@ class PoolPlan:
     # int8: full-precision tails of still-filling blocks (``pagedllm.worker.tail_slots``).
     num_tail_slots: int = 0
     tail_bytes_per_slot: int = 0
+    # The KV cache groups the pool serves (``core.kv_groups``); a block (and the
+    # bytes per token above) holds ``kv_groups.num_slots`` layers. None: one group.
+    kv_groups: KVGroupLayout | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -105,7 +114,16 @@ class PoolPlan:
             line += (f"; that is rank 0, with {self.num_kv_heads} of {self.total_num_kv_heads} KV heads; "
                      f"all {self.tensor_parallel_size} ranks together: {self.total_bytes_per_token} bytes/token, "
                      f"{_mib(tokens * self.total_bytes_per_token)}")
-        return line + self._other_bytes()
+        return line + self._groups() + self._other_bytes()
+
+    def _groups(self) -> str:
+        """A hybrid layout's groups: what a pool token holds and what a token costs in each group."""
+        groups = self.kv_groups
+        if groups is None or not groups.is_hybrid:
+            return ""
+        per_layer = self.bytes_per_token // groups.num_slots
+        return (f"; a block holds {groups.num_slots} of the model's {groups.num_layers} layers, in "
+                f"{groups.num_groups} KV cache groups: {groups.describe(per_layer)}")
 
     def _other_bytes(self) -> str:
         """The capacity line's tail: tails, draft pool, swap space, their sum."""
@@ -139,12 +157,44 @@ def _mib(num_bytes: int | float) -> str:
 
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto",
-                       num_kv_heads: int | None = None) -> int:
-    """K and V, every layer, every KV head (scales included): the pool's cost of
-    one token; with ``num_kv_heads``, of one rank holding that many KV heads."""
+                       num_kv_heads: int | None = None, num_layers: int | None = None) -> int:
+    """K and V, every layer (``num_layers`` of them: a hybrid pool's slots), every
+    KV head (scales included): the pool's cost of one token; with ``num_kv_heads``,
+    of one rank holding that many KV heads."""
     num_kv_heads = num_kv_heads or num_kv_heads_of(config)
     per_head = kv_bytes_per_token_per_kv_head(head_dim_of(config), dtype, kv_cache_dtype)
-    return config.num_hidden_layers * num_kv_heads * per_head
+    return (config.num_hidden_layers if num_layers is None else num_layers) * num_kv_heads * per_head
+
+
+def kv_groups_of(scheduler_config: SchedulerConfig, num_layers: int) -> KVGroupLayout:
+    """The scheduler's KV cache groups; without any (``kv_groups`` None), one
+    full-attention group of the model's ``num_layers`` layers."""
+    return scheduler_config.kv_groups or kv_group_layout([None] * num_layers)
+
+
+def check_hybrid_layout(config: EngineConfig, groups: KVGroupLayout) -> None:
+    """``ValueError`` for what does not run with a hybrid layout (more than one
+    group) yet: each names the way back to one group."""
+    if not groups.is_hybrid:
+        return
+    refused = []
+    if config.cache.kv_cache_dtype == "int8":
+        refused.append("kv_cache_dtype='int8' (its per-layer full-precision tails would be shared by the layers "
+                       "of different groups)")
+    if config.speculative is not None and config.speculative.method == "draft_model":
+        refused.append("a speculative draft_model (its pool follows one block table per sequence)")
+    if config.cache.kv_layout == "contiguous":
+        refused.append("kv_layout='contiguous' (one reservation per request, not a table per group)")
+    if config.kv_offload.enabled:
+        refused.append("the KV offload tiers (their blocks would hold only some groups' layers)")
+    if config.lora.enable_lora:
+        refused.append("enable_lora (an adapter page holds every layer's weights, and a hybrid block has a slot "
+                       "for a group's layers only)")
+    if refused:
+        raise ValueError(f"this model's KV cache is split into {groups.num_groups} groups "
+                         f"({'; '.join(group.describe() for group in groups.groups)}), which does not support "
+                         f"{'; '.join(refused)}: pass --disable-hybrid-kv-cache-manager "
+                         "(disable_hybrid_kv_cache_manager=True) to keep every layer's blocks in one group")
 
 
 def num_tail_slots_for(max_num_seqs: int, block_size: int, num_speculative_tokens: int) -> int:
@@ -181,13 +231,17 @@ def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: Schedu
     """
     cache = config.cache
     dtype = torch_dtype(config.dtype)
+    groups = kv_groups_of(scheduler_config, model.config.num_hidden_layers)
+    check_hybrid_layout(config, groups)
     if config.tensor_parallel_size > 1 and device.type == "cuda" and cache.num_kv_blocks is None \
             and cache.kv_cache_memory is None:
         raise ValueError("with tensor_parallel_size > 1 on GPUs, size the pool with kv_cache_memory "
                          "(bytes per rank) or num_kv_blocks")
     # Per rank (rank 0 holds the most KV heads when they do not split evenly):
     # the budget is per rank, and every rank has the same number of blocks.
-    bytes_per_token = kv_bytes_per_token(model.config, dtype, cache.kv_cache_dtype, model.num_kv_heads)
+    # A block holds num_slots layers (every layer with one group).
+    slots = groups.num_slots
+    bytes_per_token = kv_bytes_per_token(model.config, dtype, cache.kv_cache_dtype, model.num_kv_heads, slots)
     draft_bytes_per_token = 0 if draft_model is None else kv_bytes_per_token(draft_model.config, dtype,
                                                                              cache.kv_cache_dtype)
     bytes_per_block = (bytes_per_token + draft_bytes_per_token) * cache.block_size
@@ -202,9 +256,9 @@ def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: Schedu
         block_size=cache.block_size,
         num_swap_blocks=num_swap_blocks,
         bytes_per_token=bytes_per_token,
-        total_bytes_per_token=kv_bytes_per_token(model.config, dtype, cache.kv_cache_dtype),
+        total_bytes_per_token=kv_bytes_per_token(model.config, dtype, cache.kv_cache_dtype, num_layers=slots),
         # What the same memory would hold unquantized: the start-up line reports the gain.
-        unquantized_bytes_per_token=kv_bytes_per_token(model.config, dtype, "auto", model.num_kv_heads),
+        unquantized_bytes_per_token=kv_bytes_per_token(model.config, dtype, "auto", model.num_kv_heads, slots),
         num_kv_heads=model.num_kv_heads,
         total_num_kv_heads=num_kv_heads_of(model.config),
         tensor_parallel_size=config.tensor_parallel_size,
@@ -214,6 +268,7 @@ def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: Schedu
         draft_bytes_per_token=draft_bytes_per_token,
         num_tail_slots=num_tail_slots,
         tail_bytes_per_slot=tail_bytes_per_slot,
+        kv_groups=groups if groups.is_hybrid else None,
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -23,9 +23,9 @@ from pagedllm.logger import init_logger
 from pagedllm.lora.page_layout import page_elems_of
 from pagedllm.model.base import CausalLM
 from pagedllm.config.speculative import SpeculativeConfig
-from pagedllm.worker.block_moves import allocate_caches, move_blocks, move_tails
+from pagedllm.worker.block_moves import allocate_caches, layer_caches, move_blocks, move_tails
 from pagedllm.worker.cuda_graphs import DecodeGraphs, why_no_graphs
-from pagedllm.worker.input_batch import CachedSequence, InputBatch
+from pagedllm.worker.input_batch import CachedSequence, InputBatch, StepArrays
 from pagedllm.worker.lora_adapters import RunnerAdapters
 from pagedllm.worker.runner_spec import RunnerSpec
 from pagedllm.worker.sampler import Sampler
@@ -74,20 +74,27 @@ class ModelRunner:
         ``draft_model`` config). ``spec.cuda_graphs`` captures decode steps
         where the device and model allow (``pagedllm.worker.cuda_graphs``);
         ``spec.num_tail_slots`` > 0 (int8 pools) keeps still-filling blocks also
-        in full precision (``pagedllm.worker.tail_slots``)."""
+        in full precision (``pagedllm.worker.tail_slots``). ``spec.kv_groups``:
+        ``kv_caches`` are its ``num_slots`` slot caches, what every block move
+        works on; the model reads ``layer_caches``, one per layer, aliasing them
+        (``block_moves``' safety rule)."""
         self.model = model
         self.broadcast_step = broadcast_step
         self.block_size = block_size = spec.block_size
         self.device = device
         self.attention = attention_backend_for(device, block_size, spec.kv_cache_dtype, tails=spec.num_tail_slots > 0,
                                                dtype=spec.dtype)
-        no_graphs = why_no_graphs(model, device, self.attention) if spec.cuda_graphs else "enforce_eager"
+        groups = spec.kv_groups
+        self.num_kv_groups = groups.num_groups
+        no_graphs = why_no_graphs(model, device, self.attention, groups.num_groups) if spec.cuda_graphs \
+            else "enforce_eager"
         if spec.cuda_graphs and no_graphs and device.type == "cuda":  # CPU users never asked for graphs
             logger.info("Decode steps run eagerly: %s", no_graphs)
         # With graphs, one block past the scheduler's pool takes the padded rows' writes.
         num_blocks = spec.num_blocks + (not no_graphs)
         self.kv_caches = allocate_caches(model, num_blocks, block_size, spec.dtype, spec.kv_cache_dtype, device,
-                                         spec.num_tail_slots)
+                                         spec.num_tail_slots, groups.num_slots)
+        self.layer_caches = layer_caches(self.kv_caches, groups)
         self.tail_slots = TailSlots(num_blocks, spec.num_tail_slots, block_size) if spec.num_tail_slots else None
         self.swap_pool = HostSwapPool(spec.num_swap_blocks, self.kv_caches)
         # Values of the model's dtype one LoRA page holds: the one place the page size is
@@ -101,7 +108,7 @@ class ModelRunner:
                 spec.num_swap_blocks, speculative_config.num_speculative_tokens,
             )
             self.speculator = Speculator(speculative_config, list(eos_token_ids), draft)
-        self.batch = InputBatch(spec.max_num_seqs, spec.max_model_len, block_size)
+        self.batch = InputBatch(spec.max_num_seqs, spec.max_model_len, block_size, groups.num_groups)
         # Sequence id -> what the sampler reads of it (prompt, outputs, params) and its batch row.
         self.sequences: dict[str, CachedSequence] = self.batch.sequences
         self.decode_graphs = None if no_graphs else self._capture_graphs(spec.max_num_seqs, spec.max_model_len,
@@ -161,7 +168,8 @@ class ModelRunner:
                           tier_moves=scheduler_output.tier_moves if self.tiers is not None else None)
         if self.tail_slots is not None:
             tokens = None if batch is None else StepTokens(batch.host_positions, batch.host_slots, batch.metadata)
-            step.tail_moves = self.tail_slots.plan(scheduler_output, self.sequences, self.batch.block_table, tokens,
+            # int8 tails run with one group only (``memory.check_hybrid_layout``).
+            step.tail_moves = self.tail_slots.plan(scheduler_output, self.sequences, self.batch.block_table[0], tokens,
                                                    self.device)
         if batch is not None:
             step.input_ids, step.positions, step.metadata = batch.input_ids, batch.positions, batch.metadata
@@ -210,7 +218,7 @@ class ModelRunner:
             return None
         if self.decode_graphs is not None and self.decode_graphs.fits(step.input_ids.shape[0], step.metadata):
             return self.decode_graphs.run(step.input_ids, step.positions, step.metadata)
-        return self.model(step.input_ids, step.positions, self.kv_caches, step.metadata, self.attention)
+        return self.model(step.input_ids, step.positions, self.layer_caches, step.metadata, self.attention)
 
     def _prepare(self, scheduler_output: SchedulerOutput) -> _Batch:
         """Gather the step's inputs from the persistent batch. Decode rows come
@@ -218,7 +226,8 @@ class ModelRunner:
         (decodes, one-token prompt tails) and the spans of draft tokens, one
         row per token with the context up to it (the pool holds the whole
         span's K/V before any row reads, so row j sees the drafts before it).
-        Prefill chunks go through the prefill path."""
+        Prefill chunks go through the prefill path. With more than one KV cache
+        group, the metadata carries each group's view (``AttentionMetadata.for_cache``)."""
         def is_decode(s: ScheduledSequence) -> bool:
             return s.num_scheduled_tokens == 1 or bool(s.draft_token_ids)
 
@@ -234,22 +243,20 @@ class ModelRunner:
         decode_context_lens = arrays.positions[:num_decodes] + 1
         width = -(-int(decode_context_lens.max(initial=0)) // self.block_size)
         decode_rows = np.repeat(rows[:num_decode_spans], counts[:num_decode_spans])
-        prefills = [
-            PrefillSpan(
-                query_start=int(arrays.last_rows[i] - counts[i] + 1),
-                query_len=int(counts[i]),
-                context_len=int(arrays.context_lens[i]),
-                block_table=self._tensor(self.batch.block_table[rows[i], : arrays.num_blocks[i]].copy()),
-            )
-            for i in range(num_decode_spans, len(order))
-        ]
         metadata = AttentionMetadata(
             slot_mapping=self._tensor(arrays.slot_mapping),
             num_decodes=num_decodes,
             decode_block_tables=self._tensor(self.batch.decode_tables(decode_rows, width)),
             decode_context_lens=self._tensor(decode_context_lens),
-            prefills=prefills,
+            prefills=self._prefill_spans(arrays, rows, counts, num_decode_spans),
         )
+        if self.num_kv_groups > 1:
+            metadata.group_views = [metadata] + [
+                replace(metadata, slot_mapping=self._tensor(arrays.slot_mappings[group]),
+                        decode_block_tables=self._tensor(self.batch.decode_tables(decode_rows, width, group)),
+                        prefills=self._prefill_spans(arrays, rows, counts, num_decode_spans, group))
+                for group in range(1, self.num_kv_groups)
+            ]
         return _Batch(
             input_ids=self._tensor(arrays.input_ids),
             positions=self._tensor(arrays.positions),
@@ -259,6 +266,19 @@ class ModelRunner:
             host_positions=arrays.positions,
             host_slots=arrays.slot_mapping,
         )
+
+    def _prefill_spans(self, arrays: StepArrays, rows: np.ndarray, counts: np.ndarray, first: int,
+                       group: int = 0) -> list[PrefillSpan]:
+        """Spans ``first..`` of the step (the prefill chunks), reading ``group``'s tables."""
+        return [
+            PrefillSpan(
+                query_start=int(arrays.last_rows[i] - counts[i] + 1),
+                query_len=int(counts[i]),
+                context_len=int(arrays.context_lens[i]),
+                block_table=self._tensor(self.batch.block_table[group, rows[i], : arrays.num_blocks[i]].copy()),
+            )
+            for i in range(first, len(rows))
+        ]
 
     def _adapter_runs(self, batch: _Batch) -> list[tuple[int, int, str | None]]:
         """Each scheduled sequence's rows and its adapter, in row order."""

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.config.engine import EngineConfig, SchedulerConfig, torch_dtype
-from pagedllm.worker.memory import PoolPlan
+from pagedllm.core.kv_groups import KVGroupLayout
+from pagedllm.worker.memory import PoolPlan, kv_groups_of
 
 
 @dataclass(frozen=True)
@@ -29,12 +30,17 @@ class RunnerSpec:
     max_num_seqs: int  # the persistent input batch's rows and the largest CUDA graph (the batch grows past them)
     max_model_len: int
     cuda_graphs: bool  # capture decode steps where the device and model allow (off: ``enforce_eager``)
+    # The KV cache groups (``core.kv_groups``): the runner keeps ``num_slots`` slot
+    # caches and one block table per group; one group of every layer without the hybrid manager.
+    kv_groups: KVGroupLayout
     max_lora_rank: int = 0  # LoRA adapters' largest rank (0: LoRA off)
 
     @classmethod
-    def from_plan(cls, plan: PoolPlan, config: EngineConfig, scheduler_config: SchedulerConfig) -> RunnerSpec:
-        """The spec of rank 0's ``plan`` (``plan_kv_pool``) for ``config``,
-        with ``scheduler_config`` resolved against the model (its ``max_model_len``)."""
+    def from_plan(cls, plan: PoolPlan, config: EngineConfig, scheduler_config: SchedulerConfig,
+                  num_layers: int) -> RunnerSpec:
+        """The spec of rank 0's ``plan`` (``plan_kv_pool``) for ``config``, with
+        ``scheduler_config`` resolved against the model (its ``max_model_len``, its
+        KV cache groups) of ``num_layers`` layers."""
         return cls(
             num_blocks=plan.num_blocks,
             block_size=plan.block_size,
@@ -48,5 +54,6 @@ class RunnerSpec:
             # which needs every rank capturing together: those steps run eagerly.
             # LoRA steps carry per-row adapter work a captured graph would not see.
             cuda_graphs=not config.enforce_eager and config.tensor_parallel_size == 1 and not config.lora.enable_lora,
+            kv_groups=kv_groups_of(scheduler_config, num_layers),
             max_lora_rank=config.lora.max_lora_rank if config.lora.enable_lora else 0,
         )

@@ -15,8 +15,11 @@ from pagedllm.worker.input_batch import InputBatch
 BLOCK_SIZE = 4
 
 
-def new_sequence(sequence_id: str, prompt: list[int], blocks: list[int], outputs: list[int] | None = None):
-    return NewSequenceData(sequence_id, prompt, list(outputs or []), [list(blocks)], SamplingParams())  # one group
+def new_sequence(sequence_id: str, prompt: list[int], blocks: list[int] | list[list[int]],
+                 outputs: list[int] | None = None):
+    """``blocks``: one group's table, or each group's (lists)."""
+    tables = [list(table) for table in blocks] if blocks and isinstance(blocks[0], list) else [list(blocks)]
+    return NewSequenceData(sequence_id, prompt, list(outputs or []), tables, SamplingParams())
 
 
 def expected_inputs(tokens: list[int], table: list[int], start: int, count: int):
@@ -94,46 +97,73 @@ def test_released_rows_are_reused_clean_and_the_batch_grows():
     assert batch.block_ids("b") == [8] and batch.block_ids("c") == [1, 2, 3]
 
 
-def test_random_diffs_match_a_list_model():
-    """Free-running: random appends, block growth, replacements, truncations
-    and releases, checked against plain lists after every step."""
-    rng = random.Random(0)
-    batch = InputBatch(max_num_seqs=2, max_model_len=8, block_size=BLOCK_SIZE)
-    model: dict[str, tuple[list[int], list[int]]] = {}
+@pytest.mark.parametrize("num_groups", [1, 3])
+def test_random_diffs_match_a_list_model(num_groups):
+    """Free-running: random appends, block growth, replacements (of one group's
+    entry, some by the null block as a window releases it), truncations and
+    releases, checked against plain lists of every group's table after every step."""
+    rng = random.Random(num_groups)
+    batch = InputBatch(max_num_seqs=2, max_model_len=8, block_size=BLOCK_SIZE, num_groups=num_groups)
+    model: dict[str, tuple[list[int], list[list[int]]]] = {}
+
+    def blocks(count: int) -> list[list[int]]:
+        return [[rng.randrange(0, 99) for _ in range(count)] for _ in range(num_groups)]
+
     for step in range(300):
         if len(model) < 5 and rng.random() < 0.3:
             sid = f"s{step}"
             tokens = [rng.randrange(1000) for _ in range(rng.randint(1, 9))]
-            table = [rng.randrange(1, 99) for _ in range(-(-len(tokens) // BLOCK_SIZE))]
-            model[sid] = (tokens, table)
-            batch.add(new_sequence(sid, list(tokens), list(table)))
+            tables = blocks(-(-len(tokens) // BLOCK_SIZE))
+            model[sid] = (tokens, tables)
+            batch.add(new_sequence(sid, list(tokens), tables))
         elif model and rng.random() < 0.1:
             sid = rng.choice(sorted(model))
             del model[sid]
             batch.release(sid)
         diffs = []
-        for sid, (tokens, table) in sorted(model.items()):
+        for sid, (tokens, tables) in sorted(model.items()):
             new = [rng.randrange(1000) for _ in range(rng.randint(0, 2))]
             tokens.extend(new)
-            cut = rng.randint(0, len(table)) if rng.random() < 0.2 else None
+            cut = rng.randint(0, len(tables[0])) if rng.random() < 0.2 else None
             if cut is not None:
-                del table[cut:]
-            replaced = [(0, i, rng.randrange(1, 99)) for i in range(len(table)) if rng.random() < 0.1]
-            for _, i, block in replaced:
-                table[i] = block
-            added = [rng.randrange(1, 99) for _ in range(max(0, -(-len(tokens) // BLOCK_SIZE) - len(table)))]
-            table.extend(added)
-            diffs.append(ScheduledSequence(sid, 0, 1, new_token_ids=new, new_block_ids=[added] if added else [],
+                for table in tables:
+                    del table[cut:]
+            replaced = [(g, i, rng.randrange(0, 99)) for g in range(num_groups) for i in range(len(tables[g]))
+                        if rng.random() < 0.1]
+            for g, i, block in replaced:
+                tables[g][i] = block
+            added = blocks(max(0, -(-len(tokens) // BLOCK_SIZE) - len(tables[0])))
+            for table, more in zip(tables, added):
+                table.extend(more)
+            diffs.append(ScheduledSequence(sid, 0, 1, new_token_ids=new, new_block_ids=added if added[0] else [],
                                            replaced_blocks=replaced, truncated_table_length=cut))
         batch.apply(diffs)  # one step: every sequence's tokens land in one vectorized write
         spans = [(sid, start, len(tokens) - start)
                  for sid, (tokens, _) in sorted(model.items()) for start in [rng.randrange(len(tokens))]]
         arrays = gather(batch, spans) if spans else None
-        expected = [expected_inputs(model[sid][0], model[sid][1], start, count) for sid, start, count in spans]
-        for sid, (tokens, table) in model.items():
-            assert batch.block_ids(sid) == table
+        for sid, (tokens, tables) in model.items():
+            assert [batch.block_ids(sid, g) for g in range(num_groups)] == tables
             assert batch.sequences[sid].output_token_ids == tokens[len(batch.sequences[sid].prompt_token_ids):]
-        if arrays is not None:
+        if arrays is None:
+            continue
+        for g in range(num_groups):
+            expected = [expected_inputs(model[sid][0], model[sid][1][g], start, count) for sid, start, count in spans]
             assert arrays.input_ids.tolist() == [t for ids, _, _ in expected for t in ids]
             assert arrays.positions.tolist() == [p for _, positions, _ in expected for p in positions]
-            assert arrays.slot_mapping.tolist() == [s for _, _, slots in expected for s in slots]
+            assert arrays.slot_mappings[g].tolist() == [s for _, _, slots in expected for s in slots]
+        rows = np.array([batch.sequences[sid].row for sid, _, _ in spans])
+        for g in range(num_groups):
+            assert batch.decode_tables(rows, 3, g).tolist() == [
+                (model[sid][1][g] + [0, 0, 0])[:3] for sid, _, _ in spans]
+
+
+def test_block_ids_must_name_every_group():
+    """One group's list for a batch of two would be broadcast over both tables: refused."""
+    batch = InputBatch(max_num_seqs=1, max_model_len=8, block_size=BLOCK_SIZE, num_groups=2)
+    with pytest.raises(ValueError, match="1 groups for a batch of 2"):
+        batch.add(new_sequence("s", [1, 2], [5]))
+    assert not batch.sequences  # refused before anything changed
+    batch.add(new_sequence("s", [1, 2], [[5], [6]]))
+    with pytest.raises(ValueError, match="1 groups for a batch of 2"):
+        batch.apply([ScheduledSequence("s", 2, 1, new_token_ids=[3, 4, 5], new_block_ids=[[7]])])
+    assert batch.sequences["s"].output_token_ids == [] and batch.block_ids("s", 1) == [6]

@@ -12,6 +12,8 @@ from pagedllm import LLM
 from pagedllm.attention.kv_cache import allocate_layer
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.config.engine import CacheConfig, EngineConfig, SchedulerConfig
+from pagedllm.config.lora import LoRAConfig
+from pagedllm.core.kv_groups import KVGroupLayout, kv_group_layout
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.shapes import head_dim_of
@@ -249,3 +251,48 @@ def test_dummy_step_writes_every_token_into_its_throwaway_pool(tiny_llama, monke
             # Tokens 32-39 are the last block's: the tail's first 8 positions.
             written = layer.tail_key.view(16, -1).abs().sum(-1) > 0
             assert written[:8].all() and not written[8:].any()
+
+
+# The tiny Llama's 2 layers as a hybrid layout: layer 0 slides (window 8), layer 1 attends fully,
+# so two groups of one layer each and a block holds one layer's K/V.
+HYBRID = kv_group_layout([8, None])
+
+
+def hybrid_plan(groups: KVGroupLayout | None = HYBRID, **engine_options) -> memory.PoolPlan:
+    config = EngineConfig(cache=CacheConfig(kv_cache_memory=GIB // 64), **engine_options)
+    return plan_kv_pool(config, tiny_model(), SchedulerConfig(max_model_len=64, kv_groups=groups), CPU)
+
+
+def test_a_hybrid_pool_holds_num_layers_over_num_slots_times_the_blocks():
+    """A block holds num_slots layers' K/V, so the same bytes buy num_layers / num_slots
+    times the blocks; the start-up line keeps its start and states the groups."""
+    one_group, hybrid = hybrid_plan(None), hybrid_plan()
+    assert (HYBRID.num_groups, HYBRID.num_slots) == (2, 1)
+    assert hybrid.num_blocks == 2 * one_group.num_blocks
+    assert hybrid.bytes_per_token == one_group.bytes_per_token // 2 == TINY_FP32_BYTES_PER_TOKEN // 2
+    assert hybrid.pool_bytes == one_group.pool_bytes
+    per_layer = TINY_FP32_BYTES_PER_TOKEN // 2
+    assert hybrid.capacity_line() == (
+        f"KV cache: {hybrid.num_blocks} blocks x 16 tokens = {hybrid.num_tokens} tokens ({per_layer} bytes/token, "
+        f"{hybrid.pool_bytes / 2**20:.1f} MiB, float32) on cpu; a block holds 1 of the model's 2 layers, in 2 KV "
+        f"cache groups: group 0 (full attention, layers 1): {per_layer} B/token; "
+        f"group 1 (sliding window 8, layers 0): {per_layer} B/token for its last 8 tokens"
+    )
+    # One group of every layer (the layout without the hybrid manager) plans as without groups.
+    assert hybrid_plan(kv_group_layout([8, None], hybrid=False)) == one_group
+
+
+@pytest.mark.parametrize("engine_options", [
+    dict(cache=CacheConfig(kv_cache_memory=GIB // 64, kv_cache_dtype="int8")),
+    dict(speculative_config={"model": "/a/draft", "num_speculative_tokens": 2}),
+    dict(lora=LoRAConfig(enable_lora=True)),
+    dict(cache=CacheConfig(kv_cache_memory=GIB // 64, kv_layout="contiguous")),
+    dict(cache=CacheConfig(kv_cache_memory=GIB // 64, kv_offload_host_bytes=GIB // 64)),
+])
+def test_what_a_hybrid_layout_does_not_run_is_refused_naming_the_escape_hatch(engine_options):
+    config = EngineConfig(**{"cache": CacheConfig(kv_cache_memory=GIB // 64), **engine_options})
+    with pytest.raises(ValueError, match="split into 2 groups.*--disable-hybrid-kv-cache-manager"):
+        plan_kv_pool(config, tiny_model(), SchedulerConfig(max_model_len=64, kv_groups=HYBRID), CPU)
+    # One group runs it as before.
+    one_group = SchedulerConfig(max_model_len=64, kv_groups=kv_group_layout([8, None], hybrid=False))
+    assert plan_kv_pool(config, tiny_model(), one_group, CPU).num_blocks > 0
