@@ -18,6 +18,7 @@ from pagedllm.config.kv_events import KVEventsConfig
 from pagedllm.config.lora import LoRAConfig
 from pagedllm.config.kv_offload import KVOffloadConfig
 from pagedllm.config.speculative import SpeculativeConfig
+from pagedllm.config.hybrid_kv import refuse_what_hybrid_groups_cannot_run
 from pagedllm.core.kv_groups import KVGroupLayout, kv_group_layout
 
 if TYPE_CHECKING:
@@ -300,6 +301,8 @@ class EngineConfig:
             batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
         kv_groups = kv_group_layout(layer_windows, hybrid=not self.cache.disable_hybrid_kv_cache_manager) \
             if layer_windows else None
+        if kv_groups is not None and kv_groups.is_hybrid:
+            refuse_what_hybrid_groups_cannot_run(self, kv_groups)
         return SchedulerConfig(
             max_model_len=max_model_len,
             max_num_seqs=self.max_num_seqs,

@@ -25,9 +25,6 @@ from pagedllm.core.table_invariants import check_paged_tables
 from pagedllm.core.tier_index import TierCounters, TierIndex, TierMoves
 from pagedllm.utils import cdiv, check_block_size
 
-HYBRID_FLAG = "--disable-hybrid-kv-cache-manager"
-
-
 class KVCacheManager:
     """Allocates blocks on demand in every KV cache group and frees them when a
     request ends (implements ``KVCacheManagerProtocol``).
@@ -65,8 +62,8 @@ class KVCacheManager:
         if not windows:
             raise ValueError("the KV cache manager needs at least one KV cache group")
         if tiers is not None and len(windows) > 1:
-            raise ValueError("KV offload tiers keep the blocks of one full-attention KV cache group: with a model "
-                             f"that mixes full and sliding-window layers, pass {HYBRID_FLAG}")
+            raise ValueError(f"KV offload tiers keep the blocks of one full-attention KV cache group, not {len(windows)} "
+                             "(the engine config refuses tiers with a hybrid layout: EngineConfig.scheduler_config)")
         if tiers is not None and (windows[0] is not None or not enable_prefix_caching):
             raise ValueError("KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching and a "
                              "model without a sliding window")

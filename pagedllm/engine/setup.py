@@ -11,7 +11,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from pagedllm.config.engine import CacheConfig, EngineConfig, SchedulerConfig, sampling_overrides
 from pagedllm.core.adapter_pages import AdapterPager
 from pagedllm.core.contiguous import ContiguousKVCacheManager
-from pagedllm.core.kv_cache_manager import HYBRID_FLAG, KVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_interface import KVCacheManagerProtocol
 from pagedllm.engine.kv_channels import KVChannels
 from pagedllm.logger import init_logger
@@ -29,9 +29,6 @@ def create_kv_cache_manager(cache: CacheConfig, plan: PoolPlan, scheduler_config
     contiguous baseline (one group only)."""
     num_blocks, block_size = plan.num_blocks, plan.block_size
     groups = scheduler_config.kv_groups
-    if cache.kv_layout == "contiguous" and groups is not None and groups.is_hybrid:
-        raise ValueError("kv_layout='contiguous' keeps one table of every layer: with a model that mixes full and "
-                         f"sliding-window layers, pass {HYBRID_FLAG}")
     if cache.kv_layout == "contiguous":
         reservation = cache.contiguous_reservation
         tokens = {"max_model_len": scheduler_config.max_model_len, "request": None}.get(reservation, reservation)

@@ -172,31 +172,6 @@ def kv_groups_of(scheduler_config: SchedulerConfig, num_layers: int) -> KVGroupL
     return scheduler_config.kv_groups or kv_group_layout([None] * num_layers)
 
 
-def check_hybrid_layout(config: EngineConfig, groups: KVGroupLayout) -> None:
-    """``ValueError`` for what does not run with a hybrid layout (more than one
-    group) yet: each names the way back to one group."""
-    if not groups.is_hybrid:
-        return
-    refused = []
-    if config.cache.kv_cache_dtype == "int8":
-        refused.append("kv_cache_dtype='int8' (its per-layer full-precision tails would be shared by the layers "
-                       "of different groups)")
-    if config.speculative is not None and config.speculative.method == "draft_model":
-        refused.append("a speculative draft_model (its pool follows one block table per sequence)")
-    if config.cache.kv_layout == "contiguous":
-        refused.append("kv_layout='contiguous' (one reservation per request, not a table per group)")
-    if config.kv_offload.enabled:
-        refused.append("the KV offload tiers (their blocks would hold only some groups' layers)")
-    if config.lora.enable_lora:
-        refused.append("enable_lora (an adapter page holds every layer's weights, and a hybrid block has a slot "
-                       "for a group's layers only)")
-    if refused:
-        raise ValueError(f"this model's KV cache is split into {groups.num_groups} groups "
-                         f"({'; '.join(group.describe() for group in groups.groups)}), which does not support "
-                         f"{'; '.join(refused)}: pass --disable-hybrid-kv-cache-manager "
-                         "(disable_hybrid_kv_cache_manager=True) to keep every layer's blocks in one group")
-
-
 def num_tail_slots_for(max_num_seqs: int, block_size: int, num_speculative_tokens: int) -> int:
     """Tail slots for int8 pools: one per sequence for the block it is filling,
     plus those one step's draft tokens can reach past it. A prefill chunk that
@@ -232,11 +207,6 @@ def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: Schedu
     cache = config.cache
     dtype = torch_dtype(config.dtype)
     groups = kv_groups_of(scheduler_config, model.config.num_hidden_layers)
-    check_hybrid_layout(config, groups)
-    if config.tensor_parallel_size > 1 and device.type == "cuda" and cache.num_kv_blocks is None \
-            and cache.kv_cache_memory is None:
-        raise ValueError("with tensor_parallel_size > 1 on GPUs, size the pool with kv_cache_memory "
-                         "(bytes per rank) or num_kv_blocks")
     # Per rank (rank 0 holds the most KV heads when they do not split evenly):
     # the budget is per rank, and every rank has the same number of blocks.
     # A block holds num_slots layers (every layer with one group).
@@ -315,6 +285,9 @@ def _kv_budget_bytes(config: EngineConfig, model: CausalLM, scheduler_config: Sc
     cache = config.cache
     if cache.kv_cache_memory is not None:
         return cache.kv_cache_memory
+    if config.tensor_parallel_size > 1 and device.type == "cuda":
+        raise ValueError("with tensor_parallel_size > 1 on GPUs, size the pool with kv_cache_memory "
+                         "(bytes per rank) or num_kv_blocks")
     if cache.kv_cache_fraction is not None:
         return int(available_memory_bytes(device) * cache.kv_cache_fraction)
     if device.type == "cuda":

@@ -39,6 +39,16 @@ from pagedllm.worker.tail_slots import StepTokens, TailSlots
 logger = init_logger(__name__)
 
 
+def _speculator(spec: RunnerSpec, device: torch.device, config: SpeculativeConfig, eos_token_ids: list[int],
+                draft_model: CausalLM | None) -> Speculator:
+    """The driver's drafter and verifier; a ``draft_model`` keeps its own pool over the same block ids."""
+    draft = None if draft_model is None else DraftModel(
+        draft_model, spec.num_blocks, spec.block_size, spec.dtype, spec.kv_cache_dtype, device,
+        spec.num_swap_blocks, config.num_speculative_tokens,
+    )
+    return Speculator(config, eos_token_ids, draft)
+
+
 @dataclass
 class _Batch:
     """The flattened inputs of one forward pass."""
@@ -101,13 +111,8 @@ class ModelRunner:
         # read off the pool (the adapters' page-ins, the registry's admission and bench use it).
         self.adapter_page_elems = page_elems_of(self.kv_caches[0].key, spec.dtype)
         self.sampler = Sampler(list(eos_token_ids))
-        self.speculator = None
-        if speculative_config is not None:
-            draft = None if draft_model is None else DraftModel(
-                draft_model, spec.num_blocks, block_size, spec.dtype, spec.kv_cache_dtype, device,
-                spec.num_swap_blocks, speculative_config.num_speculative_tokens,
-            )
-            self.speculator = Speculator(speculative_config, list(eos_token_ids), draft)
+        self.speculator = None if speculative_config is None else _speculator(
+            spec, device, speculative_config, list(eos_token_ids), draft_model)
         self.batch = InputBatch(spec.max_num_seqs, spec.max_model_len, block_size, groups.num_groups)
         # Sequence id -> what the sampler reads of it (prompt, outputs, params) and its batch row.
         self.sequences: dict[str, CachedSequence] = self.batch.sequences
@@ -168,7 +173,7 @@ class ModelRunner:
                           tier_moves=scheduler_output.tier_moves if self.tiers is not None else None)
         if self.tail_slots is not None:
             tokens = None if batch is None else StepTokens(batch.host_positions, batch.host_slots, batch.metadata)
-            # int8 tails run with one group only (``memory.check_hybrid_layout``).
+            # int8 tails run with one group only (``config.hybrid_kv``).
             step.tail_moves = self.tail_slots.plan(scheduler_output, self.sequences, self.batch.block_table[0], tokens,
                                                    self.device)
         if batch is not None:

@@ -239,7 +239,7 @@ def test_pool_snapshot_names_each_blocks_group():
 
 
 def test_hybrid_layouts_refuse_the_offload_tiers():
-    with pytest.raises(ValueError, match="--disable-hybrid-kv-cache-manager"):
+    with pytest.raises(ValueError, match="one full-attention KV cache group, not 3"):
         manager(tiers=object())
 
 

@@ -3,10 +3,13 @@ table, in equal-size groups of one pool, and what a request holds in them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pagedllm.config.cache import CacheConfig
 from pagedllm.config.engine import EngineConfig
+from pagedllm.config.lora import LoRAConfig
 from pagedllm.core.kv_groups import KVGroupLayout, KVGroupSpec, kv_group_layout
 
 GEMMA3 = [512 if (layer + 1) % 6 else None for layer in range(18)]  # 5 local layers of every 6
@@ -72,3 +75,20 @@ def test_a_layout_must_cover_every_layer_once():
         KVGroupLayout((KVGroupSpec("full", (0, 2)),), 3)
     with pytest.raises(ValueError, match="window"):
         KVGroupSpec("full", (0,), 8)
+
+
+@pytest.mark.parametrize("engine_options", [
+    dict(cache=CacheConfig(kv_cache_dtype="int8")),
+    dict(speculative_config={"model": "/a/draft", "num_speculative_tokens": 2}),
+    dict(lora=LoRAConfig(enable_lora=True)),
+    dict(cache=CacheConfig(kv_layout="contiguous")),
+    dict(cache=CacheConfig(kv_offload_host_bytes=2**26)),
+])
+def test_what_a_hybrid_layout_does_not_run_is_refused_naming_the_escape_hatch(engine_options):
+    config = EngineConfig(**engine_options)
+    with pytest.raises(ValueError, match="split into 2 groups.*--disable-hybrid-kv-cache-manager"):
+        config.scheduler_config(64, [8, None])
+    # One group runs it as before; so does a model whose layers all attend alike.
+    one_group = replace(config, cache=replace(config.cache, disable_hybrid_kv_cache_manager=True))
+    assert not one_group.scheduler_config(64, [8, None]).kv_groups.is_hybrid
+    assert config.scheduler_config(64, [None, None]).kv_groups.num_groups == 1

@@ -67,19 +67,3 @@ def test_contiguous_refuses_forks(tiny_llama):
     with pytest.raises(ValueError, match="kv_layout='paged'"):
         llm.generate("hi", SamplingParams(n=2), use_tqdm=False)
     assert_pool_free(llm)
-
-
-def test_contiguous_refuses_a_hybrid_layout():
-    """One contiguous run per request holds one table: a model whose layers form
-    several KV cache groups must run paged, or with the hybrid manager off."""
-    from types import SimpleNamespace
-
-    from pagedllm.config.cache import CacheConfig
-    from pagedllm.config.engine import SchedulerConfig
-    from pagedllm.core.kv_groups import kv_group_layout
-    from pagedllm.engine.setup import create_kv_cache_manager
-
-    hybrid = SchedulerConfig(max_model_len=64, kv_groups=kv_group_layout([8, None]))
-    with pytest.raises(ValueError, match="--disable-hybrid-kv-cache-manager"):
-        create_kv_cache_manager(CacheConfig(kv_layout="contiguous"), SimpleNamespace(num_blocks=8, block_size=4),
-                                hybrid, channels=None)

@@ -280,19 +280,3 @@ def test_a_hybrid_pool_holds_num_layers_over_num_slots_times_the_blocks():
     )
     # One group of every layer (the layout without the hybrid manager) plans as without groups.
     assert hybrid_plan(kv_group_layout([8, None], hybrid=False)) == one_group
-
-
-@pytest.mark.parametrize("engine_options", [
-    dict(cache=CacheConfig(kv_cache_memory=GIB // 64, kv_cache_dtype="int8")),
-    dict(speculative_config={"model": "/a/draft", "num_speculative_tokens": 2}),
-    dict(lora=LoRAConfig(enable_lora=True)),
-    dict(cache=CacheConfig(kv_cache_memory=GIB // 64, kv_layout="contiguous")),
-    dict(cache=CacheConfig(kv_cache_memory=GIB // 64, kv_offload_host_bytes=GIB // 64)),
-])
-def test_what_a_hybrid_layout_does_not_run_is_refused_naming_the_escape_hatch(engine_options):
-    config = EngineConfig(**{"cache": CacheConfig(kv_cache_memory=GIB // 64), **engine_options})
-    with pytest.raises(ValueError, match="split into 2 groups.*--disable-hybrid-kv-cache-manager"):
-        plan_kv_pool(config, tiny_model(), SchedulerConfig(max_model_len=64, kv_groups=HYBRID), CPU)
-    # One group runs it as before.
-    one_group = SchedulerConfig(max_model_len=64, kv_groups=kv_group_layout([8, None], hybrid=False))
-    assert plan_kv_pool(config, tiny_model(), one_group, CPU).num_blocks > 0
