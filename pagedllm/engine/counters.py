@@ -50,10 +50,17 @@ def kv_pool_snapshot(engine: LLMEngine) -> dict:
             "num_running": engine.scheduler.num_running,
             "num_waiting": engine.scheduler.num_waiting,
         },
+        # The KV cache groups (``core.kv_groups``): a block's "group" indexes this list.
+        "kv_groups": _groups_view(engine),
         "tiers": _tiers_view(engine, kv),
         # Resident LoRA adapters (their pages are the blocks whose "adapter" names them).
         "adapters": _adapters_view(engine),
     }
+
+
+def _groups_view(engine: LLMEngine) -> list[dict]:
+    layout = engine.runner_spec.kv_groups
+    return [{"kind": group.kind, "window": group.window, "layers": list(group.layers)} for group in layout.groups]
 
 
 def _adapters_view(engine: LLMEngine) -> list[dict]:

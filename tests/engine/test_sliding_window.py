@@ -138,6 +138,11 @@ def test_a_hybrid_models_sliding_group_keeps_only_its_window(sliding_model, hybr
     llm.generate([{"prompt_token_ids": prompt}], greedy(60), use_tqdm=False)
     window_blocks = cdiv(WINDOW, 4) + 1 if hybrid else 0
     assert llm.stats()["peak_blocks_in_use"] == cdiv(len(prompt) + 60 - 1, 4) + window_blocks
+    # The pool view says which group each cached block serves, and what the groups are.
+    snapshot = llm.kv_pool_snapshot()
+    kinds = [(group["kind"], group["window"]) for group in snapshot["kv_groups"]]
+    assert kinds == ([("full", None), ("sliding_window", WINDOW)] if hybrid else [("full", None)])
+    assert {block["group"] for block in snapshot["blocks"] if block["state"] == "cached"} == set(range(len(kinds)))
     assert_pool_free(llm)
 
 
