@@ -127,7 +127,7 @@ def _add_hybrid_kv_parser(benches: argparse._SubParsersAction) -> None:
     hk.add_argument("--measure-up-to", type=int, default=32768,
                     help="longer lengths are not run: their row is the group layout's arithmetic")
     hk.add_argument("--concurrent-len", type=int, default=4096, help="prompt tokens of the concurrency requests")
-    hk.add_argument("--num-seqs", type=int, default=12, help="concurrency requests submitted at once")
+    hk.add_argument("--num-seqs", type=int, default=16, help="concurrency requests submitted at once")
     hk.add_argument("--output-len", type=int, default=16, help="output tokens of each concurrency request")
     hk.add_argument("--throughput-model", default=None,
                     help="full-attention model of the w1 run (default: the engine's default, SmolLM2)")

@@ -251,7 +251,7 @@ def cmd_bench_hybrid_kv(args: argparse.Namespace) -> None:
               hybrid_kv.format_concurrency(peaks, args.num_seqs, args.concurrent_len, budget),
               hybrid_kv.format_throughput(throughput), hybrid_kv.llama_server_note()]
     report(args, "\n\n".join(tables),
-           f"CPU: {cpu_description()}. Model {model}; KV budget {budget / 2**20:.0f} MiB, prefill chunks of {chunk} "
+           f"Model {model}; KV budget {budget / 2**20:.0f} MiB, prefill chunks of {chunk} "
            f"tokens, random prompts. Groups with the hybrid manager: {groups['hybrid']}; without: "
            f"{groups['no hybrid']}. Concurrency: {args.num_seqs} requests of {args.concurrent_len} prompt + "
            f"{args.output_len} output tokens submitted at once. w1: {args.num_prompts} mixed requests (seed "
