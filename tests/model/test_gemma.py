@@ -59,7 +59,8 @@ def assert_hf_greedy(hf_model: PreTrainedModel, prompt: list[int], completion, e
     min_tokens kept from being chosen."""
     tokens = list(completion.token_ids)
     with torch.inference_mode():
-        logits = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+        # only the positions that chose a token: a 262k vocabulary's logits over a long prompt are GBs
+        logits = hf_model(torch.tensor([prompt + tokens]), logits_to_keep=len(tokens) + 1).logits[0, :-1].float()
         logprobs = torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens)), tokens]
         if eos_masked is not None:
             logits[:, eos_masked] = float("-inf")

@@ -1,0 +1,128 @@
+"""`pagedllm bench hybrid-kv`: what the hybrid KV cache manager saves on a model that mixes
+full-attention and sliding-window layers (Gemma 3: 5 local layers of every 6), against the same
+engine with ``disable_hybrid_kv_cache_manager``, and what it costs a full-attention model.
+
+Three measurements, each with the manager on and off in the same run:
+
+- **KV bytes held per sequence** at each length: one request of N random prompt tokens and one
+  output token alone in the pool; its peak blocks in use (``stats()["peak_blocks_in_use"]``, which
+  includes the chunk a sliding layer holds beyond its window while prefilling) times the pool's
+  bytes per block (the KV budget over the blocks it made). Lengths past ``measure_up_to`` are not
+  run (on a CPU a 32k prefill takes long): their row gives the layout's arithmetic
+  (``KVGroupLayout.blocks_held``, the blocks kept once the window has moved on), marked as such.
+- **Concurrent sequences** of ``concurrent_len`` tokens in a fixed KV budget: ``num_seqs``
+  requests submitted at once; the most that ran in one step (``peak_running_per_step``).
+- **w1 throughput** (the throughput bench's mixed workload) on a full-attention model, where the
+  manager must cost nothing: one group either way.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.bench.tables import markdown_table
+from pagedllm.bench.throughput import BenchResult, random_requests
+
+MODES = (("hybrid", False), ("no hybrid", True))  # label, disable_hybrid_kv_cache_manager
+
+
+@dataclass
+class HeldRow:
+    tokens: int
+    bytes_held: dict[str, int]  # mode label -> bytes one sequence holds
+    measured: bool
+
+
+@dataclass
+class PoolFacts:
+    """What one engine's pool is: its block size and bytes, and the layout of its groups."""
+
+    block_size: int
+    bytes_per_block: float
+    groups: str
+    blocks_held: Callable[[int], int]  # the layout's arithmetic: blocks a sequence of N tokens keeps
+
+
+def pool_facts(llm: LLM, kv_budget: int) -> PoolFacts:
+    stats = llm.stats()
+    engine = llm.llm_engine
+    layout = engine.scheduler_config.kv_groups
+    block_size = stats["block_size"]
+    describe = "one group" if layout is None or layout.num_groups == 1 else f"{layout.num_groups} groups: " + \
+        ", ".join(f"{len(g.layers)} layers {'full' if g.window is None else f'window {g.window}'}"
+                  for g in layout.groups)
+    held = (lambda n: -(-n // block_size)) if layout is None else (lambda n: layout.blocks_held(n, block_size))
+    return PoolFacts(block_size, kv_budget / stats["num_blocks"], describe, held)
+
+
+def bytes_held(make: Callable[[bool], LLM], lengths: list[int], measure_up_to: int,
+               kv_budget: int) -> tuple[list[HeldRow], dict[str, str]]:
+    """Per length, the bytes one sequence holds with the manager on and off; and each mode's groups."""
+    rows = [HeldRow(n, {}, n <= measure_up_to) for n in lengths]
+    groups: dict[str, str] = {}
+    for label, disable in MODES:
+        llm = make(disable)
+        facts = pool_facts(llm, kv_budget)
+        groups[label] = facts.groups
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        for row in rows:
+            if row.measured:
+                llm.reset_peak_blocks_in_use()
+                (prompt,) = random_requests(1, row.tokens, 1, llm.llm_engine.vocab_size, seed=row.tokens)
+                llm.generate([{"prompt_token_ids": prompt.prompt_token_ids}], params, use_tqdm=False)
+                blocks = llm.stats()["peak_blocks_in_use"]
+                llm.reset_prefix_cache()
+            else:
+                blocks = facts.blocks_held(row.tokens + 1)
+            row.bytes_held[label] = round(blocks * facts.bytes_per_block)
+        llm.shutdown()
+    return rows, groups
+
+
+def concurrent_sequences(make: Callable[[bool], LLM], num_seqs: int, tokens: int, output_len: int) -> dict[str, int]:
+    """Per mode, the most ``tokens``-token sequences that ran in one step (``num_seqs`` submitted)."""
+    peaks = {}
+    for label, disable in MODES:
+        llm = make(disable)
+        requests = random_requests(num_seqs, tokens, output_len, llm.llm_engine.vocab_size, seed=1)
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params, use_tqdm=False)
+        peaks[label] = llm.stats()["peak_running_per_step"]
+        llm.shutdown()
+    return peaks
+
+
+def llama_server_note() -> str:
+    """llama.cpp's server beside these numbers where a build exists; this bench does not drive it yet."""
+    path = shutil.which("llama-server")
+    if path is None:
+        return "llama.cpp: no `llama-server` on this machine (PATH), so no llama.cpp column."
+    return f"llama.cpp: `{path}` exists but this bench does not run it yet (`--swa-full` on/off by hand)."
+
+
+def format_held(rows: list[HeldRow], measure_up_to: int) -> str:
+    table = []
+    for row in rows:
+        on, off = row.bytes_held["hybrid"], row.bytes_held["no hybrid"]
+        how = "measured (peak during prefill)" if row.measured else f"layout arithmetic (> {measure_up_to} not run)"
+        table.append([row.tokens, f"{on / 2**20:.1f}", f"{off / 2**20:.1f}", f"{on / off:.2f}x", how])
+    return markdown_table(["tokens", "hybrid (MiB)", "no hybrid (MiB)", "hybrid / no hybrid", "how"], table)
+
+
+def format_concurrency(peaks: dict[str, int], num_seqs: int, tokens: int, kv_budget: int) -> str:
+    on, off = peaks["hybrid"], peaks["no hybrid"]
+    return markdown_table(
+        ["sequence length", "KV budget (MiB)", "submitted", "hybrid: most at once", "no hybrid: most at once",
+         "hybrid / no hybrid"],
+        [[tokens, f"{kv_budget / 2**20:.0f}", num_seqs, on, off, f"{on / off:.2f}x" if off else "-"]])
+
+
+def format_throughput(results: dict[str, BenchResult]) -> str:
+    off = results["no hybrid"]
+    return markdown_table(
+        ["w1 (full-attention model)", "time (s)", "total tok/s", "vs no hybrid"],
+        [[label, f"{r.elapsed_s:.2f}", f"{r.total_tokens_per_s:.1f}",
+          f"{r.total_tokens_per_s / off.total_tokens_per_s:.3f}x"] for label, r in results.items()])

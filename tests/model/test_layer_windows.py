@@ -1,0 +1,129 @@
+"""Each layer's sliding window (``model.shapes.sliding_windows_of``) is the one Hugging Face's
+modeling code applies: the attention mask each layer of a tiny random model receives is read
+back (a registered attention function that records it, in sdpa's boolean form), and the keys the last query of a
+sequence longer than the window may see give that layer's window (all of them: full attention).
+
+One case per supported family and per config field that decides it: Gemma 2/3 ``layer_types``
+and Gemma 3's legacy ``sliding_window_pattern``, Mistral (every layer, ``layer_types`` ignored),
+Qwen2/3 ``use_sliding_window`` + ``max_window_layers``, SmolLM3's sliding NoPE layers, Phi-3
+(every layer when set), and Llama / Granite / Gemma 1, which ignore a ``sliding_window`` their
+config carries.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AttentionInterface,
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
+    GraniteConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+    SmolLM3Config,
+)
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from pagedllm.core.kv_groups import kv_group_layout
+from pagedllm.model.registry import SUPPORTED_ARCHITECTURES
+from pagedllm.model.shapes import sliding_windows_of
+
+WINDOW = 4
+SEQUENCE = 11  # longer than the window
+_COMMON = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+               vocab_size=64, num_hidden_layers=6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_MASKS: dict[int, torch.Tensor | None] = {}
+
+
+def _recording_attention(module, query, key, value, attention_mask, **kwargs):
+    """Records the mask; the output (the queries, in the layout attention returns) is never read."""
+    _MASKS[module.layer_idx] = attention_mask
+    return query.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("record_mask", _recording_attention)
+AttentionMaskInterface.register("record_mask", sdpa_mask)
+
+
+def hf_layer_windows(config) -> list[int | None]:
+    """The window each layer of Hugging Face's model of ``config`` attends through."""
+    _MASKS.clear()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="record_mask").eval()
+    with torch.inference_mode():
+        model(torch.arange(3, 3 + SEQUENCE)[None])
+    windows = []
+    for layer in range(config.num_hidden_layers):
+        mask = _MASKS[layer]  # None: sdpa's own causal mask, every earlier key
+        visible = SEQUENCE if mask is None else int(mask[0, 0, -1].sum())
+        windows.append(None if visible == SEQUENCE else visible)
+    return windows
+
+
+CASES = {
+    "gemma2": lambda: Gemma2Config(**_COMMON, head_dim=16, sliding_window=WINDOW),
+    "gemma3": lambda: Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=WINDOW),
+    "gemma3-pattern-3": lambda: Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=WINDOW,
+                                                 sliding_window_pattern=3),
+    "gemma3-layer-types": lambda: Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=WINDOW, layer_types=[
+        "full_attention", "sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+        "full_attention"]),
+    "gemma": lambda: _with_stray_window(GemmaConfig(**_COMMON, head_dim=16)),
+    "mistral": lambda: MistralConfig(**_COMMON, sliding_window=WINDOW),
+    "mistral-no-window": lambda: MistralConfig(**_COMMON, sliding_window=None),
+    "mistral-layer-types": lambda: MistralConfig(**_COMMON, sliding_window=WINDOW,
+                                                 layer_types=["full_attention"] * 6),
+    "qwen2-max-window-layers": lambda: Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=WINDOW,
+                                                   max_window_layers=2),
+    "qwen2-all-sliding": lambda: Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=WINDOW,
+                                             max_window_layers=0),
+    "qwen2-off": lambda: Qwen2Config(**_COMMON, use_sliding_window=False, sliding_window=WINDOW,
+                                     max_window_layers=2),
+    "qwen3-max-window-layers": lambda: Qwen3Config(**_COMMON, head_dim=16, use_sliding_window=True,
+                                                   sliding_window=WINDOW, max_window_layers=4),
+    "smollm3-sliding-nope-layers": lambda: SmolLM3Config(**_COMMON, use_sliding_window=True, sliding_window=WINDOW),
+    "smollm3-off": lambda: SmolLM3Config(**_COMMON, use_sliding_window=False, sliding_window=WINDOW),
+    "phi3": lambda: Phi3Config(**_COMMON, sliding_window=WINDOW),
+    "phi3-no-window": lambda: Phi3Config(**_COMMON, sliding_window=None),
+    "llama": lambda: _with_stray_window(LlamaConfig(**_COMMON, head_dim=16)),
+    "granite": lambda: _with_stray_window(GraniteConfig(**_COMMON)),
+}
+
+
+def _with_stray_window(config):
+    """A config of a family without windows that still carries one (as fine-tunes' may)."""
+    config.sliding_window = WINDOW
+    return config
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_layer_windows_are_hugging_faces(case):
+    config = CASES[case]()
+    assert sliding_windows_of(config) == hf_layer_windows(config)
+
+
+def test_every_supported_family_is_checked():
+    assert {CASES[case]().model_type for case in CASES} == set(SUPPORTED_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("gemma3", [None, WINDOW, WINDOW, WINDOW, WINDOW, WINDOW]),  # layer 5 full; groups below
+    ("qwen2-max-window-layers", [None, None, WINDOW, WINDOW, WINDOW, WINDOW]),
+    ("mistral", [WINDOW] * 6),
+    ("llama", [None] * 6),
+])
+def test_kv_groups_of_the_declared_kinds(case, expected):
+    """The groups the engine makes from the declared kinds (full first, cut to the smallest kind)."""
+    windows = sliding_windows_of(CASES[case]())
+    assert sorted(windows, key=lambda w: -1 if w is None else w) == expected
+    layout = kv_group_layout(windows)
+    full = [layer for layer, window in enumerate(windows) if window is None]
+    assert layout.groups[0].window is None or not full
+    assert sorted(layer for group in layout.groups if group.window is None for layer in group.layers) == full
+    assert kv_group_layout(windows, hybrid=False).num_groups == 1
