@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pagedllm.core.contiguous import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_groups import KVGroupLayout, KVGroupSpec
 
 CONTIGUOUS = "contiguous"
 PAGED = "paged"
@@ -54,3 +55,12 @@ class KVLayoutPool:
     @property
     def num_blocks_in_use(self) -> int:
         return self._manager.num_blocks_in_use
+
+
+def blocks_held(kv_groups: list[dict], num_tokens: int, block_size: int) -> int:
+    """Pool blocks a sequence of ``num_tokens`` tokens keeps over the KV cache groups
+    ``kv_groups`` (``kv_pool_snapshot()["kv_groups"]``) once its windows have moved on:
+    the manager's own rule (``core.kv_groups``), for lengths a replay does not run."""
+    groups = tuple(KVGroupSpec(group["kind"], tuple(group["layers"]), group["window"]) for group in kv_groups)
+    layout = KVGroupLayout(groups, sum(len(group.layers) for group in groups))
+    return layout.blocks_held(num_tokens, block_size)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.tables import markdown_table
 from pagedllm.bench.throughput import BenchResult, random_requests
+from pagedllm.kv_layouts import blocks_held
 
 MODES = (("hybrid", False), ("no hybrid", True))  # label, disable_hybrid_kv_cache_manager
 
@@ -47,15 +48,16 @@ class PoolFacts:
 
 
 def pool_facts(llm: LLM, kv_budget: int) -> PoolFacts:
-    stats = llm.stats()
-    engine = llm.llm_engine
-    layout = engine.scheduler_config.kv_groups
+    stats, groups = llm.stats(), llm.kv_pool_snapshot()["kv_groups"]
     block_size = stats["block_size"]
-    describe = "one group" if layout is None or layout.num_groups == 1 else f"{layout.num_groups} groups: " + \
-        ", ".join(f"{len(g.layers)} layers {'full' if g.window is None else f'window {g.window}'}"
-                  for g in layout.groups)
-    held = (lambda n: -(-n // block_size)) if layout is None else (lambda n: layout.blocks_held(n, block_size))
-    return PoolFacts(block_size, kv_budget / stats["num_blocks"], describe, held)
+    describe = "one group" if len(groups) == 1 else f"{len(groups)} groups: " + ", ".join(map(_group_text, groups))
+    return PoolFacts(block_size, kv_budget / stats["num_blocks"], describe,
+                     lambda n: blocks_held(groups, n, block_size))
+
+
+def _group_text(group: dict) -> str:
+    kind = "full" if group["window"] is None else f"window {group['window']}"
+    return f"{len(group['layers'])} layers {kind}"
 
 
 def bytes_held(make: Callable[[bool], LLM], lengths: list[int], measure_up_to: int,
