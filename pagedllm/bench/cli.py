@@ -126,6 +126,9 @@ def _add_hybrid_kv_parser(benches: argparse._SubParsersAction) -> None:
                     help="sequence lengths whose KV bytes are measured")
     hk.add_argument("--measure-up-to", type=int, default=32768,
                     help="longer lengths are not run: their row is the group layout's arithmetic")
+    hk.add_argument("--held-kv-cache-memory", type=int, default=2 << 30,
+                    help="KV budget in bytes of the per-sequence measurement (one sequence alone; it must hold the "
+                         "longest measured length with every block kept; default: %(default)s)")
     hk.add_argument("--concurrent-len", type=int, default=4096, help="prompt tokens of the concurrency requests")
     hk.add_argument("--num-seqs", type=int, default=16, help="concurrency requests submitted at once")
     hk.add_argument("--output-len", type=int, default=16, help="output tokens of each concurrency request")

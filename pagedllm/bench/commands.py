@@ -226,12 +226,14 @@ def cmd_bench_hybrid_kv(args: argparse.Namespace) -> None:
     budget = args.kv_cache_memory or 512 << 20
     chunk = args.max_num_batched_tokens or 512
 
-    def make(disable: bool, **options) -> LLM:
-        return make_llm(args, **{"model": model, "kv_cache_memory": budget, "num_kv_blocks": None,
-                                 "max_num_batched_tokens": chunk, "disable_hybrid_kv_cache_manager": disable,
-                                 **options})
+    def make(disable: bool, kv_budget: int = budget) -> LLM:
+        return make_llm(args, model=model, kv_cache_memory=kv_budget, num_kv_blocks=None,
+                        max_num_batched_tokens=chunk, disable_hybrid_kv_cache_manager=disable)
 
-    rows, groups = hybrid_kv.bytes_held(make, args.lengths, args.measure_up_to, budget)
+    # One sequence alone in a pool that holds the longest measured one with every block kept.
+    held_budget = max(budget, args.held_kv_cache_memory)
+    rows, groups = hybrid_kv.bytes_held(lambda disable: make(disable, held_budget), args.lengths,
+                                        args.measure_up_to, held_budget)
     peaks = hybrid_kv.concurrent_sequences(make, args.num_seqs, args.concurrent_len, args.output_len)
     # The full-attention model with the engine's own flags; the modes alternate, best round kept
     # (a shared CPU's noise is larger than the 3% this checks).

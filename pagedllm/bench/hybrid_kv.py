@@ -4,9 +4,9 @@ engine with ``disable_hybrid_kv_cache_manager``, and what it costs a full-attent
 
 Three measurements, each with the manager on and off in the same run:
 
-- **KV bytes held per sequence** at each length: one request of N random prompt tokens and one
-  output token alone in the pool; its peak blocks in use (``stats()["peak_blocks_in_use"]``, which
-  includes the chunk a sliding layer holds beyond its window while prefilling) times the pool's
+- **KV bytes held per sequence** at each length N: one request of N - 1 random prompt tokens and
+  one output token (so a model's whole context fits) alone in the pool; its peak blocks in use
+  (``stats()["peak_blocks_in_use"]``, which includes the chunk a sliding layer holds beyond its window while prefilling) times the pool's
   bytes per block (the KV budget over the blocks it made). Lengths past ``measure_up_to`` are not
   run (on a CPU a 32k prefill takes long): their row gives the layout's arithmetic
   (``KVGroupLayout.blocks_held``, the blocks kept once the window has moved on), marked as such.
@@ -73,12 +73,13 @@ def bytes_held(make: Callable[[bool], LLM], lengths: list[int], measure_up_to: i
         for row in rows:
             if row.measured:
                 llm.reset_peak_blocks_in_use()
-                (prompt,) = random_requests(1, row.tokens, 1, llm.llm_engine.vocab_size, seed=row.tokens)
+                # N tokens in all: N - 1 of prompt and the one generated (a model's whole context fits).
+                (prompt,) = random_requests(1, row.tokens - 1, 1, llm.llm_engine.vocab_size, seed=row.tokens)
                 llm.generate([{"prompt_token_ids": prompt.prompt_token_ids}], params, use_tqdm=False)
                 blocks = llm.stats()["peak_blocks_in_use"]
                 llm.reset_prefix_cache()
             else:
-                blocks = facts.blocks_held(row.tokens + 1)
+                blocks = facts.blocks_held(row.tokens)
             row.bytes_held[label] = round(blocks * facts.bytes_per_block)
         llm.shutdown()
     return rows, groups

@@ -59,6 +59,17 @@ class KVGroupSpec:
             return blocks
         return blocks - num_out_of_window_blocks(num_tokens, self.window, block_size)
 
+    def most_blocks_held(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds at once in this group
+        when no step computes more than ``max_step_tokens`` of it (admission's bound). A step
+        from position p first releases what the query at p no longer reads, then takes
+        blocks up to p + max_step_tokens: the window's ``W - 1`` earlier tokens and the step's,
+        across at most one more block boundary than they fill."""
+        blocks = cdiv(num_tokens, block_size)
+        if self.window is None:
+            return blocks
+        return min(blocks, cdiv(self.window - 1 + max_step_tokens, block_size) + 1)
+
     def describe(self) -> str:
         what = "full attention" if self.window is None else f"sliding window {self.window}"
         return f"{what}, layers {','.join(map(str, self.layers))}"
@@ -118,6 +129,11 @@ class KVGroupLayout:
     def blocks_held(self, num_tokens: int, block_size: int) -> int:
         """Pool blocks a request of ``num_tokens`` tokens holds over all groups."""
         return sum(group.blocks_held(num_tokens, block_size) for group in self.groups)
+
+    def most_blocks_held(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
+        """Pool blocks a request of ``num_tokens`` tokens may hold at once over all groups
+        (``KVGroupSpec.most_blocks_held``): what admission checks against the pool."""
+        return sum(group.most_blocks_held(num_tokens, block_size, max_step_tokens) for group in self.groups)
 
     def describe(self, bytes_per_layer_token: int) -> str:
         """The start-up line's part: each group, its layers and what a token costs in it."""

@@ -210,7 +210,11 @@ class InputProcessor:
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceed the contiguous reservation of "
                 f"{reservation} tokens; lower max_tokens or raise contiguous_reservation"
             )
-        needed = cdiv(prompt_len + max_tokens, self.block_size)
+        groups, tokens = self.scheduler_config.kv_groups, prompt_len + max_tokens
+        # Over every KV cache group; a sliding group holds its window and a step, not the whole request.
+        paged = self.cache_config.kv_layout == "paged"  # a contiguous run reserves every block
+        needed = cdiv(tokens, self.block_size) if groups is None or not paged else groups.most_blocks_held(
+            tokens, self.block_size, self.scheduler_config.max_num_batched_tokens)
         if needed + adapter_pages > self.num_blocks:
             pages = f" beside its LoRA adapter's {adapter_pages} pages" if adapter_pages else ""
             raise ValueError(

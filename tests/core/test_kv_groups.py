@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedllm.config.cache import CacheConfig
 from pagedllm.config.engine import EngineConfig
@@ -92,3 +94,26 @@ def test_what_a_hybrid_layout_does_not_run_is_refused_naming_the_escape_hatch(en
     one_group = replace(config, cache=replace(config.cache, disable_hybrid_kv_cache_manager=True))
     assert not one_group.scheduler_config(64, [8, None]).kv_groups.is_hybrid
     assert config.scheduler_config(64, [None, None]).kv_groups.num_groups == 1
+
+
+@given(window=st.integers(1, 40), block_size=st.sampled_from([1, 2, 4, 8]), max_step=st.integers(1, 24),
+       num_tokens=st.integers(2, 120), data=st.data())
+@settings(max_examples=150, deadline=None)
+def test_admissions_bound_is_the_most_a_request_holds_in_the_real_manager(window, block_size, max_step,
+                                                                          num_tokens, data):
+    """A request of ``num_tokens`` tokens run in steps of at most ``max_step`` tokens, in a
+    full and a sliding group: the blocks it holds never pass ``most_blocks_held``."""
+    from pagedllm.core.kv_cache_manager import KVCacheManager
+
+    layout = kv_group_layout([None, window])
+    bound = layout.most_blocks_held(num_tokens, block_size, max_step)
+    manager = KVCacheManager(4 * bound + 8, block_size, enable_prefix_caching=False, windows=layout.windows)
+    computed, most = 0, 0
+    while computed < num_tokens:
+        step = data.draw(st.integers(1, min(max_step, num_tokens - computed)))
+        assert manager.allocate_slots("r", computed, step) is not None
+        computed += step
+        most = max(most, manager.num_blocks - manager.num_free_blocks)
+    assert most <= bound
+    manager.free("r")
+    assert manager.num_free_blocks == manager.num_blocks

@@ -128,6 +128,22 @@ def test_released_blocks_bound_a_long_generation(sliding_model):
     assert_pool_free(llm)
 
 
+def test_a_windowed_model_takes_a_request_longer_than_its_pool(sliding_model):
+    """Admission counts what a request holds at once: with steps of at most 8 tokens a
+    window of 16 keeps at most cdiv(15 + 8, 4) + 1 = 7 blocks of 4, so a 100-token
+    request (25 blocks) runs in an 8-block pool and still equals Hugging Face."""
+    folder, hf_model = sliding_model("mistral", 16)
+    llm = LLM(folder, num_kv_blocks=8, block_size=4, max_num_batched_tokens=8, debug_invariants=True)
+    prompt = prompts(llm.get_tokenizer(), [40])[0]
+    output = llm.generate([{"prompt_token_ids": prompt}], greedy(60), use_tqdm=False)[0]
+    assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, 60)
+    assert llm.stats()["peak_blocks_in_use"] <= 7 < cdiv(len(prompt) + 60, 4)
+    with pytest.raises(ValueError, match="needs 9 KV blocks"):  # a step of 16 tokens: 9 blocks at once
+        LLM(folder, num_kv_blocks=8, block_size=4, max_num_batched_tokens=16).generate(
+            [{"prompt_token_ids": prompt}], greedy(60), use_tqdm=False)
+    assert_pool_free(llm)
+
+
 @pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "disable-hybrid"])
 def test_a_hybrid_models_sliding_group_keeps_only_its_window(sliding_model, hybrid):
     """The full-attention group keeps every block and the sliding group only its
