@@ -131,7 +131,9 @@ def _add_hybrid_kv_parser(benches: argparse._SubParsersAction) -> None:
                          "longest measured length with every block kept; default: %(default)s)")
     hk.add_argument("--concurrent-len", type=int, default=4096, help="prompt tokens of the concurrency requests")
     hk.add_argument("--num-seqs", type=int, default=16, help="concurrency requests submitted at once")
-    hk.add_argument("--output-len", type=int, default=16, help="output tokens of each concurrency request")
+    hk.add_argument("--output-len", type=int, default=256,
+                    help="output tokens of each concurrency request (long enough that the sequences decode together: "
+                         "with short outputs a step's prefill budget, not the pool, bounds how many run at once)")
     hk.add_argument("--throughput-model", default=None,
                     help="full-attention model of the w1 run (default: the engine's default, SmolLM2)")
     hk.add_argument("--num-prompts", type=int, default=64, help="requests of the w1 mixed workload")
