@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pagedllm.core.adapter_pages import NO_ADAPTERS, AdapterPager
