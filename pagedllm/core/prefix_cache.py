@@ -70,12 +70,14 @@ class PrefixCache:
             return PrefixHit([[] for _ in self.windows], 0)
         hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        cached = [[self.block_pool.get_cached_block(block_hash, group) for block_hash in hashes[:max_blocks]]
-                  for group in range(len(self.windows))]
+        cached: list[list[KVCacheBlock | None]] = [[] for _ in self.windows]
         hit = max_blocks
         for group, window in enumerate(self.windows):
-            if window is None:  # full attention: the longest cached prefix
-                hit = min(hit, next((i for i, block in enumerate(cached[group]) if block is None), hit))
+            if window is None:  # full attention: the longest cached prefix, read up to its first miss
+                hit = self._cached_run(hashes[:hit], group, cached[group])
+        for group, window in enumerate(self.windows):
+            if window is not None:  # a sliding group: every block before the hit, misses as None
+                cached[group] = [self.block_pool.get_cached_block(block_hash, group) for block_hash in hashes[:hit]]
         if self.tiers is not None:  # one full-attention group: the KV manager refuses tiers otherwise
             num_ready, loading = self.tiers.lookup(hashes[hit:max_blocks]) if hit < max_blocks else (0, False)
             return PrefixHit([cached[0][:hit] + hashes[hit:hit + num_ready]], (hit + num_ready) * self.block_size,
@@ -84,6 +86,15 @@ class PrefixCache:
         starts = [num_out_of_window_blocks(hit * self.block_size, window, self.block_size) for window in self.windows]
         return PrefixHit([[None] * start + entries[start:hit] for start, entries in zip(starts, cached)],
                          hit * self.block_size)
+
+    def _cached_run(self, hashes: list[BlockHash], group: int, into: list[KVCacheBlock | None]) -> int:
+        """Append ``group``'s cached blocks of ``hashes`` to ``into`` up to the first miss; how many."""
+        for block_hash in hashes:
+            block = self.block_pool.get_cached_block(block_hash, group)
+            if block is None:
+                break
+            into.append(block)
+        return len(into)
 
     def _sliding_agreement(self, cached: list[list[KVCacheBlock | None]], hit: int) -> int:
         """The largest ``h <= hit`` at which every sliding group has the blocks a
