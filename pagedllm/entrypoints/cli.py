@@ -9,6 +9,7 @@ runs these alone (the worker ranks and the bench server are started so).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, get_args
@@ -159,6 +160,12 @@ def cmd_worker(args: argparse.Namespace) -> None:
     from pagedllm.worker.tp_worker import main_from_environment
 
     main_from_environment(args.distributed_init_method, args.rank, args.world_size, args.timeout, args.device)
+    # The rank left its group cleanly; skip interpreter finalization, where gloo's
+    # threads can still drop work holding tensors and abort the process (SIGABRT,
+    # "terminate called without an active exception": pytorch/pytorch#179291).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def build_parser(*more_commands: AddCommands) -> argparse.ArgumentParser:
