@@ -78,6 +78,9 @@ class ContiguousKVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    def num_blocks_to_start(self, num_tokens: int) -> int:
+        return self.num_blocks_for(num_tokens)
+
     def reset_peak_blocks_in_use(self) -> None:
         self.peak_blocks_in_use = self.num_blocks_in_use
 

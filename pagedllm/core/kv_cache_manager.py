@@ -106,7 +106,14 @@ class KVCacheManager:
         self.peak_blocks_in_use = self.num_blocks_in_use
 
     def num_blocks_for(self, num_tokens: int) -> int:
+        """Entries one group's table has for ``num_tokens`` tokens."""
         return cdiv(num_tokens, self.block_size)
+
+    def num_blocks_to_start(self, num_tokens: int) -> int:
+        # A step holds, in every group, each block it writes: a sliding group
+        # releases behind its window only before a step, and its queries read
+        # the step's own earlier tokens.
+        return len(self.groups) * self.num_blocks_for(num_tokens)
 
     def get_computed_blocks(self, request: Request) -> PrefixHit:
         """The request's cached prefix, per group, in the pool and the tiers (``PrefixCache.lookup``)."""

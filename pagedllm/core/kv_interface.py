@@ -112,8 +112,9 @@ class KVCacheManagerProtocol(Protocol):
     @property
     def num_free_blocks(self) -> int: ...
 
-    def num_blocks_for(self, num_tokens: int) -> int:
-        """Blocks that hold ``num_tokens`` tokens."""
+    def num_blocks_to_start(self, num_tokens: int) -> int:
+        """Pool blocks a request with nothing computed takes for its first
+        ``num_tokens`` tokens in one step (over every KV cache group)."""
 
     def get_computed_blocks(self, request: Request) -> PrefixHit:
         """Cached blocks of the request's prefix, the tokens they cover, and

@@ -288,7 +288,7 @@ class Scheduler(StepUpdates):
                 return
             no_seat = self.num_seats_in_use + head.num_pending_samples > self.config.max_num_seqs
             first_chunk = self._chunk(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)
-            no_room = kv.num_blocks_for(head.num_computed_tokens + first_chunk) > kv.num_free_blocks
+            no_room = kv.num_blocks_to_start(head.num_computed_tokens + first_chunk) > kv.num_free_blocks
             if not (no_seat or no_room):
                 return
             self.running.pop()

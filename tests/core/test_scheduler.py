@@ -123,6 +123,23 @@ def test_a_strictly_more_urgent_arrival_takes_the_seat_and_equals_never_ping_pon
     assert kv.num_free_blocks == kv.num_blocks
 
 
+def test_an_urgent_arrival_counts_the_blocks_of_every_kv_group():
+    """Two groups (full attention, window 8): the urgent prompt's 3 blocks fit the free
+    pool in one group but not in both, so the worst running request makes room."""
+    kv = KVCacheManager(12, 4, windows=(None, 8))
+    scheduler = Scheduler(SchedulerConfig(max_model_len=256, scheduling_policy="priority"), kv)
+    scheduler.add_request(make_request("low", 16, priority=5, max_tokens=20))
+    run_step(scheduler)
+    assert 3 <= kv.num_free_blocks < 6
+    scheduler.add_request(make_request("urgent", 12, priority=0, max_tokens=2))
+    out = run_step(scheduler)
+    assert out.preempted_request_ids == ["low"]
+    assert [s.sequence_id for s in out.scheduled] == ["urgent"]
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
 def test_long_prefill_threshold_caps_each_chunk():
     scheduler, _ = make_scheduler(max_num_batched_tokens=100, long_prefill_token_threshold=30)
     scheduler.add_request(make_request("long", 70, max_tokens=1))
