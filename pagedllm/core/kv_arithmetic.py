@@ -116,7 +116,7 @@ def explain_groups(shape: KVShape, layer_windows: list[int | None], context: int
     if not hybrid.is_hybrid:
         return []
     per_layer_token = shape.bytes_per_token // shape.num_layers
-    lines = [f"KV cache groups (hybrid manager): {hybrid.describe(per_layer_token)}",
+    lines = [f"hybrid KV cache manager: {hybrid.describe(per_layer_token)}",
              f"a block of the hybrid pool holds {hybrid.num_slots} layers: {shape.block_size} x "
              f"{hybrid.num_slots} x {human(per_layer_token)} = {human(shape.block_size * hybrid.num_slots * per_layer_token)}"]
     for tokens in sorted({1024, 4096, context}):

@@ -136,11 +136,34 @@ class KVGroupLayout:
         return sum(group.most_blocks_held(num_tokens, block_size, max_step_tokens) for group in self.groups)
 
     def describe(self, bytes_per_layer_token: int) -> str:
-        """The start-up line's part: each group, its layers and what a token costs in it."""
-        per_group = [f"group {index} ({group.describe()}): {bytes_per_layer_token * len(group.layers)} B/token"
-                     + ("" if group.window is None else f" for its last {group.window} tokens")
-                     for index, group in enumerate(self.groups)]
-        return "; ".join(per_group)
+        """The start-up line's part: the groups, runs of one kind merged, and what a
+        token costs the pool in each (every group's block has ``num_slots`` slots)."""
+        runs: list[list[int]] = []
+        for index, group in enumerate(self.groups):
+            if runs and self.groups[runs[-1][-1]].window == group.window:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        clauses = []
+        for run in runs:
+            window = self.groups[run[0]].window
+            what = "full attention" if window is None else f"sliding window {window}, for their last {window} tokens"
+            layers = sorted(layer for index in run for layer in self.groups[index].layers)
+            name = f"group {run[0]}" if len(run) == 1 else f"groups {_ranges(run)}"
+            clauses.append(f"{name} {what} (layers {_ranges(layers)})")
+        return (f"{self.num_groups} KV cache groups of {bytes_per_layer_token * self.num_slots} B/token: "
+                + "; ".join(clauses))
+
+
+def _ranges(numbers: Sequence[int]) -> str:
+    """Sorted integers as runs: [0, 1, 2, 4, 6, 7] -> "0-2,4,6-7"."""
+    runs: list[list[int]] = []
+    for number in numbers:
+        if runs and number == runs[-1][-1] + 1:
+            runs[-1][-1] = number
+        else:
+            runs.append([number, number])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def kv_group_layout(layer_windows: Sequence[int | None], hybrid: bool = True) -> KVGroupLayout:

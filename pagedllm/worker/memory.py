@@ -122,8 +122,7 @@ class PoolPlan:
         if groups is None or not groups.is_hybrid:
             return ""
         per_layer = self.bytes_per_token // groups.num_slots
-        return (f"; a block holds {groups.num_slots} of the model's {groups.num_layers} layers, in "
-                f"{groups.num_groups} KV cache groups: {groups.describe(per_layer)}")
+        return f"; a block holds {groups.num_slots} of the model's {groups.num_layers} layers, in {groups.describe(per_layer)}"
 
     def _other_bytes(self) -> str:
         """The capacity line's tail: tails, draft pool, swap space, their sum."""

@@ -62,8 +62,8 @@ def test_a_hybrid_model_explains_its_groups_and_what_the_window_saves():
     gemma3 = [512 if (layer + 1) % 6 else None for layer in range(18)]  # Gemma 3 270M's layout
     lines = "\n".join(explain_groups(KVShape(18, 1, 256, "float32"), gemma3, 32768))
     # 2 x 1 head x 256 dims x 4 bytes = 2 KiB per layer and token; a block of 16 tokens x 3 layers.
-    assert "group 0 (full attention, layers 5,11,17): 6144 B/token" in lines
-    assert "group 5 (sliding window 512, layers 14,15,16): 6144 B/token for its last 512 tokens" in lines
+    assert ("hybrid KV cache manager: 6 KV cache groups of 6144 B/token: group 0 full attention (layers 5,11,17); "
+            "groups 1-5 sliding window 512, for their last 512 tokens (layers 0-4,6-10,12-16)") in lines
     assert "holds 3 layers: 16 x 3 x 2 KiB = 96 KiB" in lines
     # 32,768 tokens: 2,048 full blocks + 5 groups x the 32 blocks of a 512 window, against 2,048 blocks x 18 layers.
     assert f"a 32,768-token sequence holds {human((2048 + 5 * 32) * 96 * 2**10)} (hybrid) vs 1.12 GiB" in lines

@@ -275,8 +275,8 @@ def test_a_hybrid_pool_holds_num_layers_over_num_slots_times_the_blocks():
     assert hybrid.capacity_line() == (
         f"KV cache: {hybrid.num_blocks} blocks x 16 tokens = {hybrid.num_tokens} tokens ({per_layer} bytes/token, "
         f"{hybrid.pool_bytes / 2**20:.1f} MiB, float32) on cpu; a block holds 1 of the model's 2 layers, in 2 KV "
-        f"cache groups: group 0 (full attention, layers 1): {per_layer} B/token; "
-        f"group 1 (sliding window 8, layers 0): {per_layer} B/token for its last 8 tokens"
+        f"cache groups of {per_layer} B/token: group 0 full attention (layers 1); "
+        f"group 1 sliding window 8, for their last 8 tokens (layers 0)"
     )
     # One group of every layer (the layout without the hybrid manager) plans as without groups.
     assert hybrid_plan(kv_group_layout([8, None], hybrid=False)) == one_group
