@@ -10,6 +10,7 @@ Pure bookkeeping: the runner writes the weights (``AdapterLoad``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,11 +21,21 @@ if TYPE_CHECKING:
     from pagedllm.core.request import Request
 
 
-@dataclass
+@dataclass(eq=False)
 class _Resident:
+    """A resident adapter: the ``BlockOwner`` of its pages."""
+
     spec: AdapterSpec
     pages: list[KVCacheBlock]
+    on_evict: Callable[[_Resident], None]  # the pager's: the adapter stops being resident
     pins: int = 0  # running sequences that use it
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def evicted(self, block: KVCacheBlock) -> None:
+        self.on_evict(self)
 
 
 class AdapterPager:
@@ -47,7 +58,6 @@ class AdapterPager:
         self.num_pinned_adapters = 0
         self.num_page_ins = 0
         self._loads: list[AdapterLoad] = []
-        pool.on_adapter_evict = self._evicted
 
     def pin_for(self, request: Request) -> bool:
         """Pin ``request``'s adapter (True for a request without one); False: it cannot be now."""
@@ -66,9 +76,9 @@ class AdapterPager:
             pages = self.pool.take_run(spec.num_pages)
             if pages is None:
                 return False
-            resident = self.resident[spec.name] = _Resident(spec, pages)
+            resident = self.resident[spec.name] = _Resident(spec, pages, on_evict=self._evicted)
             for page in pages:
-                page.adapter_name = spec.name
+                page.owner = resident
             self._loads.append(AdapterLoad(spec.name, spec.path, pages[0].block_id))
             self.num_page_ins += 1
         resident.pins = 1
@@ -95,20 +105,19 @@ class AdapterPager:
             return
         if resident.pins:
             raise ValueError(f"LoRA adapter {name!r} is in use by {resident.pins} running sequences")
-        del self.resident[name]
-        for page in resident.pages:
-            page.adapter_name = None
+        self._evicted(resident)
 
     def take_loads(self) -> list[AdapterLoad]:
         """The page-ins since the last call, in order (the runner performs them)."""
         loads, self._loads = self._loads, []
         return loads
 
-    def _evicted(self, page: KVCacheBlock) -> None:
-        """One free page is being reused: the whole adapter stops being resident."""
-        resident = self.resident.pop(page.adapter_name)
-        for other in resident.pages:
-            other.adapter_name = None
+    def _evicted(self, resident: _Resident) -> None:
+        """One free page is being reused (or the adapter was unloaded): the whole
+        adapter stops being resident, and its pages become plain blocks."""
+        del self.resident[resident.name]
+        for page in resident.pages:
+            page.owner = None
 
     def pages_in_use(self) -> int:
         """Pages held by pinned adapters (they count as used blocks)."""
@@ -120,8 +129,8 @@ class AdapterPager:
         for name, resident in self.resident.items():
             pinned += resident.pins > 0
             for page in resident.pages:
-                if page.adapter_name != name:
-                    raise RuntimeError(f"page {page.block_id} of adapter {name!r} is marked {page.adapter_name!r}")
+                if page.owner is not resident:
+                    raise RuntimeError(f"page {page.block_id} of adapter {name!r} is owned by {page.owner!r}")
                 if page.ref_cnt != (1 if resident.pins else 0):
                     raise RuntimeError(f"page {page.block_id} of adapter {name!r} has ref_cnt {page.ref_cnt} "
                                        f"with {resident.pins} pins")

@@ -7,9 +7,20 @@ per-layer KV tensors owned by the model runner.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from pagedllm.core.block_hash import BlockHash
 from pagedllm.core.kv_events import MEDIUM_POOL, BlockRemoved, BlockStored, KVEventLog
+
+
+class BlockOwner(Protocol):
+    """Who a block's revivable contents belong to besides the prefix cache (a resident
+    LoRA adapter's pages). The owner gives its eviction callback when it is made;
+    the pool calls it once, when it reuses one of the owner's free blocks."""
+
+    name: str
+
+    def evicted(self, block: KVCacheBlock) -> None: ...
 
 
 class KVCacheBlock:
@@ -20,14 +31,14 @@ class KVCacheBlock:
     on its contents never change. The ``prev_free`` / ``next_free`` links belong
     to :class:`FreeBlockQueue` and are only meaningful while the block is free.
     ``origin`` (parent hash, token ids) is kept only while KV events are on:
-    a tier that takes the block over announces it with them. ``adapter_name`` is
-    set while the block is a page of a resident LoRA adapter (``adapter_pages``).
+    a tier that takes the block over announces it with them. ``owner`` is set
+    while the block is a page of a resident LoRA adapter (``adapter_pages``).
     ``cache_group`` is the KV cache group whose prefix cache holds the hash: the
     same tokens in two groups are different K/V (``core.kv_groups``).
     """
 
     __slots__ = ("block_id", "ref_cnt", "block_hash", "cache_group", "origin", "prev_free", "next_free",
-                 "adapter_name")
+                 "owner")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -37,7 +48,7 @@ class KVCacheBlock:
         self.origin: tuple[BlockHash | None, tuple[int, ...]] | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
-        self.adapter_name: str | None = None
+        self.owner: BlockOwner | None = None
 
     def __repr__(self) -> str:
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
@@ -130,9 +141,9 @@ class BlockPool:
       there (medium "GPU"), in order: the pool is the one source of pool events.
       Only group 0's blocks are announced (it covers every token whenever the
       model has a full-attention layer; a one-group model's events are as before).
-    - A free page of a resident adapter (``adapter_name`` set) sits in the free
-      queue like a cached block, LRU beside them; taking it evicts the adapter
-      through ``on_adapter_evict`` before the block is handed out.
+    - A free block with an ``owner`` (a resident adapter's page) sits in the free
+      queue like a cached block, LRU beside them; taking it tells the owner
+      (``BlockOwner.evicted``) before the block is handed out.
     """
 
     def __init__(self, num_blocks: int, on_evict: Callable[[KVCacheBlock], None] | None = None,
@@ -146,7 +157,6 @@ class BlockPool:
         self.num_evictions = 0
         self.on_evict = on_evict
         self.events = events
-        self.on_adapter_evict: Callable[[KVCacheBlock], None] | None = None  # set by an ``AdapterPager``
 
     @property
     def num_free_blocks(self) -> int:
@@ -168,11 +178,11 @@ class BlockPool:
         return new_blocks
 
     def _forget_contents(self, block: KVCacheBlock) -> None:
-        """A free block is about to be reused: evict the prefix block or adapter it holds."""
+        """A free block is about to be reused: evict the prefix block it holds, or tell its owner."""
         if block.block_hash is not None:
             self._evict(block)
-        elif block.adapter_name is not None:
-            self.on_adapter_evict(block)
+        elif block.owner is not None:
+            block.owner.evicted(block)
 
     def take_run(self, n: int) -> list[KVCacheBlock] | None:
         """``n`` free blocks with consecutive ids, each with one reference, or None if no
@@ -184,10 +194,10 @@ class BlockPool:
         free_in_run = valued = 0
         for block in self.blocks:
             free_in_run = free_in_run + 1 if block.ref_cnt == 0 else 0
-            valued += block.block_hash is not None or block.adapter_name is not None
+            valued += block.block_hash is not None or block.owner is not None
             if block.block_id >= n:
                 gone = self.blocks[block.block_id - n]
-                valued -= gone.block_hash is not None or gone.adapter_name is not None
+                valued -= gone.block_hash is not None or gone.owner is not None
             if free_in_run >= n and (best is None or (valued, -(block.block_id - n + 1)) <= best):
                 best = (valued, -(block.block_id - n + 1))
         if best is None:
@@ -247,7 +257,7 @@ class BlockPool:
                 raise ValueError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None and block.adapter_name is None:
+                if block.block_hash is None and block.owner is None:
                     self.free_block_queue.appendleft(block)
                 else:
                     self.free_block_queue.append(block)

@@ -279,14 +279,14 @@ class KVCacheManager:
         return [
             {
                 "block_id": block.block_id,
-                "state": "used" if block.ref_cnt else ("cached" if block.block_hash or block.adapter_name else "free"),
+                "state": "used" if block.ref_cnt else ("cached" if block.block_hash or block.owner else "free"),
                 "ref_cnt": block.ref_cnt,
                 "owners": owners.get(block.block_id, []),
                 "hashed": block.block_hash is not None,
                 # As KV events name it (``external_block_hash``), so a subscriber's view can be checked.
                 "block_hash": None if block.block_hash is None else external_block_hash(block.block_hash),
                 "group": group_of.get(block.block_id, None if block.block_hash is None else block.cache_group),
-                "adapter": block.adapter_name,
+                "adapter": None if block.owner is None else block.owner.name,
             }
             for block in self.block_pool.blocks
         ]

@@ -65,7 +65,7 @@ def test_an_idle_adapter_is_evicted_lru_beside_cached_blocks():
     pager.unpin_for(request)
     taken = pool.get_new_blocks(4)  # three plain free blocks first, then an adapter page
     assert "sql" not in pager.resident
-    assert all(block.adapter_name is None for block in pool.blocks)
+    assert all(block.owner is None for block in pool.blocks)
     pool.free_blocks(taken)
     assert pager.pin_for(request) and pager.num_page_ins == 2
     pager.check_invariants()
