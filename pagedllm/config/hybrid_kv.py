@@ -21,15 +21,10 @@ def refuse_what_hybrid_groups_cannot_run(config: EngineConfig, groups: KVGroupLa
     if config.cache.kv_cache_dtype == "int8":
         refused.append("kv_cache_dtype='int8' (its per-layer full-precision tails would be shared by the layers "
                        "of different groups)")
-    if config.speculative is not None and config.speculative.method == "draft_model":
-        refused.append("a speculative draft_model (its pool follows one block table per sequence)")
     if config.cache.kv_layout == "contiguous":
         refused.append("kv_layout='contiguous' (one reservation per request, not a table per group)")
     if config.kv_offload.enabled:
         refused.append("the KV offload tiers (their blocks would hold only some groups' layers)")
-    if config.lora.enable_lora:
-        refused.append("enable_lora (an adapter page holds every layer's weights, and a hybrid block has a slot "
-                       "for a group's layers only)")
     if refused:
         raise ValueError(f"this model's KV cache is split into {groups.num_groups} groups "
                          f"({'; '.join(group.describe() for group in groups.groups)}), which does not support "

@@ -11,7 +11,8 @@ What must hold between steps, in every KV cache group:
   entry holds a block; it registered no more entries than it has; an unfilled
   block is never hashed; a hashed block is cached under its own group's key;
 - a block serves one group at a time, and its ref count equals the number of
-  tables (device or swapped) that point at it.
+  tables (device or swapped) that point at it; a LoRA adapter's page is in no
+  table (the pager checks its pins).
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ def check_paged_tables(manager: KVCacheManager, running: Mapping[str, int], swap
         raise RuntimeError("host swap blocks leaked")
     for block in manager.block_pool.blocks:
         expected = references.get(block.block_id, 0)
+        if block.adapter_name is not None:
+            # A LoRA page: the pager's pin holds it (``AdapterPager.check_invariants``), never a table.
+            if expected:
+                raise RuntimeError(f"block {block.block_id} is a page of LoRA adapter {block.adapter_name!r} "
+                                   "and in a block table")
+            continue
         if block.ref_cnt != expected:
             raise RuntimeError(
                 f"block {block.block_id} has ref_cnt {block.ref_cnt} but {expected} block tables point at it"

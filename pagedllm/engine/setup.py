@@ -49,7 +49,7 @@ def create_lora(config: EngineConfig, model_config: PretrainedConfig, runner: An
         raise ValueError("enable_lora pages adapters into the KV pool's blocks: it needs kv_layout='paged'")
     num_blocks = kv_cache_manager.num_blocks
     registry = AdapterRegistry(model_config, lora.max_lora_rank, runner.adapter_page_elems, num_blocks,
-                               config.tensor_parallel_size)
+                               config.tensor_parallel_size, runner.num_kv_groups)
     return registry, AdapterPager(kv_cache_manager.block_pool, lora.max_loras)
 
 

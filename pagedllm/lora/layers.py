@@ -45,19 +45,24 @@ class PartRows:
 
 @dataclass
 class LoRAStep:
-    """A step's LoRA work by part name (``q_proj``, ...): what ``LoRAProjection`` reads."""
+    """A step's LoRA work per KV cache group, by part name (``q_proj``, ...): what
+    ``LoRAProjection`` reads (a group's layers keep their weights in its own stretch
+    of each adapter's pages, ``lora/page_layout.py``)."""
 
-    parts: dict[str, PartRows]
+    parts: list[dict[str, PartRows]]
 
 
 class LoRAContext:
     """Shared by one model's LoRA projections: each layer's pages as flat views of the
-    model's dtype (A in the key tensor, B in the value tensor), and the current step
-    (None: no row runs an adapter). The runner sets ``step`` before each forward."""
+    model's dtype (A in the key tensor, B in the value tensor), each layer's KV cache
+    group (``groups``), and the current step (None: no row runs an adapter). The runner
+    sets ``step`` before each forward."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], groups: list[int],
+                 dtype: torch.dtype) -> None:
         self.a_pages = [key.view(-1).view(dtype) for key in keys]
         self.b_pages = [value.view(-1).view(dtype) for value in values]
+        self.groups = groups
         self.step: LoRAStep | None = None
 
 
@@ -79,8 +84,9 @@ class LoRAProjection(nn.Module):
         if step is None:
             return out
         a_pages, b_pages = self.context.a_pages[self.layer_index], self.context.b_pages[self.layer_index]
+        parts = step.parts[self.context.groups[self.layer_index]]
         for name, column, width in self.parts:
-            rows = step.parts.get(name)
+            rows = parts.get(name)
             if rows is not None:
                 add_lora(out, x, a_pages, b_pages, rows, column, width)
         return out

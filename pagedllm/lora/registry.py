@@ -22,12 +22,13 @@ class AdapterRegistry:
     """
 
     def __init__(self, model_config: Any, max_lora_rank: int, page_elems: int, num_blocks: int,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, num_kv_groups: int = 1) -> None:
         self.model_config = model_config
         self.max_lora_rank = max_lora_rank
         self.page_elems = page_elems  # rank 0's
         self.num_blocks = num_blocks
         self.tensor_parallel_size = tensor_parallel_size
+        self.num_kv_groups = num_kv_groups  # the pool's KV cache groups: a stretch of pages each
         self.specs: dict[str, AdapterSpec] = {}
 
     def spec_for(self, lora_request: LoRARequest) -> AdapterSpec:
@@ -43,7 +44,7 @@ class AdapterRegistry:
             return known
         weights = read_adapter(path, self.model_config, self.max_lora_rank)
         num_pages = pages_on_every_rank(weights.rank, weights.target_modules, self.model_config,
-                                        self.tensor_parallel_size, self.page_elems)
+                                        self.tensor_parallel_size, self.page_elems, self.num_kv_groups)
         if num_pages > self.num_blocks:
             raise ValueError(f"LoRA adapter {name!r} needs {num_pages} KV blocks of pages but the pool has "
                              f"{self.num_blocks}; enlarge the pool (kv_cache_memory / num_kv_blocks)")

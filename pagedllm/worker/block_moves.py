@@ -5,8 +5,10 @@ indexed by the same block ids, so both must perform every copy and swap.
 
 Safety rule (hybrid KV layouts, ``core.kv_groups``): the pool is ``num_slots``
 slot caches, and the model's per-layer list (``layer_caches``) aliases them.
-Every mover here, the swap pool, the tiers' codec, LoRA pages and pretouch
-work on the slot caches only: moving an alias would move its slot twice.
+Every mover here, the swap pool, the tiers' codec and pretouch work on the
+slot caches only: moving an alias would move its slot twice. LoRA pages are
+written and read per layer, each layer in its group's stretch of an adapter's
+run (``lora/page_layout.py``), so the layers sharing a slot never overlap.
 """
 
 from __future__ import annotations

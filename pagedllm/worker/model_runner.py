@@ -121,7 +121,7 @@ class ModelRunner:
         self.step_sampler = StepSampler(model.compute_logits, self.sampler, self.speculator, self.batch, device)
         self.tiers: RunnerTiers | None = None  # ``attach_tiers``
         self.adapters = None if not spec.max_lora_rank else RunnerAdapters(
-            model, model.config, self.kv_caches, spec.dtype, spec.max_lora_rank, device, self.adapter_page_elems)
+            model, model.config, self.layer_caches, spec.dtype, spec.max_lora_rank, device, self.adapter_page_elems)
 
     @torch.inference_mode()
     def _capture_graphs(self, max_num_seqs: int, max_model_len: int, pad_block: int) -> DecodeGraphs | None:

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from pagedllm.config.cache import CacheConfig
 from pagedllm.config.engine import EngineConfig
-from pagedllm.config.lora import LoRAConfig
 from pagedllm.core.kv_groups import KVGroupLayout, KVGroupSpec, kv_group_layout
 
 GEMMA3 = [512 if (layer + 1) % 6 else None for layer in range(18)]  # 5 local layers of every 6
@@ -81,8 +80,6 @@ def test_a_layout_must_cover_every_layer_once():
 
 @pytest.mark.parametrize("engine_options", [
     dict(cache=CacheConfig(kv_cache_dtype="int8")),
-    dict(speculative_config={"model": "/a/draft", "num_speculative_tokens": 2}),
-    dict(lora=LoRAConfig(enable_lora=True)),
     dict(cache=CacheConfig(kv_layout="contiguous")),
     dict(cache=CacheConfig(kv_offload_host_bytes=2**26)),
 ])

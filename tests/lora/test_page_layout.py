@@ -42,3 +42,15 @@ def test_tensor_parallel_pages_cover_the_rank_with_the_most_to_hold():
     assert needs[1] > needs[0]  # rank 1's pages are half as large but its adapter shard is not
     assert pages_on_every_rank(16, LORA_MODULES, SMOLLM2, 2, 2048) == max(needs)
     assert projection_shapes(SMOLLM2, ranks[1])["o_proj"] == (3 * 64, 576)  # its share of o's input columns
+
+
+def test_a_hybrid_pool_gives_each_kv_cache_group_its_own_stretch_of_the_run():
+    """Layers of different groups share one slot tensor, so each group's layers keep their
+    weights in their own stretch: the run is num_groups stretches, group g's after g of them."""
+    one = adapter_layout(16, LORA_MODULES, projection_shapes(SMOLLM2), FP32_PAGE)
+    six = adapter_layout(16, LORA_MODULES, projection_shapes(SMOLLM2), FP32_PAGE, num_groups=6)
+    assert (six.num_pages, six.num_blocks, one.num_blocks) == (27, 6 * 27, 27)
+    assert [six.page_start(100, group, FP32_PAGE) for group in (0, 1, 5)] == [
+        100 * FP32_PAGE, 127 * FP32_PAGE, (100 + 5 * 27) * FP32_PAGE]
+    assert six.page_start(100, 5, FP32_PAGE) + six.num_pages * FP32_PAGE == (100 + six.num_blocks) * FP32_PAGE
+    assert pages_on_every_rank(16, LORA_MODULES, SMOLLM2, 1, FP32_PAGE, num_groups=6) == 6 * 27

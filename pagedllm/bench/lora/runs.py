@@ -84,7 +84,9 @@ def pages_per_adapter(llm: LLM, rank: int, targets: tuple[str, ...]) -> int:
     """Blocks one rank-``rank`` adapter on ``targets`` takes in ``llm``'s pool (the layout the
     LoRA engines use: same model, same block size and dtype)."""
     page_elems = llm.stats()["lora_page_elems"]
-    return adapter_layout(rank, targets, projection_shapes(llm.llm_engine.model_config), page_elems).num_pages
+    num_groups = len(llm.kv_pool_snapshot()["kv_groups"])
+    return adapter_layout(rank, targets, projection_shapes(llm.llm_engine.model_config), page_elems,
+                          num_groups).num_blocks
 
 
 def lora_requests(paths: list[str], num_adapters: int, num_requests: int) -> list[LoRARequest]:

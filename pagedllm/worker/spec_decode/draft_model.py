@@ -14,6 +14,12 @@ it needs no block bookkeeping of its own:
   own blocks, ahead of anything computed, and are rewritten by the next
   step's ``observe``.
 
+With a hybrid KV layout (several groups, ``core.kv_groups``) the draft follows
+group 0's table, the full-attention one, which has an entry for every block:
+its layer caches keep ``group`` 0, so they read view 0 of the step's metadata,
+and ``propose`` gets group 0's tables. The pool covers every block id, so any
+block group 0 is given has its slot here.
+
 Greedy proposals make the draft distribution one-hot, so verification is the
 same exact rejection test as for prompt lookup (``worker/spec_decode/rejection.py``).
 A stale or clobbered draft K/V (a swapped sequence's, or two samples of a fork
@@ -115,8 +121,9 @@ class DraftModel:
             metadata = AttentionMetadata(
                 slot_mapping=self._tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, now)]),
                 num_decodes=len(contexts),
-                # Every extended table reaches past the last position, so none needs padding.
-                decode_block_tables=self._tensor([t[:width] for t in tables]),
+                # Each extended table reaches past its own last position; a shorter
+                # sequence's is padded with 0 up to the longest's (read by no query).
+                decode_block_tables=self._tensor([t[:width] + [0] * (width - len(t)) for t in tables]),
                 decode_context_lens=self._tensor([p + 1 for p in now]),
                 prefills=[],
             )
