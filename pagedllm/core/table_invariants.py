@@ -54,10 +54,10 @@ def check_paged_tables(manager: KVCacheManager, running: Mapping[str, int], swap
         raise RuntimeError("host swap blocks leaked")
     for block in manager.block_pool.blocks:
         expected = references.get(block.block_id, 0)
-        if block.adapter_name is not None:
+        if block.owner is not None:
             # A LoRA page: the pager's pin holds it (``AdapterPager.check_invariants``), never a table.
             if expected:
-                raise RuntimeError(f"block {block.block_id} is a page of LoRA adapter {block.adapter_name!r} "
+                raise RuntimeError(f"block {block.block_id} is a page of LoRA adapter {block.owner.name!r} "
                                    "and in a block table")
             continue
         if block.ref_cnt != expected:
