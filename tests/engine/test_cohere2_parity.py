@@ -20,7 +20,7 @@ from pagedllm import LLM, LoRARequest, SamplingParams
 from tests.conftest import assert_pool_free
 from tests.distributed.test_tensor_parallel import assert_no_workers_left
 from tests.engine.test_gemma_parity import check_greedy
-from tests.engine.test_hf_parity import prompts_for
+from tests.engine.test_hf_parity import assert_bf16_close_to_hf, prompts_for
 from tests.engine.test_hybrid_kv_oracle import HYBRID, _llm, check_hybrid_oracle
 from tests.lora.adapters import make_peft_adapter, peft_greedy
 
@@ -65,6 +65,20 @@ def test_tiny_cohere2_greedy_tokens_and_logprobs_match_hf(tiny_cohere2):
     _greedy_on_three_prompts(LLM(folder, num_kv_blocks=128, max_num_batched_tokens=16, debug_invariants=True),
                              hf_model)
 
+
+
+@pytest.mark.slow
+def test_tiny_cohere2_bfloat16_close_to_hf(tiny_cohere2):
+    """bf16 prompt logprobs as close to the fp32 oracle as Hugging Face's own bf16 model's."""
+    folder, oracle = tiny_cohere2
+    llm = LLM(folder, dtype="bfloat16", num_kv_blocks=256)
+    prompts = prompts_for(llm.get_tokenizer())
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_pool_free(llm)
+    hf_bf16 = AutoModelForCausalLM.from_config(oracle.config, dtype=torch.bfloat16, attn_implementation="eager")
+    hf_bf16.load_state_dict(oracle.state_dict())
+    assert_bf16_close_to_hf(prompts, outputs, oracle, hf_bf16.eval())
 
 @pytest.mark.slow
 def test_tiny_cohere2_on_two_ranks_matches_hf(tiny_cohere2):
