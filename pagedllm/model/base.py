@@ -3,7 +3,7 @@
 The runner, the CUDA graphs, the KV pool's sizing and allocation, and the
 speculative draft model name this protocol, never a model class, so a new
 architecture is a new class in ``model/`` plus a line in ``model/registry.py``.
-``LlamaForCausalLM`` and ``GemmaForCausalLM`` implement it.
+``LlamaForCausalLM``, ``GemmaForCausalLM`` and ``Cohere2ForCausalLM`` implement it.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import torch
 
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.model.base import CausalLM
+from pagedllm.model.cohere2 import Cohere2ForCausalLM
 from pagedllm.model.gemma import GemmaForCausalLM
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.packed_linear import pack_linears
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(LlamaForCausalLM.model_types, LlamaForCausalLM),
     **dict.fromkeys(GemmaForCausalLM.model_types, GemmaForCausalLM),
+    **dict.fromkeys(Cohere2ForCausalLM.model_types, Cohere2ForCausalLM),
 }
 SUPPORTED_ARCHITECTURES = tuple(_CLASSES)
 

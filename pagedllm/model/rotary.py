@@ -3,7 +3,8 @@
 The inverse frequencies of every scaled rope type come from transformers' own
 ``ROPE_INIT_FUNCTIONS`` (the unscaled ones are written out, see
 ``_default_inv_freq``), so a config scales here exactly as it does there. The
-rotation is the "rotate half" (NeoX) layout; with ``partial_rotary_factor`` < 1
+rotation is the "rotate half" (NeoX) layout, or with ``interleaved`` the GPT-J one
+that rotates adjacent channel pairs (Cohere 2's); with ``partial_rotary_factor`` < 1
 (Phi-4-mini) only the first ``rot_dim`` channels of each head rotate.
 
 Two rope types depend on the length of the sequence the forward pass runs
@@ -109,10 +110,12 @@ def _default_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 
-def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos and sin rows [len(positions), rot_dim], as Hugging Face's rotary forward computes them."""
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+             interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos and sin rows [len(positions), rot_dim], as Hugging Face's rotary forward computes them:
+    each frequency repeated in the second half (NeoX), or twice in a row (``interleaved``, GPT-J)."""
     freqs = positions[:, None].float() * inv_freq[None, :].float()
-    emb = torch.cat((freqs, freqs), dim=-1)
+    emb = torch.repeat_interleave(freqs, 2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scaling, emb.sin() * scaling
 
 
@@ -140,9 +143,10 @@ class RotaryEmbedding(nn.Module):
     window each step.
     """
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int, interleaved: bool = False) -> None:
         super().__init__()
         self.config = config
+        self.interleaved = interleaved
         self.rope_type = rope_type_of(config)
         self.threshold = length_threshold(config)
         self.max_position = max_position
@@ -159,10 +163,10 @@ class RotaryEmbedding(nn.Module):
         if self.rot_dim > head_dim:
             raise ValueError(f"the rope has {self.rot_dim} dimensions, more than head_dim {head_dim}")
         positions = torch.arange(self.max_position)
-        cos, sin = _cos_sin(positions, inv_freq, self.attention_scaling)
+        cos, sin = _cos_sin(positions, inv_freq, self.attention_scaling, self.interleaved)
         if self.rope_type == "longrope":
             long_inv_freq, _ = rope_inv_freq(self.config, seq_len=self.threshold + 1)
-            long_cos, long_sin = _cos_sin(positions, long_inv_freq, self.attention_scaling)
+            long_cos, long_sin = _cos_sin(positions, long_inv_freq, self.attention_scaling, self.interleaved)
             cos, sin = torch.cat((cos, long_cos)), torch.cat((sin, long_sin))
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
@@ -175,13 +179,15 @@ class RotaryEmbedding(nn.Module):
         The C++ path rotates q and k in place (they may be views of the fused
         qkv output); the PyTorch path returns new tensors."""
         rows, cos_table, sin_table = self._rows(positions, metadata)
-        kernels = cpu_kernels_for(q)
+        # The C++ rotation is NeoX's only: the interleaved one runs in PyTorch.
+        kernels = None if self.interleaved else cpu_kernels_for(q)
         if kernels is not None:
             kernels.rotary_embedding(rows, q, k, cos_table, sin_table)
             return q, k
         cos = cos_table[rows].to(q.dtype).unsqueeze(1)
         sin = sin_table[rows].to(q.dtype).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        rotate = _rotate_interleaved if self.interleaved else _rotate
+        return rotate(q, cos, sin), rotate(k, cos, sin)
 
     def _rows(self, positions: torch.Tensor, metadata: AttentionMetadata | None) -> StepRows:
         """Each token's row and the tables for this step. Length-dependent ropes work them out
@@ -210,7 +216,7 @@ class RotaryEmbedding(nn.Module):
         for length in lengths[beyond_rows].unique().tolist():
             rows = beyond_rows[lengths[beyond_rows] == length]
             inv_freq, scaling = rope_inv_freq(self.config, seq_len=length)
-            row_cos, row_sin = _cos_sin(positions[rows].cpu(), inv_freq, scaling)
+            row_cos, row_sin = _cos_sin(positions[rows].cpu(), inv_freq, scaling, self.interleaved)
             cos[rows], sin[rows] = row_cos.to(cos), row_sin.to(sin)
         return torch.arange(positions.numel(), device=positions.device), cos, sin
 
@@ -222,3 +228,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = rot_dim // 2
     rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
     return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Cohere 2's rotation of adjacent channel pairs (x[2i], x[2i+1]), computed as Hugging Face's
+    is: in fp32 from cos/sin already rounded to x's dtype, rounded to x's dtype once at the end."""
+    rot_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot_dim].float(), x[..., rot_dim:]
+    rotated = torch.stack((-x_rot[..., 1::2], x_rot[..., ::2]), dim=-1).flatten(-2)
+    out = (x_rot * cos.float() + rotated * sin.float()).to(x.dtype)
+    return torch.cat((out, x_pass), dim=-1)

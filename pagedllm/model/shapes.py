@@ -31,10 +31,10 @@ _OPT_IN_TYPES = frozenset({"qwen2", "qwen3", "smollm3"})
 def sliding_windows_of(config: Any) -> list[int | None]:
     """Each layer's sliding window (None: full attention), as Hugging Face's modeling code
     applies it: none for Llama, Granite and Gemma 1; ``sliding_window`` on every layer for
-    Mistral and Phi-3; otherwise (Gemma 2/3, and Qwen2/3 and SmolLM3 with
+    Mistral and Phi-3; otherwise (Gemma 2/3, Cohere 2, and Qwen2/3 and SmolLM3 with
     ``use_sliding_window``) on the layers ``config.layer_types`` marks as sliding, which
-    transformers builds from the older fields (Gemma 2 alternating from layer 0, Gemma 3's
-    ``sliding_window_pattern``, Qwen2's layers from ``max_window_layers`` on). A query at
+    transformers builds from the older fields (Gemma 2 alternating from layer 0, Gemma 3's and
+    Cohere 2's ``sliding_window_pattern``, Qwen2's layers from ``max_window_layers`` on). A query at
     position p sees keys p - window < j <= p."""
     num_layers = config.num_hidden_layers
     model_type = getattr(config, "model_type", None)

@@ -6,7 +6,7 @@ sequence longer than the window may see give that layer's window (all of them: f
 One case per supported family and per config field that decides it: Gemma 2/3 ``layer_types``
 and Gemma 3's legacy ``sliding_window_pattern``, Mistral (every layer, ``layer_types`` ignored),
 Qwen2/3 ``use_sliding_window`` + ``max_window_layers``, SmolLM3's sliding NoPE layers, Phi-3
-(every layer when set), and Llama / Granite / Gemma 1, which ignore a ``sliding_window`` their
+(every layer when set), Cohere 2's ``layer_types`` (default: every 4th layer full), and Llama / Granite / Gemma 1, which ignore a ``sliding_window`` their
 config carries.
 """
 
@@ -17,6 +17,7 @@ import torch
 from transformers import (
     AttentionInterface,
     AutoModelForCausalLM,
+    Cohere2Config,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -93,6 +94,11 @@ CASES = {
     "phi3-no-window": lambda: Phi3Config(**_COMMON, sliding_window=None),
     "llama": lambda: _with_stray_window(LlamaConfig(**_COMMON, head_dim=16)),
     "granite": lambda: _with_stray_window(GraniteConfig(**_COMMON)),
+    # Cohere 2's default: every 4th layer full (its legacy sliding_window_pattern), and explicit layer_types.
+    "cohere2": lambda: Cohere2Config(**_COMMON, sliding_window=WINDOW),
+    "cohere2-layer-types": lambda: Cohere2Config(**_COMMON, sliding_window=WINDOW, layer_types=[
+        "full_attention", "sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+        "sliding_attention"]),
 }
 
 
@@ -116,6 +122,7 @@ def test_every_supported_family_is_checked():
     ("gemma3", [None, WINDOW, WINDOW, WINDOW, WINDOW, WINDOW]),  # layer 5 full; groups below
     ("qwen2-max-window-layers", [None, None, WINDOW, WINDOW, WINDOW, WINDOW]),
     ("mistral", [WINDOW] * 6),
+    ("cohere2", [None, WINDOW, WINDOW, WINDOW, WINDOW, WINDOW]),  # layer 3 full
     ("llama", [None] * 6),
 ])
 def test_kv_groups_of_the_declared_kinds(case, expected):

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from transformers import Gemma2Config, LlamaConfig, PhiConfig
+from transformers import Cohere2Config, Gemma2Config, LlamaConfig, PhiConfig
 
 import pagedllm
 from pagedllm.model.base import CausalLM
@@ -20,7 +20,8 @@ from tests.conftest import TINY_COMMON
 @pytest.mark.parametrize("config", [
     LlamaConfig(**TINY_COMMON, vocab_size=64),
     Gemma2Config(**TINY_COMMON, vocab_size=64, head_dim=16, sliding_window=8),
-], ids=["llama", "gemma2"])
+    Cohere2Config(**TINY_COMMON, vocab_size=64, sliding_window=8),
+], ids=["llama", "gemma2", "cohere2"])
 def test_each_family_is_a_causal_lm(config):
     with torch.device("meta"):
         model = model_class_for(config)(config, max_position=64)
@@ -42,7 +43,7 @@ def test_the_model_modules_never_import_the_registry():
         package = types.ModuleType("pagedllm")
         package.__path__ = [{pagedllm.__path__[0]!r}]
         sys.modules["pagedllm"] = package
-        import pagedllm.model.llama, pagedllm.model.gemma
+        import pagedllm.model.llama, pagedllm.model.gemma, pagedllm.model.cohere2
         print("pagedllm.model.registry" in sys.modules)
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, Phi3Config
+from transformers import Cohere2Config, LlamaConfig, Phi3Config
+from transformers.models.cohere2 import modeling_cohere2
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
 
@@ -89,6 +90,21 @@ def test_partial_rotary_longrope_rotates_as_hf(kernel_path):
                         rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i for i in range(rot_half)],
                                       "long_factor": [2.0 + 3 * i for i in range(rot_half)]})
     check_against_hf(config, Phi3RotaryEmbedding)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interleaved_rope_rotates_as_cohere2(dtype, kernel_path):
+    """Cohere 2's GPT-J rotation of adjacent channel pairs, bit for bit (bf16 too: fp32 arithmetic
+    on cos/sin rounded to the dtype, rounded once at the end), whichever path NeoX rotation takes."""
+    config = Cohere2Config(hidden_size=64, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS)
+    positions = torch.tensor([0, 3, 17, 40])
+    torch.manual_seed(0)
+    q = torch.randn(len(positions), HEADS, 16, dtype=dtype)
+    k = torch.randn(len(positions), KV_HEADS, 16, dtype=dtype)
+    q_out, k_out = RotaryEmbedding(config, 16, max_position=64, interleaved=True)(positions, q.clone(), k.clone())
+    cos, sin = modeling_cohere2.Cohere2RotaryEmbedding(config)(q, positions[None])
+    q_ref, k_ref = modeling_cohere2.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    assert torch.equal(q_out, q_ref[0].transpose(0, 1)) and torch.equal(k_out, k_ref[0].transpose(0, 1))
 
 
 def test_gguf_rope_factors_divide_the_frequencies():
