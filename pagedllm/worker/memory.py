@@ -215,7 +215,7 @@ def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: Schedu
     draft_bytes_per_token = 0 if draft_model is None else kv_bytes_per_token(draft_model.config, dtype,
                                                                              cache.kv_cache_dtype)
     bytes_per_block = (bytes_per_token + draft_bytes_per_token) * cache.block_size
-    num_tail_slots, tail_bytes_per_slot = _tails_of(config, model, scheduler_config, dtype)
+    num_tail_slots, tail_bytes_per_slot = _tails_of(config, model, scheduler_config, dtype, groups)
     num_blocks, num_tail_slots = _num_blocks(config, model, scheduler_config, device, bytes_per_block,
                                              num_tail_slots, tail_bytes_per_slot)
     num_swap_blocks = 0
@@ -243,15 +243,19 @@ def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: Schedu
 
 
 def _tails_of(config: EngineConfig, model: CausalLM, scheduler_config: SchedulerConfig,
-              dtype: torch.dtype) -> tuple[int, int]:
+              dtype: torch.dtype, groups: KVGroupLayout) -> tuple[int, int]:
     """(slots wanted, bytes per slot) of an int8 pool's full-precision tails;
-    (0, 0) for other pools. A byte budget pays for them (``_num_blocks``)."""
+    (0, 0) for other pools. A byte budget pays for them (``_num_blocks``).
+    A slot, like a block, holds ``groups.num_slots`` layers, and a sequence
+    fills one block of each group at a time: with groups, that many times the
+    slots, each that much smaller."""
     cache = config.cache
     if cache.kv_cache_dtype != "int8":
         return 0, 0
     num_spec = config.speculative.num_speculative_tokens if config.speculative is not None else 0
-    num_tail_slots = num_tail_slots_for(scheduler_config.max_num_seqs, cache.block_size, num_spec)
-    return num_tail_slots, kv_bytes_per_token(model.config, dtype, "auto", model.num_kv_heads) * cache.block_size
+    num_tail_slots = groups.num_groups * num_tail_slots_for(scheduler_config.max_num_seqs, cache.block_size, num_spec)
+    bytes_per_token = kv_bytes_per_token(model.config, dtype, "auto", model.num_kv_heads, groups.num_slots)
+    return num_tail_slots, bytes_per_token * cache.block_size
 
 
 def _num_blocks(config: EngineConfig, model: CausalLM, scheduler_config: SchedulerConfig, device: torch.device,

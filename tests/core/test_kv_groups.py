@@ -80,7 +80,6 @@ def test_a_layout_must_cover_every_layer_once():
 
 
 @pytest.mark.parametrize("engine_options", [
-    dict(cache=CacheConfig(kv_cache_dtype="int8")),
     dict(speculative_config={"model": "/a/draft", "num_speculative_tokens": 2}),
     dict(lora=LoRAConfig(enable_lora=True)),
     dict(cache=CacheConfig(kv_layout="contiguous")),
