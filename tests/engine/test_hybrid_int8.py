@@ -22,12 +22,16 @@ from tests.engine.test_sliding_window import hf_greedy, prompts
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=0)
 
 
+def _llm(folder: str, disable_hybrid: bool, **kwargs) -> LLM:
+    kwargs.setdefault("num_kv_blocks", 128)
+    return LLM(folder, kv_cache_dtype="int8", block_size=4, max_num_batched_tokens=16, long_prefill_token_threshold=7,
+               disable_hybrid_kv_cache_manager=disable_hybrid, debug_invariants=True, **kwargs)
+
+
 def _run(folder: str, disable_hybrid: bool) -> tuple[list[tuple[list[int], float]], list[list[int]], int]:
     """(results, prompts, the shared-prefix request's cached tokens) of the oracle's prompts,
     then of one sharing a long prefix with the second, run after them."""
-    llm = LLM(folder, kv_cache_dtype="int8", num_kv_blocks=128, block_size=4, max_num_batched_tokens=16,
-              long_prefill_token_threshold=7, disable_hybrid_kv_cache_manager=disable_hybrid,
-              debug_invariants=True)
+    llm = _llm(folder, disable_hybrid)
     assert llm.llm_engine.scheduler_config.kv_groups.is_hybrid != disable_hybrid
     batch = prompts(llm.get_tokenizer(), PROMPT_LENGTHS)
     shared = batch[1][:SHARED] + batch[0][:9]
@@ -49,3 +53,20 @@ def test_int8_hybrid_matches_the_one_group_int8_run(tiny_gemma_dir, arch):  # no
     agree = sum(a == b for (tokens, _), prompt in zip(hybrid, batch)
                 for a, b in zip(tokens, hf_greedy(hf_model, prompt, NEW_TOKENS)))
     assert agree >= 0.8 * NEW_TOKENS * len(batch)
+
+
+@pytest.mark.slow  # ~20 s: two engines
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_int8_hybrid_preemption_changes_nothing(tiny_gemma_dir, preemption_mode):  # noqa: F811
+    """A pool too small for both prompts at once: preempted (swapped: their tails go to the
+    host and back with their blocks) and resumed, the tokens and logprobs are the one-group run's."""
+    folder, _ = tiny_gemma_dir("gemma2")
+    batch = prompts(_llm(folder, False).get_tokenizer(), PROMPT_LENGTHS)
+    requests = [{"prompt_token_ids": p} for p in batch]
+    small = _llm(folder, False, num_kv_blocks=36, preemption_mode=preemption_mode)
+    got = results(small.generate(requests, GREEDY, use_tqdm=False))
+    stats = small.stats()
+    assert stats["num_preemptions"] > 0, stats
+    assert preemption_mode == "recompute" or stats["swap_out_blocks"] > 0
+    assert_tails_free(small)
+    assert_same(got, results(_llm(folder, True).generate(requests, GREEDY, use_tqdm=False)))
