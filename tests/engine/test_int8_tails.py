@@ -94,6 +94,8 @@ def test_a_budget_runs_only_the_sequences_its_tails_hold(tiny_llama, expected):
     assert engine.runner.tail_slots.num_slots == engine.scheduler_config.max_num_seqs == 2
     assert engine.pool_plan.num_blocks == 19
     assert_same(results(llm.generate(_prompts(), GREEDY, use_tqdm=False)), expected)
+    with pytest.raises(ValueError, match="only the sequences its tails hold"):
+        llm.generate(_prompts()[:1], SamplingParams(n=3, max_tokens=2), use_tqdm=False)
     assert_tails_free(llm)
 
 
