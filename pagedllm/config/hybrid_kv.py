@@ -18,9 +18,6 @@ def refuse_what_hybrid_groups_cannot_run(config: EngineConfig, groups: KVGroupLa
     """``ValueError`` for what does not run with a hybrid layout (more than one KV
     cache group) yet, naming the way back to one group."""
     refused = []
-    if config.cache.kv_cache_dtype == "int8":
-        refused.append("kv_cache_dtype='int8' (its per-layer full-precision tails would be shared by the layers "
-                       "of different groups)")
     if config.cache.kv_layout == "contiguous":
         refused.append("kv_layout='contiguous' (one reservation per request, not a table per group)")
     if config.kv_offload.enabled:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Sequence
 
 import torch
@@ -126,6 +126,8 @@ class LLMEngine:
         config = self.config
         self.draft_model = load_draft_model(config, self.model_config.vocab_size, self.max_model_len, self.device)
         self.pool_plan = plan_kv_pool(config, self.model, self.scheduler_config, self.device, self.draft_model)
+        if self.pool_plan.max_running_seqs is not None:  # int8: no more sequences than the tails hold
+            self.scheduler_config = replace(self.scheduler_config, max_num_seqs=self.pool_plan.max_running_seqs)
         self.bytes_per_token = self.pool_plan.bytes_per_token
         self.executor = self._start_tensor_parallel()
         self.eos_token_ids = eos_token_ids_of(self.tokenizer, self.model_config, config, self.model_path)

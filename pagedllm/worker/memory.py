@@ -28,7 +28,7 @@ from pagedllm.config.engine import CacheConfig, EngineConfig, SchedulerConfig, t
 from pagedllm.core.kv_groups import KVGroupLayout, kv_group_layout
 from pagedllm.model.base import CausalLM
 from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
-from pagedllm.utils import cdiv
+from pagedllm.worker.tail_budget import NO_TAILS, TailPlan, tail_plan, within_share
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -56,6 +56,9 @@ class PoolPlan:
     # int8: full-precision tails of still-filling blocks (``pagedllm.worker.tail_slots``).
     num_tail_slots: int = 0
     tail_bytes_per_slot: int = 0
+    # The most sequences that run at once, where a byte budget's share of tails
+    # holds fewer than ``max_num_seqs`` (``worker.tail_budget``); None: no such cap.
+    max_running_seqs: int | None = None
     # The KV cache groups the pool serves (``core.kv_groups``); a block (and the
     # bytes per token above) holds ``kv_groups.num_slots`` layers. None: one group.
     kv_groups: KVGroupLayout | None = None
@@ -130,6 +133,8 @@ class PoolPlan:
         if self.num_tail_slots:
             text += (f"; full-precision tails for {self.num_tail_slots} still-filling blocks "
                      f"({_mib(self.tail_bytes)}, {_mib(self.pool_bytes + self.tail_bytes)} with the blocks)")
+            if self.max_running_seqs is not None:
+                text += f", so at most {self.max_running_seqs} sequences run at once"
         if self.draft_bytes_per_token:
             text += (f"; the draft model's pool over the same blocks: {self.draft_bytes_per_token} bytes/token, "
                      f"{_mib(self.draft_pool_bytes)}")
@@ -171,15 +176,6 @@ def kv_groups_of(scheduler_config: SchedulerConfig, num_layers: int) -> KVGroupL
     return scheduler_config.kv_groups or kv_group_layout([None] * num_layers)
 
 
-def num_tail_slots_for(max_num_seqs: int, block_size: int, num_speculative_tokens: int) -> int:
-    """Tail slots for int8 pools: one per sequence for the block it is filling,
-    plus those one step's draft tokens can reach past it. A prefill chunk that
-    leaves one partial block for another holds two for that step; the pool is
-    not sized for every sequence doing so at once (a block that finds no slot
-    reads as int8: ``pagedllm.worker.tail_slots``)."""
-    return max_num_seqs * (1 + cdiv(num_speculative_tokens, block_size))
-
-
 def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: SchedulerConfig,
                  device: torch.device, draft_model: CausalLM | None = None) -> PoolPlan:
     """Size rank 0's pool from ``config.cache`` for ``model`` (rank 0's shard) on ``device``.
@@ -214,20 +210,19 @@ def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: Schedu
     draft_bytes_per_token = 0 if draft_model is None else kv_bytes_per_token(draft_model.config, dtype,
                                                                              cache.kv_cache_dtype)
     bytes_per_block = (bytes_per_token + draft_bytes_per_token) * cache.block_size
-    num_tail_slots, tail_bytes_per_slot = _tails_of(config, model, scheduler_config, dtype)
-    num_blocks, num_tail_slots = _num_blocks(config, model, scheduler_config, device, bytes_per_block,
-                                             num_tail_slots, tail_bytes_per_slot)
-    num_swap_blocks = 0
-    if config.preemption_mode == "swap" and cache.kv_layout == "paged":
-        num_swap_blocks = int(config.swap_space * 2**30) // bytes_per_block
+    unquantized_bytes_per_token = kv_bytes_per_token(model.config, dtype, "auto", model.num_kv_heads, slots)
+    tails = _tails_of(config, scheduler_config, groups, unquantized_bytes_per_token * cache.block_size)
+    num_blocks, tails, max_running_seqs = _num_blocks(config, model, scheduler_config, device, bytes_per_block,
+                                                      tails, bytes_per_token / unquantized_bytes_per_token)
+    swaps = config.preemption_mode == "swap" and cache.kv_layout == "paged"
     return PoolPlan(
         num_blocks=num_blocks,
         block_size=cache.block_size,
-        num_swap_blocks=num_swap_blocks,
+        num_swap_blocks=int(config.swap_space * 2**30) // bytes_per_block if swaps else 0,
         bytes_per_token=bytes_per_token,
         total_bytes_per_token=kv_bytes_per_token(model.config, dtype, cache.kv_cache_dtype, num_layers=slots),
         # What the same memory would hold unquantized: the start-up line reports the gain.
-        unquantized_bytes_per_token=kv_bytes_per_token(model.config, dtype, "auto", model.num_kv_heads, slots),
+        unquantized_bytes_per_token=unquantized_bytes_per_token,
         num_kv_heads=model.num_kv_heads,
         total_num_kv_heads=num_kv_heads_of(model.config),
         tensor_parallel_size=config.tensor_parallel_size,
@@ -235,47 +230,50 @@ def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: Schedu
         kv_cache_dtype=cache.kv_cache_dtype,
         device_type=device.type,
         draft_bytes_per_token=draft_bytes_per_token,
-        num_tail_slots=num_tail_slots,
-        tail_bytes_per_slot=tail_bytes_per_slot,
+        num_tail_slots=tails.num_slots,
+        tail_bytes_per_slot=tails.bytes_per_slot,
+        max_running_seqs=max_running_seqs,
         kv_groups=groups if groups.is_hybrid else None,
     )
 
 
-def _tails_of(config: EngineConfig, model: CausalLM, scheduler_config: SchedulerConfig,
-              dtype: torch.dtype) -> tuple[int, int]:
-    """(slots wanted, bytes per slot) of an int8 pool's full-precision tails;
-    (0, 0) for other pools. A byte budget pays for them (``_num_blocks``)."""
+def _tails_of(config: EngineConfig, scheduler_config: SchedulerConfig, groups: KVGroupLayout,
+              bytes_per_slot: int) -> TailPlan:
+    """The full-precision tail slots an int8 pool wants (``worker.tail_budget``); none
+    for other pools. A slot, like a block, holds ``groups.num_slots`` layers
+    (``bytes_per_slot``), and a sequence fills a block of each group at a time."""
     cache = config.cache
     if cache.kv_cache_dtype != "int8":
-        return 0, 0
+        return NO_TAILS
     num_spec = config.speculative.num_speculative_tokens if config.speculative is not None else 0
-    num_tail_slots = num_tail_slots_for(scheduler_config.max_num_seqs, cache.block_size, num_spec)
-    return num_tail_slots, kv_bytes_per_token(model.config, dtype, "auto", model.num_kv_heads) * cache.block_size
+    return tail_plan(scheduler_config.max_num_seqs, cache.block_size, num_spec, groups.num_groups, bytes_per_slot)
 
 
 def _num_blocks(config: EngineConfig, model: CausalLM, scheduler_config: SchedulerConfig, device: torch.device,
-                bytes_per_block: int, tail_slots: int, tail_bytes_per_slot: int) -> tuple[int, int]:
-    """(blocks, tail slots): ``num_kv_blocks`` exactly (its tails on top), else
-    the most blocks the first memory rule's budget holds *with* their tails.
-
-    A sequence fills at most one block at a time and holds at least one, so
-    never more slots than blocks: with fewer blocks than ``tail_slots`` each
-    block is paid with its slot; with more, the ``tail_slots`` come off the
-    budget first. ``ValueError`` when the budget holds no block."""
+                bytes_per_block: int, tails: TailPlan, quantized_ratio: float) -> tuple[int, TailPlan, int | None]:
+    """(blocks, tails, the most sequences they let run or None): ``num_kv_blocks``
+    exactly (its tails on top), else the most blocks the first memory rule's
+    budget holds beside its share of tails (``tail_budget.within_share``).
+    Never more slots than blocks (a sequence holds at least one).
+    ``ValueError`` when the budget holds no block."""
     cache = config.cache
+    max_running_seqs = None
     if cache.num_kv_blocks is not None:
-        return cache.num_kv_blocks, min(tail_slots, cache.num_kv_blocks)
-    budget = _kv_budget_bytes(config, model, scheduler_config, device)
-    num_blocks = budget // (bytes_per_block + tail_bytes_per_slot)
-    if num_blocks > tail_slots:
-        num_blocks = (budget - tail_slots * tail_bytes_per_slot) // bytes_per_block
-    if num_blocks < 1:
-        tails = f" with its full-precision tail ({tail_bytes_per_slot} bytes)" if tail_bytes_per_slot else ""
-        raise ValueError(
-            f"the KV budget of {budget} bytes holds no block of {cache.block_size} tokens "
-            f"({bytes_per_block} bytes){tails}; raise kv_cache_memory or kv_cache_fraction"
-        )
-    return num_blocks, min(tail_slots, num_blocks)
+        num_blocks = cache.num_kv_blocks
+    else:
+        budget = _kv_budget_bytes(config, model, scheduler_config, device)
+        if tails.num_slots:
+            wanted, tails = tails.num_slots, within_share(tails, budget, quantized_ratio)
+            max_running_seqs = tails.max_running if tails.num_slots < wanted else None
+        num_blocks = (budget - tails.num_slots * tails.bytes_per_slot) // bytes_per_block
+        if num_blocks < 1:
+            with_tails = f" beside its full-precision tails ({tails.num_slots * tails.bytes_per_slot} bytes)" \
+                if tails.num_slots else ""
+            raise ValueError(
+                f"the KV budget of {budget} bytes holds no block of {cache.block_size} tokens "
+                f"({bytes_per_block} bytes){with_tails}; raise kv_cache_memory or kv_cache_fraction"
+            )
+    return num_blocks, tails._replace(num_slots=min(tails.num_slots, num_blocks)), max_running_seqs
 
 
 def _kv_budget_bytes(config: EngineConfig, model: CausalLM, scheduler_config: SchedulerConfig,

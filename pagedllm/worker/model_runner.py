@@ -58,7 +58,7 @@ class _Batch:
     metadata: AttentionMetadata
     order: list[ScheduledSequence]  # decodes first, then prefill spans
     last_rows: list[int]  # row of each scheduled sequence's last token, in `order`
-    host_positions: np.ndarray  # positions and slot_mapping as host arrays
+    host_positions: np.ndarray  # positions and each group's slot_mapping ([group, token]) as host arrays
     host_slots: np.ndarray
 
 
@@ -173,8 +173,7 @@ class ModelRunner:
                           tier_moves=scheduler_output.tier_moves if self.tiers is not None else None)
         if self.tail_slots is not None:
             tokens = None if batch is None else StepTokens(batch.host_positions, batch.host_slots, batch.metadata)
-            # int8 tails run with one group only (``config.hybrid_kv``).
-            step.tail_moves = self.tail_slots.plan(scheduler_output, self.sequences, self.batch.block_table[0], tokens,
+            step.tail_moves = self.tail_slots.plan(scheduler_output, self.sequences, self.batch.block_table, tokens,
                                                    self.device)
         if batch is not None:
             step.input_ids, step.positions, step.metadata = batch.input_ids, batch.positions, batch.metadata
@@ -269,7 +268,7 @@ class ModelRunner:
             order=order,
             last_rows=arrays.last_rows.tolist(),
             host_positions=arrays.positions,
-            host_slots=arrays.slot_mapping,
+            host_slots=arrays.slot_mappings,
         )
 
     def _prefill_spans(self, arrays: StepArrays, rows: np.ndarray, counts: np.ndarray, first: int,

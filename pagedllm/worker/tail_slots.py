@@ -34,6 +34,13 @@ Safety rules:
   in gets a new slot with those contents (``tail_swap_out`` / ``tail_swap_in``).
 * When every slot is taken (more live sequences than the pool was planned
   for) a block simply gets none and its tokens read as int8, never an error.
+* A hybrid KV layout (``core.kv_groups``) gives a sequence one table per
+  group, and each group's layers their own metadata view: every rule above
+  applies to each group's table and view. Slots stay keyed by physical block:
+  a block serves one group at a time, so a slot (in every slot cache) holds
+  the tail of that group's layers only. A sliding group's released entries
+  (``NULL_BLOCK_ID``) lie behind its window, before the block its committed
+  length ends in, so no kept range reaches them.
 """
 
 from __future__ import annotations
@@ -57,8 +64,10 @@ class StepTokens(NamedTuple):
     """The host side of a step's flattened tokens, as the tail plan reads them."""
 
     positions: np.ndarray  # each token's position in its sequence
-    slots: np.ndarray  # each token's pool slot (the metadata's slot_mapping)
-    metadata: AttentionMetadata  # its prefill spans and tail fields are filled in by ``TailSlots.plan``
+    slot_mappings: np.ndarray  # [num_groups, num_tokens]: each token's pool slot in each group's blocks
+    # Its prefill spans and tail fields (each group view's: ``group_views``) are
+    # filled in by ``TailSlots.plan``.
+    metadata: AttentionMetadata
 
 
 class TailSlots:
@@ -79,41 +88,48 @@ class TailSlots:
         return len(self._free)
 
     def plan(self, scheduler_output: SchedulerOutput, sequences: Mapping[str, CachedSequence],
-             block_table: np.ndarray, tokens: StepTokens | None, device: torch.device) -> TailMoves:
+             block_tables: np.ndarray, tokens: StepTokens | None, device: torch.device) -> TailMoves:
         """One step's decisions, by the module's rules: follow the block moves,
         release by committed state, give the blocks this step writes a slot,
         and put each token's tail write and each reader's slot in
-        ``tokens.metadata`` (as tensors on ``device``; ``tokens`` is None for a
-        step without tokens). ``sequences`` are the runner's live ones (each
-        scheduled one's committed and written lengths are updated here) and
-        ``block_table`` their batch rows. Returns the step's tail moves."""
+        ``tokens.metadata`` and its group views (as tensors on ``device``;
+        ``tokens`` is None for a step without tokens). ``sequences`` are the
+        runner's live ones (each scheduled one's committed and written lengths
+        are updated here) and ``block_tables`` ``[group, row, entry]`` their
+        batch rows' tables. Returns the step's tail moves."""
         moves = TailMoves(self.swap_out(scheduler_output.swap_out), self.copy(scheduler_output.block_copies),
                           self.swap_in(scheduler_output.swap_in))
-        self._release_by_committed_length(scheduler_output, sequences, block_table)
+        self._release_by_committed_length(scheduler_output, sequences, block_tables)
         if tokens is not None:
-            moves.fills = self._place_writes(tokens, device)
+            views = tokens.metadata.group_views or [tokens.metadata]
+            moves.fills = [fill for view, slots in zip(views, tokens.slot_mappings, strict=True)
+                           for fill in self._place_writes(tokens.positions, slots, view, device)]
         return moves
 
     def _release_by_committed_length(self, scheduler_output: SchedulerOutput,
-                                     sequences: Mapping[str, CachedSequence], block_table: np.ndarray) -> None:
-        """Keep each sequence's blocks from its committed length's block to its
-        last token written; for one scheduled now the committed length is
-        exact, so only the block it ends in (when that is not full)."""
+                                     sequences: Mapping[str, CachedSequence], block_tables: np.ndarray) -> None:
+        """Keep each sequence's blocks, in every group's table, from its
+        committed length's block to its last token written; for one scheduled
+        now the committed length is exact, so only the block it ends in (when
+        that is not full)."""
         block_size = self.block_size
         for scheduled in scheduler_output.scheduled:
             sequence = sequences[scheduled.sequence_id]
             sequence.num_computed = sequence.num_written = scheduled.num_computed_tokens
-        keep = [block_table[s.row, s.num_computed // block_size : min(-(-s.num_written // block_size), s.num_blocks)]
+        keep = [block_tables[:, s.row, s.num_computed // block_size : min(-(-s.num_written // block_size),
+                                                                          s.num_blocks)].ravel()
                 for s in sequences.values()]
         self.release_all_but(np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64))
         for scheduled in scheduler_output.scheduled:
             sequences[scheduled.sequence_id].num_written += scheduled.num_scheduled_tokens
 
-    def _place_writes(self, tokens: StepTokens, device: torch.device) -> list[tuple[int, int]]:
-        """Give the blocks this step writes a slot, fill in the metadata's tail
-        writes and readers' slots; returns the new slots to fill."""
-        block_size, metadata, positions = self.block_size, tokens.metadata, tokens.positions
-        blocks, offsets = tokens.slots // block_size, positions % block_size
+    def _place_writes(self, positions: np.ndarray, slots: np.ndarray, metadata: AttentionMetadata,
+                      device: torch.device) -> list[tuple[int, int]]:
+        """Give the blocks of one group that this step writes (its tokens'
+        ``slots``) a slot, fill in that group's ``metadata`` tail writes and
+        readers' slots; returns the new slots to fill."""
+        block_size = self.block_size
+        blocks, offsets = slots // block_size, positions % block_size
         # Each token's span end (context length after this step); decode rows are their own span.
         ends = positions + 1
         for span in metadata.prefills:

@@ -79,7 +79,6 @@ def test_a_layout_must_cover_every_layer_once():
 
 
 @pytest.mark.parametrize("engine_options", [
-    dict(cache=CacheConfig(kv_cache_dtype="int8")),
     dict(cache=CacheConfig(kv_layout="contiguous")),
     dict(cache=CacheConfig(kv_offload_host_bytes=2**26)),
 ])

@@ -86,6 +86,19 @@ def test_chunking_batching_and_preemption_change_nothing(tiny_llama, expected, k
     assert_tails_free(llm)
 
 
+def test_a_budget_runs_only_the_sequences_its_tails_hold(tiny_llama, expected):
+    """64 KiB: the tails' share (``worker.tail_budget``) is 2 slots, so 2 sequences run at
+    once, each with its tail, and the results are the whole-prefill run's."""
+    llm = int8_llm(tiny_llama, num_kv_blocks=None, kv_cache_memory=64 * 2**10)
+    engine = llm.llm_engine
+    assert engine.runner.tail_slots.num_slots == engine.scheduler_config.max_num_seqs == 2
+    assert engine.pool_plan.num_blocks == 19
+    assert_same(results(llm.generate(_prompts(), GREEDY, use_tqdm=False)), expected)
+    with pytest.raises(ValueError, match="only the sequences its tails hold"):
+        llm.generate(_prompts()[:1], SamplingParams(n=3, max_tokens=2), use_tqdm=False)
+    assert_tails_free(llm)
+
+
 def test_swap_preemption_changes_nothing(tiny_llama, expected):
     llm = int8_llm(tiny_llama, num_kv_blocks=14, preemption_mode="swap")
     assert_same(results(llm.generate(_prompts(), GREEDY, use_tqdm=False)), expected)

@@ -124,8 +124,11 @@ def test_an_int8_budget_pays_for_its_tails(max_num_seqs):
                            tiny_model(), scheduler, CPU)
     block_bytes, tail_bytes = 16 * planned.bytes_per_token, planned.tail_bytes_per_slot
     used = planned.num_blocks * block_bytes + planned.num_tail_slots * tail_bytes
-    assert used <= budget < used + block_bytes + tail_bytes  # as many blocks as fit, no more
-    assert planned.num_tail_slots == min(max_num_seqs, planned.num_blocks)
+    assert used <= budget < used + block_bytes  # as many blocks as fit beside the tails, no more
+    # The tails get at most half of what int8 saves: (1 - 160 / 512) / 2 of 1 MiB is 44 slots of
+    # 8 KiB; past that the scheduler runs only the sequences they hold.
+    assert planned.num_tail_slots == min(max_num_seqs, 44)
+    assert planned.max_running_seqs == (None if max_num_seqs <= 44 else 44)
     auto = plan_kv_pool(EngineConfig(cache=CacheConfig(kv_cache_memory=budget)), tiny_model(), scheduler, CPU)
     assert auto.num_blocks == budget // (16 * TINY_FP32_BYTES_PER_TOKEN) and auto.num_tail_slots == 0
 
@@ -142,24 +145,38 @@ def smollm2_shaped_model() -> LlamaForCausalLM:
 
 def test_smollm2_int8_at_64_mib_and_256_sequences_stays_within_the_budget():
     """Issue 41: the tails used to sit beside kv_cache_memory (342 int8 blocks of
-    64 MiB plus 180 MiB of tails); now blocks and tails share the 64 MiB."""
+    64 MiB plus 180 MiB of tails); now blocks and tails share the 64 MiB. Issue 55:
+    a slot for each of 256 sequences left 71 blocks (1,136 tokens, fewer than fp32's
+    1,456); the tails' share of the budget now holds 33, and 33 sequences run at once."""
     budget = 64 * 2**20
     scheduler = SchedulerConfig(max_model_len=2048, max_num_seqs=256)
     int8 = plan_kv_pool(EngineConfig(cache=CacheConfig(kv_cache_memory=budget, kv_cache_dtype="int8")),
                         smollm2_shaped_model(), scheduler, CPU)
     # int8 + an fp32 scale per vector: 30 x 3 x 2 x (64 + 4) bytes a token; a tail slot is 16 fp32 tokens.
     assert (int8.bytes_per_token, int8.tail_bytes_per_slot) == (12_240, 16 * 46_080)
-    assert (int8.num_blocks, int8.num_tail_slots) == (71, 71)  # 71 x (195,840 + 737,280) <= 64 MiB < 72 x ...
-    assert int8.pool_bytes + int8.tail_bytes == 71 * (16 * 12_240 + 16 * 46_080) <= budget
+    # 33 slots: (1 - 12,240 / 46,080) / 2 of 64 MiB over 737,280 bytes; 218 blocks in the rest.
+    assert (int8.num_blocks, int8.num_tail_slots, int8.max_running_seqs) == (218, 33, 33)
+    assert int8.pool_bytes + int8.tail_bytes == 218 * 16 * 12_240 + 33 * 16 * 46_080 <= budget
     # The same budget in the model dtype: unchanged by the tails, 64 MiB // 737,280 bytes a block.
     auto = plan_kv_pool(EngineConfig(cache=CacheConfig(kv_cache_memory=budget)), smollm2_shaped_model(), scheduler,
                         CPU)
     assert (auto.num_blocks, auto.num_tail_slots) == (91, 0)
     assert int8.capacity_line() == (
-        "KV cache: 71 blocks x 16 tokens = 1136 tokens (12240 bytes/token, 13.3 MiB, int8 KV with per-token scales) "
-        "on cpu; 3.76x the tokens of a float32 pool of the same size (0.79x counting the tails); "
-        "full-precision tails for 71 still-filling blocks (49.9 MiB, 63.2 MiB with the blocks)"
+        "KV cache: 218 blocks x 16 tokens = 3488 tokens (12240 bytes/token, 40.7 MiB, int8 KV with per-token "
+        "scales) on cpu; 3.76x the tokens of a float32 pool of the same size (2.40x counting the tails); "
+        "full-precision tails for 33 still-filling blocks (23.2 MiB, 63.9 MiB with the blocks), so at most 33 "
+        "sequences run at once"
     )
+
+
+@pytest.mark.parametrize("mib", [16, 64, 256])
+def test_int8_holds_more_tokens_than_fp32_in_the_same_budget(mib):
+    """Issue 55: with the default 256 sequences, SmolLM2's shape in fp32."""
+    scheduler = SchedulerConfig(max_model_len=2048, max_num_seqs=256)
+    int8, fp32 = (plan_kv_pool(EngineConfig(cache=CacheConfig(kv_cache_memory=mib * 2**20, kv_cache_dtype=dtype)),
+                               smollm2_shaped_model(), scheduler, CPU) for dtype in ("int8", "auto"))
+    assert int8.num_tokens > fp32.num_tokens and int8.num_tail_slots >= 1
+    assert int8.pool_bytes + int8.tail_bytes <= mib * 2**20
 
 
 def test_the_capacity_line_states_swap_space_and_the_sum():

@@ -78,10 +78,36 @@ def test_plan_keeps_the_committed_block_and_gives_a_decode_its_tail():
                                  decode_block_tables=torch.tensor([[3, 5]]), decode_context_lens=torch.tensor([6]),
                                  prefills=[])
     step = SchedulerOutput(scheduled=[ScheduledSequence("a", num_computed_tokens=5, num_scheduled_tokens=1)])
-    moves = tails.plan(step, {"a": sequence}, np.array([[3, 5]]), StepTokens(np.array([5]), np.array([21]), metadata),
-                       torch.device("cpu"))
+    moves = tails.plan(step, {"a": sequence}, np.array([[[3, 5]]]),
+                       StepTokens(np.array([5]), np.array([[21]]), metadata), torch.device("cpu"))
     slot = int(tails.slot_of[5])
     assert tails.slot_of[3] == -1 and moves.fills == [(5, slot)] and tails.num_free == 1
     assert metadata.tail_write_rows.tolist() == [0] and metadata.tail_write_slots.tolist() == [slot * 4 + 1]
     assert metadata.decode_tail_slots.tolist() == [slot]
     assert (sequence.num_computed, sequence.num_written) == (5, 6)
+
+
+def test_plan_gives_each_group_its_own_tail_and_view():
+    """Two KV cache groups (hybrid layout): the sequence's committed 5 tokens end
+    in block 5 of the full group and block 6 of the sliding one, whose entry 0 the
+    window released (``NULL_BLOCK_ID``, 0). Each group's block gets its own slot,
+    each group's view its own tail writes and reads; block 0's slot (another
+    sequence's, gone) is released, not kept by the released entry."""
+    tails = TailSlots(num_blocks=8, num_slots=3, block_size=4)
+    tails.ensure(np.array([0]))
+    sequence = CachedSequence(NewSequenceData("a", [1, 2, 3, 4, 5], [], [[3, 5], [0, 6]], SamplingParams()), row=0)
+    sequence.num_blocks = 2
+    views = [AttentionMetadata(slot_mapping=torch.tensor([slot]), num_decodes=1,
+                               decode_block_tables=torch.tensor([table]), decode_context_lens=torch.tensor([6]),
+                               prefills=[])
+             for slot, table in ((21, [3, 5]), (25, [0, 6]))]
+    views[0].group_views = views
+    step = SchedulerOutput(scheduled=[ScheduledSequence("a", num_computed_tokens=5, num_scheduled_tokens=1)])
+    moves = tails.plan(step, {"a": sequence}, np.array([[[3, 5]], [[0, 6]]]),
+                       StepTokens(np.array([5]), np.array([[21], [25]]), views[0]), torch.device("cpu"))
+    slots = [int(tails.slot_of[5]), int(tails.slot_of[6])]
+    assert tails.slot_of[0] == -1 and sorted(moves.fills) == [(5, slots[0]), (6, slots[1])]
+    assert slots[0] != slots[1] and tails.num_free == 1
+    for view, slot in zip(views, slots):
+        assert view.tail_write_rows.tolist() == [0] and view.tail_write_slots.tolist() == [slot * 4 + 1]
+        assert view.decode_tail_slots.tolist() == [slot]
