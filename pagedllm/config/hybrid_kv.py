@@ -25,8 +25,6 @@ def refuse_what_hybrid_groups_cannot_run(config: EngineConfig, groups: KVGroupLa
         refused.append("a speculative draft_model (its pool follows one block table per sequence)")
     if config.cache.kv_layout == "contiguous":
         refused.append("kv_layout='contiguous' (one reservation per request, not a table per group)")
-    if config.kv_offload.enabled:
-        refused.append("the KV offload tiers (their blocks would hold only some groups' layers)")
     if config.lora.enable_lora:
         refused.append("enable_lora (an adapter page holds every layer's weights, and a hybrid block has a slot "
                        "for a group's layers only)")

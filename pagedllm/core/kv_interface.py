@@ -41,9 +41,10 @@ class BlockCopy(NamedTuple):
 
 class PrefixHit(NamedTuple):
     """What a prefix lookup found: ``blocks``, one list per KV cache group, each
-    covering ``num_tokens`` tokens (cached pool blocks, then the hashes of blocks
-    a tier will load; a sliding group's leading entries outside the window of
-    the hit point are None), and whether more of the prefix is ``loading`` from
+    covering ``num_tokens`` tokens (cached pool blocks and the hashes of blocks
+    a tier will load: in a full-attention group the hashes follow the blocks, in
+    a sliding group they may fall between them; a sliding group's leading entries
+    outside the window of the hit point are None), and whether more of the prefix is ``loading`` from
     disk (wait for it). No hit: one empty list per group."""
 
     blocks: list[list[Any]]

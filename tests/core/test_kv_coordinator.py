@@ -17,6 +17,7 @@ from pagedllm.core.kv_groups import kv_group_layout
 from pagedllm.core.kv_interface import NULL_BLOCK_ID, BlockCopy
 from pagedllm.core.request import Request
 from pagedllm.core.sliding_window import num_out_of_window_blocks
+from pagedllm.core.tier_index import TierIndex, tier_key
 from pagedllm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -238,9 +239,31 @@ def test_pool_snapshot_names_each_blocks_group():
     assert all(block["group"] is None for block in kv.pool_snapshot() if block["state"] == "free")
 
 
-def test_hybrid_layouts_refuse_the_offload_tiers():
-    with pytest.raises(ValueError, match="one full-attention KV cache group, not 3"):
-        manager(tiers=object())
+def test_tier_hits_count_per_group_and_load_each_groups_blocks():
+    """A prefix evicted to the host tier comes back per group: group 0 all of it, a
+    sliding group only the blocks inside the window of the hit point, each under its
+    own (group, hash) key, loaded into fresh blocks of that group's table."""
+    tiers = TierIndex(host_capacity_blocks=64, block_size=BLOCK_SIZE)
+    kv = manager(num_blocks=33, tiers=tiers)
+    prompt = list(range(100, 140))  # 10 full blocks, cached in each of the 3 groups
+    kv.free(prefill(kv, "a", prompt).request_id)
+    kv.free(prefill(kv, "b", list(range(500, 544))).request_id)  # 33 blocks: every one of "a"'s is evicted
+    assert tiers.num_host_blocks == 30 and kv.take_tier_moves().offload
+    hashes = extend_block_hashes([], prompt, BLOCK_SIZE)
+    hit = kv.get_computed_blocks(request("c", prompt + [1]))
+    window_start = num_out_of_window_blocks(40, WINDOW, BLOCK_SIZE)
+    assert hit.num_tokens == 40 and not hit.loading
+    assert hit.blocks[0] == hashes and hit.blocks[1] == hit.blocks[2] == [None] * window_start + hashes[window_start:]
+    assert kv.allocate_slots("c", 40, 1, hit.blocks) == []
+    loads = dict(kv.take_tier_moves().load)
+    tables = kv.get_block_ids("c")
+    expected = {tier_key(group, hashes[index]): tables[group][index]
+                for group in range(3) for index in range(window_start if group else 0, 10)}
+    assert loads == expected and len(set(loads)) == 10 + 2 * (10 - window_start)
+    assert tables[1][:window_start] == [NULL_BLOCK_ID] * window_start
+    kv.check_invariants({"c": 41}, swapped=())
+    kv.free("c")
+    assert kv.num_free_blocks == kv.num_blocks
 
 
 class CoordinatorMachine(RuleBasedStateMachine):
