@@ -39,7 +39,8 @@ class PrefixCache:
       A sliding group's entries before them are None: the request never takes them.
       "Cached" means in the pool or in host memory, under the group's own key
       (``tier_key``): a full group's tier run follows its pool run, a sliding
-      group's tier hits fill its pool misses wherever they are.
+      group's tier hits fill its pool misses inside the window of the full
+      groups' hit point.
     - A tier hit is a hash, not a block: ``load_from_tiers`` gives it a fresh
       block only once the caller has counted that block as needed (the
       manager's all-or-nothing check), and the tiers load its bytes before the
@@ -97,16 +98,18 @@ class PrefixCache:
 
     def _sliding_tier_hits(self, hashes: list[BlockHash], group: int, window: int, entries: list[HitEntry],
                            hit: int) -> bool:
-        """Fill a sliding group's pool misses before ``hit`` with the hashes host
-        memory holds; the misses inside the window of ``hit`` that are on disk
-        are fetched. Returns whether the request must wait for such a fetch."""
-        misses = [index for index, entry in enumerate(entries) if entry is None]
+        """Fill a sliding group's pool misses inside the window of ``hit`` with the
+        hashes host memory holds, and fetch those on disk. Returns whether the
+        request must wait for such a fetch. Only the window of ``hit`` is asked
+        (a lookup costs the window, not the prompt): should a miss there lower
+        the hit, the earlier blocks its window needs count from the pool alone."""
+        start = num_out_of_window_blocks(hit * self.block_size, window, self.block_size)
+        misses = [index for index in range(start, hit) if entries[index] is None]
         held = self.tiers.lookup_each([hashes[index] for index in misses], group)
         for index, found in zip(misses, held):
             if found:
                 entries[index] = hashes[index]
-        start = num_out_of_window_blocks(hit * self.block_size, window, self.block_size)
-        return self.tiers.fetch_each([hashes[index] for index in range(start, hit) if entries[index] is None], group)
+        return self.tiers.fetch_each([hashes[index] for index, found in zip(misses, held) if not found], group)
 
     def _cached_run(self, hashes: list[BlockHash], group: int, into: list[HitEntry]) -> int:
         """Append ``group``'s cached blocks of ``hashes`` to ``into`` up to the first miss; how many."""

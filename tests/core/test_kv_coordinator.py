@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
 from pagedllm.core.block_hash import extend_block_hashes
+from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_events import BlockRemoved, BlockStored, KVEventLog
 from pagedllm.core.kv_groups import kv_group_layout
@@ -261,6 +262,30 @@ def test_tier_hits_count_per_group_and_load_each_groups_blocks():
                 for group in range(3) for index in range(window_start if group else 0, 10)}
     assert loads == expected and len(set(loads)) == 10 + 2 * (10 - window_start)
     assert tables[1][:window_start] == [NULL_BLOCK_ID] * window_start
+    kv.check_invariants({"c": 41}, swapped=())
+    kv.free("c")
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_sliding_groups_hit_mixes_pool_blocks_and_tier_loads():
+    """Evictions take group 0's blocks, then group 1's last one: group 0 loads all of
+    its hit, group 1 keeps its pool block and loads the next, group 2 loads nothing."""
+    tiers = TierIndex(host_capacity_blocks=64, block_size=BLOCK_SIZE)
+    kv = manager(num_blocks=33, tiers=tiers)
+    prompt = list(range(100, 140))
+    kv.free(prefill(kv, "a", prompt).request_id)  # free queue: 3 unused, then each group's blocks, tail first
+    kv.block_pool.free_blocks(kv.block_pool.get_new_blocks(3 + 10 + 1))
+    hashes = extend_block_hashes([], prompt, BLOCK_SIZE)
+    hit = kv.get_computed_blocks(request("c", prompt + [1]))
+    assert hit.num_tokens == 40 and hit.blocks[0] == hashes
+    (kept_1, loaded_1), pooled_2 = hit.blocks[1][8:], hit.blocks[2][8:]
+    assert isinstance(kept_1, KVCacheBlock) and loaded_1 == hashes[9]
+    assert all(isinstance(block, KVCacheBlock) for block in pooled_2)
+    assert kv.allocate_slots("c", 40, 1, hit.blocks) == []
+    kv.take_tier_moves()  # the evictions' offloads and the loads
+    tables = kv.get_block_ids("c")
+    assert tables[1][8] == kept_1.block_id and tables[2][8:10] == [block.block_id for block in pooled_2]
+    assert tiers.counters.host_hits == 11
     kv.check_invariants({"c": 41}, swapped=())
     kv.free("c")
     assert kv.num_free_blocks == kv.num_blocks
