@@ -38,9 +38,9 @@ class PrefixCache:
       (those the window has not released at ``h``, ``core.sliding_window``).
       A sliding group's entries before them are None: the request never takes them.
       "Cached" means in the pool or in host memory, under the group's own key
-      (``tier_key``): a full group's tier run follows its pool run, a sliding
-      group's tier hits fill its pool misses inside the window of the full
-      groups' hit point.
+      (``tier_key``), or on disk (the request waits for the fetch): a full
+      group's tier run follows its pool run, a sliding group's tier hits fill
+      its pool misses inside the windows the search for ``h`` walks.
     - A tier hit is a hash, not a block: ``load_from_tiers`` gives it a fresh
       block only once the caller has counted that block as needed (the
       manager's all-or-nothing check), and the tiers load its bytes before the
@@ -89,27 +89,10 @@ class PrefixCache:
         for group, window in enumerate(self.windows):
             if window is not None:  # a sliding group: every block before the hit, misses as None
                 cached[group] = [self.block_pool.get_cached_block(block_hash, group) for block_hash in hashes[:hit]]
-                if self.tiers is not None:
-                    loading = self._sliding_tier_hits(hashes, group, window, cached[group], hit) or loading
-        hit = self._sliding_agreement(cached, hit)
+        hit, waits = self._sliding_agreement(hashes, cached, hit)
         starts = [num_out_of_window_blocks(hit * self.block_size, window, self.block_size) for window in self.windows]
         return PrefixHit([[None] * start + entries[start:hit] for start, entries in zip(starts, cached)],
-                         hit * self.block_size, loading)
-
-    def _sliding_tier_hits(self, hashes: list[BlockHash], group: int, window: int, entries: list[HitEntry],
-                           hit: int) -> bool:
-        """Fill a sliding group's pool misses inside the window of ``hit`` with the
-        hashes host memory holds, and fetch those on disk. Returns whether the
-        request must wait for such a fetch. Only the window of ``hit`` is asked
-        (a lookup costs the window, not the prompt): should a miss there lower
-        the hit, the earlier blocks its window needs count from the pool alone."""
-        start = num_out_of_window_blocks(hit * self.block_size, window, self.block_size)
-        misses = [index for index in range(start, hit) if entries[index] is None]
-        held = self.tiers.lookup_each([hashes[index] for index in misses], group)
-        for index, found in zip(misses, held):
-            if found:
-                entries[index] = hashes[index]
-        return self.tiers.fetch_each([hashes[index] for index, found in zip(misses, held) if not found], group)
+                         hit * self.block_size, loading or waits)
 
     def _cached_run(self, hashes: list[BlockHash], group: int, into: list[HitEntry]) -> int:
         """Append ``group``'s cached blocks of ``hashes`` to ``into`` up to the first miss; how many."""
@@ -120,22 +103,55 @@ class PrefixCache:
             into.append(block)
         return len(into)
 
-    def _sliding_agreement(self, cached: list[list[HitEntry]], hit: int) -> int:
+    def _sliding_agreement(self, hashes: list[BlockHash], cached: list[list[HitEntry]],
+                           hit: int) -> tuple[int, bool]:
         """The largest ``h <= hit`` at which every sliding group has the blocks a
-        query at block ``h`` reads cached. A miss at block ``i`` rules out every
-        ``h > i`` whose window reaches back to ``i``, so the search jumps to ``i``."""
+        query at block ``h`` reads cached, and whether the request must wait for
+        some of them to come from disk. A miss at block ``i`` rules out every
+        ``h > i`` whose window reaches back to ``i``, so the search jumps to ``i``.
+        With tiers, a sliding group's pool misses are looked up in them as its
+        window reaches them (a lookup costs the windows walked, not the prompt):
+        host memory's fill ``cached``, disk's count as cached once fetched."""
+        on_disk: list[set[int]] = [set() for _ in self.windows]
+        asked = [hit] * len(self.windows)  # each group's tiers were asked about its misses from here on
         while hit > 0:
-            last_miss = max((self._last_miss(entries, window, hit)
-                             for window, entries in zip(self.windows, cached) if window is not None), default=-1)
+            last_miss = -1
+            for group, window in enumerate(self.windows):
+                if window is None:
+                    continue
+                start = num_out_of_window_blocks(hit * self.block_size, window, self.block_size)
+                if self.tiers is not None and start < asked[group]:
+                    self._find_in_tiers(hashes, group, cached[group], on_disk[group], range(start, asked[group]))
+                    asked[group] = start
+                last_miss = max(last_miss, next((i for i in range(hit - 1, start - 1, -1)
+                                                 if cached[group][i] is None and i not in on_disk[group]), -1))
             if last_miss < 0:
-                return hit
+                break
             hit = last_miss
-        return 0
+        waits = False
+        for group, window in enumerate(self.windows):
+            if on_disk[group]:  # asked again: a fetch may have landed (or failed) since
+                start = num_out_of_window_blocks(hit * self.block_size, window, self.block_size)
+                wanted = [index for index in sorted(on_disk[group]) if start <= index < hit]
+                places = self.tiers.find_each([hashes[index] for index in wanted], group)
+                for index, where in zip(wanted, places):
+                    if where == "host":
+                        cached[group][index] = hashes[index]
+                # Anything else leaves a hole: wait, and look up again next schedule.
+                waits = waits or any(where != "host" for where in places)
+                self.tiers.fetch_each([hashes[index] for index, where in zip(wanted, places) if where == "disk"], group)
+        return hit, waits
 
-    def _last_miss(self, entries: list[HitEntry], window: int, hit: int) -> int:
-        """The last uncached block a query at block ``hit`` reads through ``window`` (-1: none)."""
-        start = num_out_of_window_blocks(hit * self.block_size, window, self.block_size)
-        return next((i for i in range(hit - 1, start - 1, -1) if entries[i] is None), -1)
+    def _find_in_tiers(self, hashes: list[BlockHash], group: int, entries: list[HitEntry], on_disk: set[int],
+                       indices: range) -> None:
+        """Fill ``group``'s pool misses at ``indices`` with the hashes host memory
+        holds, and note in ``on_disk`` those a disk fetch can bring."""
+        misses = [index for index in indices if entries[index] is None]
+        for index, where in zip(misses, self.tiers.find_each([hashes[index] for index in misses], group)):
+            if where == "host":
+                entries[index] = hashes[index]
+            elif where == "disk":
+                on_disk.add(index)
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         if self.enabled:

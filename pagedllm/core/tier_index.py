@@ -190,20 +190,28 @@ class TierIndex:
             to_fetch.append(key)
         return num_ready, self._fetch(to_fetch, group)
 
-    def lookup_each(self, block_hashes: Sequence[BlockHash], group: int) -> list[bool]:
-        """Which of ``block_hashes`` (of group ``group``, not a run: a sliding group's
-        window misses the pool here and there) are in host memory now (loadable this step)."""
+    def find_each(self, block_hashes: Sequence[BlockHash], group: int) -> list[str | None]:
+        """Where each of ``block_hashes`` (of group ``group``; not a run: a sliding
+        group's window misses the pool here and there) is: ``"host"`` (loadable this
+        step), ``"disk"`` (being fetched, or a file ``fetch_each`` can read) or None."""
         self._land_fetches()
-        return [self._pin_if_held(tier_key(group, block_hash)) for block_hash in block_hashes]
+        found: list[str | None] = []
+        for block_hash in block_hashes:
+            key = tier_key(group, block_hash)
+            if self._pin_if_held(key):
+                found.append("host")
+            elif self.has_disk and (key in self._fetching or self._fetchable(key)):
+                found.append("disk")
+            else:
+                found.append(None)
+        return found
 
-    def fetch_each(self, block_hashes: Sequence[BlockHash], group: int) -> bool:
-        """Whether the request must wait for some of ``block_hashes`` (of group
-        ``group``, not in host memory): being fetched, or on disk and fetched from now."""
-        if not self.has_disk:
-            return False
-        keys = [tier_key(group, block_hash) for block_hash in block_hashes][:MAX_FETCH_BLOCKS]
-        in_flight = any(key in self._fetching for key in keys)
-        return self._fetch([key for key in keys if self._fetchable(key)], group) or in_flight
+    def fetch_each(self, block_hashes: Sequence[BlockHash], group: int) -> None:
+        """Start reading from disk those of ``block_hashes`` (of group ``group``) that
+        a fetch can bring and none is bringing yet."""
+        if self.has_disk:
+            keys = [tier_key(group, block_hash) for block_hash in block_hashes][:MAX_FETCH_BLOCKS]
+            self._fetch([key for key in keys if self._fetchable(key)], group)
 
     def _pin_if_held(self, key: BlockHash) -> bool:
         """Whether host memory holds ``key``; if so it is pinned for this schedule: the

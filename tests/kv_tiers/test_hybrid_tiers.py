@@ -6,7 +6,8 @@ one layer) in a pool too small to keep a long prefix: the prefix goes down to th
 comes back when a prompt repeats it: the global group loads every block before the hit
 point, each sliding group only those inside the window there. Greedy output equals Hugging
 Face's free-running ``generate``, the hit shows in ``num_cached_tokens``, and the pool is
-all-free after each engine. The disk tier serves the prefix again after a restart.
+all-free after each engine. The disk tier serves the prefix again after a restart. A model
+whose every layer slides (one group with a window, Mistral) keeps the tiers too.
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ from pagedllm.core.kv_groups import kv_group_layout
 from pagedllm.kv_tiers.fingerprint import tier_fingerprint
 from tests.conftest import assert_pool_free
 from tests.engine.test_gemma_parity import tiny_gemma_dir  # noqa: F401 (fixture)
-from tests.engine.test_sliding_window import greedy, hf_greedy, prompts
+from tests.engine.test_sliding_window import greedy, hf_greedy, prompts, sliding_model  # noqa: F401 (fixture)
 
 NEW_TOKENS = 8
 SHARED = 64  # tokens of the first prompt the repeat shares (16 blocks of 4)
 
 
-def _llm(folder: str, **tiers) -> LLM:
+def _llm(folder: str, num_kv_blocks: int = 64, **tiers) -> LLM:
     # 64 blocks: one prompt runs (78 tokens: its global group holds 20 blocks, each sliding group up to 7),
     # and the next prompts evict what the first one left cached.
-    return LLM(folder, num_kv_blocks=64, block_size=4, max_num_seqs=1, max_num_batched_tokens=16,
+    return LLM(folder, num_kv_blocks=num_kv_blocks, block_size=4, max_num_seqs=1, max_num_batched_tokens=16,
                debug_invariants=True, **tiers)
 
 
@@ -89,6 +90,24 @@ def test_the_disk_tier_brings_an_evicted_prefix_back_per_group_and_after_a_resta
     assert stats["disk_tier_hits"] >= 16 + 5 * 2 and stats["tier_fetch_failures"] == 0, stats
     assert_pool_free(restarted)
     restarted.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("medium", ["host", "disk"])
+def test_a_model_whose_every_layer_slides_keeps_the_tiers(sliding_model, tmp_path, medium):  # noqa: F811
+    """One group with a window of 12 (Mistral): the repeat needs only the 3 blocks its window
+    reads at token 64, which the other prompts evicted from the pool (16 blocks: a prompt
+    holds at most 8); the search for the hit point walks back from the repeat's own blocks."""
+    folder, hf_model = sliding_model("mistral")
+    tiers = {"kv_offload_host_bytes": 1 << 20} if medium == "host" else {"kv_offload_dir": str(tmp_path)}
+    llm = _llm(folder, num_kv_blocks=16, **tiers)
+    batch, repeat = _batches(llm)
+    _generate(llm, hf_model, batch)
+    (output,) = _generate(llm, hf_model, [repeat])
+    assert output.num_cached_tokens == SHARED
+    assert llm.stats()[f"{medium}_tier_hits"] >= 3
+    assert_pool_free(llm)
+    llm.shutdown()
 
 
 def test_a_hybrid_layouts_fingerprint_names_its_groups_and_one_group_keeps_its_old_one(tmp_path):
