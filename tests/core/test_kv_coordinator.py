@@ -308,6 +308,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.requests: dict[str, Request] = {}
         self.swapped: set[str] = set()
         self.ids = itertools.count()
+        self.prompts: list[list[int]] = []  # every prompt admitted, for prompts that repeat one
 
     def _write(self, seq: str, start: int, labels: list) -> None:
         tables = self.kv.get_block_ids(seq)
@@ -324,6 +325,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @rule(target=sequences, tokens=st.lists(st.integers(0, 2), min_size=1, max_size=30))
     def admit(self, tokens):
         seq = f"s{next(self.ids)}"
+        self.prompts.append(tokens)
         req = request(seq, tokens)
         hits, num_cached, _ = self.kv.get_computed_blocks(req)
         assert num_cached % BLOCK_SIZE == 0 and num_cached < len(tokens)
@@ -331,6 +333,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         if copies is None:
             return multiple()
         assert copies == []
+        self._copy(copies)
         req.num_computed_tokens = num_cached
         self._write(seq, num_cached, tokens[num_cached:])
         self.kv.cache_full_blocks(req, len(tokens))
@@ -381,7 +384,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
         req = self.requests[seq]
         if self.kv.swap_in_cost(seq, req.num_tokens, 1) > self.kv.num_free_blocks:
             return
-        for host, device in self.kv.swap_in(seq):
+        moves = self.kv.swap_in(seq)
+        self._copy([])  # (the tiered machine's offloads: a swap-in may evict)
+        for host, device in moves:
             self.pool[device] = list(self.host[host])
         self.swapped.discard(seq)
         copies = self.kv.allocate_slots(seq, req.num_tokens, 1)
@@ -430,3 +435,36 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
 TestCoordinator = CoordinatorMachine.TestCase
 TestCoordinator.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class TieredCoordinatorMachine(CoordinatorMachine):
+    """The same operations over a host tier that keeps what the pool evicts: each group's
+    blocks go down and come back under their own key (``tier_key``) and still read their
+    group's tokens. The tier's moves are carried out in the runner's order around the copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = manager(self.NUM_BLOCKS, num_swap_blocks=self.NUM_BLOCKS,
+                          tiers=TierIndex(host_capacity_blocks=24, block_size=BLOCK_SIZE))
+        self.tier_store: dict[bytes, list] = {}
+
+    @rule(target=CoordinatorMachine.sequences, index=st.integers(0, 40), extra=st.lists(st.integers(0, 2), min_size=1, max_size=5))
+    def readmit(self, index, extra):
+        """A prompt admitted before, extended: its prefix is often below the pool by now."""
+        if not self.prompts:
+            return multiple()
+        return self.admit(self.prompts[index % len(self.prompts)] + extra)
+
+    def _copy(self, copies) -> None:
+        moves = self.kv.take_tier_moves()
+        for block, key in moves.offload:
+            self.tier_store[key] = list(self.pool[block])
+        super()._copy(copies)
+        for key, block in moves.load:
+            self.pool[block] = list(self.tier_store[key])
+        for key in moves.drop:
+            del self.tier_store[key]
+
+
+TestTieredCoordinator = TieredCoordinatorMachine.TestCase
+TestTieredCoordinator.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
