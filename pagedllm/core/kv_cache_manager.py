@@ -309,6 +309,7 @@ class KVCacheManager:
             tier_persists=tiers.persists,
             tier_fetches=tiers.fetches,
             tier_fetch_failures=tiers.fetch_failures,
+            tier_hit_tokens=tiers.hit_tokens,
         )  # external_fragmentation_waits stays 0: paging never refuses what free blocks would fit
 
     def check_invariants(self, running: Mapping[str, int], swapped: Collection[str]) -> None:

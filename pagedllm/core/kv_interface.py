@@ -78,6 +78,7 @@ class KVCacheStats:
     tier_persists: int = 0
     tier_fetches: int = 0
     tier_fetch_failures: int = 0
+    tier_hit_tokens: int = 0  # prompt tokens the tiers supplied (the hits count every group's blocks)
 
     @property
     def num_blocks_in_use(self) -> int:

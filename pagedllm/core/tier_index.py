@@ -116,6 +116,9 @@ class TierCounters:
     persists: int = 0
     fetches: int = 0
     fetch_failures: int = 0
+    # Prompt tokens the tiers supplied: group 0's loads only (another group's load of
+    # the same block is the same tokens' other layers).
+    hit_tokens: int = 0
 
 
 class TierIndex:
@@ -277,6 +280,8 @@ class TierIndex:
             self.counters.disk_hits += 1
         else:
             self.counters.host_hits += 1
+        if group == 0:
+            self.counters.hit_tokens += self.block_size
         self._fetch_pins.pop(key, None)
         self._host.move_to_end(key)
         self._shrink()

@@ -66,6 +66,7 @@ def test_the_host_tier_brings_an_evicted_prefix_back_per_group(tiny_gemma_dir): 
     stats = llm.stats()
     # The global group's 16 blocks and each sliding group's 2 in the window at token 64, from host memory.
     assert stats["host_tier_hits"] >= 16 + 5 * 2, stats
+    assert 0 < stats["tier_hit_tokens"] <= SHARED  # tokens: group 0's loads only
     assert_pool_free(llm)
 
 
