@@ -20,8 +20,6 @@ def refuse_what_hybrid_groups_cannot_run(config: EngineConfig, groups: KVGroupLa
     refused = []
     if config.cache.kv_layout == "contiguous":
         refused.append("kv_layout='contiguous' (one reservation per request, not a table per group)")
-    if config.kv_offload.enabled:
-        refused.append("the KV offload tiers (their blocks would hold only some groups' layers)")
     if refused:
         raise ValueError(f"this model's KV cache is split into {groups.num_groups} groups "
                          f"({'; '.join(group.describe() for group in groups.groups)}), which does not support "

@@ -42,9 +42,9 @@ class KVCacheManager:
       in another group). KV events announce group 0's blocks only.
     - ``free`` releases each group's table tail-first, so a shared prefix is
       evicted after the private tails that follow it.
-    - The offload tiers keep the blocks of one full-attention group: with a
-      hybrid layout they are refused (``--disable-hybrid-kv-cache-manager``
-      makes one group), as for a model whose every layer slides.
+    - The offload tiers keep each group's blocks under (group, hash), as the
+      pool does: a tier hit counts toward a group's hit like a cached block of
+      that group (``PrefixCache.lookup``), and is loaded into a fresh block.
     """
 
     def __init__(
@@ -61,12 +61,8 @@ class KVCacheManager:
         check_block_size(block_size)
         if not windows:
             raise ValueError("the KV cache manager needs at least one KV cache group")
-        if tiers is not None and len(windows) > 1:
-            raise ValueError(f"KV offload tiers keep the blocks of one full-attention KV cache group, not {len(windows)} "
-                             "(the engine config refuses tiers with a hybrid layout: EngineConfig.scheduler_config)")
-        if tiers is not None and (windows[0] is not None or not enable_prefix_caching):
-            raise ValueError("KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching and a "
-                             "model without a sliding window")
+        if tiers is not None and not enable_prefix_caching:
+            raise ValueError("KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching")
         self.block_size = block_size
         self.tiers = tiers
         self.prefix_cache = PrefixCache(num_blocks, block_size, enable_prefix_caching, tiers, events, windows)
@@ -157,10 +153,13 @@ class KVCacheManager:
                  for group, hit in zip(self.groups, hits)]
         if sum(plan.cost for plan in plans) > self.num_free_blocks:
             return None
-        # Every group revives its cached hit before any takes a fresh block: taking
-        # one may evict a free cached block, which must not be another group's hit.
+        # Every group revives its cached hit before any takes a fresh block (a tier
+        # load's or a new one): taking one may evict a free cached block, which must
+        # not be another group's hit.
         for group, hit, plan in zip(self.groups, hits, plans):
             group.adopt_hit(request_id, hit, plan)
+        for group, hit, plan in zip(self.groups, hits, plans):
+            group.load_hit(request_id, hit, plan)
         copies = [copy for group, plan in zip(self.groups, plans)
                   for copy in group.grow(request_id, num_computed_tokens, plan)]
         self._note_peak()
@@ -317,6 +316,7 @@ class KVCacheManager:
             tier_persists=tiers.persists,
             tier_fetches=tiers.fetches,
             tier_fetch_failures=tiers.fetch_failures,
+            tier_hit_tokens=tiers.hit_tokens,
         )  # external_fragmentation_waits stays 0: paging never refuses what free blocks would fit
 
     def check_invariants(self, running: Mapping[str, int], swapped: Collection[str]) -> None:

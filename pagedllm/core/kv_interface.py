@@ -41,9 +41,10 @@ class BlockCopy(NamedTuple):
 
 class PrefixHit(NamedTuple):
     """What a prefix lookup found: ``blocks``, one list per KV cache group, each
-    covering ``num_tokens`` tokens (cached pool blocks, then the hashes of blocks
-    a tier will load; a sliding group's leading entries outside the window of
-    the hit point are None), and whether more of the prefix is ``loading`` from
+    covering ``num_tokens`` tokens (cached pool blocks and the hashes of blocks
+    a tier will load: in a full-attention group the hashes follow the blocks, in
+    a sliding group they may fall between them; a sliding group's leading entries
+    outside the window of the hit point are None), and whether more of the prefix is ``loading`` from
     disk (wait for it). No hit: one empty list per group."""
 
     blocks: list[list[Any]]
@@ -77,6 +78,7 @@ class KVCacheStats:
     tier_persists: int = 0
     tier_fetches: int = 0
     tier_fetch_failures: int = 0
+    tier_hit_tokens: int = 0  # prompt tokens the tiers supplied (the hits count every group's blocks)
 
     @property
     def num_blocks_in_use(self) -> int:

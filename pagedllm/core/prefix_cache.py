@@ -21,6 +21,9 @@ from pagedllm.core.request import Request
 from pagedllm.core.sliding_window import num_out_of_window_blocks
 from pagedllm.core.tier_index import TierIndex, TierMoves
 
+# A prefix hit's entry in one group: a cached pool block, a tier's hash, or None (outside the window).
+HitEntry = KVCacheBlock | BlockHash | None
+
 
 class PrefixCache:
     """Owns the block pool's hash map side: what is cached, where, and what a lookup finds.
@@ -34,6 +37,10 @@ class PrefixCache:
       sliding group of window ``W`` only the blocks a query at ``h`` reads
       (those the window has not released at ``h``, ``core.sliding_window``).
       A sliding group's entries before them are None: the request never takes them.
+      "Cached" means in the pool or in host memory, under the group's own key
+      (``tier_key``), or on disk (the request waits for the fetch): a full
+      group's tier run follows its pool run, a sliding group's tier hits fill
+      its pool misses inside the windows the search for ``h`` walks.
     - A tier hit is a hash, not a block: ``load_from_tiers`` gives it a fresh
       block only once the caller has counted that block as needed (the
       manager's all-or-nothing check), and the tiers load its bytes before the
@@ -62,32 +69,32 @@ class PrefixCache:
             self.lookup(request)
 
     def lookup(self, request: Request) -> PrefixHit:
-        """Per group, the cached pool blocks of the request's hit (see the class
-        rules); with tiers (one full group) the hashes of the blocks host memory
-        holds after the pool's, and ``loading`` when the next ones are being
-        fetched from disk (the request should wait)."""
+        """Per group, the entries of the request's hit (see the class rules): cached
+        pool blocks, with tiers the hashes of blocks host memory holds, and
+        ``loading`` when blocks the hit needs are being fetched from disk (the
+        request should wait)."""
         if not self.enabled or request.sampling_params.prompt_logprobs is not None:
             return PrefixHit([[] for _ in self.windows], 0)
         hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        cached: list[list[KVCacheBlock | None]] = [[] for _ in self.windows]
-        hit = max_blocks
+        cached: list[list[HitEntry]] = [[] for _ in self.windows]
+        hit, loading = max_blocks, False
         for group, window in enumerate(self.windows):
             if window is None:  # full attention: the longest cached prefix, read up to its first miss
-                hit = self._cached_run(hashes[:hit], group, cached[group])
+                limit, hit = hit, self._cached_run(hashes[:hit], group, cached[group])
+                if self.tiers is not None and hit < limit:  # then the tiers' run
+                    num_ready, waits = self.tiers.lookup(hashes[hit:limit], group)
+                    cached[group] += hashes[hit:hit + num_ready]
+                    hit, loading = hit + num_ready, loading or waits
         for group, window in enumerate(self.windows):
             if window is not None:  # a sliding group: every block before the hit, misses as None
                 cached[group] = [self.block_pool.get_cached_block(block_hash, group) for block_hash in hashes[:hit]]
-        if self.tiers is not None:  # one full-attention group: the KV manager refuses tiers otherwise
-            num_ready, loading = self.tiers.lookup(hashes[hit:max_blocks]) if hit < max_blocks else (0, False)
-            return PrefixHit([cached[0][:hit] + hashes[hit:hit + num_ready]], (hit + num_ready) * self.block_size,
-                             loading)
-        hit = self._sliding_agreement(cached, hit)
+        hit, waits = self._sliding_agreement(hashes, cached, hit)
         starts = [num_out_of_window_blocks(hit * self.block_size, window, self.block_size) for window in self.windows]
         return PrefixHit([[None] * start + entries[start:hit] for start, entries in zip(starts, cached)],
-                         hit * self.block_size)
+                         hit * self.block_size, loading or waits)
 
-    def _cached_run(self, hashes: list[BlockHash], group: int, into: list[KVCacheBlock | None]) -> int:
+    def _cached_run(self, hashes: list[BlockHash], group: int, into: list[HitEntry]) -> int:
         """Append ``group``'s cached blocks of ``hashes`` to ``into`` up to the first miss; how many."""
         for block_hash in hashes:
             block = self.block_pool.get_cached_block(block_hash, group)
@@ -96,40 +103,73 @@ class PrefixCache:
             into.append(block)
         return len(into)
 
-    def _sliding_agreement(self, cached: list[list[KVCacheBlock | None]], hit: int) -> int:
+    def _sliding_agreement(self, hashes: list[BlockHash], cached: list[list[HitEntry]],
+                           hit: int) -> tuple[int, bool]:
         """The largest ``h <= hit`` at which every sliding group has the blocks a
-        query at block ``h`` reads cached. A miss at block ``i`` rules out every
-        ``h > i`` whose window reaches back to ``i``, so the search jumps to ``i``."""
+        query at block ``h`` reads cached, and whether the request must wait for
+        some of them to come from disk. A miss at block ``i`` rules out every
+        ``h > i`` whose window reaches back to ``i``, so the search jumps to ``i``.
+        With tiers, a sliding group's pool misses are looked up in them as its
+        window reaches them (a lookup costs the windows walked, not the prompt):
+        host memory's fill ``cached``, disk's count as cached once fetched."""
+        on_disk: list[set[int]] = [set() for _ in self.windows]
+        asked = [hit] * len(self.windows)  # each group's tiers were asked about its misses from here on
         while hit > 0:
-            last_miss = max((self._last_miss(entries, window, hit)
-                             for window, entries in zip(self.windows, cached) if window is not None), default=-1)
+            last_miss = -1
+            for group, window in enumerate(self.windows):
+                if window is None:
+                    continue
+                start = num_out_of_window_blocks(hit * self.block_size, window, self.block_size)
+                if self.tiers is not None and start < asked[group]:
+                    self._find_in_tiers(hashes, group, cached[group], on_disk[group], range(start, asked[group]))
+                    asked[group] = start
+                last_miss = max(last_miss, next((i for i in range(hit - 1, start - 1, -1)
+                                                 if cached[group][i] is None and i not in on_disk[group]), -1))
             if last_miss < 0:
-                return hit
+                break
             hit = last_miss
-        return 0
+        waits = False
+        for group, window in enumerate(self.windows):
+            if on_disk[group]:  # asked again: a fetch may have landed (or failed) since
+                start = num_out_of_window_blocks(hit * self.block_size, window, self.block_size)
+                wanted = [index for index in sorted(on_disk[group]) if start <= index < hit]
+                places = self.tiers.find_each([hashes[index] for index in wanted], group)
+                for index, where in zip(wanted, places):
+                    if where == "host":
+                        cached[group][index] = hashes[index]
+                # Anything else leaves a hole: wait, and look up again next schedule.
+                waits = waits or any(where != "host" for where in places)
+                self.tiers.fetch_each([hashes[index] for index, where in zip(wanted, places) if where == "disk"], group)
+        return hit, waits
 
-    def _last_miss(self, entries: list[KVCacheBlock | None], window: int, hit: int) -> int:
-        """The last uncached block a query at block ``hit`` reads through ``window`` (-1: none)."""
-        start = num_out_of_window_blocks(hit * self.block_size, window, self.block_size)
-        return next((i for i in range(hit - 1, start - 1, -1) if entries[i] is None), -1)
+    def _find_in_tiers(self, hashes: list[BlockHash], group: int, entries: list[HitEntry], on_disk: set[int],
+                       indices: range) -> None:
+        """Fill ``group``'s pool misses at ``indices`` with the hashes host memory
+        holds, and note in ``on_disk`` those a disk fetch can bring."""
+        misses = [index for index in indices if entries[index] is None]
+        for index, where in zip(misses, self.tiers.find_each([hashes[index] for index in misses], group)):
+            if where == "host":
+                entries[index] = hashes[index]
+            elif where == "disk":
+                on_disk.add(index)
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         if self.enabled:
             self.queries += num_tokens
             self.hits += num_hit_tokens
 
-    def load_from_tiers(self, block_hashes: list[BlockHash]) -> list[KVCacheBlock]:
-        """Fresh blocks into which the tiers load these blocks before the forward."""
+    def load_from_tiers(self, block_hashes: list[BlockHash], group: int) -> list[KVCacheBlock]:
+        """Fresh blocks into which the tiers load these blocks of ``group`` before the forward."""
         if not block_hashes:
             return []
         blocks = self.block_pool.get_new_blocks(len(block_hashes))
         for block, block_hash in zip(blocks, block_hashes):
-            self.tiers.load(block_hash, block.block_id)
+            self.tiers.load(block_hash, block.block_id, group)
         return blocks
 
     def _offload(self, block: KVCacheBlock) -> None:
         parent, token_ids = block.origin or (None, None)
-        self.tiers.offload(block.block_id, block.block_hash, parent, token_ids)
+        self.tiers.offload(block.block_id, block.block_hash, parent, token_ids, block.cache_group)
 
     def register(self, request: Request, record: BlockTableRecord, num_tokens: int, group: int = 0) -> None:
         """Register the blocks of group ``group``'s table that the request's first
@@ -149,7 +189,7 @@ class PrefixCache:
             block_tokens = tokens[index * size:(index + 1) * size] if described else ()
             block = record.entries[index]
             if self.block_pool.cache_block(block, hashes[index], parent, block_tokens, group) and self.tiers is not None:
-                self.tiers.persist(block.block_id, hashes[index], parent, block_tokens or None)
+                self.tiers.persist(block.block_id, hashes[index], parent, block_tokens or None, group)
         record.num_registered = num_full
 
     def reset(self) -> int:

@@ -13,24 +13,20 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from pagedllm.core.block_hash import BlockHash
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.block_table import BlockTableRecord, SwappedTable, TableEntry
 from pagedllm.core.kv_interface import NULL_BLOCK_ID, BlockCopy
-from pagedllm.core.prefix_cache import PrefixCache
+from pagedllm.core.prefix_cache import HitEntry, PrefixCache
 from pagedllm.core.request import Request
 from pagedllm.core.sliding_window import num_out_of_window_blocks
 from pagedllm.utils import cdiv
-
-# A prefix hit's entry in one group: a cached pool block, a tier's hash, or None (outside the window).
-HitEntry = KVCacheBlock | BlockHash | None
 
 
 class AllocationPlan(NamedTuple):
     """What ``adopt_hit`` and ``grow`` will do for one group, counted before anything changes."""
 
     num_released: int  # the new table's leading entries a cached hit leaves released
-    num_from_pool: int  # of the hit's kept entries, those the pool holds (the rest load from a tier)
+    num_from_pool: int  # of the hit's kept entries, the leading run the pool holds (registered already)
     num_new_blocks: int
     needs_copy: bool  # the write lands in a shared block: copy-on-write
     cost: int  # free blocks the allocation takes (new, copy, revived cached, tier loads)
@@ -101,25 +97,32 @@ class SingleTypeManager:
         write_index = num_computed_tokens // self.block_size
         needs_copy = write_index < len(blocks) and blocks[write_index].ref_cnt > 1
         num_from_pool = next((i for i, entry in enumerate(kept) if not isinstance(entry, KVCacheBlock)), len(kept))
-        revived = sum(1 for block in kept[:num_from_pool] if block.ref_cnt == 0)
-        cost = num_new_blocks + needs_copy + revived + len(kept) - num_from_pool
+        # A full group's tier hits follow its pool run; a sliding group's may fall between pool blocks.
+        pooled = [entry for entry in kept if isinstance(entry, KVCacheBlock)]
+        revived = sum(1 for block in pooled if block.ref_cnt == 0)
+        cost = num_new_blocks + needs_copy + revived + len(kept) - len(pooled)
         return AllocationPlan(released, num_from_pool, num_new_blocks, needs_copy, cost)
 
     def adopt_hit(self, request_id: str, hit: list[HitEntry], plan: AllocationPlan) -> None:
-        """Make ``hit`` the head of a new table (no-op for a request that has one):
-        its cached blocks get one more reference (revived out of the free queue),
-        its tier hits are loaded into fresh blocks. The coordinator does this for
-        every group before any group takes a fresh block, which could otherwise
-        evict another group's cached hit."""
+        """Give ``hit``'s cached blocks one more reference each (reviving them out of
+        the free queue; no-op for a request that has a table). The coordinator does
+        this for every group before any group takes a fresh block (``load_hit``,
+        ``grow``), which could otherwise evict another group's cached hit."""
+        if request_id not in self.tables:
+            self.block_pool.touch(entry for entry in hit[plan.num_released:] if isinstance(entry, KVCacheBlock))
+
+    def load_hit(self, request_id: str, hit: list[HitEntry], plan: AllocationPlan) -> None:
+        """Make ``hit`` (adopted) the head of a new table, its tier hits loaded into
+        fresh blocks (no-op for a request that has a table)."""
         if request_id in self.tables:
             return
         kept = hit[plan.num_released:]
-        pooled = kept[:plan.num_from_pool]
-        self.block_pool.touch(pooled)
         # Loaded blocks are registered by the step's cache_full_blocks, which knows their tokens.
-        loaded = self.prefix_cache.load_from_tiers(kept[plan.num_from_pool:])
-        self.tables[request_id] = BlockTableRecord(
-            [None] * plan.num_released + pooled + loaded, plan.num_released, plan.num_released + len(pooled))
+        loaded = iter(self.prefix_cache.load_from_tiers(
+            [entry for entry in kept if not isinstance(entry, KVCacheBlock)], self.group))
+        entries: list[TableEntry] = [None] * plan.num_released
+        entries += [entry if isinstance(entry, KVCacheBlock) else next(loaded) for entry in kept]
+        self.tables[request_id] = BlockTableRecord(entries, plan.num_released, plan.num_released + plan.num_from_pool)
 
     def grow(self, request_id: str, num_computed_tokens: int, plan: AllocationPlan) -> list[BlockCopy]:
         """Carry out the rest of ``plan`` (the coordinator checked its cost against

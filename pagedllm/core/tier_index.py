@@ -32,10 +32,16 @@ Safety rules:
   Pinned entries may exceed the host capacity meanwhile (a disk-only set-up
   has capacity 0 and keeps only pinned entries). Pins are counted in time,
   not schedules: an idle engine waiting for a fetch runs many empty schedules.
+
+KV cache groups (``core.kv_groups``): a block serves one group, and the same
+tokens are other K/V in another group, so every entry is keyed by its group
+and hash (``tier_key``); the moves and the stores below carry that key. KV
+events announce group 0's entries only, as the pool's do.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -50,14 +56,25 @@ from pagedllm.core.kv_events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, Bloc
 MAX_FETCH_BLOCKS = 512
 
 
+def tier_key(group: int, block_hash: BlockHash) -> BlockHash:
+    """The tiers' key of a block of KV cache group ``group``: the hash itself in
+    group 0 (the key one-group pools, their disk files and KV events use), else a
+    digest of the group and the hash. A disk file's header repeats its key, so a
+    file serves only the group it was written for."""
+    if group == 0:
+        return block_hash
+    return hashlib.sha256(f"pagedllm-kv-group-{group}:".encode() + block_hash).digest()
+
+
 @dataclass
 class TierMoves:
     """One step's tier moves, in the order the runner performs them (see the module rules)."""
 
-    offload: list[tuple[int, BlockHash]] = field(default_factory=list)  # (pool block, hash): pool -> host
-    load: list[tuple[BlockHash, int]] = field(default_factory=list)  # (hash, pool block): host -> pool
+    # Tier entries are named by ``tier_key`` (the block hash in group 0).
+    offload: list[tuple[int, BlockHash]] = field(default_factory=list)  # (pool block, key): pool -> host
+    load: list[tuple[BlockHash, int]] = field(default_factory=list)  # (key, pool block): host -> pool
     drop: list[BlockHash] = field(default_factory=list)  # host entries to forget
-    persist: list[tuple[int, BlockHash]] = field(default_factory=list)  # (pool block, hash): pool -> disk
+    persist: list[tuple[int, BlockHash]] = field(default_factory=list)  # (pool block, key): pool -> disk
 
     def __bool__(self) -> bool:
         return bool(self.offload or self.load or self.drop or self.persist)
@@ -99,6 +116,9 @@ class TierCounters:
     persists: int = 0
     fetches: int = 0
     fetch_failures: int = 0
+    # Prompt tokens the tiers supplied: group 0's loads only (another group's load of
+    # the same block is the same tokens' other layers).
+    hit_tokens: int = 0
 
 
 class TierIndex:
@@ -115,18 +135,18 @@ class TierIndex:
         self.block_size = block_size
         self.fetch_pin_s = fetch_pin_s
         self._clock = clock
-        # The host tier's hashes, least recently used first.
-        self._host: OrderedDict[BlockHash, None] = OrderedDict()
+        # The host tier's keys (``tier_key``), least recently used first -> their group.
+        self._host: OrderedDict[BlockHash, int] = OrderedDict()
         # Landed fetches not loaded yet -> when their pin runs out; and this schedule's lookup hits.
         self._fetch_pins: dict[BlockHash, float] = {}
         self._lookup_pins: set[BlockHash] = set()
-        self._fetching: set[BlockHash] = set()
+        self._fetching: dict[BlockHash, int] = {}  # key -> group
         # Landed by a fetch and not yet loaded: a load of these counts as a disk hit.
         self._from_disk: set[BlockHash] = set()
         # Files that failed their checks this process: never asked for again.
         self._bad: set[BlockHash] = set()
-        # Blocks this process knows are on disk (its writes, its fetches): not persisted again.
-        self._on_disk: set[BlockHash] = set()
+        # Blocks this process knows are on disk (its writes, its fetches) -> group: not persisted again.
+        self._on_disk: dict[BlockHash, int] = {}
         self._moves = TierMoves()
         self._dropping: set[BlockHash] = set()  # this step's drops
         self.counters = TierCounters()
@@ -150,57 +170,95 @@ class TierIndex:
 
     # ----------------------------------------------------------- lookups
 
-    def lookup(self, block_hashes: Sequence[BlockHash]) -> tuple[int, bool]:
-        """How many leading ``block_hashes`` are in host memory now (loadable this
-        step), and whether the request must wait: the next ones are on disk,
-        being fetched (a fetch is started here for those not yet asked for)."""
+    def lookup(self, block_hashes: Sequence[BlockHash], group: int = 0) -> tuple[int, bool]:
+        """How many leading ``block_hashes`` (of KV cache group ``group``) are in host
+        memory now (loadable this step), and whether the request must wait: the next
+        ones are on disk, being fetched (a fetch is started here for those not yet asked for)."""
         self._land_fetches()
+        keys = [tier_key(group, block_hash) for block_hash in block_hashes]
         num_ready = 0
-        for block_hash in block_hashes:
-            if block_hash not in self._host:
+        for key in keys:
+            if not self._pin_if_held(key):
                 break
-            # Pinned for this schedule: the pool evictions that making room for
-            # the request may cause must not drop what it is about to load.
-            self._lookup_pins.add(block_hash)
             num_ready += 1
-        rest = block_hashes[num_ready:num_ready + MAX_FETCH_BLOCKS]
+        rest = keys[num_ready:num_ready + MAX_FETCH_BLOCKS]
         if not rest or not self.has_disk:
             return num_ready, False
         if rest[0] in self._fetching:
             return num_ready, True
         to_fetch: list[BlockHash] = []
-        for block_hash in rest:
-            # Not a block whose host entry this step drops (after the loads): a fetch
-            # started now could land before that drop and be dropped with it.
-            if block_hash in self._bad or block_hash in self._host or block_hash in self._dropping \
-                    or not self.disk.contains(block_hash):
+        for key in rest:
+            if not self._fetchable(key):
                 break
-            to_fetch.append(block_hash)
-        if not to_fetch:
-            return num_ready, False
-        self._fetching.update(to_fetch)
-        self.counters.fetches += len(to_fetch)
-        self.disk.fetch(to_fetch)
-        return num_ready, True
+            to_fetch.append(key)
+        return num_ready, self._fetch(to_fetch, group)
+
+    def find_each(self, block_hashes: Sequence[BlockHash], group: int) -> list[str | None]:
+        """Where each of ``block_hashes`` (of group ``group``; not a run: a sliding
+        group's window misses the pool here and there) is: ``"host"`` (loadable this
+        step), ``"disk"`` (being fetched, or a file ``fetch_each`` can read) or None."""
+        self._land_fetches()
+        found: list[str | None] = []
+        for block_hash in block_hashes:
+            key = tier_key(group, block_hash)
+            if self._pin_if_held(key):
+                found.append("host")
+            elif self.has_disk and (key in self._fetching or self._fetchable(key)):
+                found.append("disk")
+            else:
+                found.append(None)
+        return found
+
+    def fetch_each(self, block_hashes: Sequence[BlockHash], group: int) -> None:
+        """Start reading from disk those of ``block_hashes`` (of group ``group``) that
+        a fetch can bring and none is bringing yet."""
+        if self.has_disk:
+            keys = [tier_key(group, block_hash) for block_hash in block_hashes][:MAX_FETCH_BLOCKS]
+            self._fetch([key for key in keys if self._fetchable(key)], group)
+
+    def _pin_if_held(self, key: BlockHash) -> bool:
+        """Whether host memory holds ``key``; if so it is pinned for this schedule: the
+        pool evictions that making room for the request may cause must not drop what
+        it is about to load."""
+        if key not in self._host:
+            return False
+        self._lookup_pins.add(key)
+        return True
+
+    def _fetchable(self, key: BlockHash) -> bool:
+        """Whether a fetch of ``key`` may start now. Not a block whose host entry this
+        step drops (after the loads): a fetch started now could land before that drop
+        and be dropped with it."""
+        return not (key in self._bad or key in self._host or key in self._dropping or key in self._fetching) \
+            and self.disk.contains(key)
+
+    def _fetch(self, keys: list[BlockHash], group: int) -> bool:
+        """Start reading ``keys`` from disk; whether any was asked for."""
+        if not keys:
+            return False
+        self._fetching.update(dict.fromkeys(keys, group))
+        self.counters.fetches += len(keys)
+        self.disk.fetch(keys)
+        return True
 
     def _land_fetches(self) -> None:
         """Take the disk tier's reports: landed blocks become pinned host entries."""
         if self.disk is None or not self._fetching:
             return
-        for block_hash, outcome in self.disk.take_fetched():
-            self._fetching.discard(block_hash)
+        for key, outcome in self.disk.take_fetched():
+            group = self._fetching.pop(key, 0)
             if outcome != "landed":
                 if outcome == "bad":  # removed, but if it cannot be, never read again
-                    self._bad.add(block_hash)
+                    self._bad.add(key)
                 self.counters.fetch_failures += 1
                 continue
-            self._on_disk.add(block_hash)
-            self._from_disk.add(block_hash)
-            # Offloaded meanwhile or not, the runner holds one entry per hash (the
+            self._on_disk[key] = group
+            self._from_disk.add(key)
+            # Offloaded meanwhile or not, the runner holds one entry per key (the
             # same block's bytes either way): pin it for the request that waits.
-            self._host[block_hash] = None
-            self._host.move_to_end(block_hash)
-            self._fetch_pins[block_hash] = self._clock() + self.fetch_pin_s
+            self._host[key] = group
+            self._host.move_to_end(key)
+            self._fetch_pins[key] = self._clock() + self.fetch_pin_s
 
     def wait_landed(self) -> bool:
         """Land what has arrived; True if nothing is in flight any more."""
@@ -209,48 +267,53 @@ class TierIndex:
 
     # ------------------------------------------------------------- moves
 
-    def load(self, block_hash: BlockHash, block_id: int) -> None:
+    def load(self, block_hash: BlockHash, block_id: int, group: int = 0) -> None:
         """Copy a host entry into pool block ``block_id`` this step; the entry
         stays (unpinned, most recently used), so a later eviction of that block
         costs no copy."""
-        if block_hash not in self._host:
+        key = tier_key(group, block_hash)
+        if key not in self._host:
             raise ValueError("a tier load names a block the host tier does not hold")
-        self._moves.load.append((block_hash, block_id))
-        if block_hash in self._from_disk:
-            self._from_disk.discard(block_hash)
+        self._moves.load.append((key, block_id))
+        if key in self._from_disk:
+            self._from_disk.discard(key)
             self.counters.disk_hits += 1
         else:
             self.counters.host_hits += 1
-        self._fetch_pins.pop(block_hash, None)
-        self._host.move_to_end(block_hash)
+        if group == 0:
+            self.counters.hit_tokens += self.block_size
+        self._fetch_pins.pop(key, None)
+        self._host.move_to_end(key)
         self._shrink()
 
     def offload(self, block_id: int, block_hash: BlockHash, parent: BlockHash | None,
-                token_ids: Sequence[int] | None) -> None:
-        """The pool evicts ``block_id`` (holding ``block_hash``): keep a copy in host memory."""
-        if self.host_capacity_blocks == 0 or block_hash in self._dropping or block_hash in self._fetching:
+                token_ids: Sequence[int] | None, group: int = 0) -> None:
+        """The pool evicts ``block_id`` (holding ``block_hash`` of ``group``): keep a copy in host memory."""
+        key = tier_key(group, block_hash)
+        if self.host_capacity_blocks == 0 or key in self._dropping or key in self._fetching:
             # An entry dropped this step: the runner drops after it offloads, so a new
             # copy would be dropped with the old one. One being fetched: the fetch
             # brings it, and an entry dropped meanwhile could take the fetched bytes along.
             return
-        if block_hash in self._host:
-            self._host.move_to_end(block_hash)
+        if key in self._host:
+            self._host.move_to_end(key)
             return
-        self._moves.offload.append((block_id, block_hash))
-        self._host[block_hash] = None
+        self._moves.offload.append((block_id, key))
+        self._host[key] = group
         self.counters.offloads += 1
-        self._announce(MEDIUM_HOST, block_hash, parent, token_ids)
+        self._announce(MEDIUM_HOST, group, block_hash, parent, token_ids)
         self._shrink()
 
     def persist(self, block_id: int, block_hash: BlockHash, parent: BlockHash | None,
-                token_ids: Sequence[int] | None) -> None:
+                token_ids: Sequence[int] | None, group: int = 0) -> None:
         """A block was just cached in the pool: write it to disk after this step's forward."""
-        if not self.has_disk or block_hash in self._on_disk:
+        key = tier_key(group, block_hash)
+        if not self.has_disk or key in self._on_disk:
             return
-        self._on_disk.add(block_hash)
-        self._moves.persist.append((block_id, block_hash))
+        self._on_disk[key] = group
+        self._moves.persist.append((block_id, key))
         self.counters.persists += 1
-        self._announce(MEDIUM_DISK, block_hash, parent, token_ids)
+        self._announce(MEDIUM_DISK, group, block_hash, parent, token_ids)
 
     def take_moves(self) -> TierMoves:
         """The moves since the last call (the scheduler puts them in its output);
@@ -291,25 +354,27 @@ class TierIndex:
                 victims.append(block_hash)
         self._drop(victims)
 
-    def _drop(self, block_hashes: list[BlockHash]) -> None:
-        for block_hash in block_hashes:
-            del self._host[block_hash]
-            self._moves.drop.append(block_hash)
-            self._dropping.add(block_hash)
-        if block_hashes and self.events is not None:
-            self.events.append(BlockRemoved(list(block_hashes), MEDIUM_HOST))
+    def _drop(self, keys: list[BlockHash]) -> None:
+        announced = []
+        for key in keys:
+            if self._host.pop(key) == 0:
+                announced.append(key)
+            self._moves.drop.append(key)
+            self._dropping.add(key)
+        if announced and self.events is not None:
+            self.events.append(BlockRemoved(announced, MEDIUM_HOST))
 
-    def _announce(self, medium: str, block_hash: BlockHash, parent: BlockHash | None,
+    def _announce(self, medium: str, group: int, block_hash: BlockHash, parent: BlockHash | None,
                   token_ids: Sequence[int] | None) -> None:
-        if self.events is not None:
+        if self.events is not None and group == 0:
             self.events.append(BlockStored([block_hash], parent, list(token_ids or ()), self.block_size, medium))
 
-    def note_disk_removed(self, block_hashes: list[BlockHash]) -> None:
-        """The disk tier lost these files (evicted for its budget, or a write failed)."""
-        for block_hash in block_hashes:
-            self._on_disk.discard(block_hash)
-        if block_hashes and self.events is not None:
-            self.events.append(BlockRemoved(list(block_hashes), MEDIUM_DISK))
+    def note_disk_removed(self, keys: list[BlockHash]) -> None:
+        """The disk tier lost these files (evicted for its budget, or a write failed).
+        The events name group 0's (and files of an earlier run, whose group is not known)."""
+        announced = [key for key in keys if self._on_disk.pop(key, 0) == 0]
+        if announced and self.events is not None:
+            self.events.append(BlockRemoved(announced, MEDIUM_DISK))
 
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` if the host index breaks its capacity rule."""

@@ -4,8 +4,9 @@ A block's K/V depend on the weights, the dtype, the KV storage type, the
 block size and the pool's layout. The tiers key blocks by their chained hash
 (which covers tokens and salt) *and* this fingerprint, so a block is never
 served to a model or layout it was not computed for: a different checkpoint,
-a fine-tune at the same path, another dtype or ``gguf_weights`` mode each
-get a folder of their own, and every file's header repeats the fingerprint.
+a fine-tune at the same path, another dtype or ``gguf_weights`` mode, or
+another KV cache group layout each get a folder of their own, and every
+file's header repeats the fingerprint.
 
 The weights are identified by content, cheaply: each checkpoint file's name,
 size and the digests of its first, middle and last MiB (two engines loading
@@ -17,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+
+from pagedllm.core.kv_groups import KVGroupLayout
 
 _SAMPLE = 1 << 20
 _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json")
@@ -43,9 +46,13 @@ def weights_identity(model_path: str) -> list[list]:
 
 
 def tier_fingerprint(model_path: str, dtype: str, kv_cache_dtype: str, block_size: int, layout: str,
-                     gguf_weights: str) -> str:
-    """The hex sha256 that names a pool's blocks in the tiers."""
-    description = {
+                     gguf_weights: str, kv_groups: KVGroupLayout | None = None) -> str:
+    """The hex sha256 that names a pool's blocks in the tiers. A hybrid layout's
+    groups (``core.kv_groups``) are part of it: its block holds one group's layers
+    in its slots, which a one-group block of the same size would not mean. One
+    group adds nothing, so the fingerprints (and folders) of one-group pools are
+    the ones they had before groups existed."""
+    description: dict[str, object] = {
         "format": FORMAT_VERSION,
         "weights": weights_identity(model_path),
         "dtype": dtype,
@@ -54,4 +61,6 @@ def tier_fingerprint(model_path: str, dtype: str, kv_cache_dtype: str, block_siz
         "layout": layout,
         "gguf_weights": gguf_weights,
     }
+    if kv_groups is not None and kv_groups.is_hybrid:
+        description["kv_groups"] = [[group.kind, list(group.layers), group.window] for group in kv_groups.groups]
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()

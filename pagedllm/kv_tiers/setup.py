@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.config.engine import EngineConfig
 from pagedllm.core.kv_events import KVEventLog
+from pagedllm.core.kv_groups import KVGroupLayout
 from pagedllm.core.tier_index import TierIndex
 from pagedllm.kv_tiers.block_codec import BlockCodec
 from pagedllm.kv_tiers.disk import DiskTier
@@ -60,15 +61,16 @@ class KVTiers:
 
 
 def build_kv_tiers(config: EngineConfig, kv_caches: list[LayerKVCache], model_path: str, block_size: int,
-                   events: KVEventLog | None) -> KVTiers | None:
-    """The configured tiers over ``kv_caches`` (None when none is configured)."""
+                   events: KVEventLog | None, kv_groups: KVGroupLayout | None = None) -> KVTiers | None:
+    """The configured tiers over ``kv_caches`` (None when none is configured): with a
+    hybrid ``kv_groups``, the slot caches, so a tier entry is one group's block."""
     offload = config.kv_offload
     if not offload.enabled:
         return None
     codec = BlockCodec(kv_caches)
     host_blocks = offload.host_blocks if offload.host_blocks is not None else offload.host_bytes // codec.block_bytes
     fingerprint = tier_fingerprint(model_path, config.dtype, config.cache.kv_cache_dtype, block_size, codec.layout,
-                                   config.gguf_weights)
+                                   config.gguf_weights, kv_groups)
     host = HostBlockStore(codec)
     disk = None
     if offload.disk_dir is not None:

@@ -214,8 +214,7 @@ class PrometheusStatLogger:
             if key in stats:
                 self._advance(metrics["kv_tier_bad_files"].labels(model_name=self.model_name, reason=reason), key,
                               stats[key])
-        tier_tokens = (stats["host_tier_hits"] + stats["disk_tier_hits"]) * stats["block_size"]
-        self._advance(metrics["external_prefix_cache_hits"], "external_prefix_cache_hits", tier_tokens)
+        self._advance(metrics["external_prefix_cache_hits"], "external_prefix_cache_hits", stats["tier_hit_tokens"])
 
     def _advance(self, counter: Any, key: str, total: float) -> None:
         """Bring a counter up to a cumulative ``total`` from the stats."""

@@ -94,7 +94,7 @@ class ModelRunner:
         self.device = device
         self.attention = attention_backend_for(device, block_size, spec.kv_cache_dtype, tails=spec.num_tail_slots > 0,
                                                dtype=spec.dtype)
-        groups = spec.kv_groups
+        self.kv_groups = groups = spec.kv_groups
         self.num_kv_groups = groups.num_groups
         no_graphs = why_no_graphs(model, device, self.attention, groups.num_groups) if spec.cuda_graphs \
             else "enforce_eager"

@@ -11,12 +11,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
 from pagedllm.core.block_hash import extend_block_hashes
+from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_events import BlockRemoved, BlockStored, KVEventLog
 from pagedllm.core.kv_groups import kv_group_layout
 from pagedllm.core.kv_interface import NULL_BLOCK_ID, BlockCopy
 from pagedllm.core.request import Request
 from pagedllm.core.sliding_window import num_out_of_window_blocks
+from pagedllm.core.tier_index import TierIndex, tier_key
 from pagedllm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -238,9 +240,55 @@ def test_pool_snapshot_names_each_blocks_group():
     assert all(block["group"] is None for block in kv.pool_snapshot() if block["state"] == "free")
 
 
-def test_hybrid_layouts_refuse_the_offload_tiers():
-    with pytest.raises(ValueError, match="one full-attention KV cache group, not 3"):
-        manager(tiers=object())
+def test_tier_hits_count_per_group_and_load_each_groups_blocks():
+    """A prefix evicted to the host tier comes back per group: group 0 all of it, a
+    sliding group only the blocks inside the window of the hit point, each under its
+    own (group, hash) key, loaded into fresh blocks of that group's table."""
+    tiers = TierIndex(host_capacity_blocks=64, block_size=BLOCK_SIZE)
+    kv = manager(num_blocks=33, tiers=tiers)
+    prompt = list(range(100, 140))  # 10 full blocks, cached in each of the 3 groups
+    kv.free(prefill(kv, "a", prompt).request_id)
+    kv.free(prefill(kv, "b", list(range(500, 544))).request_id)  # 33 blocks: every one of "a"'s is evicted
+    assert tiers.num_host_blocks == 30 and kv.take_tier_moves().offload
+    hashes = extend_block_hashes([], prompt, BLOCK_SIZE)
+    hit = kv.get_computed_blocks(request("c", prompt + [1]))
+    window_start = num_out_of_window_blocks(40, WINDOW, BLOCK_SIZE)
+    assert hit.num_tokens == 40 and not hit.loading
+    assert hit.blocks[0] == hashes and hit.blocks[1] == hit.blocks[2] == [None] * window_start + hashes[window_start:]
+    assert kv.allocate_slots("c", 40, 1, hit.blocks) == []
+    loads = dict(kv.take_tier_moves().load)
+    tables = kv.get_block_ids("c")
+    expected = {tier_key(group, hashes[index]): tables[group][index]
+                for group in range(3) for index in range(window_start if group else 0, 10)}
+    assert loads == expected and len(set(loads)) == 10 + 2 * (10 - window_start)
+    assert tables[1][:window_start] == [NULL_BLOCK_ID] * window_start
+    kv.check_invariants({"c": 41}, swapped=())
+    kv.free("c")
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_sliding_groups_hit_mixes_pool_blocks_and_tier_loads():
+    """Evictions take group 0's blocks, then group 1's last one: group 0 loads all of
+    its hit, group 1 keeps its pool block and loads the next, group 2 loads nothing."""
+    tiers = TierIndex(host_capacity_blocks=64, block_size=BLOCK_SIZE)
+    kv = manager(num_blocks=33, tiers=tiers)
+    prompt = list(range(100, 140))
+    kv.free(prefill(kv, "a", prompt).request_id)  # free queue: 3 unused, then each group's blocks, tail first
+    kv.block_pool.free_blocks(kv.block_pool.get_new_blocks(3 + 10 + 1))
+    hashes = extend_block_hashes([], prompt, BLOCK_SIZE)
+    hit = kv.get_computed_blocks(request("c", prompt + [1]))
+    assert hit.num_tokens == 40 and hit.blocks[0] == hashes
+    (kept_1, loaded_1), pooled_2 = hit.blocks[1][8:], hit.blocks[2][8:]
+    assert isinstance(kept_1, KVCacheBlock) and loaded_1 == hashes[9]
+    assert all(isinstance(block, KVCacheBlock) for block in pooled_2)
+    assert kv.allocate_slots("c", 40, 1, hit.blocks) == []
+    kv.take_tier_moves()  # the evictions' offloads and the loads
+    tables = kv.get_block_ids("c")
+    assert tables[1][8] == kept_1.block_id and tables[2][8:10] == [block.block_id for block in pooled_2]
+    assert tiers.counters.host_hits == 11
+    kv.check_invariants({"c": 41}, swapped=())
+    kv.free("c")
+    assert kv.num_free_blocks == kv.num_blocks
 
 
 class CoordinatorMachine(RuleBasedStateMachine):
@@ -260,6 +308,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.requests: dict[str, Request] = {}
         self.swapped: set[str] = set()
         self.ids = itertools.count()
+        self.prompts: list[list[int]] = []  # every prompt admitted, for prompts that repeat one
 
     def _write(self, seq: str, start: int, labels: list) -> None:
         tables = self.kv.get_block_ids(seq)
@@ -276,6 +325,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @rule(target=sequences, tokens=st.lists(st.integers(0, 2), min_size=1, max_size=30))
     def admit(self, tokens):
         seq = f"s{next(self.ids)}"
+        self.prompts.append(tokens)
         req = request(seq, tokens)
         hits, num_cached, _ = self.kv.get_computed_blocks(req)
         assert num_cached % BLOCK_SIZE == 0 and num_cached < len(tokens)
@@ -283,6 +333,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         if copies is None:
             return multiple()
         assert copies == []
+        self._copy(copies)
         req.num_computed_tokens = num_cached
         self._write(seq, num_cached, tokens[num_cached:])
         self.kv.cache_full_blocks(req, len(tokens))
@@ -333,7 +384,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
         req = self.requests[seq]
         if self.kv.swap_in_cost(seq, req.num_tokens, 1) > self.kv.num_free_blocks:
             return
-        for host, device in self.kv.swap_in(seq):
+        moves = self.kv.swap_in(seq)
+        self._copy([])  # (the tiered machine's offloads: a swap-in may evict)
+        for host, device in moves:
             self.pool[device] = list(self.host[host])
         self.swapped.discard(seq)
         copies = self.kv.allocate_slots(seq, req.num_tokens, 1)
@@ -382,3 +435,36 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
 TestCoordinator = CoordinatorMachine.TestCase
 TestCoordinator.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class TieredCoordinatorMachine(CoordinatorMachine):
+    """The same operations over a host tier that keeps what the pool evicts: each group's
+    blocks go down and come back under their own key (``tier_key``) and still read their
+    group's tokens. The tier's moves are carried out in the runner's order around the copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = manager(self.NUM_BLOCKS, num_swap_blocks=self.NUM_BLOCKS,
+                          tiers=TierIndex(host_capacity_blocks=24, block_size=BLOCK_SIZE))
+        self.tier_store: dict[bytes, list] = {}
+
+    @rule(target=CoordinatorMachine.sequences, index=st.integers(0, 40), extra=st.lists(st.integers(0, 2), min_size=1, max_size=5))
+    def readmit(self, index, extra):
+        """A prompt admitted before, extended: its prefix is often below the pool by now."""
+        if not self.prompts:
+            return multiple()
+        return self.admit(self.prompts[index % len(self.prompts)] + extra)
+
+    def _copy(self, copies) -> None:
+        moves = self.kv.take_tier_moves()
+        for block, key in moves.offload:
+            self.tier_store[key] = list(self.pool[block])
+        super()._copy(copies)
+        for key, block in moves.load:
+            self.pool[block] = list(self.tier_store[key])
+        for key in moves.drop:
+            del self.tier_store[key]
+
+
+TestTieredCoordinator = TieredCoordinatorMachine.TestCase
+TestTieredCoordinator.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)

@@ -80,7 +80,6 @@ def test_a_layout_must_cover_every_layer_once():
 
 @pytest.mark.parametrize("engine_options", [
     dict(cache=CacheConfig(kv_layout="contiguous")),
-    dict(cache=CacheConfig(kv_offload_host_bytes=2**26)),
 ])
 def test_what_a_hybrid_layout_does_not_run_is_refused_naming_the_escape_hatch(engine_options):
     config = EngineConfig(**engine_options)

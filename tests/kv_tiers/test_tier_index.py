@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.core.kv_events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, KVEventLog
-from pagedllm.core.tier_index import TierIndex
+from pagedllm.core.tier_index import TierIndex, tier_key
 
 
 class DictDisk:
@@ -185,3 +185,25 @@ def test_a_block_dropped_this_step_is_not_fetched_in_it_and_a_fetched_one_not_of
     disk.complete()
     assert index.lookup([h(2), h(1), h(3)]) == (3, False)
     index.check_invariants()
+
+
+def test_each_group_has_its_own_entries_and_only_group_0_is_announced():
+    """The same hash in another KV cache group is another block (other layers' K/V)."""
+    disk = DictDisk({tier_key(2, h(5))})
+    events = KVEventLog()
+    index = TierIndex(host_capacity_blocks=1, disk=disk, events=events)
+    index.offload(0, h(1), None, None, group=1)
+    assert index.take_moves().offload == [(0, tier_key(1, h(1)))] and events.take() == []
+    assert index.lookup([h(1)]) == (0, False) and index.lookup([h(1)], group=1) == (1, False)
+    assert index.find_each([h(1), h(5), h(6)], group=2) == [None, "disk", None]
+    index.fetch_each([h(5)], group=2)
+    assert disk.requested == [tier_key(2, h(5))]
+    index.take_moves()  # the lookups' pins end with their schedule
+    index.offload(1, h(1), None, None)  # group 0's block of the same tokens: group 1's entry makes room
+    moves = index.take_moves()
+    assert moves.offload == [(1, h(1))] and moves.drop == [tier_key(1, h(1))]
+    assert events.take() == [BlockStored([h(1)], None, [], 16, MEDIUM_HOST)]  # group 1's drop goes unannounced
+    disk.complete()
+    assert index.find_each([h(5)], group=2) == ["host"]
+    index.load(h(5), 3, group=2)
+    assert index.take_moves().load == [(tier_key(2, h(5)), 3)] and index.counters.disk_hits == 1
