@@ -78,14 +78,13 @@ def test_a_layout_must_cover_every_layer_once():
         KVGroupSpec("full", (0,), 8)
 
 
-@pytest.mark.parametrize("engine_options", [
-    dict(cache=CacheConfig(kv_layout="contiguous")),
-])
-def test_what_a_hybrid_layout_does_not_run_is_refused_naming_the_escape_hatch(engine_options):
-    config = EngineConfig(**engine_options)
+def test_the_contiguous_layout_is_refused_with_groups_naming_the_escape_hatch():
+    config = EngineConfig(cache=CacheConfig(kv_layout="contiguous"))
     with pytest.raises(ValueError, match="split into 2 groups.*--disable-hybrid-kv-cache-manager"):
         config.scheduler_config(64, [8, None])
     # One group runs it as before; so does a model whose layers all attend alike.
+    # (int8, a draft model, LoRA and the tiers run with groups: test_hybrid_int8.py,
+    # test_hybrid_speculation.py, test_lora_hybrid.py, test_hybrid_tiers.py.)
     one_group = replace(config, cache=replace(config.cache, disable_hybrid_kv_cache_manager=True))
     assert not one_group.scheduler_config(64, [8, None]).kv_groups.is_hybrid
     assert config.scheduler_config(64, [None, None]).kv_groups.num_groups == 1
