@@ -36,19 +36,11 @@ SWA_LOG = """\
 0.01.135.786 I llama_kv_cache: attn_rot_v = 0, n_embd_head_k_all = 256
 """
 
-# The same with --swa-full: the SWA cache is as long as the context.
+# The same with --swa-full (its warning and cache lines): the SWA cache is as long as the context.
 SWA_FULL_LOG = """\
 0.01.117.398 W llama_kv_cache_iswa: using full-size SWA cache (ref: https://github.com/ggml-org/llama.cpp/pull/13194#issuecomment-2868343055)
-0.01.117.398 I llama_kv_cache_iswa: creating non-SWA KV cache, size = 4096 cells
-0.01.117.489 I llama_kv_cache:        CPU KV buffer size =    24.00 MiB
 0.01.142.309 I llama_kv_cache: size =   24.00 MiB (  4096 cells,   3 layers,  1/1 seqs), K (f32):   12.00 MiB, V (f32):   12.00 MiB
-0.01.142.334 I llama_kv_cache: attn_rot_k = 0, n_embd_head_k_all = 256
-0.01.142.334 I llama_kv_cache: attn_rot_v = 0, n_embd_head_k_all = 256
-0.01.142.337 I llama_kv_cache_iswa: creating     SWA KV cache, size = 4096 cells
-0.01.142.430 I llama_kv_cache:        CPU KV buffer size =   120.00 MiB
 0.01.279.415 I llama_kv_cache: size =  120.00 MiB (  4096 cells,  15 layers,  1/1 seqs), K (f32):   60.00 MiB, V (f32):   60.00 MiB
-0.01.279.441 I llama_kv_cache: attn_rot_k = 0, n_embd_head_k_all = 256
-0.01.279.441 I llama_kv_cache: attn_rot_v = 0, n_embd_head_k_all = 256
 """
 
 
