@@ -138,6 +138,10 @@ def _add_hybrid_kv_parser(benches: argparse._SubParsersAction) -> None:
                     help="full-attention model of the w1 run (default: the engine's default, SmolLM2)")
     hk.add_argument("--num-prompts", type=int, default=64, help="requests of the w1 mixed workload")
     hk.add_argument("--rounds", type=int, default=3, help="w1 runs per mode, alternating; the best is kept")
+    hk.add_argument("--llama-server", default=None, metavar="PATH",
+                    help="llama.cpp's llama-server to put beside the engine (default: the one on the PATH, if any)")
+    hk.add_argument("--llama-cache-type", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
+                    help="llama-server's -ctk/-ctv (default %(default)s: pagedllm's KV on the GGUF is float32)")
 
 
 def _add_kernel_benches(benches: argparse._SubParsersAction) -> None:

@@ -249,9 +249,11 @@ def cmd_bench_hybrid_kv(args: argparse.Namespace) -> None:
                 throughput[label] = result
     for llm in llms.values():
         llm.shutdown()
-    tables = [hybrid_kv.format_held(rows, args.measure_up_to),
-              hybrid_kv.format_concurrency(peaks, args.num_seqs, args.concurrent_len, budget),
-              hybrid_kv.format_throughput(throughput), hybrid_kv.llama_server_note()]
+    llama = hybrid_kv.llama_columns(args.llama_server, model, args.llama_cache_type, args.lengths,
+                                    args.concurrent_len, budget)
+    tables = [hybrid_kv.format_held(rows, args.measure_up_to, llama),
+              hybrid_kv.format_concurrency(peaks, args.num_seqs, args.concurrent_len, budget, llama),
+              hybrid_kv.format_throughput(throughput), llama.note]
     report(args, "\n\n".join(tables),
            f"Model {model}; KV budget {budget / 2**20:.0f} MiB, prefill chunks of {chunk} "
            f"tokens, random prompts. Groups with the hybrid manager: {groups['hybrid']}; without: "

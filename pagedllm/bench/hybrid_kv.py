@@ -18,11 +18,11 @@ Three measurements, each with the manager on and off in the same run:
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.bench import llama_server_kv
 from pagedllm.bench.tables import markdown_table
 from pagedllm.bench.throughput import BenchResult, random_requests
 from pagedllm.kv_layouts import blocks_held
@@ -98,29 +98,55 @@ def concurrent_sequences(make: Callable[[bool], LLM], num_seqs: int, tokens: int
     return peaks
 
 
-def llama_server_note() -> str:
-    """llama.cpp's server beside these numbers where a build exists; this bench does not drive it yet."""
-    path = shutil.which("llama-server")
-    if path is None:
-        return "llama.cpp: no `llama-server` on this machine (PATH), so no llama.cpp column."
-    return f"llama.cpp: `{path}` exists but this bench does not run it yet (`--swa-full` on/off by hand)."
+@dataclass
+class LlamaColumns:
+    """llama.cpp's figures beside the engine's, or only the note why there are none."""
+
+    note: str
+    held: dict[int, dict[str, int]] = field(default_factory=dict)  # tokens -> mode label -> bytes
+    slots: dict[str, int] = field(default_factory=dict)  # mode label -> most sequences in the budget
 
 
-def format_held(rows: list[HeldRow], measure_up_to: int) -> str:
+def llama_columns(path: str | None, model: str, cache_type: str, lengths: list[int], tokens: int,
+                  budget: int) -> LlamaColumns:
+    """Run ``llama-server`` (``path``, else the PATH's) on the same GGUF: the KV bytes of one
+    sequence at each length and the most ``tokens``-token slots whose KV fits in ``budget``."""
+    binary = llama_server_kv.find_llama_server(path)
+    if binary is None:
+        return LlamaColumns("llama.cpp: no `llama-server` on this machine (PATH or --llama-server), so no llama.cpp "
+                            "column.")
+    if not model.endswith(".gguf"):
+        return LlamaColumns(f"llama.cpp: `{binary}` found, but the model is not a GGUF file, so no llama.cpp column.")
+    server = llama_server_kv.LlamaServer(binary, model, cache_type)
+    held = llama_server_kv.bytes_per_sequence(server, sorted({*lengths, tokens}))
+    slots = llama_server_kv.most_sequences(server, tokens, budget, held[tokens])
+    return LlamaColumns(
+        f"llama.cpp: `{binary}` on the same GGUF, KV cache type {cache_type}, the bytes it logs allocating "
+        f"(`llama_kv_cache: size = ...`) with its SWA cache and with `--swa-full`, no request run: per sequence "
+        f"`-c N -np 1`; at once, the largest P whose `-c {tokens}*P -np P --kv-unified` cache fits the KV budget, "
+        "found by starting it.", held, slots)
+
+
+def format_held(rows: list[HeldRow], measure_up_to: int, llama: LlamaColumns) -> str:
     table = []
+    labels = [label for label, _ in llama_server_kv.MODES] if llama.held else []
     for row in rows:
         on, off = row.bytes_held["hybrid"], row.bytes_held["no hybrid"]
         how = "measured (peak during prefill)" if row.measured else f"layout arithmetic (> {measure_up_to} not run)"
-        table.append([row.tokens, f"{on / 2**20:.1f}", f"{off / 2**20:.1f}", f"{on / off:.2f}x", how])
-    return markdown_table(["tokens", "hybrid (MiB)", "no hybrid (MiB)", "hybrid / no hybrid", "how"], table)
+        theirs = [f"{llama.held[row.tokens][label] / 2**20:.1f}" for label in labels]
+        table.append([row.tokens, f"{on / 2**20:.1f}", f"{off / 2**20:.1f}", f"{on / off:.2f}x", *theirs, how])
+    return markdown_table(["tokens", "hybrid (MiB)", "no hybrid (MiB)", "hybrid / no hybrid",
+                           *(f"{label} (MiB)" for label in labels), "how"], table)
 
 
-def format_concurrency(peaks: dict[str, int], num_seqs: int, tokens: int, kv_budget: int) -> str:
+def format_concurrency(peaks: dict[str, int], num_seqs: int, tokens: int, kv_budget: int,
+                       llama: LlamaColumns) -> str:
     on, off = peaks["hybrid"], peaks["no hybrid"]
     return markdown_table(
         ["sequence length", "KV budget (MiB)", "submitted", "hybrid: most at once", "no hybrid: most at once",
-         "hybrid / no hybrid"],
-        [[tokens, f"{kv_budget / 2**20:.0f}", num_seqs, on, off, f"{on / off:.2f}x" if off else "-"]])
+         "hybrid / no hybrid", *(f"{label}: most slots that fit" for label in llama.slots)],
+        [[tokens, f"{kv_budget / 2**20:.0f}", num_seqs, on, off, f"{on / off:.2f}x" if off else "-",
+          *llama.slots.values()]])
 
 
 def format_throughput(results: dict[str, BenchResult]) -> str:
