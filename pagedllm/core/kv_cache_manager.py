@@ -195,7 +195,8 @@ class KVCacheManager:
 
         Blocks shared with another table stay resident (the request keeps its
         reference), so a preempted sibling never takes memory from the others.
-        Returns the swap-outs to perform before the next forward pass, or None (nothing changed) if the host pool is short.
+        Returns the swap-outs to perform before the next forward pass, or None
+        (nothing changed) if the host pool is short.
         """
         private = [block for group in self.groups for block in group.private_blocks(request_id)]
         host_blocks = self.swap_space.allocate(len(private))
