@@ -34,6 +34,4 @@ def poison_engine_pools(llm) -> None:
     runner = llm.llm_engine.runner
     for layer in runner.kv_caches:
         poison_layer(layer)
-    for host_layer in runner.swap_pool.caches:
-        for tensor in host_layer:
-            poison_tensor(tensor)
+    poison_tensor(runner.host_store.swap_rows)

@@ -22,7 +22,7 @@ from collections.abc import Collection, Mapping
 
 from pagedllm.core.request import Request
 from pagedllm.core.kv_interface import BlockCopy, KVCacheStats, PrefixHit
-from pagedllm.core.tier_index import TierMoves
+from pagedllm.core.block_moves import BlockMovePlan, SwapIn, SwapOut
 from pagedllm.utils import cdiv, check_block_size
 
 
@@ -111,8 +111,8 @@ class ContiguousKVCacheManager:
     def prefetch(self, request: Request) -> None:
         return  # no prefix cache, nothing to fetch
 
-    def take_tier_moves(self) -> TierMoves:
-        return TierMoves()  # no prefix cache, so no tiers below it
+    def take_tier_moves(self) -> BlockMovePlan:
+        return BlockMovePlan()  # no prefix cache, so no tiers below it
 
     def reset_prefix_cache(self) -> int:
         return 0
@@ -174,13 +174,13 @@ class ContiguousKVCacheManager:
     def fork(self, parent_id: str, child_id: str) -> list[BlockCopy] | None:
         raise ValueError("the contiguous KV layout cannot fork sequences (n > 1, beam search); use kv_layout='paged'")
 
-    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+    def swap_out(self, request_id: str) -> list[SwapOut] | None:
         return None  # no swap space: the scheduler falls back to recompute
 
     def swap_in_cost(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> int:
         raise ValueError(f"request {request_id!r} is not swapped out: the contiguous layout never swaps")
 
-    def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
+    def swap_in(self, request_id: str) -> list[SwapIn] | None:
         raise ValueError(f"request {request_id!r} is not swapped out: the contiguous layout never swaps")
 
     def stats(self) -> KVCacheStats:

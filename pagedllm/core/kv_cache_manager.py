@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 
 from pagedllm.core.block_hash import external_block_hash
+from pagedllm.core.block_moves import BlockMovePlan, SwapIn, SwapOut
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.kv_events import KVEventLog
 from pagedllm.core.kv_interface import BlockCopy, KVCacheStats, PrefixHit
@@ -22,7 +23,7 @@ from pagedllm.core.request import Request
 from pagedllm.core.single_type_manager import HitEntry, SingleTypeManager
 from pagedllm.core.swap_space import SwapSpace
 from pagedllm.core.table_invariants import check_paged_tables
-from pagedllm.core.tier_index import TierCounters, TierIndex, TierMoves
+from pagedllm.core.tier_index import TierCounters, TierIndex
 from pagedllm.utils import cdiv, check_block_size
 
 class KVCacheManager:
@@ -165,7 +166,7 @@ class KVCacheManager:
         self._note_peak()
         return copies
 
-    def take_tier_moves(self) -> TierMoves:
+    def take_tier_moves(self) -> BlockMovePlan:
         return self.prefix_cache.take_tier_moves()
 
     def num_released(self, request_id: str) -> list[int]:
@@ -189,13 +190,13 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         return self.prefix_cache.reset()
 
-    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+    def swap_out(self, request_id: str) -> list[SwapOut] | None:
         """Move the request's private blocks (of every group) to host memory and free them.
 
         Blocks shared with another table stay resident (the request keeps its
         reference), so a preempted sibling never takes memory from the others.
-        Returns the ``(device block, host block)`` copies to perform before the
-        next forward pass, or None (nothing changed) if the host pool is short.
+        Returns the swap-outs to perform before the next forward pass, or None
+        (nothing changed) if the host pool is short.
         """
         private = [block for group in self.groups for block in group.private_blocks(request_id)]
         host_blocks = self.swap_space.allocate(len(private))
@@ -205,22 +206,22 @@ class KVCacheManager:
         for group in self.groups:
             group.swap_out(request_id, to_host)
         self.num_swap_out_blocks += len(private)
-        return [(block.block_id, host) for block, host in to_host.items()]
+        return [SwapOut(block.block_id, host) for block, host in to_host.items()]
 
     def swap_in_cost(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> int:
         """Free blocks that ``swap_in`` followed by ``allocate_slots(num_computed_tokens,
         num_new_tokens)`` will take, so the scheduler can check before doing either."""
         return sum(group.swap_in_cost(request_id, num_computed_tokens, num_new_tokens) for group in self.groups)
 
-    def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
+    def swap_in(self, request_id: str) -> list[SwapIn] | None:
         """Bring a swapped request's blocks back into fresh device blocks.
-        Returns the ``(host block, device block)`` copies, or None if the pool is short.
+        Returns the swap-ins, or None if the pool is short.
         Released (None) entries stay released."""
         needed = sum(group.num_host_blocks(request_id) for group in self.groups)
         if needed > self.num_free_blocks:
             return None
         fresh = iter(self.block_pool.get_new_blocks(needed))
-        copies = [copy for group in self.groups for copy in group.swap_in(request_id, fresh)]
+        copies = [SwapIn(*copy) for group in self.groups for copy in group.swap_in(request_id, fresh)]
         self.swap_space.free([host for host, _ in copies])
         self.num_swap_in_blocks += needed
         self._note_peak()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from pagedllm.core.request import Request
-    from pagedllm.core.tier_index import TierMoves
+    from pagedllm.core.block_moves import BlockMovePlan, SwapIn, SwapOut
 
 
 # The block id the runner's tables hold for an entry the sliding window released.
@@ -140,13 +140,13 @@ class KVCacheManagerProtocol(Protocol):
     def fork(self, parent_id: str, child_id: str) -> list[BlockCopy] | None:
         """Give ``child_id`` the parent's table (shared, or copied when sharing is off)."""
 
-    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+    def swap_out(self, request_id: str) -> list[SwapOut] | None:
         """Move the request's private blocks to host memory: (device, host) copies, or None."""
 
     def swap_in_cost(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> int:
         """Free blocks ``swap_in`` plus the next allocation will take."""
 
-    def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
+    def swap_in(self, request_id: str) -> list[SwapIn] | None:
         """Bring a swapped request back: (host, device) copies, or None."""
 
     def free(self, request_id: str) -> None:
@@ -168,8 +168,8 @@ class KVCacheManagerProtocol(Protocol):
     def reset_prefix_cache(self) -> int:
         """Forget cached blocks no request uses; returns how many."""
 
-    def take_tier_moves(self) -> TierMoves:
-        """The tier moves owed since the last call, for this step's output (empty without tiers)."""
+    def take_tier_moves(self) -> BlockMovePlan:
+        """The tier moves owed since the last call, for this step's plan (empty without tiers)."""
 
     def reset_peak_blocks_in_use(self) -> None:
         """Start a new peak measurement from the blocks in use now."""

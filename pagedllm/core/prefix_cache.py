@@ -13,13 +13,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedllm.core.block_hash import BlockHash, extend_block_hashes
+from pagedllm.core.block_moves import BlockMovePlan
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.block_table import BlockTableRecord
 from pagedllm.core.kv_events import AllBlocksCleared, KVEventLog
 from pagedllm.core.kv_interface import PrefixHit
 from pagedllm.core.request import Request
 from pagedllm.core.sliding_window import num_out_of_window_blocks
-from pagedllm.core.tier_index import TierIndex, TierMoves
+from pagedllm.core.tier_index import TierIndex
 
 # A prefix hit's entry in one group: a cached pool block, a tier's hash, or None (outside the window).
 HitEntry = KVCacheBlock | BlockHash | None
@@ -206,5 +207,5 @@ class PrefixCache:
             events.append(AllBlocksCleared())
         return dropped
 
-    def take_tier_moves(self) -> TierMoves:
-        return self.tiers.take_moves() if self.tiers is not None else TierMoves()
+    def take_tier_moves(self) -> BlockMovePlan:
+        return self.tiers.take_moves() if self.tiers is not None else BlockMovePlan()

@@ -13,6 +13,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from pagedllm.core.adapter_pages import NO_ADAPTERS, AdapterPager
+from pagedllm.core.block_moves import BlockMovePlan, CopyBlock
 from pagedllm.core.kv_interface import BlockCopy, KVCacheManagerProtocol
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner_views import RunnerViews
@@ -77,7 +78,7 @@ class Scheduler(StepUpdates):
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         # Copies owed by forks made after the last forward pass.
-        self._pending_copies: list[tuple[int, int]] = []
+        self._pending_moves = BlockMovePlan()  # forks' copies made between steps
         self.runner_views = RunnerViews(kv_cache_manager)
 
     @property
@@ -142,8 +143,8 @@ class Scheduler(StepUpdates):
     # -------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
-        output = SchedulerOutput(block_copies=self._pending_copies)
-        self._pending_copies = []
+        output = SchedulerOutput(block_moves=self._pending_moves)
+        self._pending_moves = BlockMovePlan()
         self.running = sorted((r for r in self.running if not r.is_finished), key=self._rank)
         if self.config.scheduling_policy == "priority":
             self._preempt_for_priority(output)
@@ -154,7 +155,7 @@ class Scheduler(StepUpdates):
             self._schedule_waiting(output, budget)
         # Last: the runner forgets the sequences preempted just now, and moves what the allocations evicted.
         output.released_sequence_ids = self.runner_views.take_released()
-        output.tier_moves = self.kv_cache_manager.take_tier_moves()
+        output.block_moves.extend(self.kv_cache_manager.take_tier_moves())
         output.adapter_loads = self.adapters.take_loads()
         return output
 
@@ -221,7 +222,7 @@ class Scheduler(StepUpdates):
         if kv.swap_in_cost(request.request_id, request.num_computed_tokens, num_new) > kv.num_free_blocks:
             self.adapters.unpin_for(request)
             return None
-        output.swap_in.extend(kv.swap_in(request.request_id))
+        output.block_moves.add_all(kv.swap_in(request.request_id))
         return num_new, kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
 
     def _admit_waiting(self, request: Request, budget: int) -> tuple[int, list[BlockCopy]] | None:
@@ -272,7 +273,7 @@ class Scheduler(StepUpdates):
         # Blocks holding draft tokens are never cached: the drafts may be rejected.
         num_known = request.num_computed_tokens + num_new - len(request.draft_token_ids)
         self.kv_cache_manager.cache_full_blocks(request, num_known)
-        output.block_copies.extend((copy.src, copy.dst) for copy in copies)
+        output.block_moves.add_all(CopyBlock(copy.src, copy.dst) for copy in copies)
         samples = num_known >= request.num_tokens
         num_drafts = num_drafts_to_propose(request, self.config.num_speculative_tokens, samples)
         self.runner_views.add_scheduled(output, request, num_new, copies, num_drafts)
@@ -309,7 +310,7 @@ class Scheduler(StepUpdates):
         if self.config.preemption_mode == "swap" and request.group_policy.may_swap:
             swapped = kv.swap_out(request.request_id)
         if swapped is not None:
-            output.swap_out.extend(swapped)
+            output.block_moves.add_all(swapped)
             self._transition(request, RequestStatus.SWAPPED)
             detail = f"swap: {len(swapped)} blocks to host"
         else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.core.adapter_spec import AdapterLoad
-from pagedllm.core.tier_index import TierMoves
+from pagedllm.core.block_moves import BlockMovePlan
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -97,26 +97,18 @@ class SchedulerOutput:
 
     The runner first forgets ``released_sequence_ids`` (finished, aborted or
     preempted since it last heard), then learns ``new_sequences``, then applies
-    the diffs of ``scheduled``. It performs the block moves in this order
-    before the forward pass: tier offloads (a block evicted now is about to be
-    reused), ``swap_out`` (device -> host), ``block_copies`` (device -> device),
-    ``swap_in`` (host -> device), tier loads, because a block freed by a
-    swap-out may be reused as a copy, swap-in or load destination in the same step.
+    the diffs of ``scheduled``. It carries out ``block_moves`` in the order
+    ``core.block_moves.Phase`` states, around the forward pass.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     new_sequences: list[NewSequenceData] = field(default_factory=list)
     released_sequence_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
-    # (src, dst) physical blocks to copy, in order (copy-on-write, and forks
-    # when block sharing is off). Copies and swaps are group-agnostic: moving
-    # block b moves its row in every slot cache.
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    # Offloads, loads, drops and persists of the tiers below the pool, in the
-    # order ``core/tier_index.py`` states (offloads first, persists after the forward).
-    tier_moves: TierMoves = field(default_factory=TierMoves)
+    # Copy-on-write copies (and forks when block sharing is off), swaps and the
+    # tiers' moves. Copies and swaps are group-agnostic: moving block b moves its
+    # row in every slot cache.
+    block_moves: BlockMovePlan = field(default_factory=BlockMovePlan)
     # LoRA adapters to read into their pages before the forward (after the block moves).
     adapter_loads: list[AdapterLoad] = field(default_factory=list)
 

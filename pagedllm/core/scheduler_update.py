@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pagedllm.core.block_moves import CopyBlock
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner_output import ModelRunnerOutput
 from pagedllm.core.scheduler_output import SchedulerOutput
@@ -78,7 +79,7 @@ class StepUpdates:
         copies = self.kv_cache_manager.fork(parent.request_id, child_id)
         if copies is None:
             raise RuntimeError("the pool ran out of blocks while copying a fork (block sharing is off)")
-        self._pending_copies.extend((copy.src, copy.dst) for copy in copies)
+        self._pending_moves.add_all(CopyBlock(copy.src, copy.dst) for copy in copies)
         child = parent.fork(child_id, sample_index, seed)
         self.requests[child_id] = child
         self._arrival_order[child_id] = self._arrival_order[parent.request_id]

@@ -1,7 +1,7 @@
 """Host swap space: block ids of a preallocated host pool, handed out and taken back.
 
 Pure bookkeeping, like the device BlockPool: the bytes live in the model
-runner's host tensors (``worker/swap.py``).
+runner's host store (``kv_tiers/host.py``, which the host tier shares).
 """
 
 from __future__ import annotations

@@ -18,12 +18,8 @@ a miss: the block is recomputed, never served.
 
 Safety rules:
 - Every decision is made here, on the scheduler's thread, and reaches the
-  runner as ``TierMoves`` in the step's ``SchedulerOutput``. The runner carries
-  them out in the order that makes them safe: offloads before any block of
-  the step is written (the evicted block is about to be reused), loads after
-  the step's swap-ins and before the forward, drops after the loads (an entry
-  loaded and dropped in one step is still there for its load), persists after
-  the forward (that is when a newly cached block's K/V exist).
+  runner as records of the step's ``BlockMovePlan`` (``core/block_moves.py``,
+  whose ``Phase`` states the order that makes them safe).
 - An offload always copies into a new host entry, never over one, so an
   offload and a load in one step cannot clash.
 - A landed fetch is pinned until it is loaded (or ``fetch_pin_s`` seconds
@@ -45,10 +41,11 @@ import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from pagedllm.core.block_hash import BlockHash
+from pagedllm.core.block_moves import BlockMovePlan, TierDrop, TierLoad, TierOffload, TierPersist
 from pagedllm.core.kv_events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, KVEventLog
 
 # Most disk blocks one lookup stats and fetches: a long prompt's prefix is
@@ -64,20 +61,6 @@ def tier_key(group: int, block_hash: BlockHash) -> BlockHash:
     if group == 0:
         return block_hash
     return hashlib.sha256(f"pagedllm-kv-group-{group}:".encode() + block_hash).digest()
-
-
-@dataclass
-class TierMoves:
-    """One step's tier moves, in the order the runner performs them (see the module rules)."""
-
-    # Tier entries are named by ``tier_key`` (the block hash in group 0).
-    offload: list[tuple[int, BlockHash]] = field(default_factory=list)  # (pool block, key): pool -> host
-    load: list[tuple[BlockHash, int]] = field(default_factory=list)  # (key, pool block): host -> pool
-    drop: list[BlockHash] = field(default_factory=list)  # host entries to forget
-    persist: list[tuple[int, BlockHash]] = field(default_factory=list)  # (pool block, key): pool -> disk
-
-    def __bool__(self) -> bool:
-        return bool(self.offload or self.load or self.drop or self.persist)
 
 
 class DiskCatalog(Protocol):
@@ -147,7 +130,7 @@ class TierIndex:
         self._bad: set[BlockHash] = set()
         # Blocks this process knows are on disk (its writes, its fetches) -> group: not persisted again.
         self._on_disk: dict[BlockHash, int] = {}
-        self._moves = TierMoves()
+        self._moves = BlockMovePlan()
         self._dropping: set[BlockHash] = set()  # this step's drops
         self.counters = TierCounters()
 
@@ -274,7 +257,7 @@ class TierIndex:
         key = tier_key(group, block_hash)
         if key not in self._host:
             raise ValueError("a tier load names a block the host tier does not hold")
-        self._moves.load.append((key, block_id))
+        self._moves.add(TierLoad(key, block_id))
         if key in self._from_disk:
             self._from_disk.discard(key)
             self.counters.disk_hits += 1
@@ -298,7 +281,7 @@ class TierIndex:
         if key in self._host:
             self._host.move_to_end(key)
             return
-        self._moves.offload.append((block_id, key))
+        self._moves.add(TierOffload(block_id, key))
         self._host[key] = group
         self.counters.offloads += 1
         self._announce(MEDIUM_HOST, group, block_hash, parent, token_ids)
@@ -311,11 +294,11 @@ class TierIndex:
         if not self.has_disk or key in self._on_disk:
             return
         self._on_disk[key] = group
-        self._moves.persist.append((block_id, key))
+        self._moves.add(TierPersist(block_id, key))
         self.counters.persists += 1
         self._announce(MEDIUM_DISK, group, block_hash, parent, token_ids)
 
-    def take_moves(self) -> TierMoves:
+    def take_moves(self) -> BlockMovePlan:
         """The moves since the last call (the scheduler puts them in its output);
         starts the next schedule: its lookup pins, and fetch pins that ran out, are released."""
         if self.disk is not None:
@@ -328,7 +311,7 @@ class TierIndex:
         if expired or self._lookup_pins:
             self._lookup_pins.clear()
             self._shrink()
-        moves, self._moves = self._moves, TierMoves()
+        moves, self._moves = self._moves, BlockMovePlan()
         self._dropping = set()
         return moves
 
@@ -359,7 +342,7 @@ class TierIndex:
         for key in keys:
             if self._host.pop(key) == 0:
                 announced.append(key)
-            self._moves.drop.append(key)
+            self._moves.add(TierDrop(key))
             self._dropping.add(key)
         if announced and self.events is not None:
             self.events.append(BlockRemoved(announced, MEDIUM_HOST))

@@ -21,8 +21,8 @@ class KVChannels:
         events_config = KVEventsConfig.from_option(config.kv_events_config)
         # What the pool and the tiers record, drained to the publisher once a step.
         self.events = KVEventLog() if events_config is not None else None
-        self.tiers: KVTiers | None = build_kv_tiers(config, runner.kv_caches, model_path, block_size, self.events,
-                                                           runner.kv_groups)
+        self.tiers: KVTiers | None = build_kv_tiers(config, runner.host_store, model_path, block_size, self.events,
+                                                    runner.kv_groups)
         if self.tiers is not None:
             runner.attach_tiers(self.tiers.runner)
         self.publisher = None

@@ -30,6 +30,9 @@ class BlockCodec:
         self.slabs = [(tuple(t.shape[1:]), str(t.dtype)) for layer in kv_caches for t in layer.tensors()]
         self.slab_bytes = [t[0].numel() * t.element_size() for layer in kv_caches for t in layer.tensors()]
         self.block_bytes = sum(self.slab_bytes)
+        # Each slab's byte range within a block.
+        ends = [sum(self.slab_bytes[: i + 1]) for i in range(len(self.slab_bytes))]
+        self.slab_spans = list(zip([0, *ends[:-1]], ends))
 
     @property
     def layout(self) -> str:
@@ -41,12 +44,12 @@ class BlockCodec:
 
         One copy per block (``torch.cat`` of its slabs): a block's bytes are
         copied once, straight into the tensor the tier keeps."""
-        slabs = [_as_bytes(t) for layer in kv_caches for t in layer.tensors()]
+        slabs = _slabs(kv_caches)
         return [torch.cat([slab[block_id] for slab in slabs]).cpu() for block_id in block_ids]
 
     def scatter(self, kv_caches: list[LayerKVCache], payloads: list[torch.Tensor], block_ids: list[int]) -> None:
         """Write each payload into its pool block (every layer, every tensor)."""
-        slabs = [_as_bytes(t) for layer in kv_caches for t in layer.tensors()]
+        slabs = _slabs(kv_caches)
         for payload, block_id in zip(payloads, block_ids):
             if payload.numel() != self.block_bytes:
                 raise ValueError(f"a tier block of {payload.numel()} bytes does not fit this pool's "
@@ -54,6 +57,29 @@ class BlockCodec:
             source = payload.to(self.device, non_blocking=True)
             for slab, part in zip(slabs, torch.split(source, self.slab_bytes)):
                 slab[block_id].copy_(part)
+
+
+    def write_rows(self, kv_caches: list[LayerKVCache], block_ids: list[int], rows: torch.Tensor,
+                   row_ids: list[int]) -> None:
+        """Copy pool blocks into rows of ``rows`` (``[n, block_bytes]`` uint8 on the
+        host), in this codec's layout: one batched copy per tensor of the pool."""
+        src = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        dst = torch.tensor(row_ids, dtype=torch.long)
+        for slab, (start, end) in zip(_slabs(kv_caches), self.slab_spans):
+            rows[:, start:end].index_copy_(0, dst, slab.index_select(0, src).cpu())
+
+    def read_rows(self, kv_caches: list[LayerKVCache], rows: torch.Tensor, row_ids: list[int],
+                  block_ids: list[int]) -> None:
+        """Copy rows of ``rows`` back into pool blocks: the inverse of ``write_rows``."""
+        src = torch.tensor(row_ids, dtype=torch.long)
+        dst = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for slab, (start, end) in zip(_slabs(kv_caches), self.slab_spans):
+            slab.index_copy_(0, dst, rows[src, start:end].to(self.device, non_blocking=True))
+
+
+def _slabs(kv_caches: list[LayerKVCache]) -> list[torch.Tensor]:
+    """Every block-major tensor of the pool as bytes, in the codec's order."""
+    return [_as_bytes(t) for layer in kv_caches for t in layer.tensors()]
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.config.engine import EngineConfig
 from pagedllm.core.kv_events import KVEventLog
 from pagedllm.core.kv_groups import KVGroupLayout
 from pagedllm.core.tier_index import TierIndex
-from pagedllm.kv_tiers.block_codec import BlockCodec
 from pagedllm.kv_tiers.disk import DiskTier
 from pagedllm.kv_tiers.fingerprint import tier_fingerprint
-from pagedllm.kv_tiers.host import HostBlockStore
+from pagedllm.kv_tiers.host import HostKVStore
 from pagedllm.kv_tiers.runner_tiers import RunnerTiers
 
 
@@ -30,7 +28,7 @@ class KVTiers:
         runner, disk = self.runner, self.runner.disk
         stats: dict[str, int | float | bool] = {
             "host_tier_capacity_bytes": self.host_bytes,
-            "host_tier_bytes": runner.host.num_bytes,
+            "host_tier_bytes": runner.host.tier_bytes,
             "tier_load_seconds": runner.load_seconds,
             "tier_loaded_bytes": runner.bytes_loaded,
         }
@@ -60,18 +58,18 @@ class KVTiers:
         return "KV offload tiers: " + "; ".join(parts) + f"; {self.block_bytes} bytes per block"
 
 
-def build_kv_tiers(config: EngineConfig, kv_caches: list[LayerKVCache], model_path: str, block_size: int,
+def build_kv_tiers(config: EngineConfig, host: HostKVStore, model_path: str, block_size: int,
                    events: KVEventLog | None, kv_groups: KVGroupLayout | None = None) -> KVTiers | None:
-    """The configured tiers over ``kv_caches`` (None when none is configured): with a
-    hybrid ``kv_groups``, the slot caches, so a tier entry is one group's block."""
+    """The configured tiers (None when none is configured), keeping their host
+    entries in the pool's ``host`` store, whose codec covers the slot caches
+    (with a hybrid ``kv_groups``), so a tier entry is one group's block."""
     offload = config.kv_offload
     if not offload.enabled:
         return None
-    codec = BlockCodec(kv_caches)
+    codec = host.codec
     host_blocks = offload.host_blocks if offload.host_blocks is not None else offload.host_bytes // codec.block_bytes
     fingerprint = tier_fingerprint(model_path, config.dtype, config.cache.kv_cache_dtype, block_size, codec.layout,
                                    config.gguf_weights, kv_groups)
-    host = HostBlockStore(codec)
     disk = None
     if offload.disk_dir is not None:
         disk = DiskTier(offload.disk_dir, fingerprint, codec.block_bytes, offload.disk_bytes, host.put)

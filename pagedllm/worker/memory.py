@@ -141,7 +141,7 @@ class PoolPlan:
         if self.num_swap_blocks:
             text += f"; host swap space {self.num_swap_blocks} blocks ({_mib(self.swap_bytes)}, taken as used"
             if self.num_tail_slots:
-                # Not preallocated: a swapped block's tail is copied out when it goes (worker/swap.py).
+                # Not preallocated: a swapped block's tail is copied out when it goes (kv_tiers/host.py).
                 text += f", plus {self.tail_bytes_per_slot} bytes per swapped block that carries a tail"
             text += ")"
         if self.draft_bytes_per_token or self.num_swap_blocks:

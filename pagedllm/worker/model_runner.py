@@ -23,7 +23,10 @@ from pagedllm.logger import init_logger
 from pagedllm.lora.page_layout import page_elems_of
 from pagedllm.model.base import CausalLM
 from pagedllm.config.speculative import SpeculativeConfig
-from pagedllm.worker.block_moves import allocate_caches, layer_caches, move_blocks, move_tails
+from pagedllm.kv_tiers.block_codec import BlockCodec
+from pagedllm.kv_tiers.host import HostKVStore
+from pagedllm.worker.block_mover import BlockMover
+from pagedllm.worker.block_moves import allocate_caches, layer_caches
 from pagedllm.worker.cuda_graphs import DecodeGraphs, why_no_graphs
 from pagedllm.worker.input_batch import CachedSequence, InputBatch, StepArrays
 from pagedllm.worker.lora_adapters import RunnerAdapters
@@ -33,7 +36,6 @@ from pagedllm.worker.spec_decode.draft_model import DraftModel
 from pagedllm.worker.spec_decode.speculator import Speculator
 from pagedllm.worker.step_inputs import StepInputs
 from pagedllm.worker.step_sampler import StepSampler
-from pagedllm.worker.swap import HostSwapPool
 from pagedllm.worker.tail_slots import StepTokens, TailSlots
 
 logger = init_logger(__name__)
@@ -106,7 +108,9 @@ class ModelRunner:
                                          spec.num_tail_slots, groups.num_slots)
         self.layer_caches = layer_caches(self.kv_caches, groups)
         self.tail_slots = TailSlots(num_blocks, spec.num_tail_slots, block_size) if spec.num_tail_slots else None
-        self.swap_pool = HostSwapPool(spec.num_swap_blocks, self.kv_caches)
+        # Swapped blocks and (on the driver with tiers) the host tier's entries.
+        self.host_store = HostKVStore(BlockCodec(self.kv_caches), spec.num_swap_blocks)
+        self.mover = BlockMover(self.kv_caches, self.host_store)
         # Values of the model's dtype one LoRA page holds: the one place the page size is
         # read off the pool (the adapters' page-ins, the registry's admission and bench use it).
         self.adapter_page_elems = page_elems_of(self.kv_caches[0].key, spec.dtype)
@@ -119,7 +123,6 @@ class ModelRunner:
         self.decode_graphs = None if no_graphs else self._capture_graphs(spec.max_num_seqs, spec.max_model_len,
                                                                           spec.num_blocks)
         self.step_sampler = StepSampler(model.compute_logits, self.sampler, self.speculator, self.batch, device)
-        self.tiers: RunnerTiers | None = None  # ``attach_tiers``
         self.adapters = None if not spec.max_lora_rank else RunnerAdapters(
             model, model.config, self.layer_caches, spec.dtype, spec.max_lora_rank, device, self.adapter_page_elems)
 
@@ -137,7 +140,7 @@ class ModelRunner:
 
     def attach_tiers(self, tiers: RunnerTiers) -> None:
         """Carry out each step's tier moves with ``tiers`` (the driver of one rank only)."""
-        self.tiers = tiers
+        self.mover.attach_tiers(tiers)
 
     def _update_sequences(self, scheduler_output: SchedulerOutput) -> None:
         """Forget released sequences, learn new ones, then apply the step's diffs
@@ -169,12 +172,13 @@ class ModelRunner:
         output = ModelRunnerOutput()
         self._update_sequences(scheduler_output)
         batch = None if scheduler_output.is_empty else self._prepare(scheduler_output)
-        step = StepInputs(scheduler_output.swap_out, scheduler_output.block_copies, scheduler_output.swap_in,
-                          tier_moves=scheduler_output.tier_moves if self.tiers is not None else None)
+        step = StepInputs(scheduler_output.block_moves)
         if self.tail_slots is not None:
             tokens = None if batch is None else StepTokens(batch.host_positions, batch.host_slots, batch.metadata)
-            step.tail_moves = self.tail_slots.plan(scheduler_output, self.sequences, self.batch.block_table, tokens,
-                                                   self.device)
+            tails = self.tail_slots.plan(scheduler_output, self.sequences, self.batch.block_table, tokens, self.device)
+            if tails:  # the scheduler's plan stays as it was sent
+                step.block_moves = step.block_moves.copy()
+                step.block_moves.extend(tails)
         if batch is not None:
             step.input_ids, step.positions, step.metadata = batch.input_ids, batch.positions, batch.metadata
         if self.adapters is not None:
@@ -184,8 +188,7 @@ class ModelRunner:
             self.broadcast_step(step)
         prepared = time.perf_counter()
         hidden = self.run_step(step)
-        if step.tier_moves:
-            self.tiers.after_forward(self.kv_caches, step.tier_moves)
+        self.mover.after_forward(step.block_moves)
         if self.speculator is not None:
             self.speculator.observe(step)
         if batch is not None:
@@ -205,16 +208,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> torch.Tensor | None:
-        """Move blocks, then run the forward: the part every rank runs. Returns
-        the final hidden states (None when the step has no tokens). Tier moves
-        wrap the block moves: offloads before them, loads after (see ``core/tier_index.py``)."""
-        if step.tier_moves:
-            self.tiers.before_block_moves(self.kv_caches, step.tier_moves)
-        move_blocks(self.kv_caches, self.swap_pool, step.swap_out, step.block_copies, step.swap_in)
-        if step.tier_moves:
-            self.tiers.after_block_moves(self.kv_caches, step.tier_moves)
-        if step.tail_moves is not None:
-            move_tails(self.kv_caches, self.swap_pool, step.tail_moves)
+        """Move blocks (the phases before the forward), page adapters in, then run
+        the forward: the part every rank runs. Returns the final hidden states
+        (None when the step has no tokens). The driver runs the phases after
+        the forward (``execute``)."""
+        self.mover.before_forward(step.block_moves)
         if self.adapters is not None:
             self.adapters.load(step.adapter_loads)
             self.adapters.set_step(step.adapter_runs, 0 if step.input_ids is None else step.input_ids.shape[0])

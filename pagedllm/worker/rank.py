@@ -55,5 +55,5 @@ def build_rank(config: EngineConfig, device: torch.device, group: TensorParallel
                          broadcast_step=plan.broadcast_step, speculative_config=plan.speculative_config,
                          draft_model=plan.draft_model)
     if config.cache.kv_cache_pretouch:
-        pretouch_pool(runner.kv_caches, runner.swap_pool)
+        pretouch_pool(runner.kv_caches, runner.host_store)
     return runner

@@ -52,9 +52,9 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.core.block_moves import BlockMovePlan, CopyBlock, SwapIn, SwapOut, TailCopy, TailFill, TailIn, TailOut
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.logger import init_logger
-from pagedllm.worker.block_moves import TailMoves
 from pagedllm.worker.input_batch import CachedSequence
 
 logger = init_logger(__name__)
@@ -88,7 +88,7 @@ class TailSlots:
         return len(self._free)
 
     def plan(self, scheduler_output: SchedulerOutput, sequences: Mapping[str, CachedSequence],
-             block_tables: np.ndarray, tokens: StepTokens | None, device: torch.device) -> TailMoves:
+             block_tables: np.ndarray, tokens: StepTokens | None, device: torch.device) -> BlockMovePlan:
         """One step's decisions, by the module's rules: follow the block moves,
         release by committed state, give the blocks this step writes a slot,
         and put each token's tail write and each reader's slot in
@@ -96,14 +96,17 @@ class TailSlots:
         ``tokens`` is None for a step without tokens). ``sequences`` are the
         runner's live ones (each scheduled one's committed and written lengths
         are updated here) and ``block_tables`` ``[group, row, entry]`` their
-        batch rows' tables. Returns the step's tail moves."""
-        moves = TailMoves(self.swap_out(scheduler_output.swap_out), self.copy(scheduler_output.block_copies),
-                          self.swap_in(scheduler_output.swap_in))
+        batch rows' tables. Returns the step's tail moves (their place in the
+        step is ``core.block_moves.Phase``'s)."""
+        block_moves = scheduler_output.block_moves
+        moves = BlockMovePlan(TailOut(*move) for move in self.swap_out(block_moves.of(SwapOut)))
+        moves.add_all(TailCopy(*move) for move in self.copy(block_moves.of(CopyBlock)))
+        moves.add_all(TailIn(*move) for move in self.swap_in(block_moves.of(SwapIn)))
         self._release_by_committed_length(scheduler_output, sequences, block_tables)
         if tokens is not None:
             views = tokens.metadata.group_views or [tokens.metadata]
-            moves.fills = [fill for view, slots in zip(views, tokens.slot_mappings, strict=True)
-                           for fill in self._place_writes(tokens.positions, slots, view, device)]
+            moves.add_all(TailFill(*fill) for view, slots in zip(views, tokens.slot_mappings, strict=True)
+                          for fill in self._place_writes(tokens.positions, slots, view, device))
         return moves
 
     def _release_by_committed_length(self, scheduler_output: SchedulerOutput,

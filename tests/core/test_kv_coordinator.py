@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
 from pagedllm.core.block_hash import extend_block_hashes
+from pagedllm.core.block_moves import TierDrop, TierLoad, TierOffload
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_events import BlockRemoved, BlockStored, KVEventLog
@@ -249,14 +250,14 @@ def test_tier_hits_count_per_group_and_load_each_groups_blocks():
     prompt = list(range(100, 140))  # 10 full blocks, cached in each of the 3 groups
     kv.free(prefill(kv, "a", prompt).request_id)
     kv.free(prefill(kv, "b", list(range(500, 544))).request_id)  # 33 blocks: every one of "a"'s is evicted
-    assert tiers.num_host_blocks == 30 and kv.take_tier_moves().offload
+    assert tiers.num_host_blocks == 30 and kv.take_tier_moves().of(TierOffload)
     hashes = extend_block_hashes([], prompt, BLOCK_SIZE)
     hit = kv.get_computed_blocks(request("c", prompt + [1]))
     window_start = num_out_of_window_blocks(40, WINDOW, BLOCK_SIZE)
     assert hit.num_tokens == 40 and not hit.loading
     assert hit.blocks[0] == hashes and hit.blocks[1] == hit.blocks[2] == [None] * window_start + hashes[window_start:]
     assert kv.allocate_slots("c", 40, 1, hit.blocks) == []
-    loads = dict(kv.take_tier_moves().load)
+    loads = dict(kv.take_tier_moves().of(TierLoad))
     tables = kv.get_block_ids("c")
     expected = {tier_key(group, hashes[index]): tables[group][index]
                 for group in range(3) for index in range(window_start if group else 0, 10)}
@@ -457,12 +458,12 @@ class TieredCoordinatorMachine(CoordinatorMachine):
 
     def _copy(self, copies) -> None:
         moves = self.kv.take_tier_moves()
-        for block, key in moves.offload:
+        for block, key in moves.of(TierOffload):
             self.tier_store[key] = list(self.pool[block])
         super()._copy(copies)
-        for key, block in moves.load:
+        for key, block in moves.of(TierLoad):
             self.pool[block] = list(self.tier_store[key])
-        for key in moves.drop:
+        for (key,) in moves.of(TierDrop):
             del self.tier_store[key]
 
 

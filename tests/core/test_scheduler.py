@@ -3,6 +3,7 @@
 import pytest
 
 from pagedllm.config.engine import SchedulerConfig
+from pagedllm.core.block_moves import SwapIn, SwapOut
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner_output import ModelRunnerOutput, SampledTokens
@@ -158,9 +159,9 @@ def test_swap_mode_moves_private_blocks_to_host_and_back():
         if not scheduler.has_unfinished_requests():
             break
         out = run_step(scheduler)
-        swapped_out += len(out.swap_out)
-        swapped_in += len(out.swap_in)
-        assert not (out.swap_out and out.swap_in)  # never both in one step
+        swapped_out += len(out.block_moves.of(SwapOut))
+        swapped_in += len(out.block_moves.of(SwapIn))
+        assert not (out.block_moves.of(SwapOut) and out.block_moves.of(SwapIn))  # never both in one step
     assert swapped_out > 0 and swapped_in == swapped_out
     assert scheduler.num_preemptions > 0 and scheduler.num_recomputed_tokens == 0
     assert kv.num_swap_out_blocks == kv.num_swap_in_blocks == swapped_out

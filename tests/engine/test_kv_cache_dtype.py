@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.core.block_moves import SwapIn, SwapOut
 from tests.conftest import assert_pool_free
 from tests.engine.test_engine_behaviour import token_ids, token_prompts
 
@@ -63,11 +64,11 @@ def test_swap_pool_round_trip_is_exact_for_every_tensor(tiny_llama):
             tensor.copy_(torch.randint(-100, 100, tensor.shape).to(tensor.dtype) if tensor.dtype == torch.int8
                          else torch.rand(tensor.shape))
     saved = [[t[3].clone() for t in layer.tensors()] for layer in runner.kv_caches]
-    runner.swap_pool.swap_out(runner.kv_caches, [(3, 0)])
+    runner.host_store.swap_out(runner.kv_caches, [SwapOut(3, 0)])
     for layer in runner.kv_caches:
         for tensor in layer.tensors():
             tensor[3] = 0
-    runner.swap_pool.swap_in(runner.kv_caches, [(0, 5)])
+    runner.host_store.swap_in(runner.kv_caches, [SwapIn(0, 5)])
     for layer, originals in zip(runner.kv_caches, saved):
         assert len(layer.tensors()) == 4
         for tensor, original in zip(layer.tensors(), originals):

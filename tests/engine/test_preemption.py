@@ -59,7 +59,7 @@ def test_a_40_block_pool_serves_32_requests_exactly(tiny_llama, mode):
 
 def test_swap_round_trip_restores_the_exact_bytes(tiny_llama):
     llm = LLM(tiny_llama, num_kv_blocks=24, preemption_mode="swap", swap_space=0.01, enable_prefix_caching=False)
-    pool = llm.llm_engine.runner.swap_pool
+    pool = llm.llm_engine.runner.host_store
     saved: dict[int, list[torch.Tensor]] = {}
     checked = []
     real_out, real_in = pool.swap_out, pool.swap_in

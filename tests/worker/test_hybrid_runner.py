@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import Gemma3TextConfig
 
+from pagedllm.core.block_moves import BlockMovePlan, CopyBlock, SwapIn, SwapOut
 from pagedllm.core.kv_groups import KVGroupLayout, kv_group_layout
 from pagedllm.core.kv_interface import NULL_BLOCK_ID
 from pagedllm.core.scheduler_output import NewSequenceData, SampleRow, ScheduledSequence, SchedulerOutput
@@ -193,14 +194,14 @@ def test_block_moves_move_every_slot_cache_once(gemma3):
     the host swap pool mirrors the slot caches, not the layers that alias them."""
     layout = kv_group_layout(sliding_windows_of(gemma3.config))
     runner = runner_for(gemma3, layout, num_swap_blocks=4)
-    assert len(runner.swap_pool.caches) == layout.num_slots
+    assert len(runner.host_store.codec.slabs) == layout.num_slots * len(runner.kv_caches[0].tensors())
     torch.manual_seed(0)
     for cache in runner.kv_caches:
         for tensor in cache.tensors():
             tensor.normal_()
     before = [[tensor.clone() for tensor in cache.tensors()] for cache in runner.kv_caches]
     # Block 3 goes out to host block 1 and comes back as block 9; block 5 is copied to 7.
-    runner.execute(SchedulerOutput(swap_out=[(3, 1)], block_copies=[(5, 7)], swap_in=[(1, 9)]))
+    runner.execute(SchedulerOutput(block_moves=BlockMovePlan([SwapOut(3, 1), CopyBlock(5, 7), SwapIn(1, 9)])))
     for cache, tensors in zip(runner.kv_caches, before):
         for tensor, old in zip(cache.tensors(), tensors):
             assert torch.equal(tensor[9], old[3]) and torch.equal(tensor[7], old[5])

@@ -12,7 +12,7 @@ import pytest
 
 from pagedllm import LLM
 from pagedllm.worker import block_moves
-from pagedllm.worker.swap import HostSwapPool
+from pagedllm.kv_tiers.host import HostKVStore
 from tests.poisoned_pool import poison_layer, poison_tensor
 
 POOL_BYTES = 2**30
@@ -70,25 +70,23 @@ def test_pretouch_makes_the_whole_pool_resident_at_start(lazy):
 
 def test_pretouch_writes_every_tensor_of_the_pool_and_the_swap_space(tiny_llama, monkeypatch):
     """Allocations filled with NaN (fresh pages would read as zeros anyway) come out all zeros."""
-    allocate_layer, swap_init = block_moves.allocate_layer, HostSwapPool.__init__
+    allocate_layer, store_init = block_moves.allocate_layer, HostKVStore.__init__
 
     def poisoned_layer(*args, **kwargs):
         layer = allocate_layer(*args, **kwargs)
         poison_layer(layer)
         return layer
 
-    def poisoned_swap_pool(self, *args, **kwargs):
-        swap_init(self, *args, **kwargs)
-        for host_tensors in self.caches:
-            for tensor in host_tensors:
-                poison_tensor(tensor)
+    def poisoned_store(self, *args, **kwargs):
+        store_init(self, *args, **kwargs)
+        poison_tensor(self.swap_rows)
 
     monkeypatch.setattr(block_moves, "allocate_layer", poisoned_layer)
-    monkeypatch.setattr(HostSwapPool, "__init__", poisoned_swap_pool)
+    monkeypatch.setattr(HostKVStore, "__init__", poisoned_store)
     options = dict(num_kv_blocks=16, kv_cache_dtype="int8", preemption_mode="swap", swap_space=0.001)
     for pretouch in (False, True):
         runner = LLM(tiny_llama, kv_cache_pretouch=pretouch, **options).llm_engine.runner
         tensors = [t for layer in runner.kv_caches for t in (*layer.tensors(), layer.tail_key, layer.tail_value)]
-        tensors += [t for host_tensors in runner.swap_pool.caches for t in host_tensors]
-        assert len(tensors) == 6 * len(runner.kv_caches) + 4 * len(runner.swap_pool.caches)
+        tensors.append(runner.host_store.swap_rows)
+        assert len(tensors) == 6 * len(runner.kv_caches) + 1 and runner.host_store.swap_rows.numel() > 0
         assert all(bool((t == 0).all()) == pretouch for t in tensors)

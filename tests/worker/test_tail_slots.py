@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.core.block_moves import TailFill
 from pagedllm.core.scheduler_output import NewSequenceData, ScheduledSequence, SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import CachedSequence
@@ -81,7 +82,7 @@ def test_plan_keeps_the_committed_block_and_gives_a_decode_its_tail():
     moves = tails.plan(step, {"a": sequence}, np.array([[[3, 5]]]),
                        StepTokens(np.array([5]), np.array([[21]]), metadata), torch.device("cpu"))
     slot = int(tails.slot_of[5])
-    assert tails.slot_of[3] == -1 and moves.fills == [(5, slot)] and tails.num_free == 1
+    assert tails.slot_of[3] == -1 and moves.of(TailFill) == [(5, slot)] and tails.num_free == 1
     assert metadata.tail_write_rows.tolist() == [0] and metadata.tail_write_slots.tolist() == [slot * 4 + 1]
     assert metadata.decode_tail_slots.tolist() == [slot]
     assert (sequence.num_computed, sequence.num_written) == (5, 6)
@@ -106,7 +107,7 @@ def test_plan_gives_each_group_its_own_tail_and_view():
     moves = tails.plan(step, {"a": sequence}, np.array([[[3, 5]], [[0, 6]]]),
                        StepTokens(np.array([5]), np.array([[21], [25]]), views[0]), torch.device("cpu"))
     slots = [int(tails.slot_of[5]), int(tails.slot_of[6])]
-    assert tails.slot_of[0] == -1 and sorted(moves.fills) == [(5, slots[0]), (6, slots[1])]
+    assert tails.slot_of[0] == -1 and sorted(moves.of(TailFill)) == [(5, slots[0]), (6, slots[1])]
     assert slots[0] != slots[1] and tails.num_free == 1
     for view, slot in zip(views, slots):
         assert view.tail_write_rows.tolist() == [0] and view.tail_write_slots.tolist() == [slot * 4 + 1]

@@ -40,9 +40,11 @@ from pagedllm.model.loader import load_checkpoint
 from pagedllm.model.registry import build_model
 from pagedllm.model.rotary import context_window_of
 from pagedllm.utils import cdiv
-from pagedllm.worker.block_moves import allocate_caches, move_blocks
+from pagedllm.kv_tiers.block_codec import BlockCodec
+from pagedllm.kv_tiers.host import HostKVStore
+from pagedllm.worker.block_mover import BlockMover
+from pagedllm.worker.block_moves import allocate_caches
 from pagedllm.worker.step_inputs import StepInputs
-from pagedllm.worker.swap import HostSwapPool
 
 # Sequences proposed for in one batch; the scratch blocks are sized for it.
 PROPOSAL_BATCH = 64
@@ -86,12 +88,13 @@ class DraftModel:
         self.scratch_start = num_blocks
         num_scratch = PROPOSAL_BATCH * self.scratch_per_sequence
         self.kv_caches = allocate_caches(model, num_blocks + num_scratch, block_size, dtype, kv_cache_dtype, device)
-        self.swap_pool = HostSwapPool(num_swap_blocks, self.kv_caches)
+        # Its own swap rows for the same host block ids; no tiers and no tails (``BlockMover``).
+        self.mover = BlockMover(self.kv_caches, HostKVStore(BlockCodec(self.kv_caches), num_swap_blocks))
         self.attention = attention_backend_for(device, block_size, kv_cache_dtype, dtype=dtype)
 
     def observe(self, step: StepInputs) -> None:
         """The target's step, on the draft's pool."""
-        move_blocks(self.kv_caches, self.swap_pool, step.swap_out, step.block_copies, step.swap_in)
+        self.mover.before_forward(step.block_moves)
         if step.input_ids is not None:
             self.model(step.input_ids, step.positions, self.kv_caches, step.metadata, self.attention)
 
