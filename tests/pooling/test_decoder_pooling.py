@@ -106,10 +106,11 @@ def test_pooling_errors_say_what_to_change(embed_llm, tiny_llama):
 
 
 def test_preempted_pooling_requests_recompute_to_the_same_vectors(tiny_model_dir):
-    # 12 blocks of 16 tokens: the long prompts cannot all hold their blocks at once.
+    # 12 blocks of 16 tokens, and 16-token chunks of four prompts at a time: the prompts
+    # grow together until they cannot all hold their blocks.
     llm = LLM(tiny_model_dir("qwen2"), runner="pooling", dtype="float32", block_size=16, num_kv_blocks=12,
-              max_num_batched_tokens=32, enable_prefix_caching=False)
-    texts = [f"{i} " + "word " * 60 for i in range(4)]
+              max_num_batched_tokens=64, long_prefill_token_threshold=16, enable_prefix_caching=False)
+    texts = [f"{i} " + "word " * 90 for i in range(4)]
     embeddings = llm.embed(texts, use_tqdm=False)
     encoded = llm.encode(texts, use_tqdm=False)
     assert llm.stats()["num_preemptions"] > 0
