@@ -119,8 +119,7 @@ class Request:
         # Speculative decoding: tokens proposed after the last one, to verify
         # in the next step (consumed by it; dropped by a preemption).
         self.draft_token_ids: list[int] = []
-        # A pooling request (task set) ends when its prompt is computed, with
-        # ``pooled`` (the runner's output) instead of a sampled token.
+        # A pooling request ends when its prompt is computed, with ``pooled`` instead of a sampled token.
         self.pooling_params = pooling_params
         self.pooled: PooledOutput | None = None
 

@@ -82,15 +82,13 @@ class ModelRunner:
         ``broadcast_step``, on a tensor-parallel driver, sends each step's
         inputs to the other ranks before this rank runs it (they run the same
         forward, whose all-reduces need every rank); with ``speculative_config``
-        it verifies and proposes drafts (``draft_model``: the loaded draft of a
-        ``draft_model`` config); with ``pooler`` it pools the pooling sequences
-        (``worker/pooler.py``). ``spec.cuda_graphs`` captures decode steps where
-        the device and model allow (``pagedllm.worker.cuda_graphs``);
-        ``spec.num_tail_slots`` > 0 (int8 pools) keeps still-filling blocks also
-        in full precision (``pagedllm.worker.tail_slots``). ``spec.kv_groups``:
-        ``kv_caches`` are its ``num_slots`` slot caches, what every block move
-        works on; the model reads ``layer_caches``, one per layer, aliasing them
-        (``block_moves``' safety rule)."""
+        it verifies and proposes drafts (``draft_model``: the loaded draft of a ``draft_model``
+        config); with ``pooler`` it pools the pooling sequences (``worker/pooler.py``).
+        ``spec.cuda_graphs`` captures decode steps where the device and model allow
+        (``pagedllm.worker.cuda_graphs``); ``spec.num_tail_slots`` > 0 (int8 pools) keeps
+        still-filling blocks also in full precision (``pagedllm.worker.tail_slots``).
+        ``spec.kv_groups``: ``kv_caches`` are its ``num_slots`` slot caches, what every block
+        move works on; the model reads ``layer_caches``, one per layer, aliasing them (``block_moves``' safety rule)."""
         self.model = model
         self.broadcast_step = broadcast_step
         self.block_size = block_size = spec.block_size
