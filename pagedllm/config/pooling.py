@@ -49,3 +49,15 @@ class PoolingConfig:
         """The ``(no, yes)`` tokens of a yes/no reranker (None: not one)."""
         tokens: Any = (self.hf_overrides or {}).get("classifier_from_token")
         return None if tokens is None else (tokens[0], tokens[1])
+
+
+@dataclass(frozen=True)
+class PoolerSpec:
+    """What the loaded decoder pools (plain data, decided once at start-up).
+
+    ``tasks``: the tasks it serves. ``classifier_token_ids``: ``(no, yes)`` token
+    ids of a yes/no reranker, whose one label is read from the LM head; None for
+    a ``score``-head classifier or an embedder."""
+
+    tasks: tuple[str, ...]
+    classifier_token_ids: tuple[int, int] | None = None

@@ -14,15 +14,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from pagedllm.config.pooling import PoolingConfig
+from pagedllm.config.pooling import PoolerSpec, PoolingConfig
 from pagedllm.core.request import Request
+from pagedllm.core.runner_output import PooledOutput
 from pagedllm.core.sequence_group import POOLING
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.model.shapes import classifier_labels_of
 from pagedllm.outputs import PoolingOutput, PoolingRequestOutput, RequestMetrics
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.pooler import PoolerSpec
 
 # What a pooling request's one sequence carries as sampling settings: it never
 # samples, and its prompt + this one token must fit the model (as any request's).
@@ -99,11 +99,17 @@ class PoolingState:
         pooled = self.request.pooled
         if pooled is None:
             return None
-        data = torch.frombuffer(bytearray(pooled.data), dtype=torch.float32).reshape(pooled.shape)
         self.metrics.num_preemptions = self.request.num_preemptions
-        return PoolingRequestOutput(self.request_id, PoolingOutput(data), self.prompt_token_ids,
-                                    num_cached_tokens=self.request.num_cached_tokens, prompt=self.prompt,
-                                    metrics=self.metrics)
+        return pooling_output(self.request_id, pooled, self.prompt, self.prompt_token_ids,
+                              self.request.num_cached_tokens, self.metrics)
+
+
+def pooling_output(request_id: str, pooled: PooledOutput, prompt: str | None, prompt_token_ids: list[int],
+                   num_cached_tokens: int, metrics: RequestMetrics) -> PoolingRequestOutput:
+    """A finished pooling request's output: its pooled data as a float32 tensor."""
+    data = torch.frombuffer(bytearray(pooled.data), dtype=torch.float32).reshape(pooled.shape)
+    return PoolingRequestOutput(request_id, PoolingOutput(data), prompt_token_ids, num_cached_tokens=num_cached_tokens,
+                                prompt=prompt, metrics=metrics)
 
 
 def new_pooling_request(input_processor: InputProcessor, spec: PoolerSpec | None, hidden_size: int, request_id: str,

@@ -60,9 +60,8 @@ class LLM(PoolingMethods):
             self.llm_engine: EngineClient | None = None
             self._pooling_backend = EncoderBackend(encoder)
             return
-        if options.get("runner", "generate") != "generate" and (engine_process or data_parallel_size > 1):
-            raise ValueError("a pooling LLM runs its engine in this process: drop engine_process and "
-                             "data_parallel_size")
+        if options.get("runner", "generate") != "generate" and data_parallel_size > 1:
+            raise ValueError("a pooling LLM runs one engine: drop data_parallel_size")
         self.llm_engine = make_engine_client({"model": model, **options}, engine_process=engine_process,
                                              data_parallel_size=data_parallel_size)
 

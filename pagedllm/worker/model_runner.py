@@ -27,7 +27,8 @@ from pagedllm.worker.block_moves import allocate_caches, layer_caches, move_bloc
 from pagedllm.worker.cuda_graphs import DecodeGraphs, why_no_graphs
 from pagedllm.worker.input_batch import CachedSequence, InputBatch, StepArrays
 from pagedllm.worker.lora_adapters import RunnerAdapters
-from pagedllm.worker.pooler import DecoderPooler, PoolerSpec
+from pagedllm.config.pooling import PoolerSpec
+from pagedllm.worker.pooler import DecoderPooler
 from pagedllm.worker.runner_spec import RunnerSpec
 from pagedllm.worker.sampler import Sampler
 from pagedllm.worker.spec_decode.draft_model import DraftModel

@@ -22,27 +22,14 @@ which tasks the loaded model serves):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from pagedllm.config.pooling import PoolerSpec
 from pagedllm.core.runner_output import PooledOutput
 from pagedllm.core.scheduler_output import ScheduledSequence
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.worker.input_batch import CachedSequence
-
-
-@dataclass(frozen=True)
-class PoolerSpec:
-    """What the loaded decoder pools (plain data, decided once at start-up).
-
-    ``tasks``: the tasks it serves. ``classifier_token_ids``: ``(no, yes)`` token
-    ids of a yes/no reranker, whose one label is read from the LM head; None for
-    a ``score``-head classifier or an embedder."""
-
-    tasks: tuple[str, ...]
-    classifier_token_ids: tuple[int, int] | None = None
 
 
 def pooled_output(values: torch.Tensor) -> PooledOutput:

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.config.engine import EngineConfig, threads_per_rank
+from pagedllm.config.pooling import PoolerSpec
 from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.model.base import CausalLM
 from pagedllm.model.shard import ModelShard, load_model_shard
 from pagedllm.worker.block_moves import pretouch_pool
 from pagedllm.worker.model_runner import ModelRunner
-from pagedllm.worker.pooler import PoolerSpec
 from pagedllm.worker.runner_spec import RunnerSpec
 from pagedllm.worker.step_inputs import StepInputs
 

@@ -15,6 +15,7 @@ import torch
 
 from pagedllm import LLM
 from pagedllm.entrypoints.pooling_api import rerank_prompt
+from pagedllm.outputs import PoolingOutput
 from pagedllm.pooling_params import PoolingParams
 from tests.conftest import TINY_COMMON, assert_pool_free
 
@@ -192,3 +193,23 @@ def test_yes_no_reranker_scores_from_hf_logits_and_shares_the_query(tiny_model_d
     assert probs.outputs.probs == pytest.approx([outputs[0].outputs.score], abs=1e-6)
     assert_pool_free(llm)
     llm.shutdown()
+
+
+def test_pooled_outputs_cross_the_engine_core_process(embed_llm, tiny_model_dir):
+    texts = ["word " * 70, "a short one", "hello"]
+    in_process = embed_llm.encode(texts, use_tqdm=False) + embed_llm.embed(texts, use_tqdm=False)
+    remote = LLM(tiny_model_dir("qwen2"), runner="pooling", engine_process=True, **ENGINE)
+    try:
+        crossed = remote.encode(texts, use_tqdm=False) + remote.embed(texts, use_tqdm=False)
+        for here, there in zip(in_process, crossed):
+            assert there.prompt_token_ids == here.prompt_token_ids
+            if isinstance(here.outputs, PoolingOutput):
+                assert torch.equal(there.outputs.data, here.outputs.data)
+            else:
+                assert there.outputs.embedding == here.outputs.embedding
+        with pytest.raises(ValueError, match="runner='pooling'"):
+            remote.generate(["hi"], use_tqdm=False)
+        assert_pool_free(remote)
+    finally:
+        remote.shutdown()
+    assert_pool_free(embed_llm)
