@@ -10,8 +10,8 @@ from tqdm.auto import tqdm
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.engine.client import EngineClient, make_engine_client
 from pagedllm.engine.input_processor import PromptType
-from pagedllm.entrypoints.pooling_api import (DecoderEngineBackend, EncoderBackend, PoolingBackend, PoolingMethods,
-                                              as_prompt_list, encoder_runner_for)
+from pagedllm.entrypoints.pooling_api import (DecoderEngineBackend, EncoderBackend, NoEngine, PoolingBackend,
+                                              PoolingMethods, as_prompt_list, encoder_runner_for)
 from pagedllm.entrypoints.chat_utils import ChatRenderOptions, load_chat_template, render_chat
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.reader import Metric, get_metrics_snapshot
@@ -57,7 +57,7 @@ class LLM(PoolingMethods):
         self._pooling_backend: PoolingBackend | None = None
         encoder = encoder_runner_for(model, options)
         if encoder is not None:  # an encoder-only checkpoint: pooled without an engine or KV blocks
-            self.llm_engine: EngineClient | None = None
+            self.llm_engine: EngineClient = NoEngine()
             self._pooling_backend = EncoderBackend(encoder)
             return
         if options.get("runner", "generate") != "generate" and data_parallel_size > 1:
@@ -251,8 +251,6 @@ class LLM(PoolingMethods):
         until all finish, and return the final outputs in prompt order (with
         ``data_parallel_size`` > 1 the fleet routes each to a replica and steps them all)."""
         engine = self.llm_engine
-        if engine is None:
-            raise ValueError("this LLM pools with an encoder-only model: use embed, classify, score or encode")
         request_ids = [engine.next_request_id() for _ in prompts]
         finished: dict[str, RequestOutput] = {}
         try:

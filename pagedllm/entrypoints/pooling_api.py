@@ -113,6 +113,17 @@ class EncoderBackend:
         return [PooledResult(str(self._next_id - len(results) + i), data) for i, data in enumerate(results)]
 
 
+class NoEngine:
+    """The ``llm_engine`` of an encoder LLM: every engine method says what it serves instead."""
+
+    def shutdown(self) -> None:  # nothing to stop: the encoder runs in this process
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        raise ValueError(f"this LLM pools with an encoder-only model, which has no engine ({name}): "
+                         "use embed, classify, score or encode")
+
+
 def encoder_runner_for(model: str | None, options: dict[str, Any]) -> Any | None:
     """The ``EncoderPoolingRunner`` of an encoder checkpoint folder (None: not one)."""
     import importlib.util
