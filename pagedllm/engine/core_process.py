@@ -178,7 +178,8 @@ class EngineCore:
         from pagedllm.structured_output import StructuredOutputError
 
         try:
-            self.engine.add_request(message.request_id, message.prompt, message.beam or message.pooling or message.params,
+            params = message.beam or message.pooling or message.params
+            self.engine.add_request(message.request_id, message.prompt, params,
                                     priority=message.priority, cache_salt=message.cache_salt,
                                     lora_request=message.lora_request)
         except StructuredOutputError as exc:

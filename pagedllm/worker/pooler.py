@@ -73,9 +73,10 @@ class DecoderPooler:
         self.sequences = sequences
 
     def pool(self, order: list[ScheduledSequence], last_rows: list[int], hidden: torch.Tensor) -> dict[str, PooledOutput]:
-        """The pooled outputs of the step's pooling sequences whose prompt it completes."""
+        """The pooled outputs of the step's pooling sequences whose prompt it completes.
+        Last-token results come to the host in one copy per kind (embeddings, logits)."""
         pooled: dict[str, PooledOutput] = {}
-        classified: list[tuple[str, PoolingParams, int]] = []
+        last: dict[str, list[tuple[str, PoolingParams, int]]] = {"embed": [], "classify": []}
         for scheduled, last_row in zip(order, last_rows):
             sequence = self.sequences[scheduled.sequence_id]
             params = sequence.pooling_params
@@ -90,15 +91,15 @@ class DecoderPooler:
             if params.task == "encode":
                 pooled[scheduled.sequence_id] = pooled_output(torch.cat(sequence.prompt_states))
                 sequence.prompt_states = []
-            elif params.task == "embed":
-                pooled[scheduled.sequence_id] = pooled_output(embedding_of(hidden[last_row], params))
-            else:
-                classified.append((scheduled.sequence_id, params, last_row))
-        if classified:
-            logits = self._classifier_logits(hidden[torch.tensor([row for _, _, row in classified],
-                                                                 device=hidden.device)])
-            for (sequence_id, params, _), row_logits in zip(classified, logits):
-                pooled[sequence_id] = pooled_output(activated(row_logits, params))
+            else:  # classify and score read the same logits
+                kind = "embed" if params.task == "embed" else "classify"
+                last[kind].append((scheduled.sequence_id, params, last_row))
+        for kind, finish in (("embed", embedding_of), ("classify", activated)):
+            if last[kind]:
+                rows = hidden[torch.tensor([row for _, _, row in last[kind]], device=hidden.device)]
+                values = (rows if kind == "embed" else self._classifier_logits(rows)).to("cpu", torch.float32)
+                for (sequence_id, params, _), row_values in zip(last[kind], values):
+                    pooled[sequence_id] = pooled_output(finish(row_values, params))
         return pooled
 
     def _classifier_logits(self, rows: torch.Tensor) -> torch.Tensor:
