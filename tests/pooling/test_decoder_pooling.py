@@ -213,3 +213,17 @@ def test_pooled_outputs_cross_the_engine_core_process(embed_llm, tiny_model_dir)
     finally:
         remote.shutdown()
     assert_pool_free(embed_llm)
+
+
+def test_engine_pooling_requests_name_truncate_prompt_tokens(embed_llm):
+    engine = embed_llm.llm_engine
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        engine.add_request("too-long", [5] * 600, PoolingParams(task="embed"))
+    with pytest.raises(ValueError, match="task is not set"):
+        engine.add_request("no-task", [5], PoolingParams())
+    engine.add_request("cut", [5] * 600, PoolingParams(task="embed", truncate_prompt_tokens=-1))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert len(outputs[0].prompt_token_ids) == ENGINE["max_model_len"] - 1
+    assert_pool_free(embed_llm)
