@@ -5,7 +5,9 @@ from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, Beam
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.outputs import (ClassificationRequestOutput, CompletionOutput, EmbeddingRequestOutput, Logprob,
+                              PoolingRequestOutput, RequestMetrics, RequestOutput, ScoringRequestOutput)
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.version import __version__
 
@@ -14,11 +16,16 @@ __all__ = [
     "LLMEngine",
     "LoRARequest",
     "SamplingParams",
+    "PoolingParams",
     "BeamSearchParams",
     "BeamSearchOutput",
     "BeamSearchSequence",
     "RequestOutput",
     "CompletionOutput",
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
+    "ClassificationRequestOutput",
+    "ScoringRequestOutput",
     "Logprob",
     "RequestMetrics",
     "EngineConfig",

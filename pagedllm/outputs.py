@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # (core imports this module and never torch)
+    import torch
 
 
 @dataclass
@@ -62,3 +66,55 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
     # Prompt tokens whose K/V came from the prefix cache (a multiple of block_size).
     num_cached_tokens: int = 0
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's raw result (vLLM's ``PoolingOutput``): a float32 tensor,
+    ``[D]`` for a vector or probabilities, ``[T, H]`` for ``encode``."""
+
+    data: torch.Tensor
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per label (raw logits with use_activation=False)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of one pooling request (vLLM's shape): ``outputs`` is a
+    ``PoolingOutput`` from the engine (``LLM.encode``), an ``EmbeddingOutput``,
+    ``ClassificationOutput`` or ``ScoringOutput`` from ``LLM.embed`` /
+    ``classify`` / ``score`` (their ``*RequestOutput`` subclasses)."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    finished: bool = True
+    # Prompt tokens whose K/V came from the prefix cache (0 for an encoder).
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """``outputs`` is an ``EmbeddingOutput``."""
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """``outputs`` is a ``ClassificationOutput``."""
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    """``outputs`` is a ``ScoringOutput``."""

@@ -259,7 +259,8 @@ def test_route_paths_are_written_only_in_the_route_table():
 
 
 # The engine's request kinds, each with the module that defines (and alone may test for) it.
-REQUEST_KINDS = {"RequestState": "pagedllm/engine/output_processor.py", "BeamGroup": "pagedllm/engine/beam_search.py"}
+REQUEST_KINDS = {"RequestState": "pagedllm/engine/output_processor.py", "BeamGroup": "pagedllm/engine/beam_search.py",
+                 "PoolingState": "pagedllm/engine/pooling_request.py"}
 
 
 def _isinstance_kinds(tree: ast.AST) -> Iterator[tuple[int, str]]:

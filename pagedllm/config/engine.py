@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from pagedllm.config.cache import CacheConfig, check_choice
 from pagedllm.config.kv_events import KVEventsConfig
 from pagedllm.config.lora import LoRAConfig
+from pagedllm.config.pooling import PoolingConfig
 from pagedllm.config.kv_offload import KVOffloadConfig
 from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.config.hybrid_kv import refuse_what_hybrid_groups_cannot_run
@@ -155,6 +156,7 @@ class EngineConfig:
     )
     cache: CacheConfig = field(default_factory=CacheConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    pooling: PoolingConfig = field(default_factory=PoolingConfig)
     debug_invariants: bool = field(
         default=False, metadata={"help": "check every block-manager invariant after every step (slow)"}
     )
@@ -380,4 +382,4 @@ def engine_option_fields() -> dict[str, Field]:
 
 
 # Option groups kept in their own dataclass, whose fields are flat engine options.
-NESTED_CONFIGS = {"cache": CacheConfig, "lora": LoRAConfig}
+NESTED_CONFIGS = {"cache": CacheConfig, "lora": LoRAConfig, "pooling": PoolingConfig}

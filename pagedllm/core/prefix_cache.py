@@ -74,7 +74,7 @@ class PrefixCache:
         pool blocks, with tiers the hashes of blocks host memory holds, and
         ``loading`` when blocks the hit needs are being fetched from disk (the
         request should wait)."""
-        if not self.enabled or request.sampling_params.prompt_logprobs is not None:
+        if not self.enabled or request.needs_every_prompt_position:
             return PrefixHit([[] for _ in self.windows], 0)
         hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -8,11 +8,13 @@ from typing import TYPE_CHECKING
 
 from pagedllm.core.block_hash import request_extra_keys
 from pagedllm.core.sequence_group import SAMPLING, SequenceGroupPolicy
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import mix_seed
 
 if TYPE_CHECKING:
     from pagedllm.core.adapter_spec import AdapterSpec
+    from pagedllm.core.runner_output import PooledOutput
 
 
 class RequestStatus(enum.Enum):
@@ -76,6 +78,7 @@ class Request:
         cache_salt: str | None = None,
         group_policy: SequenceGroupPolicy = SAMPLING,
         lora: AdapterSpec | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -116,6 +119,16 @@ class Request:
         # Speculative decoding: tokens proposed after the last one, to verify
         # in the next step (consumed by it; dropped by a preemption).
         self.draft_token_ids: list[int] = []
+        # A pooling request ends when its prompt is computed, with ``pooled`` instead of a sampled token.
+        self.pooling_params = pooling_params
+        self.pooled: PooledOutput | None = None
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """Whether every prompt token's output is read (prompt logprobs, encode):
+        such a request computes its whole prompt, with no prefix-cache hit."""
+        pooling = self.pooling_params
+        return self.sampling_params.prompt_logprobs is not None or (pooling is not None and pooling.task == "encode")
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -30,6 +30,16 @@ class SampledTokens:
         return len(self.token_ids) - 1
 
 
+@dataclass
+class PooledOutput:
+    """What a pooling sequence returns when its last prompt token is computed:
+    float32 numbers, C order, as bytes (plain data that any process boundary
+    carries), of ``shape`` (``[D]`` for a vector, ``[T, H]`` for encode)."""
+
+    data: bytes
+    shape: tuple[int, ...]
+
+
 def _no_timings() -> dict[str, float]:
     return {"input preparation": 0.0, "forward": 0.0, "sampling": 0.0}
 
@@ -43,12 +53,15 @@ class ModelRunnerOutput:
     sample). ``proposed_draft_token_ids`` are the drafts the runner proposes
     for each speculating sequence's next step (vLLM's ``spec_token_ids``).
     ``prompt_logprobs`` maps a request id to the index in its prompt of the
-    first token scored this step and those tokens' logprobs.
+    first token scored this step and those tokens' logprobs. ``pooled`` has
+    one entry per pooling sequence whose sample row came this step (its
+    prompt is done), keyed by its id, in place of a sampled token.
     """
 
     sampled: dict[str, SampledTokens] = field(default_factory=dict)
     proposed_draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+    pooled: dict[str, PooledOutput] = field(default_factory=dict)
     # Seconds per phase, and in total, of the runner's execute().
     timings: dict[str, float] = field(default_factory=_no_timings)
     elapsed_s: float = 0.0

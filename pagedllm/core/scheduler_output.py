@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.core.adapter_spec import AdapterLoad
 from pagedllm.core.block_moves import BlockMovePlan
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -51,6 +52,8 @@ class NewSequenceData:
     sampling_params: SamplingParams
     # The LoRA adapter it runs under (None: the base); its pages are resident while it runs.
     lora_name: str | None = None
+    # A pooling sequence (task set): its sample row is pooled, not sampled.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass

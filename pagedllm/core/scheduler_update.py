@@ -40,6 +40,8 @@ class StepUpdates:
             rows = scheduled.sample_rows
             if not rows:
                 continue
+            if request.pooling_params is not None:
+                request.pooled = runner_output.pooled[request.request_id]
             forks = self._apply(request.group_policy.decide(request, rows, sampled))
             advanced += [forks.get(row.sequence_id, request) for row in rows]
             if not request.is_finished:

@@ -108,3 +108,24 @@ class SamplingPolicy:
 
 # Stateless, so one instance serves every sampled request.
 SAMPLING = SamplingPolicy()
+
+
+class PoolingPolicy:
+    """A pooling request: its one row (at its last prompt token) is pooled by
+    the runner, not sampled, and ends it. It is never swapped (the runner's
+    per-chunk states of an ``encode`` would not survive it: a recompute
+    rebuilds them) and never speculates."""
+
+    may_swap = False
+    may_speculate = False
+
+    def num_rows(self, request: Request) -> int:
+        return 1
+
+    def decide(self, request: Request, rows: list[SampleRow], sampled: Mapping[str, SampledTokens]) -> list[Decision]:
+        from pagedllm.core.request import RequestStatus  # (request imports this module)
+
+        return [Finish(request.request_id, RequestStatus.FINISHED_STOPPED)]
+
+
+POOLING = PoolingPolicy()

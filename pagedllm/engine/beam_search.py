@@ -38,7 +38,9 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner_output import SampledTokens
 from pagedllm.core.scheduler_output import SampleRow
 from pagedllm.core.sequence_group import Append, Decision, Finish, Fork
+from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import SamplingParams
 
 _NEG_INF = -1.0e9
 
@@ -278,3 +280,21 @@ class BeamGroup:
             finished=True,
             metrics=self.metrics,
         )
+
+
+def new_beam_group(input_processor: InputProcessor, eos_token_ids: list[int], request_id: str, prompt: PromptType,
+                   params: BeamSearchParams, arrival_time: float | None, priority: int,
+                   cache_salt: str | None) -> tuple[Request, BeamGroup]:
+    """A beam search's first beam (to queue) and its group, which ranks the hypotheses."""
+    group = BeamGroup(request_id, None, [], params, eos_token_ids, RequestMetrics(arrival_time=time.time()))
+    # The sampled token is ignored; the top-K distribution ranks the beams.
+    sampling = SamplingParams(
+        temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, logprobs=group.num_candidates
+    )
+    # Admission reserves beam_width places; the group's policy decides each step's tokens.
+    request, group.prompt = input_processor.new_request(
+        request_id, prompt, sampling, params.beam_width, arrival_time, priority, cache_salt, group_policy=group
+    )
+    group.prompt_token_ids = request.prompt_token_ids
+    group.metrics.arrival_time = request.arrival_time
+    return request, group

@@ -11,8 +11,8 @@ Two protocols, one per calling style, and one factory for each (vLLM's
   over an ``LLMEngine`` here, or ``AsyncEngineCoreClient`` of a core process.
   ``make_async_engine_client`` builds one from an engine or a ``CoreConnection``.
 
-A request is sampled (``SamplingParams``) or a beam search (``BeamSearchParams``),
-through the same ``add_request``.
+A request is sampled (``SamplingParams``), a beam search (``BeamSearchParams``)
+or, on a pooling engine, a pooling request (``PoolingParams``), through the same ``add_request``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.lora.request import LoRARequest
     from pagedllm.outputs import RequestOutput
+    from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import SamplingParams
 
 
@@ -44,11 +45,13 @@ class EngineClient(Protocol):
     def next_request_id(self) -> str:
         """A request id no earlier one of this client used."""
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | BeamSearchParams | None = None,
+    def add_request(self, request_id: str, prompt: Any,
+                    params: SamplingParams | BeamSearchParams | PoolingParams | None = None,
                     *, priority: int = 0, cache_salt: str | None = None,
                     lora_request: LoRARequest | None = None) -> None:
         """Queue a request (None: the default ``SamplingParams``). A beam search's result is
-        one finished output holding the ``beam_width`` best hypotheses, best first.
+        one finished output holding the ``beam_width`` best hypotheses, best first; a
+        pooling request's one finished ``PoolingRequestOutput``.
         ``ValueError`` for a bad prompt or params, a reused id, an adapter it cannot run."""
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:

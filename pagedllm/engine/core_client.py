@@ -35,6 +35,7 @@ from pagedllm.engine.output_deltas import OutputAssembler
 from pagedllm.engine.supervisor import Supervisor
 from pagedllm.logger import init_logger
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -48,17 +49,19 @@ def info_of(facts: EngineFacts, tokenizer: Any) -> EngineInfo:
         tokenizer=tokenizer, max_model_len=facts.max_model_len, vocab_size=facts.vocab_size,
         eos_token_ids=tuple(facts.eos_token_ids), max_num_seqs=facts.max_num_seqs, max_logprobs=facts.max_logprobs,
         scheduling_policy=facts.scheduling_policy,
-        default_sampling_params=MappingProxyType(dict(facts.default_sampling_params)),
+        default_sampling_params=MappingProxyType(dict(facts.default_sampling_params)), pooler_spec=facts.pooler_spec,
     )
 
 
-def add_message(tokenizer: Any, request_id: str, prompt: Any, params: SamplingParams | BeamSearchParams,
+def add_message(tokenizer: Any, request_id: str, prompt: Any, params: SamplingParams | BeamSearchParams | PoolingParams,
                 priority: int, cache_salt: str | None, lora_request: LoRARequest | None) -> AddRequest:
     """The message that adds a request to the core: its prompt tokenized here, a beam
-    search's params in ``beam`` (the core's engine refuses what it cannot run)."""
+    search's params in ``beam``, a pooling request's in ``pooling`` (the core's engine
+    refuses what it cannot run)."""
     beam = params if isinstance(params, BeamSearchParams) else None
-    return AddRequest(request_id, tokenized(tokenizer, prompt), None if beam else params, beam=beam,
-                      priority=priority, cache_salt=cache_salt, lora_request=lora_request)
+    pooling = params if isinstance(params, PoolingParams) else None
+    return AddRequest(request_id, tokenized(tokenizer, prompt), None if beam or pooling else params, beam=beam,
+                      priority=priority, cache_salt=cache_salt, lora_request=lora_request, pooling=pooling)
 
 
 def request_error(error: RequestError) -> ValueError:

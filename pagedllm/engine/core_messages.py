@@ -27,9 +27,12 @@ from typing import Any
 
 import msgspec
 
+from pagedllm.config.pooling import PoolerSpec
+from pagedllm.core.runner_output import PooledOutput
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import Logprob
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -45,6 +48,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     priority: int = 0
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
+    pooling: PoolingParams | None = None  # a pooling request instead of sampling
 
     def __post_init__(self) -> None:
         # A JSON schema (a request's, or a tool's parameters) travels as its JSON text: msgpack
@@ -82,6 +86,7 @@ class EngineFacts(msgspec.Struct, array_like=True):
     scheduling_policy: str
     default_sampling_params: dict[str, Any]
     capacity_line: str
+    pooler_spec: PoolerSpec | None = None  # a pooling engine's tasks
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -132,6 +137,7 @@ class OutputDelta(msgspec.Struct, array_like=True):
     metrics: list[float | int | None]  # RequestMetrics' fields in order (names would cost more than values)
     num_cached_tokens: int
     prompt: PromptFacts | None = None  # with the first delta of a request only
+    pooled: PooledOutput | None = None  # a pooling request's one (finished) result, in place of completions
 
 
 class OutputBatch(msgspec.Struct, tag="outputs", array_like=True):

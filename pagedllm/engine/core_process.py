@@ -119,6 +119,7 @@ def engine_facts(engine) -> EngineFacts:
         vocab_size=info.vocab_size, eos_token_ids=list(info.eos_token_ids), max_num_seqs=info.max_num_seqs,
         max_logprobs=info.max_logprobs, scheduling_policy=info.scheduling_policy,
         default_sampling_params=dict(info.default_sampling_params), capacity_line=engine.capacity_line(),
+        pooler_spec=info.pooler_spec,
     )
 
 
@@ -177,7 +178,8 @@ class EngineCore:
         from pagedllm.structured_output import StructuredOutputError
 
         try:
-            self.engine.add_request(message.request_id, message.prompt, message.beam or message.params,
+            params = message.beam or message.pooling or message.params
+            self.engine.add_request(message.request_id, message.prompt, params,
                                     priority=message.priority, cache_salt=message.cache_salt,
                                     lora_request=message.lora_request)
         except StructuredOutputError as exc:

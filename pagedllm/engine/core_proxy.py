@@ -16,6 +16,7 @@ from typing import Any
 
 import zmq
 
+from pagedllm.config.pooling import PoolerSpec
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.core_client import (LIVENESS_INTERVAL_S, add_message, core_process_alive, info_of,
                                          request_error)
@@ -27,6 +28,7 @@ from pagedllm.engine.core_process import CoreLaunch, EngineCoreProcess
 from pagedllm.engine.async_engine import EngineDeadError
 from pagedllm.engine.output_deltas import OutputAssembler
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -127,7 +129,8 @@ class EngineCoreProxy:
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | BeamSearchParams | None = None, *,
+    def add_request(self, request_id: str, prompt: Any,
+                    params: SamplingParams | BeamSearchParams | PoolingParams | None = None, *,
                     priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> None:
         params = params or self.get_default_sampling_params()
         self._add(add_message(self.info.tokenizer, request_id, prompt, params, priority, cache_salt, lora_request))
@@ -176,6 +179,14 @@ class EngineCoreProxy:
 
     def get_tokenizer(self):
         return self.info.tokenizer
+
+    @property
+    def pooler_spec(self) -> PoolerSpec | None:  # what the core's engine pools (None: it generates)
+        return self.info.pooler_spec
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
 
     def get_default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.info.default_sampling_params)

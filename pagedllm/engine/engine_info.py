@@ -9,6 +9,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pagedllm.config.pooling import PoolerSpec
     from pagedllm.engine.llm_engine import LLMEngine
 
 
@@ -31,6 +32,7 @@ class EngineInfo:
     scheduling_policy: str  # "fcfs" or "priority"
     # What a request leaves unset runs with (generation_config.json and --override-generation-config).
     default_sampling_params: Mapping[str, Any]
+    pooler_spec: PoolerSpec | None = None  # what a pooling engine pools (None: it generates)
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
@@ -43,4 +45,5 @@ class EngineInfo:
             max_logprobs=engine.config.max_logprobs,
             scheduling_policy=engine.scheduler_config.scheduling_policy,
             default_sampling_params=MappingProxyType(dict(engine.default_sampling_params)),
+            pooler_spec=engine.pooler_spec,
         )

@@ -197,7 +197,8 @@ class InputProcessor:
         if prompt_len >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {prompt_len} tokens but max_model_len is {self.max_model_len} "
-                f"(prompt + at least one generated token must fit); shorten the prompt or raise max_model_len"
+                f"(prompt + at least one generated token must fit); shorten the prompt, pass "
+                f"truncate_prompt_tokens (keep the last k tokens) or raise max_model_len"
             )
         room = self.max_model_len - prompt_len
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)

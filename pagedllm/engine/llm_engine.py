@@ -21,10 +21,11 @@ from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine.counters import count_step, engine_stats, kv_pool_snapshot, weight_bytes
 from pagedllm.engine.setup import (create_kv_cache_manager, create_lora, eos_token_ids_of,
                                    freeze_long_lived_objects, sampling_defaults_of)
-from pagedllm.engine.beam_search import BeamGroup, BeamSearchParams
+from pagedllm.engine.beam_search import BeamSearchParams, new_beam_group
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.kv_channels import KVChannels
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.pooling_request import new_pooling_request, pooler_spec_of
 from pagedllm.engine.user_request import UserRequest
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
@@ -34,7 +35,8 @@ from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.engine.stats_reporter import StatsReporter, metrics_context
 from pagedllm.model.loader import checkpoint_dtype
 from pagedllm.model.shard import ModelShard
-from pagedllm.outputs import RequestMetrics, RequestOutput
+from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.spec_decode.draft_model import load_draft_model
 from pagedllm.structured_output import StructuredOutputManager
@@ -135,9 +137,11 @@ class LLMEngine:
                                                self.model.config.num_hidden_layers)
         if self.executor is not None:
             self.executor.send_runner_spec(self.runner_spec)
+        # What a pooling engine's decoder pools (None: it generates); the driver alone pools.
+        self.pooler_spec = pooler_spec_of(config.pooling, self.model_config, self.tokenizer)
         return RunnerPlan(self.runner_spec, self.eos_token_ids, speculative_config=config.speculative,
                           broadcast_step=self.executor.broadcast_step if self.executor is not None else None,
-                          draft_model=self.draft_model)
+                          draft_model=self.draft_model, pooler=self.pooler_spec)
 
     def _start_tensor_parallel(self) -> DistributedExecutor | None:
         """Start ranks 1..N-1 (or wait for them, with ``distributed_init_method``);
@@ -189,7 +193,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | BeamSearchParams | None = None,
+        params: SamplingParams | BeamSearchParams | PoolingParams | None = None,
         *,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -199,20 +203,34 @@ class LLMEngine:
         """Validate and queue a request: sampled with ``SamplingParams`` (under
         ``lora_request``'s adapter, if any; None: the defaults), or a beam search
         with ``BeamSearchParams``, whose result is one finished RequestOutput whose
-        outputs are the ``beam_width`` best hypotheses, best first. Raises
+        outputs are the ``beam_width`` best hypotheses, best first, or (a pooling
+        engine's only kind) a pooling request, whose result is one finished
+        ``PoolingRequestOutput`` (``engine/pooling_request.py``). Raises
         ``ValueError`` (and changes nothing) on other params, an empty or too-long
         prompt, out-of-vocabulary token ids, a request that could never fit in the
         pool, a reused request id, a bad adapter (or one with a beam search), or a
         structured-output constraint that does not compile."""
         params = params or self.get_default_sampling_params()
-        if not isinstance(params, (SamplingParams, BeamSearchParams)):
-            raise ValueError(f"params must be a SamplingParams or a BeamSearchParams, got {type(params).__name__}")
         self._check_new_id(request_id)
+        if isinstance(params, PoolingParams):
+            request, state = new_pooling_request(self.input_processor, self.pooler_spec, self.model_config.hidden_size,
+                                                 request_id, prompt, params, arrival_time, priority, cache_salt)
+            self.scheduler.add_request(request)
+            self.requests[request_id] = state
+            return
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError(f"params must be SamplingParams, BeamSearchParams or PoolingParams, got "
+                             f"{type(params).__name__}")
+        if self.pooler_spec is not None:
+            raise ValueError(f"this engine pools (runner='pooling'): it serves {', '.join(self.pooler_spec.tasks)} "
+                             "requests (LLM.embed / classify / score / encode), not generation")
         if isinstance(params, BeamSearchParams):
             if lora_request is not None:
                 raise ValueError("beam search runs on the base model: it takes no lora_request")
-            self.requests[request_id] = self._new_beam_group(request_id, prompt, params, arrival_time, priority,
-                                                             cache_salt)
+            request, group = new_beam_group(self.input_processor, self.eos_token_ids, request_id, prompt, params,
+                                            arrival_time, priority, cache_salt)
+            self.scheduler.add_request(request)
+            self.requests[request_id] = group
             return
         self.input_processor.check_logprobs(params)  # beam search's internal candidates are exempt
         request, prompt_text = self.input_processor.new_request(
@@ -224,25 +242,6 @@ class LLMEngine:
         if grammar is not None:
             self.structured_output.add_sequence(request_id, grammar, params.structured_outputs.reasoning)
         self.requests[request_id] = self.output_processor.new_state(request, prompt_text)
-
-    def _new_beam_group(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
-                        arrival_time: float | None, priority: int, cache_salt: str | None) -> BeamGroup:
-        """Queue a beam search's first beam; its group ranks the hypotheses."""
-        group = BeamGroup(
-            request_id, None, [], params, self.eos_token_ids, RequestMetrics(arrival_time=time.time())
-        )
-        # The sampled token is ignored; the top-K distribution ranks the beams.
-        sampling = SamplingParams(
-            temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, logprobs=group.num_candidates
-        )
-        # Admission reserves beam_width places; the group's policy decides each step's tokens.
-        request, group.prompt = self.input_processor.new_request(
-            request_id, prompt, sampling, params.beam_width, arrival_time, priority, cache_salt, group_policy=group
-        )
-        group.prompt_token_ids = request.prompt_token_ids
-        group.metrics.arrival_time = request.arrival_time
-        self.scheduler.add_request(request)
-        return group
 
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self.requests:

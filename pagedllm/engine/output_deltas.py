@@ -18,7 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from pagedllm.engine.core_messages import CompletionDelta, OutputDelta, PromptFacts
-from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from pagedllm.core.runner_output import PooledOutput
+from pagedllm.engine.pooling_request import pooling_output
+from pagedllm.outputs import CompletionOutput, PoolingRequestOutput, PositionLogprobs, RequestMetrics, RequestOutput
 
 _METRIC_FIELDS = tuple(f.name for f in fields(RequestMetrics))
 
@@ -39,7 +41,13 @@ class DeltaEncoder:
     def __init__(self) -> None:
         self._sent: dict[str, list[_SentSequence]] = {}
 
-    def encode(self, output: RequestOutput) -> OutputDelta:
+    def encode(self, output: RequestOutput | PoolingRequestOutput) -> OutputDelta:
+        if isinstance(output, PoolingRequestOutput):  # one finished result: all of it, at once
+            prompt = PromptFacts(output.prompt, output.prompt_token_ids, None)
+            metrics = [getattr(output.metrics, name) for name in _METRIC_FIELDS]
+            data = output.outputs.data.contiguous()
+            return OutputDelta(output.request_id, [], True, metrics, output.num_cached_tokens, prompt,
+                               PooledOutput(data.numpy().tobytes(), tuple(data.shape)))
         sent = self._sent.get(output.request_id)
         prompt = None
         if sent is None:
@@ -104,7 +112,10 @@ class OutputAssembler:
     def __init__(self) -> None:
         self._requests: dict[str, _AssembledRequest] = {}
 
-    def assemble(self, delta: OutputDelta) -> RequestOutput:
+    def assemble(self, delta: OutputDelta) -> RequestOutput | PoolingRequestOutput:
+        if delta.pooled is not None:
+            return pooling_output(delta.request_id, delta.pooled, delta.prompt.prompt, delta.prompt.prompt_token_ids,
+                                  delta.num_cached_tokens, RequestMetrics(*delta.metrics))
         state = self._requests.get(delta.request_id)
         if state is None:
             if delta.prompt is None:

@@ -66,12 +66,16 @@ class StatsReporter:
         by_request: dict[str, tuple[int, int]] = {}
         for request in advanced:
             prompt_len, tokens = by_request.get(request.group_id, (len(request.prompt_token_ids), 0))
-            by_request[request.group_id] = (prompt_len, tokens + len(sampled[request.request_id].token_ids))
+            own = sampled.get(request.request_id)  # (none for a pooling request: it pooled its prompt)
+            by_request[request.group_id] = (prompt_len, tokens + (len(own.token_ids) if own is not None else 0))
         for request_id, (prompt_len, tokens) in by_request.items():
             iteration.observe_tokens(states[request_id].metrics, prompt_len, tokens)
 
     def observe_output(self, iteration: IterationStats, output: RequestOutput, state: UserRequest) -> None:
         """A request that finished with its last output."""
+        if not isinstance(output.outputs, list):  # a pooling request's one pooled result: no tokens generated
+            self._observe_end(iteration, state, "stop", [])
+            return
         reason = output.outputs[0].finish_reason if output.outputs else "abort"
         self._observe_end(iteration, state, reason or "abort", [len(c.token_ids) for c in output.outputs])
 

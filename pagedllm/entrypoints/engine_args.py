@@ -1,7 +1,7 @@
 """The engine's command-line flags, generated from the config dataclasses.
 
 As vLLM's ``EngineArgs.add_cli_args`` does: every field of ``EngineConfig``
-and of its ``CacheConfig`` and ``LoRAConfig`` becomes ``--field-name`` with the field's help text,
+and of its ``CacheConfig``, ``LoRAConfig`` and ``PoolingConfig`` becomes ``--field-name`` with the field's help text,
 so adding an engine option is adding one field in ``pagedllm/config/engine.py``, and
 every command that builds an engine takes all of them.
 """
@@ -17,6 +17,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from pagedllm.config.engine import NESTED_CONFIGS, CacheConfig, EngineConfig, engine_option_fields
 from pagedllm.config.lora import LoRAConfig
+from pagedllm.config.pooling import PoolingConfig
 from pagedllm.entrypoints.llm import LLM
 
 
@@ -27,7 +28,8 @@ def flag_of(option: str) -> str:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per engine option: ``--x/--no-x`` for a boolean, the allowed
     words as choices for a ``Literal``, a typed value otherwise."""
-    for title, config_class in (("engine", EngineConfig), ("KV cache", CacheConfig), ("LoRA", LoRAConfig)):
+    for title, config_class in (("engine", EngineConfig), ("KV cache", CacheConfig), ("LoRA", LoRAConfig),
+                                 ("pooling", PoolingConfig)):
         group = parser.add_argument_group(title)
         annotations = get_type_hints(config_class)
         for option in fields(config_class):

@@ -10,6 +10,8 @@ from tqdm.auto import tqdm
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.engine.client import EngineClient, make_engine_client
 from pagedllm.engine.input_processor import PromptType
+from pagedllm.entrypoints.pooling_api import (DecoderEngineBackend, EncoderBackend, NoEngine, PoolingBackend,
+                                              PoolingMethods, as_prompt_list, encoder_runner_for)
 from pagedllm.entrypoints.chat_utils import ChatRenderOptions, load_chat_template, render_chat
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.reader import Metric, get_metrics_snapshot
@@ -19,7 +21,7 @@ from pagedllm.sampling_params import SamplingParams
 ChatMessages = list[dict[str, Any]]
 
 
-class LLM:
+class LLM(PoolingMethods):
     """Generate text for a list of prompts with a paged-KV continuous-batching engine.
 
     ``model=None`` loads the embedded SmolLM2-135M-Instruct; otherwise pass a
@@ -43,12 +45,32 @@ class LLM:
     prompts sharing a prefix to the same replica, the prompt tokens balanced
     (``fleet/offline.py``); the outputs come back in prompt order. The other
     methods' answers with N > 1 are in their docstrings.
+
+    ``runner="pooling"`` makes a pooling LLM (``embed``, ``classify``, ``score``,
+    ``encode``: ``entrypoints/pooling_api.py``; docs/pooling.md): a decoder's
+    requests go through the engine, its pool and prefix cache; an encoder-only
+    checkpoint runs on the encoder runner, without an engine.
     """
 
     def __init__(self, model: str | None = None, *, engine_process: bool = False, data_parallel_size: int = 1,
                  **options: Any) -> None:
-        self.llm_engine: EngineClient = make_engine_client({"model": model, **options}, engine_process=engine_process,
-                                                           data_parallel_size=data_parallel_size)
+        self._pooling_backend: PoolingBackend | None = None
+        encoder = encoder_runner_for(model, options)
+        if encoder is not None:  # an encoder-only checkpoint: pooled without an engine or KV blocks
+            self.llm_engine: EngineClient = NoEngine()
+            self._pooling_backend = EncoderBackend(encoder)
+            return
+        if options.get("runner", "generate") != "generate" and data_parallel_size > 1:
+            raise ValueError("a pooling LLM runs one engine: drop data_parallel_size")
+        self.llm_engine = make_engine_client({"model": model, **options}, engine_process=engine_process,
+                                             data_parallel_size=data_parallel_size)
+
+    @property
+    def pooling_backend(self) -> PoolingBackend:
+        """What ``embed`` / ``classify`` / ``score`` / ``encode`` run on: the engine, or an encoder runner."""
+        if self._pooling_backend is None:
+            self._pooling_backend = DecoderEngineBackend(self.llm_engine, self._drive)
+        return self._pooling_backend
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes (a no-op with one rank) and the
@@ -129,7 +151,7 @@ class LLM:
         already queued by this call are withdrawn, so nothing of it runs and no
         block stays taken.
         """
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         if isinstance(sampling_params, Sequence):
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
@@ -202,7 +224,7 @@ class LLM:
         """Beam search for each prompt (vLLM's shape). Hypotheses share their
         common prefix blocks; each output lists ``beam_width`` sequences (prompt
         + generated tokens), best score first."""
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         finished = self._drive(
             prompt_list, lambda engine, rid, prompt, i: engine.add_request(rid, prompt, params), use_tqdm
         )
@@ -244,13 +266,3 @@ class LLM:
             # On any error (bad prompt midway, interrupt, a dead core) nothing stays queued or holds blocks.
             engine.abort_request([rid for rid in request_ids if rid not in finished])
         return [finished[rid] for rid in request_ids]
-
-
-def _as_prompt_list(prompts: Any) -> list[PromptType]:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]  # one prompt given as token ids
-    if not isinstance(prompts, Sequence) or not prompts:
-        raise ValueError("prompts must be a non-empty string, token-id list, or a list of them")
-    return list(prompts)

@@ -165,7 +165,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype; Gemma 2 soft-caps them (``cap * tanh(x / cap)``)."""
         logits = super().compute_logits(hidden)
-        if self.final_soft_cap is None:
+        if self.final_soft_cap is None or hasattr(self, "score"):  # a classifier's labels are not capped
             return logits
         return torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
 

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from pagedllm.model.checkpoint import WHAT_TO_PASS, Checkpoint, check_architecture
 from pagedllm.model.safetensors_reader import read_safetensors
+from pagedllm.model.shapes import classifier_labels_of
 
 # Files any one of which lets AutoTokenizer build a tokenizer from a folder.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -32,7 +33,10 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
     for shard in shards:
         # Old checkpoints saved the rotary frequencies; they are recomputed from the config.
         state_dict.update(read_safetensors(shard, dtype, skip=lambda name: name.endswith("rotary_emb.inv_freq")))
-    if config.tie_word_embeddings:
+    if classifier_labels_of(config) is not None:
+        if "score.weight" not in state_dict:
+            raise ValueError(f"{str(folder)!r} is a sequence classifier without score.weight")
+    elif config.tie_word_embeddings:
         # Some checkpoints store the tied copy anyway; transformers ignores it, and so do we.
         state_dict.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state_dict:

@@ -16,7 +16,7 @@ from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.model.sharding import shard_layout, shard_state_dict
-from pagedllm.model.shapes import head_dim_of, num_kv_heads_of, sliding_windows_of
+from pagedllm.model.shapes import classifier_labels_of, head_dim_of, num_kv_heads_of, sliding_windows_of
 from pagedllm.model.layers import Embedding, GatedMLP, Linear, RMSNorm, linear
 from pagedllm.model.quantized import install_packed_weights
 from pagedllm.model.rotary import RotaryEmbedding, context_window_of
@@ -187,7 +187,12 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = shard_layout(config, tp).num_kv_heads
         self.model = self.build_decoder(config, max_position or context_window_of(config), tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
+        # A sequence classifier's ``score`` head takes the LM head's place (compute_logits gives its labels).
+        num_labels = classifier_labels_of(config)
+        if num_labels is not None:
+            self.score = Linear(config.hidden_size, num_labels, bias=False)
+            self.tie_word_embeddings = False
+        elif not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # Granite scales the embeddings and divides the logits; other models have neither.
         self.embedding_multiplier = getattr(config, "embedding_multiplier", None)
@@ -223,7 +228,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: the sampler reads bf16 ones as fp32
-        without a copy when it only needs the argmax."""
+        without a copy when it only needs the argmax. A sequence classifier's
+        are its labels' (the ``score`` head)."""
+        if hasattr(self, "score"):
+            return self.score(hidden)
         # A tied head has no module of its own unless its weight is packed (GGUF blocks
         # or the packed kernel's layout, shared with the embedding).
         head = getattr(self, "lm_head", None)

@@ -18,6 +18,15 @@ def num_kv_heads_of(config: Any) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def classifier_labels_of(config: Any) -> int | None:
+    """The labels of a ``*ForSequenceClassification`` checkpoint (its ``score``
+    head's rows, in place of an LM head); None for a causal LM."""
+    architectures = getattr(config, "architectures", None) or []
+    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+        return None
+    return int(config.num_labels)
+
+
 # What each family's Hugging Face modeling code does with a config's window (checked against
 # the attention masks it builds, tests/model/test_layer_windows.py):
 # no window at all, whatever the config carries (a fine-tune's config may keep a stray one);

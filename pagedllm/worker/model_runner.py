@@ -30,6 +30,8 @@ from pagedllm.worker.block_moves import allocate_caches, layer_caches
 from pagedllm.worker.cuda_graphs import DecodeGraphs, why_no_graphs
 from pagedllm.worker.input_batch import CachedSequence, InputBatch, StepArrays
 from pagedllm.worker.lora_adapters import RunnerAdapters
+from pagedllm.config.pooling import PoolerSpec
+from pagedllm.worker.pooler import DecoderPooler
 from pagedllm.worker.runner_spec import RunnerSpec
 from pagedllm.worker.sampler import Sampler
 from pagedllm.worker.spec_decode.draft_model import DraftModel
@@ -75,6 +77,7 @@ class ModelRunner:
         broadcast_step: Callable[[StepInputs], None] | None = None,
         speculative_config: SpeculativeConfig | None = None,
         draft_model: CausalLM | None = None,
+        pooler: PoolerSpec | None = None,
     ) -> None:
         """A runner of ``model`` over a pool of ``spec``'s shape on ``device``;
         every rank builds one from the same ``spec``. The rest is the driver's
@@ -82,14 +85,13 @@ class ModelRunner:
         ``broadcast_step``, on a tensor-parallel driver, sends each step's
         inputs to the other ranks before this rank runs it (they run the same
         forward, whose all-reduces need every rank); with ``speculative_config``
-        it verifies and proposes drafts (``draft_model``: the loaded draft of a
-        ``draft_model`` config). ``spec.cuda_graphs`` captures decode steps
-        where the device and model allow (``pagedllm.worker.cuda_graphs``);
-        ``spec.num_tail_slots`` > 0 (int8 pools) keeps still-filling blocks also
-        in full precision (``pagedllm.worker.tail_slots``). ``spec.kv_groups``:
-        ``kv_caches`` are its ``num_slots`` slot caches, what every block move
-        works on; the model reads ``layer_caches``, one per layer, aliasing them
-        (``block_moves``' safety rule)."""
+        it verifies and proposes drafts (``draft_model``: the loaded draft of a ``draft_model``
+        config); with ``pooler`` it pools the pooling sequences (``worker/pooler.py``).
+        ``spec.cuda_graphs`` captures decode steps where the device and model allow
+        (``pagedllm.worker.cuda_graphs``); ``spec.num_tail_slots`` > 0 (int8 pools) keeps
+        still-filling blocks also in full precision (``pagedllm.worker.tail_slots``).
+        ``spec.kv_groups``: ``kv_caches`` are its ``num_slots`` slot caches, what every block
+        move works on; the model reads ``layer_caches``, one per layer, aliasing them (``block_moves``' safety rule)."""
         self.model = model
         self.broadcast_step = broadcast_step
         self.block_size = block_size = spec.block_size
@@ -123,6 +125,7 @@ class ModelRunner:
         self.decode_graphs = None if no_graphs else self._capture_graphs(spec.max_num_seqs, spec.max_model_len,
                                                                           spec.num_blocks)
         self.step_sampler = StepSampler(model.compute_logits, self.sampler, self.speculator, self.batch, device)
+        self.pooler = None if pooler is None else DecoderPooler(pooler, model.compute_logits, self.sequences)
         self.adapters = None if not spec.max_lora_rank else RunnerAdapters(
             model, model.config, self.layer_caches, spec.dtype, spec.max_lora_rank, device, self.adapter_page_elems)
 
@@ -196,6 +199,8 @@ class ModelRunner:
             stage = self.step_sampler
             output.sampled, output.proposed_draft_token_ids = stage.sample(batch.order, batch.last_rows, hidden, grammar)
             output.prompt_logprobs = stage.prompt_logprobs(batch.order, batch.last_rows, hidden)
+            if self.pooler is not None:
+                output.pooled = self.pooler.pool(batch.order, batch.last_rows, hidden)
             output.timings = {
                 "input preparation": prepared - started,
                 "forward": forwarded - prepared,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.config.engine import EngineConfig, threads_per_rank
+from pagedllm.config.pooling import PoolerSpec
 from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.model.base import CausalLM
@@ -37,6 +38,7 @@ class RunnerPlan:
     broadcast_step: Callable[[StepInputs], None] | None = None
     speculative_config: SpeculativeConfig | None = None
     draft_model: CausalLM | None = None
+    pooler: PoolerSpec | None = None  # a pooling engine's: what its decoder pools
 
 
 def build_rank(config: EngineConfig, device: torch.device, group: TensorParallelGroup,
@@ -53,7 +55,7 @@ def build_rank(config: EngineConfig, device: torch.device, group: TensorParallel
     plan = plan_runner(shard)
     runner = ModelRunner(shard.model, plan.spec, device, eos_token_ids=plan.eos_token_ids,
                          broadcast_step=plan.broadcast_step, speculative_config=plan.speculative_config,
-                         draft_model=plan.draft_model)
+                         draft_model=plan.draft_model, pooler=plan.pooler)
     if config.cache.kv_cache_pretouch:
         pretouch_pool(runner.kv_caches, runner.host_store)
     return runner

@@ -53,6 +53,8 @@ class StepSampler:
             if scheduled.draft_token_ids:
                 speculating.append((scheduled, sequence, last_row))
                 continue
+            if sequence.pooling_params is not None:
+                continue  # pooled instead (``worker/pooler.py``)
             for sample_row in scheduled.sample_rows:
                 rows.append(last_row)
                 sample_rows.append(sample_row)

@@ -175,3 +175,30 @@ def test_core_knows_no_beam_search():
         names = {t.string for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.NAME}
         assert not [name for name in names if "beam" in name.lower()], path.name
         assert "pagedllm.engine" not in source, path.name
+
+
+def test_a_pooling_request_ends_at_its_last_prompt_token_with_the_runners_pooled_output():
+    from pagedllm.core.runner_output import ModelRunnerOutput, PooledOutput
+    from pagedllm.core.sequence_group import POOLING
+    from pagedllm.pooling_params import PoolingParams
+
+    scheduler, kv = make(num_speculative_tokens=0, max_num_batched_tokens=4, long_prefill_token_threshold=4)
+    pooling = PoolingParams(task="embed")
+    req = Request("p", list(range(1, 11)), SamplingParams(max_tokens=1), [EOS], 1, group_policy=POOLING,
+                  pooling_params=pooling)
+    scheduler.add_request(req)
+    pooled = PooledOutput(b"\x00\x00\x80\x3f", (1,))
+    rows = []
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        (scheduled,) = out.scheduled
+        rows.append(len(scheduled.sample_rows))
+        if out.new_sequences:
+            assert out.new_sequences[0].pooling_params == pooling  # the runner learns it pools this one
+        done = ModelRunnerOutput(pooled={"p": pooled}) if scheduled.sample_rows else ModelRunnerOutput()
+        advanced = scheduler.update_from_output(out, done)
+        scheduler.check_invariants()
+    assert rows == [0, 0, 1]  # chunks of 4, 4 and 2 tokens: only the last one is pooled
+    assert advanced == [req] and req.pooled == pooled and req.output_token_ids == []
+    assert req.status is RequestStatus.FINISHED_STOPPED and kv.num_free_blocks == kv.num_blocks
+    assert not POOLING.may_swap and not POOLING.may_speculate
