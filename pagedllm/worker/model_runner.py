@@ -66,6 +66,16 @@ class _Batch:
     host_slots: np.ndarray
 
 
+def _why_eager(model: CausalLM, spec: RunnerSpec, device: torch.device, attention) -> str | None:
+    """Why decode steps run without CUDA graphs (None: they are captured)."""
+    if not spec.cuda_graphs:
+        return "enforce_eager"
+    reason = why_no_graphs(model, device, attention, spec.kv_groups.num_groups)
+    if reason and device.type == "cuda":  # CPU users never asked for graphs
+        logger.info("Decode steps run eagerly: %s", reason)
+    return reason
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -100,10 +110,7 @@ class ModelRunner:
                                                dtype=spec.dtype)
         self.kv_groups = groups = spec.kv_groups
         self.num_kv_groups = groups.num_groups
-        no_graphs = why_no_graphs(model, device, self.attention, groups.num_groups) if spec.cuda_graphs \
-            else "enforce_eager"
-        if spec.cuda_graphs and no_graphs and device.type == "cuda":  # CPU users never asked for graphs
-            logger.info("Decode steps run eagerly: %s", no_graphs)
+        no_graphs = _why_eager(model, spec, device, self.attention)
         # With graphs, one block past the scheduler's pool takes the padded rows' writes.
         num_blocks = spec.num_blocks + (not no_graphs)
         self.kv_caches = allocate_caches(model, num_blocks, block_size, spec.dtype, spec.kv_cache_dtype, device,
