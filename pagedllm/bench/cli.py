@@ -33,6 +33,7 @@ def add_bench_parser(subcommands: argparse._SubParsersAction) -> None:
     _add_throughput_parser(benches)
     _add_kv_pool_benches(benches)
     _add_hybrid_kv_parser(benches)
+    _add_embed_parser(benches)
     _add_kernel_benches(benches)
     _add_decode_benches(benches)
     _add_soak_parser(benches)
@@ -115,6 +116,21 @@ def _add_kv_pool_benches(benches: argparse._SubParsersAction) -> None:
     pe.add_argument("--prompt-len", type=int, nargs="+", default=[64, 1500])
     pe.add_argument("--output-len", type=int, default=64)
     pe.add_argument("--num-prompts", type=int, default=12)
+
+
+def _add_embed_parser(benches: argparse._SubParsersAction) -> None:
+    em = add_bench_command(benches, "embed", "passages through an embedding model (all-MiniLM-L6-v2 by default): "
+                                             "LLM.embed vs sentence-transformers encode and llama.cpp's embedding "
+                                             "server", commands.cmd_bench_embed)
+    em.add_argument("--num-passages", type=int, default=5000)
+    em.add_argument("--min-tokens", type=int, default=10)
+    em.add_argument("--max-tokens", type=int, default=256)
+    em.add_argument("--llama-server", default=None, help="a llama-server build (default: the one on the PATH)")
+    em.add_argument("--llama-gguf", default=None, help="the model as GGUF F32 (default: converted once)")
+    em.add_argument("--llama-convert-script", default=None,
+                    help="llama.cpp's convert_hf_to_gguf.py (default: the one of the llama-server's source tree)")
+    em.add_argument("--llama-threads", type=int, default=2)
+    em.add_argument("--clients", type=int, default=4, help="concurrent clients of the embedding servers")
 
 
 def _add_hybrid_kv_parser(benches: argparse._SubParsersAction) -> None:

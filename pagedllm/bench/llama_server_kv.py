@@ -79,22 +79,24 @@ class LlamaServer:
         with tempfile.TemporaryFile("w+") as log:  # a file: a pipe nobody reads would block the server
             server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
             try:
-                text = _wait_for(log, server, self.start_timeout_s)
+                text = wait_for_line(log, server, _LOADED, self.start_timeout_s)
             finally:
                 server.terminate()
                 server.wait(30)
         return parse_kv_log(text)
 
 
-def _wait_for(log: IO[str], server: subprocess.Popen, timeout_s: float) -> str:
+def wait_for_line(log: IO[str], server: subprocess.Popen, line: str, timeout_s: float) -> str:
+    """The server's log once it contains ``line``; ``RuntimeError`` with the log's tail if the
+    server exits or ``timeout_s`` passes first."""
     deadline = time.monotonic() + timeout_s
     while True:
         log.seek(0)
         text = log.read()
-        if _LOADED in text:
+        if line in text:
             return text
         if server.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"llama-server did not load the model:\n{text[-3000:]}")
+            raise RuntimeError(f"llama-server did not get to {line!r}:\n{text[-3000:]}")
         time.sleep(0.2)
 
 
