@@ -7,17 +7,22 @@ group at once, what a step may take from the pool, so each call stays
 all-or-nothing. Token ``t`` of a request lives, in group ``g``, in slot
 ``tables[g][t // block_size] * block_size + t % block_size``; a sliding
 group's leading entries that fell out of its window are None (released).
+Beside the groups, the adapter-pages kind (``kv_managers.adapter_pages``) holds
+the LoRA adapters' pages in the same pool, pinned for the requests that hold
+device blocks under them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
+from pagedllm.core.adapter_spec import AdapterLoad
 from pagedllm.core.block_hash import external_block_hash
 from pagedllm.core.block_moves import BlockMovePlan, SwapIn, SwapOut
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.kv_events import KVEventLog
-from pagedllm.core.kv_interface import BlockCopy, KVCacheStats, PrefixHit
+from pagedllm.core.kv_interface import Admission, BlockCopy, FirstChunk, KVCacheStats, PrefixHit, admit_from_prefix
+from pagedllm.core.kv_managers.adapter_pages import AdapterPages
 from pagedllm.core.prefix_cache import PrefixCache
 from pagedllm.core.request import Request
 from pagedllm.core.single_type_manager import HitEntry, SingleTypeManager
@@ -46,6 +51,10 @@ class KVCacheManager:
     - The offload tiers keep each group's blocks under (group, hash), as the
       pool does: a tier hit counts toward a group's hit like a cached block of
       that group (``PrefixCache.lookup``), and is loaded into a fresh block.
+    - A request under a LoRA adapter holds the adapter's pages (``AdapterPages``)
+      exactly while it holds device blocks: ``admit`` pins the adapter before the
+      prefix lookup (a page-in may evict cached blocks, perhaps the very hit) and
+      unpins it when the blocks do not fit; ``free`` and ``swap_out`` unpin.
     """
 
     def __init__(
@@ -58,6 +67,8 @@ class KVCacheManager:
         windows: Sequence[int | None] = (None,),
         tiers: TierIndex | None = None,
         events: KVEventLog | None = None,
+        enable_lora: bool = False,
+        max_loras: int | None = None,
     ) -> None:
         check_block_size(block_size)
         if not windows:
@@ -71,6 +82,7 @@ class KVCacheManager:
         self.groups = [SingleTypeManager(group, window, block_size, self.prefix_cache, enable_block_sharing)
                        for group, window in enumerate(windows)]
         self.peak_blocks_in_use = 0
+        self.adapters = AdapterPages(self.block_pool, max_loras, enabled=enable_lora)
         self.swap_space = SwapSpace(num_swap_blocks)
         self.num_swap_out_blocks = 0
         self.num_swap_in_blocks = 0
@@ -119,6 +131,48 @@ class KVCacheManager:
     def prefetch(self, request: Request) -> None:
         """A new request: its prefix may start coming up from the disk tier now."""
         self.prefix_cache.prefetch(request)
+
+    def admit(self, request: Request, first_chunk: FirstChunk) -> Admission | None:
+        """Pin the request's adapter (paging it in, which may evict cached blocks),
+        then look its prefix up and allocate its first chunk (``admit_from_prefix``);
+        None, with the pin released, when any of it does not fit. A page-in made
+        for it stays, idle: its load is still owed, so a revival reads the weights."""
+        if not self.adapters.pin(request.request_id, request.lora):
+            return None
+        admitted = admit_from_prefix(self, request, first_chunk)
+        if admitted is None:
+            self.adapters.unpin(request.request_id)
+        return admitted
+
+    def admit_swapped(self, request: Request, num_new_tokens: int) -> tuple[list[SwapIn],
+                                                                            list[BlockCopy]] | None:
+        """Pin the request's adapter (first, as ``admit`` does), bring its blocks back
+        and allocate its next ``num_new_tokens`` tokens; None with nothing changed
+        but an idle page-in when they do not fit."""
+        request_id, num_computed = request.request_id, request.num_computed_tokens
+        if not self.adapters.pin(request_id, request.lora):
+            return None
+        if self.swap_in_cost(request_id, num_computed, num_new_tokens) > self.num_free_blocks:
+            self.adapters.unpin(request_id)
+            return None
+        moves = self.swap_in(request_id)
+        copies = self.allocate_slots(request_id, num_computed, num_new_tokens)
+        if moves is None or copies is None:
+            raise RuntimeError(f"request {request_id!r}: swap_in_cost undercounted its swap-in")
+        return moves, copies
+
+    def take_adapter_loads(self) -> list[AdapterLoad]:
+        return self.adapters.take_loads()
+
+    def drop_adapter(self, name: str) -> None:
+        self.adapters.drop(name)
+
+    def adapter_view(self) -> list[dict]:
+        return self.adapters.view()
+
+    @property
+    def num_adapter_page_ins(self) -> int:
+        return self.adapters.num_page_ins
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's prefix-cache lookup (in tokens)."""
@@ -196,7 +250,8 @@ class KVCacheManager:
         Blocks shared with another table stay resident (the request keeps its
         reference), so a preempted sibling never takes memory from the others.
         Returns the swap-outs to perform before the next forward pass, or None
-        (nothing changed) if the host pool is short.
+        (nothing changed) if the host pool is short. The request's adapter pin
+        goes with its device blocks.
         """
         private = [block for group in self.groups for block in group.private_blocks(request_id)]
         host_blocks = self.swap_space.allocate(len(private))
@@ -205,6 +260,7 @@ class KVCacheManager:
         to_host: dict[KVCacheBlock, int] = dict(zip(private, host_blocks))
         for group in self.groups:
             group.swap_out(request_id, to_host)
+        self.adapters.unpin(request_id)
         self.num_swap_out_blocks += len(private)
         return [SwapOut(block.block_id, host) for block, host in to_host.items()]
 
@@ -239,15 +295,18 @@ class KVCacheManager:
         if sum(group.fork_cost(parent_id) for group in self.groups) > self.num_free_blocks:
             return None
         copies = [copy for group in self.groups for copy in group.fork(parent_id, child_id)]
+        self.adapters.share(parent_id, child_id)
         self._note_peak()
         return copies
 
     def free(self, request_id: str) -> None:
-        """Release the request's blocks (each group tail first) and host blocks.
-        Freeing an unknown request is a no-op, so every finish/abort/preempt path
-        can call it unconditionally."""
+        """Release the request's blocks (each group tail first), host blocks and
+        then its adapter pin (the pages join the LRU after the blocks). Freeing
+        an unknown request is a no-op, so every finish/abort/preempt path can
+        call it unconditionally."""
         for group in self.groups:
             self.swap_space.free(group.free(request_id))
+        self.adapters.unpin(request_id)
 
     def truncate(self, request_id: str, num_tokens: int) -> int:
         """Release the table entries past what ``num_tokens`` tokens need, in every
@@ -324,5 +383,6 @@ class KVCacheManager:
         """Raise ``RuntimeError`` on the first broken invariant (see the protocol
         and ``table_invariants``)."""
         check_paged_tables(self, running, swapped)
+        self.adapters.check_invariants(self.groups[0].tables)
         if self.tiers is not None:
             self.tiers.check_invariants()

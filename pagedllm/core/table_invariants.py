@@ -12,7 +12,7 @@ What must hold between steps, in every KV cache group:
   block is never hashed; a hashed block is cached under its own group's key;
 - a block serves one group at a time, and its ref count equals the number of
   tables (device or swapped) that point at it; a LoRA adapter's page is in no
-  table (the pager checks its pins).
+  table (``AdapterPages.check_invariants`` checks its pins).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def check_paged_tables(manager: KVCacheManager, running: Mapping[str, int], swap
     for block in manager.block_pool.blocks:
         expected = references.get(block.block_id, 0)
         if block.owner is not None:
-            # A LoRA page: the pager's pin holds it (``AdapterPager.check_invariants``), never a table.
+            # A LoRA page: a pin holds it (``AdapterPages.check_invariants``), never a table.
             if expected:
                 raise RuntimeError(f"block {block.block_id} is a page of LoRA adapter {block.owner.name!r} "
                                    "and in a block table")
