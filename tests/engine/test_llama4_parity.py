@@ -1,0 +1,99 @@
+"""A tiny random dense Llama 4 text model: pagedllm's greedy output equals Hugging Face's
+free-running ``generate`` token for token.
+
+Four layers as Llama 4 lays them out (three chunked local layers with rope, then a full NoPE
+one), chunks of 32 tokens over blocks of 16, L2 q/k norm, temperature tuning with a
+``floor_scale`` small enough to change the NoPE layer's queries within the prompts, llama3
+rope scaling and random norm weights. Prompts of 150 to 190 tokens (five or more chunks) and
+60 new tokens, chunked prefill, with the hybrid KV cache manager on and off; a later request
+whose shared prefix outgrew a chunk still hits the prefix cache; both preemption modes in a
+small pool. The pool is all-free after each test. A config with expert layers is refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Llama4TextConfig
+
+from pagedllm import LLM
+from pagedllm.model.llama4 import Llama4ForCausalLM
+from tests.conftest import assert_pool_free
+from tests.engine.test_hf_parity import TEXT
+from tests.engine.test_hybrid_kv_oracle import HYBRID
+from tests.engine.test_sliding_window import greedy, hf_greedy
+
+CHUNK = 32
+BLOCK_SIZE = 16
+NEW_TOKENS = 60
+ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def _config(vocab_size: int, eos_token_id: int, **overrides) -> Llama4TextConfig:
+    options = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, intermediate_size_mlp=128,
+                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   max_position_embeddings=4096, rms_norm_eps=1e-5, initializer_range=0.2, moe_layers=[],
+                   attention_chunk_size=CHUNK, floor_scale=16, attn_scale=0.5, rope_parameters=ROPE,
+                   pad_token_id=None, eos_token_id=eos_token_id)
+    return Llama4TextConfig(**{**options, **overrides})
+
+
+@pytest.fixture(scope="module")
+def tiny_llama4(tmp_path_factory, smollm_tokenizer) -> tuple[str, torch.nn.Module]:
+    """A tiny random Llama 4 folder (with the SmolLM2 tokenizer) and its Hugging Face model."""
+    config = _config(len(smollm_tokenizer), smollm_tokenizer.eos_token_id)
+    assert config.layer_types == ["chunked_attention"] * 3 + ["full_attention"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):  # ones would hide a norm that ignores its weight
+                param.normal_(1.0, 0.3)
+    folder = tmp_path_factory.mktemp("tiny-llama4")
+    model.save_pretrained(folder)
+    smollm_tokenizer.save_pretrained(folder)
+    return str(folder), model.eval()
+
+
+def _prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
+    ids = tokenizer.encode(TEXT)
+    return [ids[5 * i: 5 * i + n] for i, n in enumerate(lengths)]
+
+
+def _check(llm: LLM, hf_model, batch: list[list[int]]) -> list:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy(NEW_TOKENS), use_tqdm=False)
+    for prompt, output in zip(batch, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, NEW_TOKENS), f"prompt of {len(prompt)}"
+    return outputs
+
+
+@HYBRID
+def test_tiny_llama4_matches_hf_over_many_chunks_and_hits_a_prefix_past_a_chunk(tiny_llama4, disable_hybrid):
+    folder, hf_model = tiny_llama4
+    llm = LLM(folder, num_kv_blocks=96, block_size=BLOCK_SIZE, max_num_batched_tokens=48,
+              disable_hybrid_kv_cache_manager=disable_hybrid, debug_invariants=True)
+    groups = llm.kv_pool_snapshot()["kv_groups"]
+    assert [group["chunk"] for group in groups] == ([None] if disable_hybrid else [None, CHUNK, CHUNK, CHUNK])
+    batch = _prompts(llm.get_tokenizer(), [150, 170, 190])
+    _check(llm, hf_model, batch)
+    shared = batch[2][:128] + batch[0][:21]  # 8 full blocks, four chunks, then other tokens
+    (output,) = _check(llm, hf_model, [shared])
+    assert CHUNK < output.num_cached_tokens <= 128
+    assert_pool_free(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_tiny_llama4_preempted_in_a_small_pool_matches_hf(tiny_llama4, mode):
+    folder, hf_model = tiny_llama4
+    llm = LLM(folder, num_kv_blocks=40, block_size=BLOCK_SIZE, max_num_batched_tokens=48, preemption_mode=mode,
+              swap_space=0.01, debug_invariants=True)
+    _check(llm, hf_model, _prompts(llm.get_tokenizer(), [150, 160, 140, 170]))
+    assert llm.stats()["num_preemptions"] > 0
+    assert_pool_free(llm)
+
+
+def test_a_llama4_with_expert_layers_is_refused(smollm_tokenizer):
+    config = _config(len(smollm_tokenizer), smollm_tokenizer.eos_token_id, moe_layers=[1, 3])
+    with pytest.raises(ValueError, match=r"mixtures of experts are not supported yet \(issue 57\)"):
+        Llama4ForCausalLM(config)
