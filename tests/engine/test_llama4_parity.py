@@ -7,7 +7,9 @@ one), chunks of 32 tokens over blocks of 16, L2 q/k norm, temperature tuning wit
 rope scaling and random norm weights. Prompts of 150 to 190 tokens (five or more chunks) and
 60 new tokens, chunked prefill, with the hybrid KV cache manager on and off; a later request
 whose shared prefix outgrew a chunk still hits the prefix cache; both preemption modes in a
-small pool. The pool is all-free after each test. A config with expert layers is refused.
+small pool (slow: a minute on two cores, most of it Hugging Face's generate). The fast test
+runs the hybrid manager on a prompt of over two chunks and a prefix hit. The pool is
+all-free after each test. A config with expert layers is refused.
 """
 
 from __future__ import annotations
@@ -61,33 +63,49 @@ def _prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
     return [ids[5 * i: 5 * i + n] for i, n in enumerate(lengths)]
 
 
-def _check(llm: LLM, hf_model, batch: list[list[int]]) -> list:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy(NEW_TOKENS), use_tqdm=False)
+def _check(llm: LLM, hf_model, batch: list[list[int]], new_tokens: int = NEW_TOKENS) -> list:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy(new_tokens), use_tqdm=False)
     for prompt, output in zip(batch, outputs):
-        assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, NEW_TOKENS), f"prompt of {len(prompt)}"
+        assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, new_tokens), f"prompt of {len(prompt)}"
     return outputs
 
 
-@HYBRID
-def test_tiny_llama4_matches_hf_over_many_chunks_and_hits_a_prefix_past_a_chunk(tiny_llama4, disable_hybrid):
-    folder, hf_model = tiny_llama4
-    llm = LLM(folder, num_kv_blocks=96, block_size=BLOCK_SIZE, max_num_batched_tokens=48,
-              disable_hybrid_kv_cache_manager=disable_hybrid, debug_invariants=True)
-    groups = llm.kv_pool_snapshot()["kv_groups"]
-    assert [group["chunk"] for group in groups] == ([None] if disable_hybrid else [None, CHUNK, CHUNK, CHUNK])
-    batch = _prompts(llm.get_tokenizer(), [150, 170, 190])
-    _check(llm, hf_model, batch)
-    shared = batch[2][:128] + batch[0][:21]  # 8 full blocks, four chunks, then other tokens
-    (output,) = _check(llm, hf_model, [shared])
-    assert CHUNK < output.num_cached_tokens <= 128
+def _check_with_a_prefix_hit(llm: LLM, hf_model, lengths: list[int], shared: int, new_tokens: int) -> None:
+    """Greedy parity on ``lengths``-token prompts, then on one that repeats the first ``shared``
+    tokens of the last of them: that prefix, longer than a chunk, comes from the prefix cache."""
+    batch = _prompts(llm.get_tokenizer(), lengths)
+    _check(llm, hf_model, batch, new_tokens)
+    (output,) = _check(llm, hf_model, [batch[-1][:shared] + batch[0][:21]], new_tokens)
+    assert CHUNK < output.num_cached_tokens <= shared
     assert_pool_free(llm)
 
 
+def _llm(folder: str, disable_hybrid: bool = False, **options) -> LLM:
+    return LLM(folder, block_size=BLOCK_SIZE, max_num_batched_tokens=48, debug_invariants=True,
+               disable_hybrid_kv_cache_manager=disable_hybrid, **options)
+
+
+def test_tiny_llama4_matches_hf_past_two_chunks_with_the_hybrid_manager(tiny_llama4):
+    folder, hf_model = tiny_llama4
+    llm = _llm(folder, num_kv_blocks=64)
+    assert [group["chunk"] for group in llm.kv_pool_snapshot()["kv_groups"]] == [None, CHUNK, CHUNK, CHUNK]
+    _check_with_a_prefix_hit(llm, hf_model, [72], shared=64, new_tokens=12)
+
+
+@pytest.mark.slow
+@HYBRID
+def test_tiny_llama4_matches_hf_over_many_chunks_and_hits_a_prefix_past_a_chunk(tiny_llama4, disable_hybrid):
+    folder, hf_model = tiny_llama4
+    llm = _llm(folder, disable_hybrid, num_kv_blocks=96)
+    assert len(llm.kv_pool_snapshot()["kv_groups"]) == (1 if disable_hybrid else 4)
+    _check_with_a_prefix_hit(llm, hf_model, [150, 170, 190], shared=128, new_tokens=NEW_TOKENS)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_tiny_llama4_preempted_in_a_small_pool_matches_hf(tiny_llama4, mode):
     folder, hf_model = tiny_llama4
-    llm = LLM(folder, num_kv_blocks=40, block_size=BLOCK_SIZE, max_num_batched_tokens=48, preemption_mode=mode,
-              swap_space=0.01, debug_invariants=True)
+    llm = _llm(folder, num_kv_blocks=40, preemption_mode=mode, swap_space=0.01)
     _check(llm, hf_model, _prompts(llm.get_tokenizer(), [150, 160, 140, 170]))
     assert llm.stats()["num_preemptions"] > 0
     assert_pool_free(llm)
