@@ -119,6 +119,13 @@ class DecoderLayer(nn.Module):
         return _times(self.mlp(hidden), self.residual_multiplier), residual
 
 
+def check_silu(config: PretrainedConfig) -> None:
+    """ValueError unless the MLP's activation is SiLU (the fused gated MLP's)."""
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
+
+
 def _times(x: torch.Tensor, multiplier: float | None) -> torch.Tensor:
     """x * multiplier (Granite's scalings, in the model dtype as Hugging Face's); x without one."""
     return x if multiplier is None else x * multiplier
@@ -211,9 +218,7 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def build_decoder(config: PretrainedConfig, max_position: int, tp: TensorParallelGroup) -> nn.Module:
         """The embedding, layers and final norm (``self.model``)."""
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
+        check_silu(config)
         return DecoderModel(config, max_position, tp)
 
     def forward(

@@ -28,7 +28,7 @@ from transformers import PretrainedConfig
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.model.layers import Embedding, RMSNorm
-from pagedllm.model.llama import Attention, DecoderLayer, LlamaForCausalLM, rope_layers_of
+from pagedllm.model.llama import Attention, DecoderLayer, LlamaForCausalLM, check_silu, rope_layers_of
 from pagedllm.model.rotary import RotaryEmbedding
 from pagedllm.model.shapes import attention_chunks_of, head_dim_of
 
@@ -102,9 +102,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def build_decoder(config: PretrainedConfig, max_position: int, tp: TensorParallelGroup) -> nn.Module:
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
+        check_silu(config)
         return Llama4Model(config, max_position, tp)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import invariant
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_groups import KVGroupSpec, kv_group_layout
 from pagedllm.core.kv_interface import NULL_BLOCK_ID
 from pagedllm.core.kv_managers.chunked_local import ChunkedLocal
-from pagedllm.core.tier_index import TierIndex
 from tests.core.test_kv_coordinator import BLOCK_SIZE, CoordinatorMachine, TieredCoordinatorMachine, request
+from tests.core.test_kv_groups import assert_admissions_bound_holds
 
 CHUNK = 6
 WINDOW = 8
@@ -90,57 +89,26 @@ def test_a_prefix_that_outgrew_the_chunk_hits_and_needs_the_blocks_from_the_chun
     assert kv.num_free_blocks == kv.num_blocks
 
 
-@given(chunk=st.integers(1, 40), block_size=st.sampled_from([1, 2, 4, 8]), max_step=st.integers(1, 24),
-       num_tokens=st.integers(2, 120), data=st.data())
+@given(chunk=st.integers(1, 40), window=st.integers(1, 40), block_size=st.sampled_from([1, 2, 4, 8]),
+       max_step=st.integers(1, 24), num_tokens=st.integers(2, 120), data=st.data())
 @settings(max_examples=100, deadline=None)
-def test_admissions_bound_holds_for_a_chunked_group(chunk, block_size, max_step, num_tokens, data):
-    layout = kv_group_layout([None, ChunkedLocal(chunk)])
-    bound = layout.most_blocks_held(num_tokens, block_size, max_step)
-    kv = KVCacheManager(4 * bound + 8, block_size, enable_prefix_caching=False, windows=layout.kinds)
-    computed, most = 0, 0
-    while computed < num_tokens:
-        step = data.draw(st.integers(1, min(max_step, num_tokens - computed)))
-        assert kv.allocate_slots("r", computed, step) is not None
-        computed += step
-        most = max(most, kv.num_blocks - kv.num_free_blocks)
-    assert most <= bound
-    kv.free("r")
-    assert kv.num_free_blocks == kv.num_blocks
+def test_admissions_bound_holds_for_chunked_groups(chunk, window, block_size, max_step, num_tokens, data):
+    layout = kv_group_layout([None, ChunkedLocal(chunk), window])
+    assert_admissions_bound_holds(layout, block_size, max_step, num_tokens, data)
 
 
 class ChunkedCoordinatorMachine(CoordinatorMachine):
     """The coordinator fuzz (prefix hits, growth, forks, swaps, speculation, frees in a
     small pool) over full, sliding and chunked groups: each group reads its own tokens
-    from where its kind's first read is."""
+    from its kind's first read of the next query."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.kv = manager(self.NUM_BLOCKS, num_swap_blocks=self.NUM_BLOCKS)
-
-    @invariant()
-    def invariants_hold_and_each_group_reads_its_own_tokens(self):
-        running = {seq: req.num_tokens for seq, req in self.requests.items() if seq not in self.swapped}
-        self.kv.check_invariants(running, self.swapped)
-        for seq, num_tokens in running.items():
-            tokens = self.requests[seq].all_token_ids
-            tables = self.kv.get_block_ids(seq)
-            for group, (table, kind) in enumerate(zip(tables, LAYOUT.kinds)):
-                # What the next query (at num_tokens) reads of the tokens so far.
-                first = kind.first_position_read(num_tokens)
-                read = [self.pool[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in range(first, num_tokens)]
-                assert read == [(group, token) for token in tokens[first:num_tokens]]
+    KINDS = LAYOUT.kinds
 
 
 class TieredChunkedCoordinatorMachine(TieredCoordinatorMachine):
     """The tiered fuzz with chunked groups: their blocks go down and come back under their own key."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.kv = manager(self.NUM_BLOCKS, num_swap_blocks=self.NUM_BLOCKS,
-                          tiers=TierIndex(host_capacity_blocks=24, block_size=BLOCK_SIZE))
-
-    invariants_hold_and_each_group_reads_its_own_tokens = \
-        ChunkedCoordinatorMachine.invariants_hold_and_each_group_reads_its_own_tokens
+    KINDS = LAYOUT.kinds
 
 
 TestChunkedCoordinator = ChunkedCoordinatorMachine.TestCase

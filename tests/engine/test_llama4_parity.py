@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Llama4TextConfig
+from transformers import Llama4TextConfig
 
 from pagedllm import LLM
 from pagedllm.model.llama4 import Llama4ForCausalLM
 from tests.conftest import assert_pool_free
+from tests.engine.arch_parity import write_eager_model
 from tests.engine.test_hf_parity import TEXT
 from tests.engine.test_hybrid_kv_oracle import HYBRID
 from tests.engine.test_sliding_window import greedy, hf_greedy
@@ -46,16 +47,8 @@ def tiny_llama4(tmp_path_factory, smollm_tokenizer) -> tuple[str, torch.nn.Modul
     """A tiny random Llama 4 folder (with the SmolLM2 tokenizer) and its Hugging Face model."""
     config = _config(len(smollm_tokenizer), smollm_tokenizer.eos_token_id)
     assert config.layer_types == ["chunked_attention"] * 3 + ["full_attention"]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):  # ones would hide a norm that ignores its weight
-                param.normal_(1.0, 0.3)
     folder = tmp_path_factory.mktemp("tiny-llama4")
-    model.save_pretrained(folder)
-    smollm_tokenizer.save_pretrained(folder)
-    return str(folder), model.eval()
+    return str(folder), write_eager_model(folder, config, smollm_tokenizer)
 
 
 def _prompts(tokenizer, lengths: list[int]) -> list[list[int]]:

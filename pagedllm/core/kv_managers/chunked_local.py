@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.core.kv_managers.sliding_window import most_blocks_reading
+from pagedllm.core.kv_managers.sliding_window import check_span, most_blocks_reading
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,7 @@ class ChunkedLocal:
     keeps_every_block = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
-            raise ValueError(f"an attention chunk must be an integer >= 1, got {self.chunk!r}")
+        check_span(self.chunk, "an attention chunk")
 
     def first_position_read(self, position: int) -> int:
         return position // self.chunk * self.chunk

@@ -14,6 +14,12 @@ from pagedllm.core.sliding_window import num_out_of_window_blocks
 from pagedllm.utils import cdiv
 
 
+def check_span(value: int, what: str) -> None:
+    """ValueError unless a window's or chunk's ``value`` is an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
+
+
 def most_blocks_reading(span: int, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
     """The most blocks a request of ``num_tokens`` tokens holds at once when a query reads at
     most ``span`` keys ending at itself and no step computes more than ``max_step_tokens``
@@ -31,8 +37,7 @@ class SlidingWindow:
     keeps_every_block = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"a sliding window must be an integer >= 1, got {self.window!r}")
+        check_span(self.window, "a sliding window")
 
     def first_position_read(self, position: int) -> int:
         return max(0, position - self.window + 1)
