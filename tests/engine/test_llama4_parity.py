@@ -108,3 +108,16 @@ def test_a_llama4_with_expert_layers_is_refused(smollm_tokenizer):
     config = _config(len(smollm_tokenizer), smollm_tokenizer.eos_token_id, moe_layers=[1, 3])
     with pytest.raises(ValueError, match=r"mixtures of experts are not supported yet \(issue 57\)"):
         Llama4ForCausalLM(config)
+
+
+def test_layer_kinds_are_read_from_layer_types(smollm_tokenizer):
+    """Chunked layers where ``layer_types`` says so (whatever ``no_rope_layers`` says), full
+    ones elsewhere; without ``attention_chunk_size`` every layer is full attention."""
+    from pagedllm.core.kv_managers.chunked_local import ChunkedLocal
+    from pagedllm.model.shapes import layer_attention_of
+
+    vocab, eos = len(smollm_tokenizer), smollm_tokenizer.eos_token_id
+    assert layer_attention_of(_config(vocab, eos)) == [ChunkedLocal(CHUNK)] * 3 + [None]
+    custom = _config(vocab, eos, layer_types=["full_attention", "chunked_attention"] * 2)
+    assert layer_attention_of(custom) == [None, ChunkedLocal(CHUNK)] * 2
+    assert layer_attention_of(_config(vocab, eos, attention_chunk_size=None)) == [None] * 4
