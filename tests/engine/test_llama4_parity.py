@@ -9,7 +9,8 @@ rope scaling and random norm weights. Prompts of 150 to 190 tokens (five or more
 whose shared prefix outgrew a chunk still hits the prefix cache; both preemption modes in a
 small pool (slow: a minute on two cores, most of it Hugging Face's generate). The fast test
 runs the hybrid manager on a prompt of over two chunks and a prefix hit. The pool is
-all-free after each test. A config with expert layers is refused.
+all-free after each test. int8 KV (slow) gives the hybrid manager the one-group int8 run's
+tokens. A config with expert layers is refused.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import pytest
 import torch
 from transformers import Llama4TextConfig
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.model.llama4 import Llama4ForCausalLM
 from tests.conftest import assert_pool_free
 from tests.engine.arch_parity import write_eager_model
 from tests.engine.test_hf_parity import TEXT
 from tests.engine.test_hybrid_kv_oracle import HYBRID
+from tests.engine.test_int8_tails import assert_same, assert_tails_free, results
 from tests.engine.test_sliding_window import greedy, hf_greedy
 
 CHUNK = 32
@@ -102,6 +104,21 @@ def test_tiny_llama4_preempted_in_a_small_pool_matches_hf(tiny_llama4, mode):
     _check(llm, hf_model, _prompts(llm.get_tokenizer(), [150, 160, 140, 170]))
     assert llm.stats()["num_preemptions"] > 0
     assert_pool_free(llm)
+
+
+@pytest.mark.slow
+def test_int8_kv_with_the_hybrid_manager_matches_the_one_group_int8_run(tiny_llama4):
+    """int8 KV and its full-precision tails under chunked masking: the hybrid manager's tokens
+    and logprobs are the one-group run's (int8 is not Hugging Face-exact, so that is the oracle)."""
+    folder, _ = tiny_llama4
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=0)
+    runs = []
+    for disable_hybrid in (False, True):
+        llm = _llm(folder, disable_hybrid, num_kv_blocks=96, kv_cache_dtype="int8")
+        batch = _prompts(llm.get_tokenizer(), [150, 170])
+        runs.append(results(llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)))
+        assert_tails_free(llm)
+    assert_same(*runs)
 
 
 def test_a_llama4_with_expert_layers_is_refused(smollm_tokenizer):
