@@ -1,12 +1,13 @@
 """The KV cache coordinator: one shared block pool, one block table per request
 in each KV cache group (vLLM v1's ``KVCacheCoordinator``).
 
-Each group of ``core.kv_groups`` (full attention, or a sliding window) has a
+Each group of ``core.kv_groups`` (full attention, a sliding window or chunked local
+attention) has a
 ``SingleTypeManager`` that keeps its tables; this class decides, across every
 group at once, what a step may take from the pool, so each call stays
 all-or-nothing. Token ``t`` of a request lives, in group ``g``, in slot
-``tables[g][t // block_size] * block_size + t % block_size``; a sliding
-group's leading entries that fell out of its window are None (released).
+``tables[g][t // block_size] * block_size + t % block_size``; a sliding or chunked
+group's leading entries that no later query reads are None (released).
 Beside the groups, the adapter-pages kind (``kv_managers.adapter_pages``) holds
 the LoRA adapters' pages in the same pool, pinned for the requests that hold
 device blocks under them.
@@ -23,6 +24,7 @@ from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.kv_events import KVEventLog
 from pagedllm.core.kv_interface import Admission, BlockCopy, FirstChunk, KVCacheStats, PrefixHit, admit_from_prefix
 from pagedllm.core.kv_managers.adapter_pages import AdapterPages
+from pagedllm.core.kv_managers.kinds import LayerAttention, attention_of
 from pagedllm.core.prefix_cache import PrefixCache
 from pagedllm.core.request import Request
 from pagedllm.core.single_type_manager import HitEntry, SingleTypeManager
@@ -40,7 +42,7 @@ class KVCacheManager:
       groups: every group's cost (new blocks, a copy-on-write block, revived
       cached blocks, tier loads) is counted against the shared free count before
       any group changes, and on shortfall they return None with nothing added.
-      Releasing blocks behind a window comes first: nothing reads them again.
+      Releasing blocks behind a window or chunk comes first: nothing reads them again.
     - Every group's table of a request has the same length (entries aligned by
       logical block), so the runner reads them side by side.
     - A block serves one group at a time: taken from the pool it is unhashed,
@@ -64,7 +66,7 @@ class KVCacheManager:
         enable_block_sharing: bool = True,
         enable_prefix_caching: bool = True,
         num_swap_blocks: int = 0,
-        windows: Sequence[int | None] = (None,),
+        windows: Sequence[LayerAttention] = (None,),
         tiers: TierIndex | None = None,
         events: KVEventLog | None = None,
         enable_lora: bool = False,
@@ -77,10 +79,12 @@ class KVCacheManager:
             raise ValueError("KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching")
         self.block_size = block_size
         self.tiers = tiers
-        self.prefix_cache = PrefixCache(num_blocks, block_size, enable_prefix_caching, tiers, events, windows)
+        # Each group's attention kind, spelt as a layer's (``core.kv_managers.kinds``).
+        kinds = [attention_of(window) for window in windows]
+        self.prefix_cache = PrefixCache(num_blocks, block_size, enable_prefix_caching, tiers, events, kinds)
         self.block_pool = self.prefix_cache.block_pool
-        self.groups = [SingleTypeManager(group, window, block_size, self.prefix_cache, enable_block_sharing)
-                       for group, window in enumerate(windows)]
+        self.groups = [SingleTypeManager(group, kind, block_size, self.prefix_cache, enable_block_sharing)
+                       for group, kind in enumerate(kinds)]
         self.peak_blocks_in_use = 0
         self.adapters = AdapterPages(self.block_pool, max_loras, enabled=enable_lora)
         self.swap_space = SwapSpace(num_swap_blocks)
@@ -119,8 +123,8 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     def num_blocks_to_start(self, num_tokens: int) -> int:
-        # A step holds, in every group, each block it writes: a sliding group
-        # releases behind its window only before a step, and its queries read
+        # A step holds, in every group, each block it writes: a sliding or chunked
+        # group releases what it no longer reads only before a step, and its queries read
         # the step's own earlier tokens.
         return len(self.groups) * self.num_blocks_for(num_tokens)
 
@@ -198,12 +202,12 @@ class KVCacheManager:
         Returns the block copies the runner must perform before the forward
         pass (at most one per group, only ever of the entry at
         ``num_computed_tokens // block_size``), or None if the pool is short; on
-        None nothing was added. Either way, first releases each sliding group's
-        entries out of the window of ``num_computed_tokens``.
+        None nothing was added. Either way, first releases each sliding or chunked
+        group's entries that no query from ``num_computed_tokens`` on reads.
         """
         hits = computed_blocks or [[] for _ in self.groups]
         for group in self.groups:
-            group.release_out_of_window(request_id, num_computed_tokens)
+            group.release_unread(request_id, num_computed_tokens)
         plans = [group.plan(request_id, num_computed_tokens, num_new_tokens, hit)
                  for group, hit in zip(self.groups, hits)]
         if sum(plan.cost for plan in plans) > self.num_free_blocks:
@@ -224,8 +228,8 @@ class KVCacheManager:
         return self.prefix_cache.take_tier_moves()
 
     def num_released(self, request_id: str) -> list[int]:
-        """Per group, the leading entries of the request's table its window
-        released (a swapped-out request's too: they stay released)."""
+        """Per group, the leading entries of the request's table its window or
+        chunk released (a swapped-out request's too: they stay released)."""
         return [group.num_released(request_id) for group in self.groups]
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:

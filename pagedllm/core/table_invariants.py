@@ -6,8 +6,8 @@ What must hold between steps, in every KV cache group:
   never both; host blocks are each used once (over every group) and none leaks;
 - a running table (``BlockTableRecord``) has at most ``ceil(num_tokens / block_size)``
   entries, as many in every group; its first ``num_released`` entries are None
-  (released by the group's sliding window: a full-attention group releases
-  none) and no more than the window of its ``num_tokens`` allows, every later
+  (released by the group's sliding window or chunk: a full-attention group
+  releases none) and no more than its kind allows at ``num_tokens``, every later
   entry holds a block; it registered no more entries than it has; an unfilled
   block is never hashed; a hashed block is cached under its own group's key;
 - a block serves one group at a time, and its ref count equals the number of
@@ -87,8 +87,8 @@ def _check_table(group: SingleTypeManager, request_id: str, record: BlockTableRe
         raise RuntimeError(f"{where} holds {len(blocks)} blocks for {num_tokens} tokens (at most {limit})")
     if record.num_registered > len(blocks):
         raise RuntimeError(f"{where} registered {record.num_registered} of its {len(blocks)} entries")
-    if released > group.num_out_of_window(num_tokens):
-        raise RuntimeError(f"{where} released {released} blocks, some still in its window")
+    if released > group.num_releasable(num_tokens):
+        raise RuntimeError(f"{where} released {released} blocks, some still read ({group.attention.describe()})")
     if any(block is not None for block in blocks[:released]) or any(block is None for block in blocks[released:]):
         raise RuntimeError(f"{where}'s table is not {released} released entries then blocks")
     for index, block in enumerate(blocks[released:], released):

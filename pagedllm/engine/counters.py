@@ -60,7 +60,8 @@ def kv_pool_snapshot(engine: LLMEngine) -> dict:
 
 def _groups_view(engine: LLMEngine) -> list[dict]:
     layout = engine.runner_spec.kv_groups
-    return [{"kind": group.kind, "window": group.window, "layers": list(group.layers)} for group in layout.groups]
+    return [{"kind": group.kind, "window": group.window, "chunk": group.chunk, "layers": list(group.layers)}
+            for group in layout.groups]
 
 
 def _adapters_view(engine: LLMEngine) -> list[dict]:

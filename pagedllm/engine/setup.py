@@ -34,7 +34,7 @@ def create_kv_cache_manager(cache: CacheConfig, plan: PoolPlan, scheduler_config
         tokens = {"max_model_len": scheduler_config.max_model_len, "request": None}.get(reservation, reservation)
         return ContiguousKVCacheManager(num_blocks, block_size, tokens)
     return KVCacheManager(num_blocks, block_size, cache.enable_block_sharing, cache.enable_prefix_caching,
-                          plan.num_swap_blocks, windows=(None,) if groups is None else groups.windows,
+                          plan.num_swap_blocks, windows=(None,) if groups is None else groups.kinds,
                           tiers=channels.tier_index, events=channels.events, enable_lora=lora.enable_lora,
                           max_loras=lora.max_loras)
 
