@@ -21,9 +21,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Collection, Mapping
 
-from pagedllm.core.adapter_spec import AdapterLoad
 from pagedllm.core.request import Request
-from pagedllm.core.block_moves import BlockMovePlan, SwapIn, SwapOut
+from pagedllm.core.block_moves import AdapterLoad, BlockMovePlan, SwapIn, SwapOut
 from pagedllm.core.kv_interface import (Admission, BlockCopy, FirstChunk, KVCacheStats, PrefixHit,
                                         admit_from_prefix)
 from pagedllm.utils import cdiv, check_block_size

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
-from pagedllm.core.adapter_spec import AdapterLoad
 from pagedllm.core.block_hash import external_block_hash
-from pagedllm.core.block_moves import BlockMovePlan, SwapIn, SwapOut
+from pagedllm.core.block_moves import AdapterLoad, BlockMovePlan, SwapIn, SwapOut
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.kv_events import KVEventLog
 from pagedllm.core.kv_interface import Admission, BlockCopy, FirstChunk, KVCacheStats, PrefixHit, admit_from_prefix

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
-    from pagedllm.core.adapter_spec import AdapterLoad
     from pagedllm.core.request import Request
-    from pagedllm.core.block_moves import BlockMovePlan, SwapIn, SwapOut
+    from pagedllm.core.block_moves import AdapterLoad, BlockMovePlan, SwapIn, SwapOut
 
 
 # The block id the runner's tables hold for an entry the sliding window released.

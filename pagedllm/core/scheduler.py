@@ -152,7 +152,7 @@ class Scheduler(StepUpdates):
         # Last: the runner forgets the sequences preempted just now, and moves what the allocations evicted.
         output.released_sequence_ids = self.runner_views.take_released()
         output.block_moves.extend(self.kv_cache_manager.take_tier_moves())
-        output.adapter_loads = self.kv_cache_manager.take_adapter_loads()
+        output.block_moves.add_all(self.kv_cache_manager.take_adapter_loads())
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.core.adapter_spec import AdapterLoad
+from pagedllm.core.block_moves import AdapterLoad
 from pagedllm.lora.adapter_files import read_adapter
 from pagedllm.lora.layers import LoRAContext, LoRAStep, PartRows, install_lora, part_rows, uses_kernel
 from pagedllm.lora.page_layout import AdapterLayout, adapter_layout, projection_shapes

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from pagedllm.core.adapter_spec import AdapterLoad, AdapterSpec
+from pagedllm.core.adapter_spec import AdapterSpec
+from pagedllm.core.block_moves import AdapterLoad
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 
 
