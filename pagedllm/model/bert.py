@@ -142,24 +142,17 @@ class BertEncoder:
         return x
 
 
-class BertClassifierHead:
-    """``BertForSequenceClassification``: tanh pooler over [CLS], then the classifier."""
+class TanhClassifierHead:
+    """A dense + tanh over the first token, then the output layer: ``BertForSequenceClassification``
+    (``pooler.dense``, ``classifier``) and ``(XLM)RobertaForSequenceClassification``
+    (``classifier.dense``, ``classifier.out_proj``)."""
 
-    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
-        self.pool_w, self.pool_b = take_weight(weights, "pooler.dense.weight"), take_weight(weights, "pooler.dense.bias")
-        self.out_w, self.out_b = take_weight(weights, "classifier.weight"), take_weight(weights, "classifier.bias")
+    NAMES = {"bert": ("pooler.dense", "classifier"), "roberta": ("classifier.dense", "classifier.out_proj")}
 
-    def logits(self, hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-        pooled = torch.tanh(F.linear(hidden[batch.starts()], self.pool_w, self.pool_b))
-        return F.linear(pooled, self.out_w, self.out_b)
-
-
-class RobertaClassifierHead:
-    """``(XLM)RobertaForSequenceClassification``: dense + tanh over <s>, then out_proj."""
-
-    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
-        self.dense_w, self.dense_b = take_weight(weights, "classifier.dense.weight"), take_weight(weights, "classifier.dense.bias")
-        self.out_w, self.out_b = take_weight(weights, "classifier.out_proj.weight"), take_weight(weights, "classifier.out_proj.bias")
+    def __init__(self, weights: dict[str, torch.Tensor], family: str) -> None:
+        dense, out = self.NAMES[family]
+        self.dense_w, self.dense_b = take_weight(weights, dense + ".weight"), take_weight(weights, dense + ".bias")
+        self.out_w, self.out_b = take_weight(weights, out + ".weight"), take_weight(weights, out + ".bias")
 
     def logits(self, hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         pooled = torch.tanh(F.linear(hidden[batch.starts()], self.dense_w, self.dense_b))

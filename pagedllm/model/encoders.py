@@ -10,8 +10,7 @@ from typing import Protocol
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from pagedllm.model.bert import (BertClassifierHead, BertEncoder, PackedBatch, RobertaClassifierHead,
-                                 strip_prefix)
+from pagedllm.model.bert import BertEncoder, PackedBatch, TanhClassifierHead, strip_prefix
 from pagedllm.model.hf_folder import safetensors_shards
 from pagedllm.model.modernbert import ModernBertClassifierHead, ModernBertEncoder
 from pagedllm.model.safetensors_reader import read_safetensors
@@ -78,6 +77,5 @@ def load_encoder(folder: Path, dtype: torch.dtype) -> EncoderModel:
         head = ModernBertClassifierHead(config, weights) if classifier else None
     else:
         encoder = BertEncoder(config, weights, roberta=family == "roberta")
-        head_class = BertClassifierHead if family == "bert" else RobertaClassifierHead
-        head = head_class(weights) if classifier else None
+        head = TanhClassifierHead(weights, family) if classifier else None
     return EncoderModel(config=config, encoder=encoder, head=head)
