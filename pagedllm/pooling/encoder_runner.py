@@ -141,7 +141,10 @@ class EncoderPoolingRunner:
         return batches
 
     def run(self, inputs: Sequence[PoolingInput]) -> list[torch.Tensor]:
-        """One float32 CPU tensor per input, in order (see the module docstring of pooling_params)."""
+        """One float32 CPU tensor per input, in order: ``embed`` ``[D]`` (pooled, Dense layers,
+        normalized per ``params.normalize`` or the folder's Normalize, cut to ``params.dimensions``);
+        ``classify`` ``[num_labels]`` probabilities; ``score`` ``[1]``; ``encode`` ``[T, H]``.
+        Every input is checked first: a bad one is a ValueError and nothing runs."""
         for index, item in enumerate(inputs):
             self._check(index, item)
         results: list[torch.Tensor | None] = [None] * len(inputs)
@@ -152,33 +155,37 @@ class EncoderPoolingRunner:
                 hidden = self.model.encoder.forward(batch)
                 for index, output in zip(indices, self._outputs(items, batch, hidden)):
                     results[index] = output.float().cpu()
-        return results  # type: ignore[return-value]  # every slot is filled above
+        return [result for result in results if result is not None]  # every slot is filled above
 
     def _outputs(self, items: list[PoolingInput], batch: PackedBatch, hidden: torch.Tensor) -> list[torch.Tensor]:
         tasks = {item.params.task for item in items}
-        embeddings = logits = None
+        # Each is computed for the whole batch only when some input asks for it.
+        embeddings = hidden.new_empty(0)
         if "embed" in tasks:
             embeddings = pool(hidden, batch, [item.num_prompt_tokens for item in items], self.st.pooling)
             for dense in self.dense:
                 embeddings = dense(embeddings)
-        if tasks & {"classify", "score"}:
-            logits = self.model.head.logits(hidden, batch)  # type: ignore[union-attr]  # tasks say there is one
+        logits = hidden.new_empty(0)
+        if self.model.head is not None and tasks & {"classify", "score"}:
+            logits = self.model.head.logits(hidden, batch)
         tokens = hidden.split(list(batch.seq_lens))
         outputs = []
         for row, item in enumerate(items):
-            params = item.params
-            if params.task == "encode":
+            if item.params.task == "encode":
                 outputs.append(tokens[row].clone())  # a copy: a view would keep the whole batch alive
-            elif params.task == "embed":
-                outputs.append(self._embedding(embeddings[row], params))  # type: ignore[index]
-            elif params.use_activation is False:
-                outputs.append(logits[row])  # type: ignore[index]
-            elif params.task == "score":
-                outputs.append(self.score_activation(logits[row]))  # type: ignore[index]
+            elif item.params.task == "embed":
+                outputs.append(self._embedding(embeddings[row], item.params))
             else:
-                outputs.append(torch.sigmoid(logits[row]) if self.num_labels == 1  # type: ignore[index]
-                               else torch.softmax(logits[row], dim=-1))  # type: ignore[index]
+                outputs.append(self._activated(logits[row], item.params))
         return outputs
+
+    def _activated(self, logits: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        """classify: softmax over the labels (sigmoid for one); score: the cross-encoder's activation."""
+        if params.use_activation is False:
+            return logits
+        if params.task == "score":
+            return self.score_activation(logits)
+        return torch.sigmoid(logits) if self.num_labels == 1 else torch.softmax(logits, dim=-1)
 
     def _embedding(self, vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:
         if params.dimensions is not None:
