@@ -107,6 +107,7 @@ class BertEncoder:
         self.word = take_weight(w, "embeddings.word_embeddings.weight")
         self.pos = take_weight(w, "embeddings.position_embeddings.weight")
         self.types = take_weight(w, "embeddings.token_type_embeddings.weight")
+        self.num_token_types = self.types.shape[0]
         self.emb_norm = (take_weight(w, "embeddings.LayerNorm.weight"), take_weight(w, "embeddings.LayerNorm.bias"))
         self.layers = [self._layer(w, f"encoder.layer.{i}.") for i in range(config.num_hidden_layers)]
 

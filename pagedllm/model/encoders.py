@@ -35,6 +35,7 @@ _PROBES = {"bert": "embeddings.word_embeddings.weight", "roberta": "embeddings.w
 class Encoder(Protocol):
     hidden_size: int
     max_len: int
+    num_token_types: int | None  # None: token_type_ids are ignored
 
     def forward(self, batch: PackedBatch) -> torch.Tensor: ...
 

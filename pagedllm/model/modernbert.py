@@ -31,6 +31,8 @@ class ModernBertEncoder:
         self.eps = config.norm_eps
         self.act = ACT2FN[config.hidden_activation]
         self.max_len = config.max_position_embeddings
+        # No segment embeddings: token_type_ids are ignored, as transformers' ModernBERT ignores them.
+        self.num_token_types = None
         self.layer_types = list(config.layer_types)
         self.window = config.local_attention // 2
         self.inv_freq = {}

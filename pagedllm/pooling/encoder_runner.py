@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -78,15 +78,21 @@ class EncoderPoolingRunner:
             # A pair score is one number: a one-label head's (as sentence-transformers' CrossEncoder).
             else ("classify", "score", "encode") if self.num_labels == 1 else ("classify", "encode"))
         st_settings = getattr(model.config, "sentence_transformers", None) or {}
-        # A CrossEncoder saved by sentence-transformers may name its activation; else sigmoid.
-        self.score_activation = activation_module(st_settings.get("activation_fn", "torch.nn.Sigmoid"))
+        # A CrossEncoder saved by sentence-transformers may name its activation; else sigmoid
+        # (also for a non-torch one, which sentence-transformers runs only with trust_remote_code).
+        activation = st_settings.get("activation_fn", "")
+        self.score_activation = activation_module(activation if activation.startswith("torch.") else "torch.nn.Sigmoid")
 
     @classmethod
     def from_folder(cls, folder: Path, dtype: torch.dtype = torch.float32,
                     max_num_batched_tokens: int = 8192) -> EncoderPoolingRunner:
         folder = Path(folder)
-        architecture = encoder_architecture(_model_folder(folder))
-        st = read_st_folder(folder, classifier=architecture is not None and "ForSequence" in architecture)
+        model_folder = _model_folder(folder)
+        architecture = encoder_architecture(model_folder)
+        classifier = architecture is not None and "ForSequence" in architecture
+        st = read_st_folder(folder, classifier=classifier)
+        if classifier:
+            st = replace(st, model_folder=model_folder)
         model = load_encoder(st.model_folder, dtype)
         tokenizer = AutoTokenizer.from_pretrained(st.model_folder, local_files_only=True)
         if st.do_lower_case:
@@ -113,6 +119,10 @@ class EncoderPoolingRunner:
         if item.token_type_ids is not None and len(item.token_type_ids) != len(item.token_ids):
             raise ValueError(f"{what}: token_type_ids has {len(item.token_type_ids)} entries for "
                              f"{len(item.token_ids)} tokens; give one per token")
+        types = self.model.encoder.num_token_types
+        if types is not None and item.token_type_ids is not None \
+                and not all(0 <= t < types for t in item.token_type_ids):
+            raise ValueError(f"{what}: token_type_ids must be in 0..{types - 1} for this model")
         if not 0 <= item.num_prompt_tokens <= len(item.token_ids):
             raise ValueError(f"{what}: num_prompt_tokens {item.num_prompt_tokens} is outside 0..{len(item.token_ids)}")
         width = self.embedding_size()

@@ -99,6 +99,7 @@ def tiny_runner(tmp_path_factory, minilm_folder) -> EncoderPoolingRunner:
     (PoolingInput([101, 102], PoolingParams(task="score")), "task 'score' is not supported"),
     (PoolingInput([101, 102], PoolingParams(task="embed", dimensions=33)), "over the embedding size 32"),
     (PoolingInput([101, 102], PoolingParams(task="embed"), token_type_ids=[0]), "token_type_ids has 1 entries"),
+    (PoolingInput([101, 102], PoolingParams(task="embed"), token_type_ids=[0, 2]), "token_type_ids must be in 0..1"),
 ])
 def test_bad_inputs_are_refused(tiny_runner, item, message):
     with pytest.raises(ValueError, match=message):

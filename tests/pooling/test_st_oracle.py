@@ -7,6 +7,7 @@ of the mean, concatenated modes, a Dense layer, Normalize); a tiny cross-encoder
 
 from __future__ import annotations
 
+import json
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -104,8 +105,12 @@ def test_dimensions_and_normalize_override_the_folder(tmp_path, minilm_folder):
     torch.testing.assert_close(cut, torch.nn.functional.normalize(raw[:8], dim=-1))
 
 
-def test_cross_encoder_scores_match_sentence_transformers(tmp_path, minilm_folder):
+@pytest.mark.parametrize("activation", [None, "torch.nn.modules.linear.Identity"])
+def test_cross_encoder_scores_match_sentence_transformers(activation, tmp_path, minilm_folder):
     save_tiny(tmp_path, minilm_folder, "bert", classifier=True, num_labels=1)
+    if activation is not None:  # what CrossEncoder.save writes when its activation is not the default
+        config = json.loads((tmp_path / "config.json").read_text())
+        write_json(tmp_path / "config.json", {**config, "sentence_transformers": {"activation_fn": activation}})
     runner = EncoderPoolingRunner.from_folder(tmp_path)
     query = "How does the engine share a prompt's KV cache between requests?"
     documents = real_texts(24)
