@@ -2,10 +2,11 @@
 
 A packed batch is the concatenation of its sequences' tokens: no padding, so every
 linear layer runs on exactly the real tokens. Attention is bidirectional and stays
-inside each sequence (block-diagonal): ``packed_attention`` runs PyTorch's
-``scaled_dot_product_attention`` once per sequence on a view of the fused QKV
-projection. On CPU that is faster than one call with a block-diagonal mask, whose cost
-grows with the square of the whole batch, and than padding to the longest sequence.
+inside each sequence (block-diagonal): ``packed_attention`` pads only the attention
+inputs, per run of sequences of similar length, for one PyTorch
+``scaled_dot_product_attention`` call per run. On CPU that is faster than one call per
+sequence (per-call overhead) and than one call with a block-diagonal mask over the whole
+batch (cost grows with the square of the batch's tokens).
 
 Weights are the Hugging Face parameter names of ``BertModel`` /
 ``XLMRobertaModel`` (optionally under ``bert.`` / ``roberta.``) and of their
@@ -46,30 +47,67 @@ class PackedBatch:
         return torch.cumsum(lens, 0) - lens
 
 
+# A group of sequences is padded to its longest for attention while the padded size stays
+# within this factor of the real tokens.
+PADDING_SLACK = 1.25
+
+
+def padding_groups(seq_lens: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Consecutive runs of ``seq_lens`` whose padding to their longest costs at most PADDING_SLACK
+    (the runner sorts a batch by length, so a run is usually the whole batch)."""
+    groups: list[tuple[int, ...]] = []
+    current: list[int] = []
+    longest = real = 0
+    for length in seq_lens:
+        if current and max(longest, length) * (len(current) + 1) > PADDING_SLACK * (real + length):
+            groups.append(tuple(current))
+            current, longest, real = [], 0, 0
+        current.append(length)
+        longest, real = max(longest, length), real + length
+    groups.append(tuple(current))
+    return groups
+
+
+def _padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: tuple[int, ...],
+                      window: int | None) -> torch.Tensor:
+    """One SDPA call over a few sequences padded to the longest, pad keys masked out."""
+    count, longest = len(seq_lens), max(seq_lens)
+    _, heads, head_dim = q.shape
+    valid = torch.arange(longest)[None, :] < torch.tensor(seq_lens)[:, None]  # [B, L]
+    index = valid.view(-1).nonzero().squeeze(1)  # each packed token's row in the padded [B * L]
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        buffer = x.new_zeros(count * longest, heads, head_dim)
+        buffer[index] = x
+        return buffer.view(count, longest, heads, head_dim).transpose(1, 2)
+
+    mask = valid[:, None, None, :]
+    if window is not None and longest > window + 1:
+        pos = torch.arange(longest)
+        mask = mask & ((pos[:, None] - pos[None, :]).abs() <= window)
+    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask)
+    return out.transpose(1, 2).reshape(count * longest, heads * head_dim)[index]
+
+
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: tuple[int, ...],
                      window: int | None = None) -> torch.Tensor:
     """Bidirectional attention within each sequence of a packed batch.
 
     ``q``, ``k``, ``v``: ``[T, heads, head_dim]``; returns ``[T, heads * head_dim]``.
     ``window``: a token sees only tokens at most ``window`` positions away (ModernBERT's
-    local layers); None: the whole sequence.
+    local layers); None: the whole sequence. Sequences of similar length share one SDPA call,
+    padded to the longest (``padding_groups``): on CPU that costs about 3.5x less than one
+    call per sequence (measured on runner-sized batches of 10-256 tokens), whose per-call
+    overhead dominates at these lengths. Only attention pads: the linear layers do not.
     """
     total, heads, head_dim = q.shape
-    out = torch.empty(total, heads, head_dim, dtype=q.dtype)
+    out = torch.empty(total, heads * head_dim, dtype=q.dtype)
     start = 0
-    for length in seq_lens:
-        end = start + length
-        mask = None
-        if window is not None and length > window + 1:
-            pos = torch.arange(length)
-            mask = (pos[:, None] - pos[None, :]).abs() <= window
-        # [1, heads, L, head_dim] views of the [L, heads, head_dim] slices: the layout of a padded
-        # [B, L, heads, head_dim] batch, which SDPA's CPU kernel reads fastest (measured: about 1.7x
-        # faster than head-major slices, 2.5x faster than padding the batch with a key mask).
-        q_i, k_i, v_i = (x[start:end].unsqueeze(0).transpose(1, 2) for x in (q, k, v))
-        out[start:end] = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=mask)[0].transpose(0, 1)
+    for group in padding_groups(seq_lens):
+        end = start + sum(group)
+        out[start:end] = _padded_attention(q[start:end], k[start:end], v[start:end], group, window)
         start = end
-    return out.view(total, heads * head_dim)
+    return out
 
 
 def strip_prefix(weights: dict[str, torch.Tensor], probe: str, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.model.bert import packed_attention, padding_groups
 from pagedllm.pooling.encoder_runner import EncoderPoolingRunner, PoolingInput, is_encoder_checkpoint
 from pagedllm.pooling_params import PoolingParams
 from tests.pooling.conftest import real_texts, save_tiny
@@ -78,3 +79,26 @@ def test_a_small_token_budget_gives_the_same_vectors(tmp_path, minilm_folder):
     many = EncoderPoolingRunner.from_folder(tmp_path, max_num_batched_tokens=40).run(inputs)
     for a, b in zip(one_batch, many):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_padding_groups_bound_the_padding():
+    assert padding_groups((100, 90, 80, 10, 9)) == [(100, 90, 80), (10, 9)]
+    assert padding_groups((5,)) == [(5,)]
+
+
+@pytest.mark.parametrize("window", (None, 4))
+def test_packed_attention_is_attention_per_sequence(window):
+    """Unsorted lengths (several padding groups), with and without a local window."""
+    torch.manual_seed(0)
+    lens = (3, 40, 1, 37, 12, 90)
+    q, k, v = (torch.randn(sum(lens), 4, 8) for _ in range(3))
+    got = packed_attention(q, k, v, lens, window)
+    start = 0
+    for length in lens:
+        pos = torch.arange(length)
+        mask = None if window is None else (pos[:, None] - pos[None, :]).abs() <= window
+        q_i, k_i, v_i = (x[start:start + length].transpose(0, 1) for x in (q, k, v))
+        expected = torch.nn.functional.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=mask)
+        torch.testing.assert_close(got[start:start + length], expected.transpose(0, 1).reshape(length, -1),
+                                   atol=1e-5, rtol=1e-5)
+        start += length
