@@ -77,8 +77,7 @@ def _padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
     index = valid.view(-1).nonzero().squeeze(1)  # each packed token's row in the padded [B * L]
 
     def padded(x: torch.Tensor) -> torch.Tensor:
-        buffer = x.new_zeros(count * longest, heads, head_dim)
-        buffer[index] = x
+        buffer = x.new_zeros(count * longest, heads, head_dim).index_copy_(0, index, x)
         return buffer.view(count, longest, heads, head_dim).transpose(1, 2)
 
     mask = valid[:, None, None, :]
@@ -86,7 +85,7 @@ def _padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
         pos = torch.arange(longest)
         mask = mask & ((pos[:, None] - pos[None, :]).abs() <= window)
     out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask)
-    return out.transpose(1, 2).reshape(count * longest, heads * head_dim)[index]
+    return out.transpose(1, 2).reshape(count * longest, heads * head_dim).index_select(0, index)
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: tuple[int, ...],
