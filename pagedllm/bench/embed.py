@@ -70,13 +70,14 @@ def convert_to_gguf(folder: str, script: str | None, server: str) -> str:
 
 def passages(tokenizer, count: int, min_tokens: int, max_tokens: int, seed: int) -> list[str]:
     """``count`` passages of whole words drawn from the tokenizer's vocabulary, each
-    ``min_tokens``-``max_tokens`` tokens long (uniform; special tokens not counted):
-    mixed lengths are what packing without padding is about."""
+    ``min_tokens``-``max_tokens`` tokens long as the model sees them (uniform; the
+    tokenizer's special tokens counted): mixed lengths are what packing is about."""
     rng = random.Random(seed)
     words = sorted(w for w in tokenizer.get_vocab() if w.isascii() and w.isalpha() and len(w) >= 3)
+    specials = tokenizer.num_special_tokens_to_add()
     texts = []
     for _ in range(count):
-        target = rng.randint(min_tokens, max_tokens)
+        target = rng.randint(min_tokens, max_tokens) - specials
         text = " ".join(rng.choice(words) for _ in range(target))
         ids = tokenizer(text, add_special_tokens=False)["input_ids"][:target]
         texts.append(tokenizer.decode(ids))
