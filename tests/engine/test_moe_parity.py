@@ -91,3 +91,9 @@ def test_moe_preemption_in_a_small_pool(tmp_path: Path, smollm_tokenizer, mode: 
     llm = LLM(str(tmp_path), num_kv_blocks=14, preemption_mode=mode, swap_space=0.01, debug_invariants=True)
     _check(llm, model, batch, 40)
     assert llm.stats()["num_preemptions"] > 0
+
+
+def test_lora_on_a_mixture_of_experts_is_refused(tmp_path: Path, smollm_tokenizer) -> None:
+    _oracle(tmp_path, "olmoe", smollm_tokenizer)
+    with pytest.raises(ValueError, match=r"LoRA is not supported on mixture-of-experts.*mlp\.experts\.gate_up_proj"):
+        LLM(str(tmp_path), num_kv_blocks=64, enable_lora=True)

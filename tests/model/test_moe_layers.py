@@ -16,6 +16,7 @@ from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.model.moe.experts import Experts
 from pagedllm.model.moe.names import stack_expert_weights
 from pagedllm.model.moe.routers import routing_of
+from pagedllm.model.moe.summary import parameter_counts, weights_line
 from pagedllm.model.moe_families import MoeForCausalLM
 from tests.model.moe_configs import FAMILIES, moe_config, random_moe_model
 
@@ -76,3 +77,14 @@ def test_refusals_name_what_to_change() -> None:
             MoeForCausalLM(moe_config("mixtral", 128), tp=TensorParallelGroup(rank=0, world_size=2))
         with pytest.raises(ValueError, match="clip_qkv"):
             MoeForCausalLM(moe_config("olmoe", 128, clip_qkv=8.0))
+
+
+def test_active_parameters_count_top_k_of_each_expert_stack() -> None:
+    config = moe_config("qwen2_moe", 128)
+    with torch.device("meta"):
+        model = MoeForCausalLM(config)
+    total, active = parameter_counts(model)
+    experts = 2 * 8 * (3 * 64 * 32)  # two sparse layers of 8 experts; 2 of the 8 run per token
+    assert total - active == experts * 6 // 8
+    assert weights_line(model, 3 * 2**30).startswith("weights: 3.00 GiB, ")
+    assert weights_line(model, 0).endswith(f"{active / 1000:.1f}K of {total / 1000:.1f}K parameters active per token")
