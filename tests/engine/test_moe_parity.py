@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from pagedllm import LLM
+from pagedllm.model.moe.summary import weights_line
 from tests.conftest import assert_pool_free
 from tests.engine.test_hf_parity import TEXT
 from tests.engine.test_sliding_window import greedy, hf_greedy
@@ -105,3 +106,11 @@ def test_lora_on_a_mixture_of_experts_is_refused(tmp_path: Path, smollm_tokenize
     _oracle(tmp_path, "olmoe", smollm_tokenizer)
     with pytest.raises(ValueError, match=r"LoRA is not supported on mixture-of-experts.*mlp\.experts\.gate_up_proj"):
         LLM(str(tmp_path), num_kv_blocks=64, enable_lora=True)
+
+
+def test_start_up_line_counts_a_packed_gguf_once() -> None:
+    """SmolLM2-135M from its Q4_1 GGUF: the tied head and the embedding share their packed
+    blocks, counted once (134.5M parameters, Hugging Face's count), all active."""
+    llm = LLM(num_kv_blocks=32)
+    assert weights_line(llm.llm_engine.model, 0) == "weights: 0.00 GiB, 134.5M of 134.5M parameters active per token"
+    assert_pool_free(llm)
