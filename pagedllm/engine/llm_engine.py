@@ -34,6 +34,7 @@ from pagedllm.distributed.executor import DistributedExecutor
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.engine.stats_reporter import StatsReporter, metrics_context
 from pagedllm.model.loader import checkpoint_dtype
+from pagedllm.model.moe.summary import weights_line
 from pagedllm.model.shard import ModelShard
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -115,6 +116,7 @@ class LLMEngine:
         self.default_sampling_params = sampling_defaults_of(config, self.model_path)
         self.stats_reporter = StatsReporter(metrics_context(config, self.pool_plan, self.scheduler_config), self.stats)
         logger.info(self.capacity_line())
+        logger.info(weights_line(self.model, self.weight_bytes()))
         freeze_long_lived_objects()
 
     # ------------------------------------------------------------- set-up

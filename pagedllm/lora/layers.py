@@ -119,7 +119,13 @@ def lora_parts(config: Any, tp: TensorParallelGroup) -> dict[str, list[tuple[str
 
 def install_lora(model: nn.Module, context: LoRAContext) -> None:
     """Wrap every decoder layer's projections of ``model`` (a loaded ``LlamaForCausalLM``
-    family model) in ``LoRAProjection``s over ``context``."""
+    family model) in ``LoRAProjection``s over ``context``. ValueError for a mixture of
+    experts: its expert weights are stacked tensors, not projections an adapter targets."""
+    sparse = [index for index, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+    if sparse:
+        raise ValueError(f"LoRA is not supported on mixture-of-experts models ({model.config.model_type}) yet: "
+                         f"layers {sparse} hold expert weights (mlp.experts.gate_up_proj, mlp.experts.down_proj) "
+                         "that adapters cannot target; start the engine without enable_lora")
     for index, layer in enumerate(model.model.layers):
         for name, parts in lora_parts(model.config, model.tp).items():
             replace_submodule(layer, name, LoRAProjection(layer.get_submodule(name), context, index, parts))

@@ -43,15 +43,16 @@ class Attention(nn.Module):
         # Granite's attention_multiplier replaces the usual 1/sqrt(head_dim).
         self.scale = getattr(config, "attention_multiplier", None) or self.head_dim**-0.5
         hidden = config.hidden_size
-        # Qwen2 always has q/k/v biases; Llama and Qwen3 follow `attention_bias`.
-        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        # Qwen2 always has q/k/v biases, Qwen2-MoE per `qkv_bias`; Llama and Qwen3 follow `attention_bias`.
+        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "qkv_bias", False)) \
+            or bool(getattr(config, "attention_bias", False))
         o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
         # q, k and v in one matmul: one pass over the activations instead of three.
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
-        if config.model_type == "qwen3":
+        if config.model_type in ("qwen3", "qwen3_moe"):
             # Qwen3 normalises each head's q and k before the rotation.
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

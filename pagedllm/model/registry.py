@@ -19,6 +19,7 @@ from pagedllm.model.cohere2 import Cohere2ForCausalLM
 from pagedllm.model.gemma import GemmaForCausalLM
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.llama4 import Llama4ForCausalLM
+from pagedllm.model.moe_families import MoeForCausalLM
 from pagedllm.model.packed_linear import pack_linears
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(GemmaForCausalLM.model_types, GemmaForCausalLM),
     **dict.fromkeys(Cohere2ForCausalLM.model_types, Cohere2ForCausalLM),
     **dict.fromkeys(Llama4ForCausalLM.model_types, Llama4ForCausalLM),
+    **dict.fromkeys(MoeForCausalLM.model_types, MoeForCausalLM),
 }
 SUPPORTED_ARCHITECTURES = tuple(_CLASSES)
 

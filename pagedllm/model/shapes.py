@@ -33,11 +33,11 @@ def classifier_labels_of(config: Any) -> int | None:
 # What each family's Hugging Face modeling code does with a config's window (checked against
 # the attention masks it builds, tests/model/test_layer_windows.py):
 # no window at all, whatever the config carries (a fine-tune's config may keep a stray one);
-_NO_WINDOW_TYPES = frozenset({"llama", "granite", "gemma"})
+_NO_WINDOW_TYPES = frozenset({"llama", "granite", "gemma", "olmoe", "granitemoe"})
 # one window on every layer: one mask for the whole model, ``layer_types`` is not read;
-_EVERY_LAYER_TYPES = frozenset({"mistral", "phi3"})
+_EVERY_LAYER_TYPES = frozenset({"mistral", "phi3", "mixtral", "qwen3_moe"})
 # a window only with ``use_sliding_window`` on: their configs carry one regardless (Qwen2.5's 32k).
-_OPT_IN_TYPES = frozenset({"qwen2", "qwen3", "smollm3"})
+_OPT_IN_TYPES = frozenset({"qwen2", "qwen3", "smollm3", "qwen2_moe"})
 
 
 def sliding_windows_of(config: Any) -> list[int | None]:

@@ -7,7 +7,7 @@ One case per supported family and per config field that decides it: Gemma 2/3 ``
 and Gemma 3's legacy ``sliding_window_pattern``, Mistral (every layer, ``layer_types`` ignored),
 Qwen2/3 ``use_sliding_window`` + ``max_window_layers``, SmolLM3's sliding NoPE layers, Phi-3
 (every layer when set), Cohere 2's ``layer_types`` (default: every 4th layer full), and Llama / Granite / Gemma 1, which ignore a ``sliding_window`` their
-config carries. Llama 4's chunked layers (``model.shapes.layer_attention_of``) are checked by the
+config carries; the mixtures of experts (Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE). Llama 4's chunked layers (``model.shapes.layer_attention_of``) are checked by the
 keys the last query sees in its chunk.
 """
 
@@ -23,12 +23,17 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     GraniteConfig,
+    GraniteMoeConfig,
     Llama4TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    OlmoeConfig,
     Phi3Config,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
     SmolLM3Config,
 )
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -42,6 +47,8 @@ WINDOW = 4
 SEQUENCE = 11  # longer than the window
 _COMMON = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
                vocab_size=64, num_hidden_layers=6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# Four experts, two a token (num_experts for Qwen and OLMoE, num_local_experts for the others).
+_MOE = dict(_COMMON, num_experts=4, num_local_experts=4, num_experts_per_tok=2)
 _MASKS: dict[int, torch.Tensor | None] = {}
 
 
@@ -105,6 +112,14 @@ CASES = {
     # Llama 4's default: layers chunked where they rotate (no_rope_layers), every 4th full.
     "llama4": lambda: Llama4TextConfig(**_COMMON, head_dim=16, intermediate_size_mlp=64, moe_layers=[],
                                        attention_chunk_size=WINDOW),
+    # Mixtures of experts: Mixtral and Qwen3-MoE window every layer when set (Qwen3-MoE's config
+    # drops it without use_sliding_window), Qwen2-MoE as Qwen2, OLMoE and Granite-MoE never.
+    "mixtral": lambda: MixtralConfig(**_MOE, sliding_window=WINDOW),
+    "qwen3-moe": lambda: Qwen3MoeConfig(**_MOE, head_dim=16, use_sliding_window=True, sliding_window=WINDOW),
+    "qwen3-moe-off": lambda: Qwen3MoeConfig(**_MOE, head_dim=16, sliding_window=WINDOW),
+    "qwen2-moe": lambda: Qwen2MoeConfig(**_MOE, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
+    "olmoe": lambda: _with_stray_window(OlmoeConfig(**_MOE)),
+    "granitemoe": lambda: _with_stray_window(GraniteMoeConfig(**_MOE)),
 }
 
 

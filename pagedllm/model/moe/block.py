@@ -1,0 +1,54 @@
+"""The sparse MLP block of one layer: router, experts and Qwen2-MoE's shared expert."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from pagedllm.model.layers import GatedMLP, Linear
+from pagedllm.model.moe.experts import Experts
+from pagedllm.model.moe.routers import routing_of
+
+
+def num_experts_of(config: PretrainedConfig) -> int:
+    """Experts per MoE layer: ``num_experts`` (Qwen, OLMoE) or ``num_local_experts`` (Mixtral, Granite)."""
+    return getattr(config, "num_experts", None) or config.num_local_experts
+
+
+def expert_width_of(config: PretrainedConfig) -> int:
+    """One expert's intermediate size: ``moe_intermediate_size`` where the family has one
+    (Qwen; its ``intermediate_size`` is the dense layers'), else ``intermediate_size``."""
+    return getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+
+
+def is_sparse_layer(config: PretrainedConfig, layer: int) -> bool:
+    """Whether layer ``layer`` has experts: Qwen's ``mlp_only_layers`` and
+    ``decoder_sparse_step`` name dense ones, as Hugging Face's decoder layer reads them."""
+    if layer in (getattr(config, "mlp_only_layers", None) or []):
+        return False
+    return num_experts_of(config) > 0 and (layer + 1) % (getattr(config, "decoder_sparse_step", None) or 1) == 0
+
+
+class SparseMoeBlock(nn.Module):
+    """router -> top-k experts (grouped forward), plus the sigmoid-gated shared expert
+    where the config has one (Qwen2-MoE's ``shared_expert_intermediate_size``)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.routing = routing_of(config)
+        num_experts = num_experts_of(config)
+        self.gate = Linear(config.hidden_size, num_experts, bias=False)
+        self.experts = Experts(num_experts, config.hidden_size, expert_width_of(config),
+                               getattr(config, "hidden_act", "silu"))
+        shared = getattr(config, "shared_expert_intermediate_size", None)
+        self.shared_expert = GatedMLP(config.hidden_size, shared, False) if shared else None
+        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        indices, weights = self.routing.route(self.gate(x))
+        out = self.experts(x, indices, weights)
+        if self.shared_expert is not None:
+            # Hugging Face: experts' output + sigmoid(gate(x)) * shared(x), in the model's dtype.
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -1,0 +1,115 @@
+"""Tiny random mixtures of experts of every family: pagedllm's greedy output equals Hugging
+Face's free-running ``generate`` (eager attention, eager experts) token for token.
+
+Each model has three layers (Qwen3-MoE and Qwen2-MoE with one dense ``mlp_only_layers``
+layer), 8 experts, top-2, expert width 32, routers scaled 30x so that routing is far from
+uniform (the prompts' prefill sends tokens to every expert of every sparse layer, checked on
+Hugging Face's routers). Fast: one batch of mixed-length prompts per family. Slow: 16 prompts
+with 40 new tokens, prefix caching on and a second round served from it; a model whose routers
+are all zero (every token ties on the same two experts); a preemption run in a small pool.
+The pool is all-free after each engine run. LoRA on a mixture of experts is refused; the
+start-up line counts a packed GGUF's tied head once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedllm import LLM
+from pagedllm.model.moe.summary import weights_line
+from tests.conftest import assert_pool_free
+from tests.engine.test_hf_parity import TEXT
+from tests.engine.arch_parity import hf_greedy
+from tests.engine.test_sliding_window import greedy
+from tests.model.moe_configs import FAMILIES, moe_config, random_moe_model
+
+
+def _oracle(folder: Path, family: str, tokenizer, router_scale: float = 30.0) -> torch.nn.Module:
+    model = random_moe_model(moe_config(family, len(tokenizer)), router_scale)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+def _prompts(tokenizer, count: int) -> list[list[int]]:
+    ids = tokenizer.encode(TEXT)
+    return [ids[7 * i: 7 * i + 5 + (11 * i) % 37] for i in range(count)]
+
+
+def _experts_hit(model: torch.nn.Module, batch: list[list[int]]) -> list[set[int]]:
+    """The experts each sparse layer of the Hugging Face model routes the prompts' tokens to
+    (read from its routers' outputs during one forward per prompt)."""
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    hit: list[set[int]] = [set() for _ in routers]
+
+    def record(index: int):
+        return lambda module, args, out: hit[index].update(out[2].flatten().tolist())
+
+    handles = [router.register_forward_hook(record(index)) for index, router in enumerate(routers)]
+    with torch.no_grad():
+        for prompt in batch:
+            model(torch.tensor([prompt]))
+    for handle in handles:
+        handle.remove()
+    return hit
+
+
+def _check(llm: LLM, model: torch.nn.Module, batch: list[list[int]], new_tokens: int,
+           cached_round: bool = False) -> None:
+    """Greedy parity on ``batch`` (with ``cached_round``, run twice, the second time with the
+    prompts' full blocks from the prefix cache), then the pool all-free."""
+    expected = [hf_greedy(model, prompt, new_tokens) for prompt in batch]
+    for _ in range(2 if cached_round else 1):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy(new_tokens), use_tqdm=False)
+        for prompt, tokens, output in zip(batch, expected, outputs):
+            assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens"
+    if cached_round:
+        assert llm.stats()["prefix_cache_hits"] > 0
+    assert_pool_free(llm)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_moe_greedy_equals_hugging_face(tmp_path: Path, smollm_tokenizer, family: str) -> None:
+    model = _oracle(tmp_path, family, smollm_tokenizer)
+    batch = _prompts(smollm_tokenizer, 4)
+    assert all(len(experts) == 8 for experts in _experts_hit(model, batch)), "every expert gets tokens"
+    _check(LLM(str(tmp_path), num_kv_blocks=128, debug_invariants=True), model, batch, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_moe_batch_prefix_cache_and_ties(tmp_path: Path, smollm_tokenizer, family: str) -> None:
+    model = _oracle(tmp_path / "scaled", family, smollm_tokenizer)
+    batch = _prompts(smollm_tokenizer, 16)
+    llm = LLM(str(tmp_path / "scaled"), num_kv_blocks=256, enable_prefix_caching=True, max_num_batched_tokens=64)
+    _check(llm, model, batch, 40, cached_round=True)
+    tied = _oracle(tmp_path / "tied", family, smollm_tokenizer, router_scale=0.0)
+    assert all(len(experts) == 2 for experts in _experts_hit(tied, batch)), "all tokens on the same two experts"
+    _check(LLM(str(tmp_path / "tied"), num_kv_blocks=256), tied, batch, 40)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_moe_preemption_in_a_small_pool(tmp_path: Path, smollm_tokenizer, mode: str) -> None:
+    model = _oracle(tmp_path, "qwen2_moe", smollm_tokenizer)
+    batch = _prompts(smollm_tokenizer, 8)
+    llm = LLM(str(tmp_path), num_kv_blocks=14, preemption_mode=mode, swap_space=0.01, debug_invariants=True)
+    _check(llm, model, batch, 40)
+    assert llm.stats()["num_preemptions"] > 0
+
+
+def test_lora_on_a_mixture_of_experts_is_refused(tmp_path: Path, smollm_tokenizer) -> None:
+    _oracle(tmp_path, "olmoe", smollm_tokenizer)
+    with pytest.raises(ValueError, match=r"LoRA is not supported on mixture-of-experts.*mlp\.experts\.gate_up_proj"):
+        LLM(str(tmp_path), num_kv_blocks=64, enable_lora=True)
+
+
+def test_start_up_line_counts_a_packed_gguf_once() -> None:
+    """SmolLM2-135M from its Q4_1 GGUF: the tied head and the embedding share their packed
+    blocks, counted once (134.5M parameters, Hugging Face's count), all active."""
+    llm = LLM(num_kv_blocks=32)
+    assert weights_line(llm.llm_engine.model, 0) == "weights: 0.00 GiB, 134.5M of 134.5M parameters active per token"
+    assert_pool_free(llm)

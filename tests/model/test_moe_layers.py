@@ -1,0 +1,90 @@
+"""The MoE routers and the grouped expert forward against Hugging Face's own modules.
+
+For every family, the router picks the same experts with the same weights (fp32 and bf16),
+and the grouped forward (tokens sorted by expert, one matmul per expert) equals Hugging
+Face's eager experts within 1e-6 in fp32 (bf16: within one rounding). Checkpoint names
+(per-expert, Mixtral's w1/w3/w2, Granite's stacked input/output linears) load into the
+stacked layout; a tensor-parallel MoE and OLMoE's clip_qkv are refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.model.moe.experts import Experts
+from pagedllm.model.moe.names import stack_expert_weights
+from pagedllm.model.moe.routers import routing_of
+from pagedllm.model.moe.summary import parameter_counts, weights_line
+from pagedllm.model.moe_families import MoeForCausalLM
+from tests.model.moe_configs import FAMILIES, moe_config, random_moe_model
+
+
+def _hf_block(model: torch.nn.Module) -> torch.nn.Module:
+    layer = model.model.layers[0]
+    return getattr(layer, "mlp", None) if not hasattr(layer, "block_sparse_moe") else layer.block_sparse_moe
+
+
+def _hf_router(block: torch.nn.Module) -> torch.nn.Module:
+    return block.router if hasattr(block, "router") else block.gate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_router_and_grouped_experts_equal_hugging_face(family: str, dtype: torch.dtype) -> None:
+    config = moe_config(family, 128)
+    model = random_moe_model(config).to(dtype)
+    block = _hf_block(model)
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.no_grad():
+        _, hf_weights, hf_indices = _hf_router(block)(x)
+        indices, weights = routing_of(config).route(torch.nn.functional.linear(x, _hf_router(block).weight))
+        assert torch.equal(indices, hf_indices) and weights.dtype == hf_weights.dtype
+        assert torch.equal(weights, hf_weights)
+        assert len(indices.unique()) == 8, "the scaled router sends tokens to every expert"
+        experts = Experts(8, 64, 32)
+        experts.gate_up_proj.data, experts.down_proj.data = block.experts.gate_up_proj, block.experts.down_proj
+        ours, theirs = experts(x, indices, weights), block.experts(x, hf_indices, hf_weights)
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance)
+
+
+def test_checkpoint_names_stack_into_experts() -> None:
+    gate, up, down = (torch.randn(3, 8, 4), torch.randn(3, 8, 4), torch.randn(3, 4, 8))
+    mixtral = {f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight": t[e]
+               for e in range(3) for w, t in (("w1", gate), ("w3", up), ("w2", down))}
+    mixtral["model.layers.0.block_sparse_moe.gate.weight"] = torch.zeros(3, 4)
+    stack_expert_weights(mixtral)
+    assert torch.equal(mixtral["model.layers.0.mlp.experts.gate_up_proj"], torch.cat([gate, up], dim=1))
+    assert torch.equal(mixtral["model.layers.0.mlp.experts.down_proj"], down)
+    assert sorted(mixtral) == ["model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj",
+                               "model.layers.0.mlp.gate.weight"]
+    granite = {"model.layers.1.block_sparse_moe.input_linear.weight": torch.cat([gate, up], dim=1),
+               "model.layers.1.block_sparse_moe.output_linear.weight": down,
+               "model.layers.1.block_sparse_moe.router.layer.weight": torch.zeros(3, 4)}
+    stack_expert_weights(granite)
+    assert sorted(granite) == ["model.layers.1.mlp.experts.down_proj", "model.layers.1.mlp.experts.gate_up_proj",
+                               "model.layers.1.mlp.gate.weight"]
+    partial = {"model.layers.0.mlp.experts.0.gate_proj.weight": gate[0]}
+    with pytest.raises(ValueError, match="expected gate, up and down"):
+        stack_expert_weights(partial)
+
+
+def test_refusals_name_what_to_change() -> None:
+    with torch.device("meta"):
+        with pytest.raises(ValueError, match="tensor parallelism is not supported for mixture-of-experts"):
+            MoeForCausalLM(moe_config("mixtral", 128), tp=TensorParallelGroup(rank=0, world_size=2))
+        with pytest.raises(ValueError, match="clip_qkv"):
+            MoeForCausalLM(moe_config("olmoe", 128, clip_qkv=8.0))
+
+
+def test_active_parameters_count_top_k_of_each_expert_stack() -> None:
+    config = moe_config("qwen2_moe", 128)
+    with torch.device("meta"):
+        model = MoeForCausalLM(config)
+    total, active = parameter_counts(model)
+    experts = 2 * 8 * (3 * 64 * 32)  # two sparse layers of 8 experts; 2 of the 8 run per token
+    assert total - active == experts * 6 // 8
+    assert weights_line(model, 3 * 2**30).startswith("weights: 3.00 GiB, ")
+    assert weights_line(model, 0).endswith(f"{active / 1000:.1f}K of {total / 1000:.1f}K parameters active per token")
