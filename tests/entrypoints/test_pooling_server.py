@@ -143,6 +143,7 @@ def test_auth_and_the_document(embedder):
     for path in ("/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify",
                  "/pooling"):
         assert "post" in paths[path], path
+    assert "/v1/completions" not in paths and "/v1/chat/completions" not in paths  # answered with the 400 alone
 
 
 def test_score_and_rerank_are_llm_score(scorer):
@@ -193,6 +194,8 @@ def test_pooling_on_a_generation_server_says_to_start_it_pooling(serve):
             answer = client.post(path, json=body)
             assert answer.status_code == 400
             assert "start the server with --runner pooling" in answer.json()["error"]["message"]
+        paths = client.get("/openapi.json").json()["paths"]
+        assert "/v1/completions" in paths and "/v1/embeddings" not in paths and "/rerank" not in paths
 
 
 def test_pagedllm_serve_runner_pooling_embeds(serve):
