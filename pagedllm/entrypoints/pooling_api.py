@@ -93,19 +93,26 @@ class NoEngine:
                          "use embed, classify, score or encode")
 
 
-def encoder_runner_for(model: str | None, options: dict[str, Any]) -> Any | None:
-    """The ``EncoderPoolingRunner`` of an encoder checkpoint folder (None: not one)."""
+def is_encoder_model(model: str | None, options: dict[str, Any]) -> bool:
+    """Whether a pooling ``model`` is an encoder checkpoint folder (run by the encoder runner, no engine)."""
     import importlib.util
 
     if model is None or not Path(model).is_dir() or options.get("runner", "generate") == "generate":
-        return None
+        return False
     if importlib.util.find_spec("pagedllm.pooling") is None:
-        return None  # (this build carries no encoder runner)
-    from pagedllm.config.engine import torch_dtype
-    from pagedllm.pooling.encoder_runner import EncoderPoolingRunner, is_encoder_checkpoint
+        return False  # (this build carries no encoder runner)
+    from pagedllm.pooling.encoder_runner import is_encoder_checkpoint
 
-    if not is_encoder_checkpoint(Path(model)):
+    return is_encoder_checkpoint(Path(model))
+
+
+def encoder_runner_for(model: str | None, options: dict[str, Any]) -> Any | None:
+    """The ``EncoderPoolingRunner`` of an encoder checkpoint folder (None: not one)."""
+    if not is_encoder_model(model, options):
         return None
+    from pagedllm.config.engine import torch_dtype
+    from pagedllm.pooling.encoder_runner import EncoderPoolingRunner
+
     dtype = torch_dtype(options.get("dtype", "float32") if options.get("dtype") != "auto" else "float32")
     return EncoderPoolingRunner.from_folder(Path(model), dtype, options.get("max_num_batched_tokens") or 8192)
 

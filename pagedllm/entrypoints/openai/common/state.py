@@ -62,8 +62,7 @@ class ServerState:
     reasoning_parser: str | None = None
     # The Responses API's stored responses (--responses-store-max-entries / -max-bytes, per tenant).
     responses_store: ResponseStore = field(default_factory=ResponseStore)
-    # What runs the pooling routes (``pooling/service.py``): an encoder's batcher, given with its stand-in
-    # engine client; None: the engine's pooling, made on the first pooling request.
+    # What runs the pooling routes (``pooling/service.py``), made on the first pooling request.
     pooling_service: Any = None
 
     def __post_init__(self) -> None:

@@ -53,11 +53,11 @@ class EnginePooling:
 
 
 def pooling_service(state: ServerState) -> PoolingService:
-    """The server's pooling service (the encoder's batcher, else the engine's), made once."""
-    service = state.pooling_service
-    if service is None:
-        service = state.pooling_service = EnginePooling(state)
-    return service
+    """The server's pooling service: an encoder server's batcher (its client's ``pooling``), else the
+    engine's pooling requests (made once)."""
+    if state.pooling_service is None:
+        state.pooling_service = getattr(state.async_engine, "pooling", None) or EnginePooling(state)
+    return state.pooling_service
 
 
 def class_labels(state: ServerState, num_classes: int) -> list[str]:
