@@ -206,3 +206,16 @@ def test_pagedllm_serve_runner_pooling_embeds(serve):
         _loaded(client)
         answer = client.post("/v1/embeddings", json={"input": ["a", "b c"]}).json()
         assert [len(d["embedding"]) for d in answer["data"]] == [64, 64]
+
+
+@pytest.mark.slow
+def test_bench_served_row_through_the_engine_core_process(embedder, tiny_model_dir):
+    """`pagedllm bench embed`'s served row: a `pagedllm serve --runner pooling` child (its engine in a
+    core process) embeds as LLM.embed does, under concurrent clients."""
+    from pagedllm.bench.embed import min_cosine, run_served
+
+    _, llm = embedder
+    texts = [f"passage {i} " * (1 + i % 9) for i in range(70)]
+    served = run_served(tiny_model_dir("qwen2"), texts, clients=3,
+                        server_args=["--dtype", "float32", "--num-kv-blocks", "64"], texts_per_request=8)
+    assert min_cosine(served.vectors, [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]) > 0.99999
