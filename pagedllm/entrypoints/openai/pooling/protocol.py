@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import Field
 
-from pagedllm.entrypoints.openai.common.request_fields import (StrictModel, refuse_unimplemented_fields,
-                                                                schema_rules)
+from pagedllm.entrypoints.openai.common.request_fields import FieldCheckedModel
 from pagedllm.pooling_params import POOLING_TASKS
 
 # One input or a batch: a string, strings, token ids, or token-id lists (OpenAI's ``input``).
@@ -28,15 +27,9 @@ TRUNCATE = Field(default=None, ge=-1, description="keep each input's last k toke
                                                   "takes); unset, an input over the model's length is a 400")
 
 
-class PoolingRequestBase(StrictModel):
-    model_config = ConfigDict(extra="ignore", json_schema_extra=schema_rules())
-    # A request model overrides this to give a field another harmless value, or drops what it implements.
+class PoolingRequestBase(FieldCheckedModel):
+    # (A route's own fields take precedence over the table: each declares what it implements.)
     unimplemented_fields: ClassVar[dict[str, tuple[Any, ...]]] = UNIMPLEMENTED_POOLING_FIELDS
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unimplemented_fields(cls, data: Any) -> Any:
-        return refuse_unimplemented_fields(cls, cls.unimplemented_fields, data)
 
     model: str | None = None
     user: str | None = None
