@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import ConfigDict, Field, WithJsonSchema
 
 from pagedllm.entrypoints.openai.common.errors import RequestFieldError
 # Re-exported: the other front doors' request models share them.
