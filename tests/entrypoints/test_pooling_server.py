@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from pagedllm import LLM
+from pagedllm.bench.soak import metric_value
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.api_server import ServerState, build_app
 from pagedllm.pooling_params import PoolingParams
@@ -144,6 +145,8 @@ def test_auth_and_the_document(embedder):
                  "/pooling"):
         assert "post" in paths[path], path
     assert "/v1/completions" not in paths and "/v1/chat/completions" not in paths  # answered with the 400 alone
+    assert httpx.post(f"{base}/v1/embeddings", json={"input": "a"}, headers=AUTH, timeout=60).status_code == 200
+    assert metric_value(httpx.get(f"{base}/metrics", timeout=60).text, "pagedllm:prompt_tokens_total") > 0
 
 
 def test_score_and_rerank_are_llm_score(scorer):

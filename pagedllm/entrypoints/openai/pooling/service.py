@@ -6,6 +6,7 @@ offline API's one code path (``entrypoints/pooling_inputs.py``)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any, Protocol
@@ -62,10 +63,17 @@ def pooling_service(state: ServerState) -> PoolingService:
 
 def class_labels(state: ServerState, num_classes: int) -> list[str]:
     """The class names of the model's ``config.json`` ``id2label`` (``LABEL_i`` where it has none)."""
-    labels: dict[str, str] = {}
-    if state.model_root is not None and (Path(state.model_root) / "config.json").is_file():
-        labels = json.loads((Path(state.model_root) / "config.json").read_text()).get("id2label") or {}
+    labels = _id2label(state.model_root)
     return [str(labels.get(str(i), f"LABEL_{i}")) for i in range(num_classes)]
+
+
+@functools.cache
+def _id2label(model_root: str | None) -> dict[str, str]:
+    """A checkpoint folder's ``id2label`` (read once: the served model does not change)."""
+    config = None if model_root is None else Path(model_root) / "config.json"
+    if config is None or not config.is_file():
+        return {}
+    return json.loads(config.read_text()).get("id2label") or {}
 
 
 def prompt_list(value: Any) -> list[Any]:
