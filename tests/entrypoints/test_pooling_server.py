@@ -64,6 +64,13 @@ def scorer(tmp_path_factory, smollm_tokenizer):
     yield from _serving(folder, runner="auto")
 
 
+@pytest.fixture(scope="module")
+def reranker(tiny_model_dir):
+    yield from _serving(tiny_model_dir("qwen3"), runner="pooling", convert="classify",
+                        hf_overrides={"architectures": ["Qwen3ForSequenceClassification"],
+                                      "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True})
+
+
 def _client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60)
 
@@ -163,6 +170,18 @@ def test_score_and_rerank_are_llm_score(scorer):
         assert [r["index"] for r in ranked["results"]] == order[:2], path
         assert ranked["results"][0]["relevance_score"] == pytest.approx(want[order[0]], abs=1e-5)
         assert ranked["results"][0]["document"] == {"text": documents[order[0]]}
+
+
+def test_a_decoder_reranker_computes_the_query_once(reranker):
+    base, llm = reranker
+    query, documents = "What does a paged KV cache share?", ["Blocks.", "Prefix blocks, counted once.", "Nothing."]
+    want = [o.outputs.score for o in llm.score(query, documents, use_tqdm=False)]
+    ranked = httpx.post(f"{base}/v1/rerank", json={"query": query, "documents": documents}, headers=AUTH,
+                        timeout=60).json()
+    assert [r["index"] for r in ranked["results"]] == sorted(range(3), key=lambda i: -want[i])
+    assert [r["relevance_score"] for r in sorted(ranked["results"], key=lambda r: r["index"])] == pytest.approx(
+        want, abs=1e-5)
+    assert ranked["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the later documents hit the query's blocks
 
 
 def test_classify_is_llm_classify_with_the_config_labels(scorer):

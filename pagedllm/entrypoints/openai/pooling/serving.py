@@ -35,13 +35,13 @@ def add_pooling_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepend
             prompt_list(body.input), params, "embed", body.truncate_prompt_tokens))
         data = [{"object": "embedding", "index": i, "embedding": _encoded(r.data, body.encoding_format)}
                 for i, r in enumerate(results)]
-        return {"object": "list", "data": data, "model": _model(state, body), "usage": _usage(inputs)}
+        return {"object": "list", "data": data, "model": _model(state, body), "usage": _usage(inputs, results)}
 
     async def score(body: ScoreRequest, tenant: str | None = Depends(tenant_of)) -> dict:
         inputs, results = await _run(state, body, tenant, lambda b: b.inputs.pairs(
             body.text_1, body.text_2, PoolingParams(use_activation=body.activation), body.truncate_prompt_tokens))
         data = [{"index": i, "object": "score", "score": float(r.data[0])} for i, r in enumerate(results)]
-        return {**_head(state, body, "score"), "data": data, "usage": _usage(inputs)}
+        return {**_head(state, body, "score"), "data": data, "usage": _usage(inputs, results)}
 
     async def rerank(body: RerankRequest, tenant: str | None = Depends(tenant_of)) -> dict:
         return await _rerank(state, body, tenant, cohere=False)
@@ -57,7 +57,7 @@ def add_pooling_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepend
         labels = class_labels(state, len(results[0].data)) if results else []
         data = [{"index": i, "label": labels[int(torch.argmax(r.data))], "probs": r.data.tolist(),
                  "num_classes": len(labels)} for i, r in enumerate(results)]
-        return {**_head(state, body, "classify"), "data": data, "usage": _usage(inputs)}
+        return {**_head(state, body, "classify"), "data": data, "usage": _usage(inputs, results)}
 
     @app.post(routes.POOLING, responses=_RESPONSES)
     async def pooling(body: PoolingRequest, tenant: str | None = Depends(tenant_of)) -> dict:
@@ -65,7 +65,7 @@ def add_pooling_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepend
             prompt_list(body.input), None, body.task, body.truncate_prompt_tokens))
         data = [{"index": i, "object": "pooling", "data": _encoded(r.data, body.encoding_format)}
                 for i, r in enumerate(results)]
-        return {**_head(state, body, "pool"), "data": data, "usage": _usage(inputs)}
+        return {**_head(state, body, "pool"), "data": data, "usage": _usage(inputs, results)}
 
     for path in (routes.SCORE, routes.V1_SCORE):
         app.post(path, responses=_RESPONSES)(score)
@@ -118,7 +118,7 @@ async def _rerank(state: ServerState, body: RerankRequest, tenant: str | None, c
     if cohere:
         return {"id": _head(state, body, "rerank")["id"], "results": answers,
                 "meta": {"api_version": {"version": "2"}, "billed_units": {"search_units": 1}}}
-    return {"id": _head(state, body, "rerank")["id"], "model": _model(state, body), "usage": _usage(inputs),
+    return {"id": _head(state, body, "rerank")["id"], "model": _model(state, body), "usage": _usage(inputs, results),
             "results": answers}
 
 
@@ -138,6 +138,9 @@ def _head(state: ServerState, body: PoolingRequestBase, kind: str) -> dict:
             "model": _model(state, body)}
 
 
-def _usage(inputs: list[PooledPrompt]) -> dict:
+def _usage(inputs: list[PooledPrompt], results: list[PooledResult]) -> dict:
+    """OpenAI's usage, and the prompt tokens whose K/V came from the prefix cache (a decoder's: the query
+    of a rerank's later documents)."""
     tokens = sum(len(item.token_ids) for item in inputs)
-    return {"prompt_tokens": tokens, "total_tokens": tokens}
+    return {"prompt_tokens": tokens, "total_tokens": tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens for r in results)}}
