@@ -70,11 +70,16 @@ class EncoderBackend:
         self._next_id = 0
 
     def run(self, inputs: Sequence[PooledPrompt], use_tqdm: bool) -> list[PooledResult]:
-        from pagedllm.pooling.encoder_runner import PoolingInput
-
-        results = self.runner.run([PoolingInput(i.token_ids, i.params, i.token_type_ids) for i in inputs])
+        results = run_encoder(self.runner, inputs)
         self._next_id += len(results)
         return [PooledResult(str(self._next_id - len(results) + i), data) for i, data in enumerate(results)]
+
+
+def run_encoder(runner: Any, inputs: Sequence[PooledPrompt]) -> list[torch.Tensor]:
+    """``inputs`` through an ``EncoderPoolingRunner`` in one call (it packs them by its token budget)."""
+    from pagedllm.pooling.encoder_runner import PoolingInput
+
+    return runner.run([PoolingInput(i.token_ids, i.params, i.token_type_ids) for i in inputs])
 
 
 def encoder_inputs(runner: Any, what_to_pass: str) -> PoolingInputs:

@@ -21,7 +21,7 @@ from pagedllm.config.pooling import PoolerSpec
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.entrypoints.openai.common.errors import APIError
 from pagedllm.entrypoints.openai.pooling.service import START_POOLING
-from pagedllm.entrypoints.pooling_api import PooledResult, encoder_inputs
+from pagedllm.entrypoints.pooling_api import PooledResult, encoder_inputs, run_encoder
 from pagedllm.entrypoints.pooling_inputs import PooledPrompt
 
 _Pending = tuple[list[PooledPrompt], asyncio.Future]
@@ -96,9 +96,7 @@ class EncoderBatcher:
             self.prompt_tokens.inc(sum(len(item.token_ids) for item in inputs))
 
     def _pool(self, inputs: list[PooledPrompt]) -> list[PooledResult]:
-        from pagedllm.pooling.encoder_runner import PoolingInput
-
-        results = self.runner.run([PoolingInput(i.token_ids, i.params, i.token_type_ids) for i in inputs])
+        results = run_encoder(self.runner, inputs)
         self.batches.inc()
         return [PooledResult(f"pool-{next(self._ids)}", data) for data in results]
 
