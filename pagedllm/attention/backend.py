@@ -81,7 +81,9 @@ class AttentionBackend(Protocol):
     Per-layer options (Hugging Face's conventions, so models match it):
     ``sliding_window`` W: a query at position p sees only keys at positions
     p - W < j <= p (Mistral, Gemma's local layers); ``logits_soft_cap`` c: scores
-    (after ``scale``) become c * tanh(score / c) before the softmax (Gemma 2).
+    (after ``scale``) become c * tanh(score / c) before the softmax (Gemma 2);
+    ``attention_chunk`` C: a query at position p sees only keys at positions
+    floor(p / C) * C <= j <= p, its own C-token chunk (Llama 4's chunked local layers).
     """
 
     def forward(
@@ -95,4 +97,5 @@ class AttentionBackend(Protocol):
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        attention_chunk: int | None = None,
     ) -> torch.Tensor: ...

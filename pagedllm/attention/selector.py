@@ -4,7 +4,9 @@ CPU: the compiled C++ kernel (``pagedllm.kernels.cpu``), for pools in the
 model's dtype or int8. CUDA: the Triton kernel (``pagedllm.kernels.triton_paged``)
 when Triton is installed and the block size is a power of two, for the same
 storage types, except an int8 pool with full-precision tails (``kv_cache``),
-which the Triton kernel does not read (the C++ kernel does). Anything else
+which the Triton kernel does not read (the C++ kernel does). Both kernels mask
+by sliding window, not by chunk: a chunked local layer's decodes (Llama 4) take
+PyTorch's gather path whatever the kernel (``TorchPagedAttention._decode``). Anything else
 (fp8 pools, ``PAGEDLLM_CPU_KERNEL=0`` on CPU, no Triton): None, and the
 backend gathers through PyTorch, which runs on any device and storage type.
 

@@ -4,8 +4,9 @@ Decodes are batched: each sequence's K/V is gathered through its block table
 into a padded [batch, max_context] view and masked past its length. Prefill
 spans run one sequence at a time; a span with no earlier context attends to
 its own fresh K/V directly and never touches the pool on the read side.
-A windowed layer's reads start at the first block of its queries' window: the
-table entries before it may have been released (``core.sliding_window``).
+A windowed or chunked layer's reads start at the first block of its queries' window
+or chunk: the table entries before it may have been released (``core/kv_managers/``).
+The decode kernels mask by window only: a chunked layer's decodes gather here.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ class TorchPagedAttention:
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        attention_chunk: int | None = None,
     ) -> torch.Tensor:
-        layer = _LayerOptions(scale, sliding_window, logits_soft_cap)
+        layer = _LayerOptions(scale, sliding_window, logits_soft_cap, attention_chunk)
         # Every read sees what the pool holds: with a quantized pool a prompt's
         # own fresh K/V come back rounded exactly as stored, so a prefix-cache hit
         # (which reads them from the pool) gives the same result as a recompute.
@@ -124,7 +126,7 @@ class TorchPagedAttention:
 
     def _decode(self, query, kv_cache: LayerKVCache, metadata: AttentionMetadata, layer: _LayerOptions,
                 tail_slots: torch.Tensor | None = None) -> torch.Tensor:
-        if self.decode_kernel is not None:
+        if self.decode_kernel is not None and layer.attention_chunk is None:
             # A quantized pool stores K/V rotated (see ``kv_cache``; its tails too):
             # the kernel reads them as stored, given the query in that basis.
             out = self.decode_kernel(kv_cache.in_storage_basis(query), kv_cache, metadata.decode_block_tables,
@@ -140,12 +142,13 @@ class TorchPagedAttention:
         context_lens = metadata.decode_context_lens[:, None]
         first = torch.zeros_like(context_lens)  # each row's first table entry read
         block_size = kv_cache.key.shape[1]
-        window = layer.sliding_window
-        if window is not None:
-            # The blocks a window can straddle, from each row's first in-window one;
+        reach = layer.reach
+        first_position = layer.first_read(context_lens - 1).clamp(min=0)  # each row's first key
+        if reach is not None:
+            # The blocks a window or chunk can straddle, from each row's first one read;
             # an index past the table re-reads its last entry, masked below.
-            first = (context_lens - window).clamp(min=0) // block_size
-            span = min(tables.shape[1], (window + block_size - 2) // block_size + 1)
+            first = first_position // block_size
+            span = min(tables.shape[1], (reach + block_size - 2) // block_size + 1)
             index = first + torch.arange(span, device=tables.device)
             tables = tables.gather(1, index.clamp(max=max(tables.shape[1] - 1, 0)))
         keys, values = kv_cache.gather(tables, query.dtype)
@@ -159,10 +162,8 @@ class TorchPagedAttention:
                 keys[rows[:, None], :, index] = tail_keys  # both [n, block_size, kv_heads, dim]
                 values[rows[:, None], :, index] = tail_values
         positions = first * block_size + torch.arange(keys.shape[2], device=query.device)
-        # [batch, 1, 1, keys]: key j is visible iff j < context_len (and in the window).
-        mask = positions < context_lens
-        if window is not None:
-            mask &= positions >= context_lens - window
+        # [batch, 1, 1, keys]: key j is visible iff j < context_len (and in the window or chunk).
+        mask = (positions < context_lens) & (positions >= first_position)
         # The padding holds slots never written (the pool is uninitialised): a NaN
         # there would survive the mask (-inf + NaN, 0 * NaN), so it is replaced, not weighted.
         hidden = ~mask[:, None, :, None]
@@ -175,7 +176,7 @@ class TorchPagedAttention:
         """One span; ``full``: when the pool's tails apply (``kv_cache``'s reading
         rule), the full-precision K/V of its first block's earlier tokens and of
         its own, else None."""
-        # Query i sits at position first + i and sees keys up to it (and in the window).
+        # Query i sits at position first + i and sees keys up to it (and in the window or chunk).
         first = span.context_len - span.query_len
         if self.prefill_kernel is not None and layer.is_plain and full is None:
             if first:  # earlier tokens: the span's keys are the pool's, from position 0
@@ -189,8 +190,7 @@ class TorchPagedAttention:
             v = value.transpose(0, 1).unsqueeze(0)
         else:
             block_size = kv_cache.key.shape[1]
-            if layer.sliding_window is not None:
-                key_start = max(0, first - layer.sliding_window + 1) // block_size * block_size
+            key_start = max(0, layer.first_read(first)) // block_size * block_size
             k, v = kv_cache.gather(span.block_table[key_start // block_size :].unsqueeze(0), query.dtype)
             k, v = k[:, :, : span.context_len - key_start], v[:, :, : span.context_len - key_start]
         if full is not None:
@@ -211,17 +211,32 @@ class _LayerOptions:
     scale: float
     sliding_window: int | None
     logits_soft_cap: float | None
+    attention_chunk: int | None = None
 
     @property
     def is_plain(self) -> bool:
-        return self.sliding_window is None and self.logits_soft_cap is None
+        return self.reach is None and self.logits_soft_cap is None
+
+    @property
+    def reach(self) -> int | None:
+        """The most keys a query reads (its window or chunk; None: every earlier one)."""
+        return self.sliding_window if self.sliding_window is not None else self.attention_chunk
+
+    def first_read(self, position):
+        """The first key position a query at ``position`` (an int or a tensor) reads;
+        below 0 (callers clamp) when a window reaches back past the sequence's start."""
+        if self.sliding_window is not None:
+            return position - self.sliding_window + 1
+        if self.attention_chunk is not None:
+            return position // self.attention_chunk * self.attention_chunk
+        return position * 0
 
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, layer: _LayerOptions) -> torch.Tensor:
-    """[queries, keys]: causal, and within the layer's window."""
+    """[queries, keys]: causal, and within the layer's window or chunk."""
     mask = k_pos <= q_pos
-    if layer.sliding_window is not None:
-        mask &= k_pos > q_pos - layer.sliding_window
+    if layer.reach is not None:
+        mask &= k_pos >= layer.first_read(q_pos)
     return mask
 
 

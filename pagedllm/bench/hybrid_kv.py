@@ -56,7 +56,8 @@ def pool_facts(llm: LLM, kv_budget: int) -> PoolFacts:
 
 
 def _group_text(group: dict) -> str:
-    kind = "full" if group["window"] is None else f"window {group['window']}"
+    kind = f"window {group['window']}" if group["window"] is not None else (
+        f"chunk {group['chunk']}" if group.get("chunk") is not None else "full")
     return f"{len(group['layers'])} layers {kind}"
 
 

@@ -1,4 +1,5 @@
-"""What crosses from the scheduler about LoRA adapters: a request's adapter, and page-ins."""
+"""What crosses from the scheduler about a request's LoRA adapter (its page-ins are
+``core.block_moves.AdapterLoad`` records of the step's plan)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,3 @@ class AdapterSpec:
     num_pages: int
     fingerprint: str = ""
 
-
-@dataclass(frozen=True)
-class AdapterLoad:
-    """A page-in for the runner: read ``path`` into the pages from ``first_block`` on,
-    before this step's forward."""
-
-    name: str
-    path: str
-    first_block: int

@@ -1,8 +1,9 @@
 """One step's KV block moves as one typed plan, and the order they run in.
 
 Everything that moves a block's bytes in a step is a record here: copy-on-write
-copies, preemption swaps, the tiers' offloads, loads, drops and persists, and
-(added by the runner, ``worker/tail_slots.py``) an int8 pool's tail-slot moves.
+copies, preemption swaps, the tiers' offloads, loads, drops and persists, LoRA
+adapters' page-ins, and (added by the runner, ``worker/tail_slots.py``) an int8
+pool's tail-slot moves.
 The scheduler, the KV manager and the tier index add records to a
 ``BlockMovePlan``; the worker's ``BlockMover`` carries it out phase by phase.
 
@@ -21,8 +22,10 @@ The scheduler, the KV manager and the tier index add records to a
 - The tail moves follow the block moves they shadow: tails out to the host
   (before a freed slot is reused), slot copies, tails back in, then fills,
   which read a block's int8 values as this step's block moves left them.
-- ``FORWARD`` holds no records: it is where the step's forward pass runs
-  (after the LoRA page-ins of ``SchedulerOutput.adapter_loads``).
+- ``ADAPTER_LOAD`` after every block move: an adapter's pages may be blocks
+  the pool evicted (or a swap-out freed) this step, so their old contents must
+  have moved out first; the forward after it reads the new weights.
+- ``FORWARD`` holds no records: it is where the step's forward pass runs.
 - ``TIER_PERSIST`` after it: a newly cached block's K/V exist only once the
   forward wrote them.
 
@@ -56,8 +59,9 @@ class Phase(IntEnum):
     TAIL_COPY = 7
     TAIL_IN = 8
     TAIL_FILL = 9
-    FORWARD = 10
-    TIER_PERSIST = 11
+    ADAPTER_LOAD = 10
+    FORWARD = 11
+    TIER_PERSIST = 12
 
 
 class TierOffload(NamedTuple):
@@ -139,6 +143,16 @@ class TailFill(NamedTuple):
     PHASE = Phase.TAIL_FILL
 
 
+class AdapterLoad(NamedTuple):
+    """A LoRA adapter's page-in: read ``path`` into the pages from ``first_block`` on
+    (``lora/page_layout.py`` says what goes where)."""
+
+    name: str
+    path: str
+    first_block: int
+    PHASE = Phase.ADAPTER_LOAD
+
+
 class TierPersist(NamedTuple):
     """Pool block -> a disk tier file named ``key`` (written behind the step)."""
 
@@ -148,7 +162,7 @@ class TierPersist(NamedTuple):
 
 
 BlockMove = Union[TierOffload, SwapOut, CopyBlock, SwapIn, TierLoad, TierDrop, TailOut, TailCopy, TailIn, TailFill,
-                  TierPersist]
+                  AdapterLoad, TierPersist]
 M = TypeVar("M", bound=tuple)
 
 

@@ -32,7 +32,8 @@ class KVCacheBlock:
     to :class:`FreeBlockQueue` and are only meaningful while the block is free.
     ``origin`` (parent hash, token ids) is kept only while KV events are on:
     a tier that takes the block over announces it with them. ``owner`` is set
-    while the block is a page of a resident LoRA adapter (``adapter_pages``).
+    while the block is a page of a resident LoRA adapter (``kv_managers.adapter_pages``).
+    Only the pool sets ``owner`` (``take_run``) and clears it (``disown``).
     ``cache_group`` is the KV cache group whose prefix cache holds the hash: the
     same tokens in two groups are different K/V (``core.kv_groups``).
     """
@@ -184,10 +185,11 @@ class BlockPool:
         elif block.owner is not None:
             block.owner.evicted(block)
 
-    def take_run(self, n: int) -> list[KVCacheBlock] | None:
-        """``n`` free blocks with consecutive ids, each with one reference, or None if no
-        such run is free. Of the free runs, the one holding the fewest cached blocks
-        and adapter pages wins, the highest ids on a tie: allocation takes low ids
+    def take_run(self, n: int, owner: BlockOwner) -> list[KVCacheBlock] | None:
+        """``n`` free blocks with consecutive ids, each with one reference and owned by
+        ``owner`` from the moment it is taken (no held block is ever seen without its
+        owner), or None if no such run is free. Of the free runs, the one holding the
+        fewest cached blocks and adapter pages wins, the highest ids on a tie: allocation takes low ids
         first, so adapters settle at the top of the pool, apart from the requests'
         blocks. O(num_blocks): for an adapter's page-in, not a step's allocation."""
         best: tuple[int, int] | None = None  # (valued blocks in the run, -start)
@@ -206,8 +208,15 @@ class BlockPool:
         for block in run:
             self.free_block_queue.remove(block)
             self._forget_contents(block)
-            block.ref_cnt = 1
+            block.ref_cnt, block.owner = 1, owner
         return run
+
+    def disown(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """The owner of ``blocks`` gives them up (it was evicted, or its adapter
+        unloaded): they become plain blocks where they are, free ones staying at
+        their place in the free queue."""
+        for block in blocks:
+            block.owner = None
 
     def _evict(self, block: KVCacheBlock) -> None:
         if self.on_evict is not None:

@@ -11,8 +11,9 @@ A reservation is just a block table of consecutive block ids, so the model
 runs unchanged on it and outputs are identical to the paged layout.
 
 It implements ``KVCacheManagerProtocol`` like the paged manager; it has no
-prefix cache, no sharing (forks are refused) and no swap space (swap
-preemption falls back to recompute, so ``swap_in`` is never reached).
+prefix cache, no sharing (forks are refused), no swap space (swap
+preemption falls back to recompute, so ``admit_swapped`` is never reached)
+and no LoRA adapters (``enable_lora`` needs the paged layout).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import bisect
 from collections.abc import Collection, Mapping
 
 from pagedllm.core.request import Request
-from pagedllm.core.kv_interface import BlockCopy, KVCacheStats, PrefixHit
-from pagedllm.core.block_moves import BlockMovePlan, SwapIn, SwapOut
+from pagedllm.core.block_moves import AdapterLoad, BlockMovePlan, SwapIn, SwapOut
+from pagedllm.core.kv_interface import (Admission, BlockCopy, FirstChunk, KVCacheStats, PrefixHit,
+                                        admit_from_prefix)
 from pagedllm.utils import cdiv, check_block_size
 
 
@@ -102,6 +104,30 @@ class ContiguousKVCacheManager:
             self.reserve_for(request.request_id, request.num_prompt_tokens + request.max_tokens)
         return PrefixHit([[]], 0)  # one KV cache group, no hit
 
+    def admit(self, request: Request, first_chunk: FirstChunk) -> Admission | None:
+        """Reserve the request's run for its first chunk (``admit_from_prefix``, with no hit)."""
+        if request.lora is not None:
+            raise ValueError(f"request {request.request_id!r} names LoRA adapter {request.lora.name!r}: adapters "
+                             "are paged into the KV pool, which needs kv_layout='paged'")
+        return admit_from_prefix(self, request, first_chunk)
+
+    def admit_swapped(self, request: Request, num_new_tokens: int) -> tuple[list[SwapIn],
+                                                                            list[BlockCopy]] | None:
+        raise ValueError(f"request {request.request_id!r} is not swapped out: the contiguous layout never swaps")
+
+    def take_adapter_loads(self) -> list[AdapterLoad]:
+        return []  # no adapters (see ``admit``)
+
+    def drop_adapter(self, name: str) -> None:
+        return None  # no adapter is ever resident here
+
+    def adapter_view(self) -> list[dict]:
+        return []
+
+    @property
+    def num_adapter_page_ins(self) -> int:
+        return 0
+
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """No prefix cache: nothing to count."""
 
@@ -176,12 +202,6 @@ class ContiguousKVCacheManager:
 
     def swap_out(self, request_id: str) -> list[SwapOut] | None:
         return None  # no swap space: the scheduler falls back to recompute
-
-    def swap_in_cost(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> int:
-        raise ValueError(f"request {request_id!r} is not swapped out: the contiguous layout never swaps")
-
-    def swap_in(self, request_id: str) -> list[SwapIn] | None:
-        raise ValueError(f"request {request_id!r} is not swapped out: the contiguous layout never swaps")
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(self.num_blocks, self.block_size, self.num_free_blocks, self.peak_blocks_in_use,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.core.kv_groups import KVGroupLayout, kv_group_layout
+from pagedllm.core.kv_managers.kinds import LayerAttention
 from pagedllm.utils import cdiv
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -108,7 +109,7 @@ def explain(shape: KVShape, *, context: int = 4096, chat_tokens: int = 300, pool
     return lines
 
 
-def explain_groups(shape: KVShape, layer_windows: list[int | None], context: int) -> list[str]:
+def explain_groups(shape: KVShape, layer_windows: list[LayerAttention], context: int) -> list[str]:
     """What the hybrid KV manager keeps of a model whose layers attend differently
     (``core.kv_groups``): its groups, a block's size, and a ``context``-token sequence's
     bytes with it and with every block kept. No lines for a model whose layers all attend alike."""

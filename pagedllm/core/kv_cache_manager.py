@@ -1,12 +1,16 @@
 """The KV cache coordinator: one shared block pool, one block table per request
 in each KV cache group (vLLM v1's ``KVCacheCoordinator``).
 
-Each group of ``core.kv_groups`` (full attention, or a sliding window) has a
+Each group of ``core.kv_groups`` (full attention, a sliding window or chunked local
+attention) has a
 ``SingleTypeManager`` that keeps its tables; this class decides, across every
 group at once, what a step may take from the pool, so each call stays
 all-or-nothing. Token ``t`` of a request lives, in group ``g``, in slot
-``tables[g][t // block_size] * block_size + t % block_size``; a sliding
-group's leading entries that fell out of its window are None (released).
+``tables[g][t // block_size] * block_size + t % block_size``; a sliding or chunked
+group's leading entries that no later query reads are None (released).
+Beside the groups, the adapter-pages kind (``kv_managers.adapter_pages``) holds
+the LoRA adapters' pages in the same pool, pinned for the requests that hold
+device blocks under them.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 
 from pagedllm.core.block_hash import external_block_hash
-from pagedllm.core.block_moves import BlockMovePlan, SwapIn, SwapOut
+from pagedllm.core.block_moves import AdapterLoad, BlockMovePlan, SwapIn, SwapOut
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.kv_events import KVEventLog
-from pagedllm.core.kv_interface import BlockCopy, KVCacheStats, PrefixHit
+from pagedllm.core.kv_interface import Admission, BlockCopy, FirstChunk, KVCacheStats, PrefixHit, admit_from_prefix
+from pagedllm.core.kv_managers.adapter_pages import AdapterPages
+from pagedllm.core.kv_managers.kinds import LayerAttention, attention_of
 from pagedllm.core.prefix_cache import PrefixCache
 from pagedllm.core.request import Request
 from pagedllm.core.single_type_manager import HitEntry, SingleTypeManager
@@ -35,7 +41,7 @@ class KVCacheManager:
       groups: every group's cost (new blocks, a copy-on-write block, revived
       cached blocks, tier loads) is counted against the shared free count before
       any group changes, and on shortfall they return None with nothing added.
-      Releasing blocks behind a window comes first: nothing reads them again.
+      Releasing blocks behind a window or chunk comes first: nothing reads them again.
     - Every group's table of a request has the same length (entries aligned by
       logical block), so the runner reads them side by side.
     - A block serves one group at a time: taken from the pool it is unhashed,
@@ -46,6 +52,10 @@ class KVCacheManager:
     - The offload tiers keep each group's blocks under (group, hash), as the
       pool does: a tier hit counts toward a group's hit like a cached block of
       that group (``PrefixCache.lookup``), and is loaded into a fresh block.
+    - A request under a LoRA adapter holds the adapter's pages (``AdapterPages``)
+      exactly while it holds device blocks: ``admit`` pins the adapter before the
+      prefix lookup (a page-in may evict cached blocks, perhaps the very hit) and
+      unpins it when the blocks do not fit; ``free`` and ``swap_out`` unpin.
     """
 
     def __init__(
@@ -55,9 +65,11 @@ class KVCacheManager:
         enable_block_sharing: bool = True,
         enable_prefix_caching: bool = True,
         num_swap_blocks: int = 0,
-        windows: Sequence[int | None] = (None,),
+        windows: Sequence[LayerAttention] = (None,),
         tiers: TierIndex | None = None,
         events: KVEventLog | None = None,
+        enable_lora: bool = False,
+        max_loras: int | None = None,
     ) -> None:
         check_block_size(block_size)
         if not windows:
@@ -66,11 +78,14 @@ class KVCacheManager:
             raise ValueError("KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching")
         self.block_size = block_size
         self.tiers = tiers
-        self.prefix_cache = PrefixCache(num_blocks, block_size, enable_prefix_caching, tiers, events, windows)
+        # Each group's attention kind, spelt as a layer's (``core.kv_managers.kinds``).
+        kinds = [attention_of(window) for window in windows]
+        self.prefix_cache = PrefixCache(num_blocks, block_size, enable_prefix_caching, tiers, events, kinds)
         self.block_pool = self.prefix_cache.block_pool
-        self.groups = [SingleTypeManager(group, window, block_size, self.prefix_cache, enable_block_sharing)
-                       for group, window in enumerate(windows)]
+        self.groups = [SingleTypeManager(group, kind, block_size, self.prefix_cache, enable_block_sharing)
+                       for group, kind in enumerate(kinds)]
         self.peak_blocks_in_use = 0
+        self.adapters = AdapterPages(self.block_pool, max_loras, enabled=enable_lora)
         self.swap_space = SwapSpace(num_swap_blocks)
         self.num_swap_out_blocks = 0
         self.num_swap_in_blocks = 0
@@ -107,8 +122,8 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     def num_blocks_to_start(self, num_tokens: int) -> int:
-        # A step holds, in every group, each block it writes: a sliding group
-        # releases behind its window only before a step, and its queries read
+        # A step holds, in every group, each block it writes: a sliding or chunked
+        # group releases what it no longer reads only before a step, and its queries read
         # the step's own earlier tokens.
         return len(self.groups) * self.num_blocks_for(num_tokens)
 
@@ -119,6 +134,48 @@ class KVCacheManager:
     def prefetch(self, request: Request) -> None:
         """A new request: its prefix may start coming up from the disk tier now."""
         self.prefix_cache.prefetch(request)
+
+    def admit(self, request: Request, first_chunk: FirstChunk) -> Admission | None:
+        """Pin the request's adapter (paging it in, which may evict cached blocks),
+        then look its prefix up and allocate its first chunk (``admit_from_prefix``);
+        None, with the pin released, when any of it does not fit. A page-in made
+        for it stays, idle: its load is still owed, so a revival reads the weights."""
+        if not self.adapters.pin(request.request_id, request.lora):
+            return None
+        admitted = admit_from_prefix(self, request, first_chunk)
+        if admitted is None:
+            self.adapters.unpin(request.request_id)
+        return admitted
+
+    def admit_swapped(self, request: Request, num_new_tokens: int) -> tuple[list[SwapIn],
+                                                                            list[BlockCopy]] | None:
+        """Pin the request's adapter (first, as ``admit`` does), bring its blocks back
+        and allocate its next ``num_new_tokens`` tokens; None with nothing changed
+        but an idle page-in when they do not fit."""
+        request_id, num_computed = request.request_id, request.num_computed_tokens
+        if not self.adapters.pin(request_id, request.lora):
+            return None
+        if self.swap_in_cost(request_id, num_computed, num_new_tokens) > self.num_free_blocks:
+            self.adapters.unpin(request_id)
+            return None
+        moves = self.swap_in(request_id)
+        copies = self.allocate_slots(request_id, num_computed, num_new_tokens)
+        if moves is None or copies is None:
+            raise RuntimeError(f"request {request_id!r}: swap_in_cost undercounted its swap-in")
+        return moves, copies
+
+    def take_adapter_loads(self) -> list[AdapterLoad]:
+        return self.adapters.take_loads()
+
+    def drop_adapter(self, name: str) -> None:
+        self.adapters.drop(name)
+
+    def adapter_view(self) -> list[dict]:
+        return self.adapters.view()
+
+    @property
+    def num_adapter_page_ins(self) -> int:
+        return self.adapters.num_page_ins
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's prefix-cache lookup (in tokens)."""
@@ -144,12 +201,12 @@ class KVCacheManager:
         Returns the block copies the runner must perform before the forward
         pass (at most one per group, only ever of the entry at
         ``num_computed_tokens // block_size``), or None if the pool is short; on
-        None nothing was added. Either way, first releases each sliding group's
-        entries out of the window of ``num_computed_tokens``.
+        None nothing was added. Either way, first releases each sliding or chunked
+        group's entries that no query from ``num_computed_tokens`` on reads.
         """
         hits = computed_blocks or [[] for _ in self.groups]
         for group in self.groups:
-            group.release_out_of_window(request_id, num_computed_tokens)
+            group.release_unread(request_id, num_computed_tokens)
         plans = [group.plan(request_id, num_computed_tokens, num_new_tokens, hit)
                  for group, hit in zip(self.groups, hits)]
         if sum(plan.cost for plan in plans) > self.num_free_blocks:
@@ -170,8 +227,8 @@ class KVCacheManager:
         return self.prefix_cache.take_tier_moves()
 
     def num_released(self, request_id: str) -> list[int]:
-        """Per group, the leading entries of the request's table its window
-        released (a swapped-out request's too: they stay released)."""
+        """Per group, the leading entries of the request's table its window or
+        chunk released (a swapped-out request's too: they stay released)."""
         return [group.num_released(request_id) for group in self.groups]
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
@@ -196,7 +253,8 @@ class KVCacheManager:
         Blocks shared with another table stay resident (the request keeps its
         reference), so a preempted sibling never takes memory from the others.
         Returns the swap-outs to perform before the next forward pass, or None
-        (nothing changed) if the host pool is short.
+        (nothing changed) if the host pool is short. The request's adapter pin
+        goes with its device blocks.
         """
         private = [block for group in self.groups for block in group.private_blocks(request_id)]
         host_blocks = self.swap_space.allocate(len(private))
@@ -205,6 +263,7 @@ class KVCacheManager:
         to_host: dict[KVCacheBlock, int] = dict(zip(private, host_blocks))
         for group in self.groups:
             group.swap_out(request_id, to_host)
+        self.adapters.unpin(request_id)
         self.num_swap_out_blocks += len(private)
         return [SwapOut(block.block_id, host) for block, host in to_host.items()]
 
@@ -239,15 +298,18 @@ class KVCacheManager:
         if sum(group.fork_cost(parent_id) for group in self.groups) > self.num_free_blocks:
             return None
         copies = [copy for group in self.groups for copy in group.fork(parent_id, child_id)]
+        self.adapters.share(parent_id, child_id)
         self._note_peak()
         return copies
 
     def free(self, request_id: str) -> None:
-        """Release the request's blocks (each group tail first) and host blocks.
-        Freeing an unknown request is a no-op, so every finish/abort/preempt path
-        can call it unconditionally."""
+        """Release the request's blocks (each group tail first), host blocks and
+        then its adapter pin (the pages join the LRU after the blocks). Freeing
+        an unknown request is a no-op, so every finish/abort/preempt path can
+        call it unconditionally."""
         for group in self.groups:
             self.swap_space.free(group.free(request_id))
+        self.adapters.unpin(request_id)
 
     def truncate(self, request_id: str, num_tokens: int) -> int:
         """Release the table entries past what ``num_tokens`` tokens need, in every
@@ -324,5 +386,6 @@ class KVCacheManager:
         """Raise ``RuntimeError`` on the first broken invariant (see the protocol
         and ``table_invariants``)."""
         check_paged_tables(self, running, swapped)
+        self.adapters.check_invariants(self.groups[0].tables)
         if self.tiers is not None:
             self.tiers.check_invariants()

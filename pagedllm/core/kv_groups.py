@@ -2,9 +2,11 @@
 
 Layers are grouped by how they attend (vLLM v1's KV cache groups): a
 full-attention layer reads every earlier token, a sliding-window layer of
-window ``W`` only the last ``W``. Each group has its own block table per
-request, all in one shared pool, so a sliding group can give back the blocks
-behind its window while the full group keeps every block.
+window ``W`` only the last ``W``, a chunked local layer of chunk ``C`` (Llama 4)
+only the earlier tokens of its own ``C``-token chunk. Each group has its own block
+table per request, all in one shared pool, so a sliding or chunked group can give
+back the blocks no later query reads while the full group keeps every block. Each
+kind's rules are its module's in ``core/kv_managers/``.
 
 One pool needs one block size in bytes, so every group has the same number of
 layers (vLLM's uniform page size): the kinds' layer lists are cut into groups
@@ -30,49 +32,53 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pagedllm.core.sliding_window import num_out_of_window_blocks
+from pagedllm.core.kv_managers.chunked_local import ChunkedLocal
+from pagedllm.core.kv_managers.full_attention import FullAttention
+from pagedllm.core.kv_managers.kinds import AttentionKind, LayerAttention, attention_of
+from pagedllm.core.kv_managers.sliding_window import SlidingWindow
 from pagedllm.utils import cdiv
 
-AttentionKind = Literal["full", "sliding_window"]
+GroupKind = Literal["full", "sliding_window", "chunked_local"]
 
 
 @dataclass(frozen=True)
 class KVGroupSpec:
     """One group: its layers (model layer indices, in slot order) and how they attend."""
 
-    kind: AttentionKind
+    kind: GroupKind
     layers: tuple[int, ...]
     window: int | None = None  # sliding_window only: a query at p sees keys p - window < j <= p
+    chunk: int | None = None  # chunked_local only: a query at p sees keys p // chunk * chunk <= j <= p
 
     def __post_init__(self) -> None:
         if (self.kind == "sliding_window") != (self.window is not None):
             raise ValueError(f"a {self.kind} group takes a window only when it slides, got window={self.window!r}")
+        if (self.kind == "chunked_local") != (self.chunk is not None):
+            raise ValueError(f"a {self.kind} group takes a chunk only when it is chunked_local, got chunk={self.chunk!r}")
         if not self.layers:
             raise ValueError("a KV group needs at least one layer")
 
+    @property
+    def attention(self) -> AttentionKind:
+        """The kind whose rules (``core/kv_managers/``) this group's tables follow."""
+        if self.window is not None:
+            return SlidingWindow(self.window)
+        return FullAttention() if self.chunk is None else ChunkedLocal(self.chunk)
+
     def blocks_held(self, num_tokens: int, block_size: int) -> int:
         """Blocks a request of ``num_tokens`` tokens holds in this group once the
-        next token's window has moved past the earlier ones (the bench's and the
-        start-up line's arithmetic; the manager's rule is ``core.sliding_window``)."""
-        blocks = cdiv(num_tokens, block_size)
-        if self.window is None:
-            return blocks
-        return blocks - num_out_of_window_blocks(num_tokens, self.window, block_size)
+        next token's window or chunk has moved past the earlier ones (the bench's and
+        the start-up line's arithmetic; the manager's rule is the kind's ``num_released``)."""
+        return cdiv(num_tokens, block_size) - self.attention.num_released(num_tokens, block_size)
 
     def most_blocks_held(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
         """The most blocks a request of ``num_tokens`` tokens holds at once in this group
-        when no step computes more than ``max_step_tokens`` of it (admission's bound). A step
-        from position p first releases what the query at p no longer reads, then takes
-        blocks up to p + max_step_tokens: the window's ``W - 1`` earlier tokens and the step's,
-        across at most one more block boundary than they fill."""
-        blocks = cdiv(num_tokens, block_size)
-        if self.window is None:
-            return blocks
-        return min(blocks, cdiv(self.window - 1 + max_step_tokens, block_size) + 1)
+        when no step computes more than ``max_step_tokens`` of it (admission's bound;
+        each kind's ``most_blocks_held``)."""
+        return self.attention.most_blocks_held(num_tokens, block_size, max_step_tokens)
 
     def describe(self) -> str:
-        what = "full attention" if self.window is None else f"sliding window {self.window}"
-        return f"{what}, layers {','.join(map(str, self.layers))}"
+        return f"{self.attention.describe()}, layers {','.join(map(str, self.layers))}"
 
 
 @dataclass(frozen=True)
@@ -123,8 +129,13 @@ class KVGroupLayout:
 
     @property
     def windows(self) -> tuple[int | None, ...]:
-        """Each group's window (None: full attention), in group order."""
+        """Each group's window (None: full attention or chunked), in group order."""
         return tuple(group.window for group in self.groups)
+
+    @property
+    def kinds(self) -> tuple[AttentionKind, ...]:
+        """Each group's attention kind, in group order (what the KV cache manager takes)."""
+        return tuple(group.attention for group in self.groups)
 
     def blocks_held(self, num_tokens: int, block_size: int) -> int:
         """Pool blocks a request of ``num_tokens`` tokens holds over all groups."""
@@ -140,14 +151,13 @@ class KVGroupLayout:
         token costs the pool in each (every group's block has ``num_slots`` slots)."""
         runs: list[list[int]] = []
         for index, group in enumerate(self.groups):
-            if runs and self.groups[runs[-1][-1]].window == group.window:
+            if runs and self.groups[runs[-1][-1]].attention == group.attention:
                 runs[-1].append(index)
             else:
                 runs.append([index])
         clauses = []
         for run in runs:
-            window = self.groups[run[0]].window
-            what = "full attention" if window is None else f"sliding window {window}, for their last {window} tokens"
+            what = self.groups[run[0]].attention.describe_reach()
             layers = sorted(layer for index in run for layer in self.groups[index].layers)
             name = f"group {run[0]}" if len(run) == 1 else f"groups {_ranges(run)}"
             clauses.append(f"{name} {what} (layers {_ranges(layers)})")
@@ -166,32 +176,46 @@ def _ranges(numbers: Sequence[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def kv_group_layout(layer_windows: Sequence[int | None], hybrid: bool = True) -> KVGroupLayout:
-    """The groups of a model whose layer ``l`` slides with window ``layer_windows[l]``
-    (None: full attention), ``model.shapes.sliding_windows_of``.
+def kv_group_layout(layer_windows: Sequence[LayerAttention], hybrid: bool = True) -> KVGroupLayout:
+    """The groups of a model whose layer ``l`` attends as ``layer_windows[l]`` says: None
+    (full attention), a sliding window ``W`` (``model.shapes.sliding_windows_of``) or a kind
+    such as ``ChunkedLocal(C)`` (``core.kv_managers.kinds``).
 
     One group when every layer attends alike (all full: Llama; all sliding with one
     window: Mistral) or when ``hybrid`` is off (``disable_hybrid_kv_cache_manager``:
     then a model that mixes kinds keeps every block of every layer). Otherwise the
-    layers of each kind (full, then each window, smallest first) in order, cut into
-    groups of the smallest kind's layer count."""
+    layers of each kind (full, then each window, smallest first, then each chunk size)
+    in order, cut into groups of the smallest kind's layer count."""
     num_layers = len(layer_windows)
     if num_layers == 0:
         raise ValueError("a model needs at least one layer")
-    kinds: dict[int | None, list[int]] = {}
-    for layer, window in enumerate(layer_windows):
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"layer {layer}'s sliding window must be an integer >= 1 or None, got {window!r}")
-        kinds.setdefault(window, []).append(layer)
+    kinds: dict[AttentionKind, list[int]] = {}
+    for layer, spelling in enumerate(layer_windows):
+        try:
+            kind = attention_of(spelling)
+        except ValueError as error:
+            raise ValueError(f"layer {layer}'s attention: {error}") from None
+        kinds.setdefault(kind, []).append(layer)
     if len(kinds) == 1 or not hybrid:
-        (window,) = kinds if len(kinds) == 1 else (None,)
-        return KVGroupLayout((_group(window, tuple(range(num_layers))),), num_layers)
+        (kind,) = kinds if len(kinds) == 1 else (FullAttention(),)
+        return KVGroupLayout((_group(kind, tuple(range(num_layers))),), num_layers)
     group_size = min(len(layers) for layers in kinds.values())
-    ordered = sorted(kinds.items(), key=lambda item: -1 if item[0] is None else item[0])
-    groups = [_group(window, tuple(layers[start:start + group_size]))
-              for window, layers in ordered for start in range(0, len(layers), group_size)]
+    ordered = sorted(kinds.items(), key=lambda item: _order(item[0]))
+    groups = [_group(kind, tuple(layers[start:start + group_size]))
+              for kind, layers in ordered for start in range(0, len(layers), group_size)]
     return KVGroupLayout(tuple(groups), num_layers)
 
 
-def _group(window: int | None, layers: tuple[int, ...]) -> KVGroupSpec:
-    return KVGroupSpec("full" if window is None else "sliding_window", layers, window)
+def _order(kind: AttentionKind) -> tuple[int, int]:
+    """Full attention first (group 0 covers every token), then windows, then chunks, smallest first."""
+    if isinstance(kind, SlidingWindow):
+        return 1, kind.window
+    return (2, kind.chunk) if isinstance(kind, ChunkedLocal) else (0, 0)
+
+
+def _group(kind: AttentionKind, layers: tuple[int, ...]) -> KVGroupSpec:
+    if isinstance(kind, SlidingWindow):
+        return KVGroupSpec("sliding_window", layers, window=kind.window)
+    if isinstance(kind, ChunkedLocal):
+        return KVGroupSpec("chunked_local", layers, chunk=kind.chunk)
+    return KVGroupSpec("full", layers)

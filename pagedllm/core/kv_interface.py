@@ -9,13 +9,13 @@ invariants; neither carries attributes that exist only for the other's callers.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from pagedllm.core.request import Request
-    from pagedllm.core.block_moves import BlockMovePlan, SwapIn, SwapOut
+    from pagedllm.core.block_moves import AdapterLoad, BlockMovePlan, SwapIn, SwapOut
 
 
 # The block id the runner's tables hold for an entry the sliding window released.
@@ -50,6 +50,37 @@ class PrefixHit(NamedTuple):
     blocks: list[list[Any]]
     num_tokens: int
     loading: bool = False
+
+
+class Admission(NamedTuple):
+    """A request admitted from its prefix: ``num_computed_tokens`` its cached prefix
+    covers, ``num_new_tokens`` to compute this step, the ``copies`` its allocation owes."""
+
+    num_computed_tokens: int
+    num_new_tokens: int
+    copies: list[BlockCopy]
+
+
+# Given the tokens a request's cached prefix covers, how many to compute this step,
+# or None when the scheduler's budget cannot take its first chunk now.
+FirstChunk = Callable[[int], "int | None"]
+
+
+def admit_from_prefix(kv: KVCacheManagerProtocol, request: Request, first_chunk: FirstChunk) -> Admission | None:
+    """Look the request's prefix up and allocate its first chunk behind it; None
+    (nothing allocated) while its prefix is loading from a tier, or when the chunk
+    or its blocks do not fit. The steps of every manager's ``admit``."""
+    computed_blocks, num_cached, loading = kv.get_computed_blocks(request)
+    if loading:  # its prefix is coming from disk: admitted once it has landed
+        return None
+    num_new = first_chunk(num_cached)
+    if num_new is None:
+        return None
+    copies = kv.allocate_slots(request.request_id, num_cached, num_new, computed_blocks)
+    if copies is None:
+        return None
+    kv.record_lookup(request.num_tokens, num_cached)
+    return Admission(num_cached, num_new, copies)
 
 
 @dataclass(frozen=True)
@@ -94,12 +125,15 @@ class KVCacheStats:
 
 
 class KVCacheManagerProtocol(Protocol):
-    """What the scheduler needs from a KV cache manager.
+    """What the scheduler needs from a KV cache manager (and the steps of ``admit``).
 
     Safety rules every implementation keeps:
-    - ``allocate_slots``, ``swap_in`` and ``fork`` are all-or-nothing: on
-      shortfall they return None and change nothing, so the scheduler can
-      preempt and retry.
+    - ``admit``, ``admit_swapped``, ``allocate_slots`` and ``fork`` are
+      all-or-nothing: on shortfall they return None and the request holds
+      nothing new, so the scheduler can preempt and retry.
+    - A request under a LoRA adapter holds its adapter's pages exactly while it
+      holds device blocks: ``admit`` and ``admit_swapped`` pin them with the
+      blocks, ``fork`` for the child, ``swap_out`` and ``free`` release them.
     - ``free`` is idempotent (unknown ids are a no-op), so every finish, abort
       and preemption path may call it unconditionally.
     - Block copies returned by any call must be executed by the runner before
@@ -113,6 +147,27 @@ class KVCacheManagerProtocol(Protocol):
 
     @property
     def num_free_blocks(self) -> int: ...
+
+    def admit(self, request: Request, first_chunk: FirstChunk) -> Admission | None:
+        """Start (or restart) a waiting request from its cached prefix, with its
+        adapter's pages (``admit_from_prefix``); None: it waits."""
+
+    def admit_swapped(self, request: Request, num_new_tokens: int) -> tuple[list[SwapIn],
+                                                                            list[BlockCopy]] | None:
+        """Bring a swapped request back (``(host, device)`` copies) with its
+        adapter's pages, and allocate its next ``num_new_tokens`` tokens; None: it waits."""
+
+    def take_adapter_loads(self) -> list[AdapterLoad]:
+        """The adapter page-ins since the last call, for this step's output (the runner writes them)."""
+
+    def drop_adapter(self, name: str) -> None:
+        """An adapter is unloaded: its idle pages stop being revivable (``ValueError`` while pinned)."""
+
+    def adapter_view(self) -> list[dict]:
+        """The resident adapters (name, pages, first block, pins), for the live pool view."""
+
+    @property
+    def num_adapter_page_ins(self) -> int: ...
 
     def num_blocks_to_start(self, num_tokens: int) -> int:
         """Pool blocks a request with nothing computed takes for its first
@@ -141,16 +196,11 @@ class KVCacheManagerProtocol(Protocol):
         """Give ``child_id`` the parent's table (shared, or copied when sharing is off)."""
 
     def swap_out(self, request_id: str) -> list[SwapOut] | None:
-        """Move the request's private blocks to host memory: (device, host) copies, or None."""
-
-    def swap_in_cost(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> int:
-        """Free blocks ``swap_in`` plus the next allocation will take."""
-
-    def swap_in(self, request_id: str) -> list[SwapIn] | None:
-        """Bring a swapped request back: (host, device) copies, or None."""
+        """Move the request's private blocks to host memory (releasing its adapter pin):
+        the swap-outs, or None."""
 
     def free(self, request_id: str) -> None:
-        """Release the request's blocks (tail first) and host blocks."""
+        """Release the request's blocks (tail first), host blocks and adapter pin."""
 
     def truncate(self, request_id: str, num_tokens: int) -> int:
         """Keep only the table entries ``num_tokens`` tokens need (a speculative

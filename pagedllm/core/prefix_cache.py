@@ -18,11 +18,12 @@ from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.block_table import BlockTableRecord
 from pagedllm.core.kv_events import AllBlocksCleared, KVEventLog
 from pagedllm.core.kv_interface import PrefixHit
+from pagedllm.core.kv_managers.full_attention import FullAttention
+from pagedllm.core.kv_managers.kinds import AttentionKind
 from pagedllm.core.request import Request
-from pagedllm.core.sliding_window import num_out_of_window_blocks
 from pagedllm.core.tier_index import TierIndex
 
-# A prefix hit's entry in one group: a cached pool block, a tier's hash, or None (outside the window).
+# A prefix hit's entry in one group: a cached pool block, a tier's hash, or None (outside the window or chunk).
 HitEntry = KVCacheBlock | BlockHash | None
 
 
@@ -35,9 +36,10 @@ class PrefixCache:
       logprobs never hits (their logits are never computed for cached positions).
     - The hit is the longest block-aligned prefix ``h`` every group can resume
       from: a full-attention group needs every block before ``h`` cached, a
-      sliding group of window ``W`` only the blocks a query at ``h`` reads
-      (those the window has not released at ``h``, ``core.sliding_window``).
-      A sliding group's entries before them are None: the request never takes them.
+      sliding group of window ``W`` or a chunked group of chunk ``C`` only the
+      blocks a query at ``h`` reads (those its kind has not released at ``h``:
+      the window before ``h``, or ``h``'s chunk from its start; ``core/kv_managers/``).
+      Such a group's entries before them are None: the request never takes them.
       "Cached" means in the pool or in host memory, under the group's own key
       (``tier_key``), or on disk (the request waits for the fetch): a full
       group's tier run follows its pool run, a sliding group's tier hits fill
@@ -51,10 +53,10 @@ class PrefixCache:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enabled: bool, tiers: TierIndex | None = None,
-                 events: KVEventLog | None = None, windows: Sequence[int | None] = (None,)) -> None:
+                 events: KVEventLog | None = None, kinds: Sequence[AttentionKind] = (FullAttention(),)) -> None:
         self.block_size = block_size
-        # Each KV cache group's sliding window (None: full attention), in group order.
-        self.windows = tuple(windows)
+        # Each KV cache group's attention kind, in group order.
+        self.kinds = tuple(kinds)
         self.enabled = enabled
         self.tiers = tiers
         self.block_pool = BlockPool(num_blocks, on_evict=self._offload if tiers is not None else None, events=events)
@@ -75,23 +77,23 @@ class PrefixCache:
         ``loading`` when blocks the hit needs are being fetched from disk (the
         request should wait)."""
         if not self.enabled or request.needs_every_prompt_position:
-            return PrefixHit([[] for _ in self.windows], 0)
+            return PrefixHit([[] for _ in self.kinds], 0)
         hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        cached: list[list[HitEntry]] = [[] for _ in self.windows]
+        cached: list[list[HitEntry]] = [[] for _ in self.kinds]
         hit, loading = max_blocks, False
-        for group, window in enumerate(self.windows):
-            if window is None:  # full attention: the longest cached prefix, read up to its first miss
+        for group, kind in enumerate(self.kinds):
+            if kind.keeps_every_block:  # full attention: the longest cached prefix, read up to its first miss
                 limit, hit = hit, self._cached_run(hashes[:hit], group, cached[group])
                 if self.tiers is not None and hit < limit:  # then the tiers' run
                     num_ready, waits = self.tiers.lookup(hashes[hit:limit], group)
                     cached[group] += hashes[hit:hit + num_ready]
                     hit, loading = hit + num_ready, loading or waits
-        for group, window in enumerate(self.windows):
-            if window is not None:  # a sliding group: every block before the hit, misses as None
+        for group, kind in enumerate(self.kinds):
+            if not kind.keeps_every_block:  # a sliding or chunked group: every block before the hit, misses as None
                 cached[group] = [self.block_pool.get_cached_block(block_hash, group) for block_hash in hashes[:hit]]
         hit, waits = self._sliding_agreement(hashes, cached, hit)
-        starts = [num_out_of_window_blocks(hit * self.block_size, window, self.block_size) for window in self.windows]
+        starts = [kind.num_released(hit * self.block_size, self.block_size) for kind in self.kinds]
         return PrefixHit([[None] * start + entries[start:hit] for start, entries in zip(starts, cached)],
                          hit * self.block_size, loading or waits)
 
@@ -106,21 +108,22 @@ class PrefixCache:
 
     def _sliding_agreement(self, hashes: list[BlockHash], cached: list[list[HitEntry]],
                            hit: int) -> tuple[int, bool]:
-        """The largest ``h <= hit`` at which every sliding group has the blocks a
-        query at block ``h`` reads cached, and whether the request must wait for
-        some of them to come from disk. A miss at block ``i`` rules out every
-        ``h > i`` whose window reaches back to ``i``, so the search jumps to ``i``.
+        """The largest ``h <= hit`` at which every sliding or chunked group has the
+        blocks a query at block ``h`` reads cached, and whether the request must wait
+        for some of them to come from disk. A miss at block ``i`` rules out every
+        ``h > i`` whose window or chunk reaches back to ``i`` (the first block read
+        never moves back as ``h`` grows), so the search jumps to ``i``.
         With tiers, a sliding group's pool misses are looked up in them as its
         window reaches them (a lookup costs the windows walked, not the prompt):
         host memory's fill ``cached``, disk's count as cached once fetched."""
-        on_disk: list[set[int]] = [set() for _ in self.windows]
-        asked = [hit] * len(self.windows)  # each group's tiers were asked about its misses from here on
+        on_disk: list[set[int]] = [set() for _ in self.kinds]
+        asked = [hit] * len(self.kinds)  # each group's tiers were asked about its misses from here on
         while hit > 0:
             last_miss = -1
-            for group, window in enumerate(self.windows):
-                if window is None:
+            for group, kind in enumerate(self.kinds):
+                if kind.keeps_every_block:
                     continue
-                start = num_out_of_window_blocks(hit * self.block_size, window, self.block_size)
+                start = kind.num_released(hit * self.block_size, self.block_size)
                 if self.tiers is not None and start < asked[group]:
                     self._find_in_tiers(hashes, group, cached[group], on_disk[group], range(start, asked[group]))
                     asked[group] = start
@@ -130,9 +133,9 @@ class PrefixCache:
                 break
             hit = last_miss
         waits = False
-        for group, window in enumerate(self.windows):
+        for group, kind in enumerate(self.kinds):
             if on_disk[group]:  # asked again: a fetch may have landed (or failed) since
-                start = num_out_of_window_blocks(hit * self.block_size, window, self.block_size)
+                start = kind.num_released(hit * self.block_size, self.block_size)
                 wanted = [index for index in sorted(on_disk[group]) if start <= index < hit]
                 places = self.tiers.find_each([hashes[index] for index in wanted], group)
                 for index, where in zip(wanted, places):

@@ -12,7 +12,6 @@ import itertools
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from pagedllm.core.adapter_pages import NO_ADAPTERS, AdapterPager
 from pagedllm.core.block_moves import BlockMovePlan, CopyBlock
 from pagedllm.core.kv_interface import BlockCopy, KVCacheManagerProtocol
 from pagedllm.core.request import Request, RequestStatus
@@ -51,19 +50,17 @@ class Scheduler(StepUpdates):
       priority than the worst running one preempts it when seats
       (``max_num_seqs``) or blocks are what keeps it waiting; equal priorities
       never preempt each other, so nothing ping-pongs.
-    - A request under a LoRA adapter is admitted only with its adapter pinned
-      (``AdapterPager``); one whose adapter cannot be paged in waits.
+    - A request under a LoRA adapter is admitted only with its adapter's pages:
+      the KV manager pins them as part of ``admit`` / ``admit_swapped``, and
+      one whose adapter cannot be paged in waits.
     - A prefill chunk is cut by the step's budget and ``long_prefill_token_threshold``;
       without chunked prefill a request is admitted only when its whole prompt fits.
     - Every status change goes through ``_transition``.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManagerProtocol,
-                 adapters: AdapterPager | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManagerProtocol) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        # Requests under no adapter pass through it (an engine without LoRA has a pager that pins nothing).
-        self.adapters = adapters if adapters is not None else NO_ADAPTERS
         # Every live sequence (user requests and the sequences forked from them).
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
@@ -104,7 +101,6 @@ class Scheduler(StepUpdates):
             self._status_counts[previous] -= 1
             if previous is RequestStatus.RUNNING:
                 self.num_seats_in_use -= request.num_pending_samples
-                self.adapters.unpin_for(request)
             if previous in QUEUED_STATUSES:
                 self.waiting.discard(request)
         request.status = status
@@ -156,7 +152,7 @@ class Scheduler(StepUpdates):
         # Last: the runner forgets the sequences preempted just now, and moves what the allocations evicted.
         output.released_sequence_ids = self.runner_views.take_released()
         output.block_moves.extend(self.kv_cache_manager.take_tier_moves())
-        output.adapter_loads = self.adapters.take_loads()
+        output.block_moves.add_all(self.kv_cache_manager.take_adapter_loads())
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> bool:
@@ -214,45 +210,33 @@ class Scheduler(StepUpdates):
 
     def _admit_swapped(self, request: Request, output: SchedulerOutput,
                        budget: int) -> tuple[int, list[BlockCopy]] | None:
-        """Bring a swapped request's blocks back and allocate its next tokens, or None if they do not fit."""
-        kv = self.kv_cache_manager
+        """Bring a swapped request's blocks (and adapter) back and allocate its next
+        tokens, or None if they do not fit."""
         num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
-        if not self.adapters.pin_for(request):
+        resumed = self.kv_cache_manager.admit_swapped(request, num_new)
+        if resumed is None:
             return None
-        if kv.swap_in_cost(request.request_id, request.num_computed_tokens, num_new) > kv.num_free_blocks:
-            self.adapters.unpin_for(request)
-            return None
-        output.block_moves.add_all(kv.swap_in(request.request_id))
-        return num_new, kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
+        moves, copies = resumed
+        output.block_moves.add_all(moves)
+        return num_new, copies
 
     def _admit_waiting(self, request: Request, budget: int) -> tuple[int, list[BlockCopy]] | None:
         """Start (or restart, after a recompute preemption) a request from its
-        cached prefix, or None if its adapter or its first chunk does not fit.
-        The adapter is pinned first: paging it in may evict cached blocks."""
-        if not self.adapters.pin_for(request):
-            return None
-        admitted = self._allocate_first_chunk(request, budget)
-        if admitted is None:
-            self.adapters.unpin_for(request)
-        return admitted
+        cached prefix, or None if its adapter, its first chunk or their blocks do
+        not fit (the KV manager's ``admit``: all-or-nothing)."""
+        def first_chunk(num_cached: int) -> int | None:
+            remaining = request.num_tokens - num_cached
+            if remaining > budget and not self.config.enable_chunked_prefill:
+                return None
+            return self._chunk(remaining, budget)
 
-    def _allocate_first_chunk(self, request: Request, budget: int) -> tuple[int, list[BlockCopy]] | None:
-        kv = self.kv_cache_manager
-        computed_blocks, num_cached, loading = kv.get_computed_blocks(request)
-        if loading:  # its prefix is coming from disk: admitted once it has landed
+        admitted = self.kv_cache_manager.admit(request, first_chunk)
+        if admitted is None:
             return None
-        remaining = request.num_tokens - num_cached
-        if remaining > budget and not self.config.enable_chunked_prefill:
-            return None
-        num_new = self._chunk(remaining, budget)
-        copies = kv.allocate_slots(request.request_id, num_cached, num_new, computed_blocks)
-        if copies is None:
-            return None
-        kv.record_lookup(request.num_tokens, num_cached)
-        request.num_computed_tokens = num_cached
+        request.num_computed_tokens = admitted.num_computed_tokens
         if request.num_preemptions == 0:
-            request.num_cached_tokens = num_cached
-        return num_new, copies
+            request.num_cached_tokens = admitted.num_computed_tokens
+        return admitted.num_new_tokens, admitted.copies
 
     def _recompute_swapped_if_stuck(self, output: SchedulerOutput) -> bool:
         """When nothing runs and the waiting head does not fit, swapped requests

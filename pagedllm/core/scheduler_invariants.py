@@ -20,7 +20,6 @@ def check_scheduler(scheduler: Scheduler) -> None:
         running={rid: requests[rid].num_tokens for rid in running_ids},
         swapped=[rid for rid, r in requests.items() if r.status is RequestStatus.SWAPPED],
     )
-    scheduler.adapters.check_invariants()
     if Counter(r.status for r in requests.values()) != +scheduler._status_counts:
         raise RuntimeError(f"status counts {dict(scheduler._status_counts)} disagree with the live requests")
     if len(scheduler.waiting) != scheduler.num_waiting:

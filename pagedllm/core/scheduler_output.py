@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedllm.core.adapter_spec import AdapterLoad
 from pagedllm.core.block_moves import BlockMovePlan
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -112,8 +111,6 @@ class SchedulerOutput:
     # tiers' moves. Copies and swaps are group-agnostic: moving block b moves its
     # row in every slot cache.
     block_moves: BlockMovePlan = field(default_factory=BlockMovePlan)
-    # LoRA adapters to read into their pages before the forward (after the block moves).
-    adapter_loads: list[AdapterLoad] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -75,7 +75,8 @@ class StepUpdates:
                 return
 
     def _fork(self, parent: Request, child_id: str, sample_index: int, seed: int) -> Request:
-        """Start a running sequence that shares ``parent``'s tokens and blocks."""
+        """Start a running sequence that shares ``parent``'s tokens and blocks (and
+        its adapter's pin: the KV manager's ``fork``)."""
         if child_id in self.requests:
             raise ValueError(f"request id {child_id!r} is already in use")
         copies = self.kv_cache_manager.fork(parent.request_id, child_id)
@@ -86,6 +87,5 @@ class StepUpdates:
         self.requests[child_id] = child
         self._arrival_order[child_id] = self._arrival_order[parent.request_id]
         self.running.append(child)
-        self.adapters.pin_for(child)  # cannot fail: its parent holds the adapter pinned
         self._transition(child, RequestStatus.RUNNING, is_new=True)
         return child

@@ -1,5 +1,6 @@
-"""One KV cache group's block tables: full attention, or a sliding window that
-releases the blocks behind it (vLLM v1's single-type managers).
+"""One KV cache group's block tables: full attention, a sliding window or chunked local
+attention, each kind's release and hit rules its own (``core/kv_managers/``; vLLM v1's
+single-type managers).
 
 The coordinator (``core/kv_cache_manager.py``) keeps one ``SingleTypeManager``
 per group of ``core.kv_groups`` over one shared ``BlockPool``; it decides what a
@@ -16,9 +17,9 @@ from typing import NamedTuple
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.block_table import BlockTableRecord, SwappedTable, TableEntry
 from pagedllm.core.kv_interface import NULL_BLOCK_ID, BlockCopy
+from pagedllm.core.kv_managers.kinds import AttentionKind
 from pagedllm.core.prefix_cache import HitEntry, PrefixCache
 from pagedllm.core.request import Request
-from pagedllm.core.sliding_window import num_out_of_window_blocks
 from pagedllm.utils import cdiv
 
 
@@ -33,26 +34,27 @@ class AllocationPlan(NamedTuple):
 
 
 class SingleTypeManager:
-    """The block tables of one KV cache group (``window`` None: full attention).
+    """The block tables of one KV cache group, whose ``attention`` kind says which entries
+    no later query reads.
 
     Safety rules (the coordinator keeps the cross-group ones):
     - Only a table's last block is ever written, and never while it is shared:
       writing into a block with ``ref_cnt > 1`` first replaces it by a copy.
     - Tables only grow at the tail while a request lives (``truncate`` cuts back
       only blocks a step just took), to ``ceil(num_tokens / block_size)`` entries,
-      the same in every group. With a window, the leading entries no query will
-      read again are released, in order, and become None, never to be filled
-      again: only the last ``ceil(window / block_size) + 1`` entries (plus a
-      step's new ones) hold blocks. A released block keeps its hash, so it stays
+      the same in every group. With a window or a chunk, the leading entries no
+      query will read again (the kind's ``num_released``) are released, in order,
+      and become None, never to be filled again: only the last
+      ``ceil(span / block_size) + 1`` entries (plus a step's new ones) hold blocks. A released block keeps its hash, so it stays
       in the prefix cache until evicted.
     - A block sits in one group's tables or cache at a time: it comes from the
       pool unhashed, and is cached under this group's key only.
     """
 
-    def __init__(self, group: int, window: int | None, block_size: int, prefix_cache: PrefixCache,
+    def __init__(self, group: int, attention: AttentionKind, block_size: int, prefix_cache: PrefixCache,
                  enable_block_sharing: bool) -> None:
         self.group = group
-        self.window = window
+        self.attention = attention
         self.block_size = block_size
         self.prefix_cache = prefix_cache
         self.block_pool = prefix_cache.block_pool
@@ -61,18 +63,18 @@ class SingleTypeManager:
         self.tables: dict[str, BlockTableRecord] = {}
         self.swapped_tables: dict[str, SwappedTable] = {}
 
-    def num_out_of_window(self, num_tokens: int) -> int:
+    def num_releasable(self, num_tokens: int) -> int:
         """Leading entries no query from position ``num_tokens`` on reads (0: full attention)."""
-        return num_out_of_window_blocks(num_tokens, self.window, self.block_size)
+        return self.attention.num_released(num_tokens, self.block_size)
 
-    def release_out_of_window(self, request_id: str, num_computed_tokens: int) -> None:
-        """Release the entries behind the window of ``num_computed_tokens`` (None
+    def release_unread(self, request_id: str, num_computed_tokens: int) -> None:
+        """Release the entries no query from ``num_computed_tokens`` on reads (None
         entries stay None), last first like ``free``: each drops one reference.
         Nothing reads them again, so this is never undone."""
         record = self.tables.get(request_id)
         if record is None:
             return
-        num_released = min(self.num_out_of_window(num_computed_tokens), len(record.entries))
+        num_released = min(self.num_releasable(num_computed_tokens), len(record.entries))
         start = record.num_released
         if num_released <= start:
             return
@@ -89,7 +91,7 @@ class SingleTypeManager:
         if hit and blocks:
             raise ValueError(f"request {request_id!r} already has blocks; cached blocks go only to a new table")
         leading = next((i for i, entry in enumerate(hit) if entry is not None), len(hit))
-        released = min(max(leading, self.num_out_of_window(num_computed_tokens)), len(hit))
+        released = min(max(leading, self.num_releasable(num_computed_tokens)), len(hit))
         kept = hit[released:]
         if any(entry is None for entry in kept):
             raise ValueError(f"request {request_id!r}'s cached blocks in group {self.group} have a hole")
@@ -97,7 +99,7 @@ class SingleTypeManager:
         write_index = num_computed_tokens // self.block_size
         needs_copy = write_index < len(blocks) and blocks[write_index].ref_cnt > 1
         num_from_pool = next((i for i, entry in enumerate(kept) if not isinstance(entry, KVCacheBlock)), len(kept))
-        # A full group's tier hits follow its pool run; a sliding group's may fall between pool blocks.
+        # A full group's tier hits follow its pool run; a sliding or chunked one's may fall between pool blocks.
         pooled = [entry for entry in kept if isinstance(entry, KVCacheBlock)]
         revived = sum(1 for block in pooled if block.ref_cnt == 0)
         cost = num_new_blocks + needs_copy + revived + len(kept) - len(pooled)
@@ -147,7 +149,7 @@ class SingleTypeManager:
             self.prefix_cache.register(request, record, num_tokens, self.group)
 
     def num_released(self, request_id: str) -> int:
-        """Leading entries released by the window (a swapped-out request's too)."""
+        """Leading entries released by the window or chunk (a swapped-out request's too)."""
         record = self.tables.get(request_id) or self.swapped_tables.get(request_id)
         return record.num_released if record is not None else 0
 

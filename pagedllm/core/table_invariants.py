@@ -6,13 +6,13 @@ What must hold between steps, in every KV cache group:
   never both; host blocks are each used once (over every group) and none leaks;
 - a running table (``BlockTableRecord``) has at most ``ceil(num_tokens / block_size)``
   entries, as many in every group; its first ``num_released`` entries are None
-  (released by the group's sliding window: a full-attention group releases
-  none) and no more than the window of its ``num_tokens`` allows, every later
+  (released by the group's sliding window or chunk: a full-attention group
+  releases none) and no more than its kind allows at ``num_tokens``, every later
   entry holds a block; it registered no more entries than it has; an unfilled
   block is never hashed; a hashed block is cached under its own group's key;
 - a block serves one group at a time, and its ref count equals the number of
   tables (device or swapped) that point at it; a LoRA adapter's page is in no
-  table (the pager checks its pins).
+  table (``AdapterPages.check_invariants`` checks its pins).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def check_paged_tables(manager: KVCacheManager, running: Mapping[str, int], swap
     for block in manager.block_pool.blocks:
         expected = references.get(block.block_id, 0)
         if block.owner is not None:
-            # A LoRA page: the pager's pin holds it (``AdapterPager.check_invariants``), never a table.
+            # A LoRA page: a pin holds it (``AdapterPages.check_invariants``), never a table.
             if expected:
                 raise RuntimeError(f"block {block.block_id} is a page of LoRA adapter {block.owner.name!r} "
                                    "and in a block table")
@@ -87,8 +87,8 @@ def _check_table(group: SingleTypeManager, request_id: str, record: BlockTableRe
         raise RuntimeError(f"{where} holds {len(blocks)} blocks for {num_tokens} tokens (at most {limit})")
     if record.num_registered > len(blocks):
         raise RuntimeError(f"{where} registered {record.num_registered} of its {len(blocks)} entries")
-    if released > group.num_out_of_window(num_tokens):
-        raise RuntimeError(f"{where} released {released} blocks, some still in its window")
+    if released > group.num_releasable(num_tokens):
+        raise RuntimeError(f"{where} released {released} blocks, some still read ({group.attention.describe()})")
     if any(block is not None for block in blocks[:released]) or any(block is None for block in blocks[released:]):
         raise RuntimeError(f"{where}'s table is not {released} released entries then blocks")
     for index, block in enumerate(blocks[released:], released):

@@ -60,13 +60,12 @@ def kv_pool_snapshot(engine: LLMEngine) -> dict:
 
 def _groups_view(engine: LLMEngine) -> list[dict]:
     layout = engine.runner_spec.kv_groups
-    return [{"kind": group.kind, "window": group.window, "layers": list(group.layers)} for group in layout.groups]
+    return [{"kind": group.kind, "window": group.window, "chunk": group.chunk, "layers": list(group.layers)}
+            for group in layout.groups]
 
 
 def _adapters_view(engine: LLMEngine) -> list[dict]:
-    pager = engine.scheduler.adapters
-    return [{"name": name, "pages": len(resident.pages), "first_block": resident.pages[0].block_id,
-             "pinned_by": resident.pins} for name, resident in list(getattr(pager, "resident", {}).items())]
+    return engine.kv_cache_manager.adapter_view()
 
 
 def _tiers_view(engine: LLMEngine, kv) -> dict | None:
@@ -121,9 +120,9 @@ def _lora_stats(engine: LLMEngine) -> dict[str, int | float]:
     dtype: with it, ``lora.page_layout.adapter_layout`` says how many blocks an adapter takes)
     and, with LoRA on, the adapters paged in and the seconds their loads took."""
     stats: dict[str, int | float] = {"lora_page_elems": engine.runner.adapter_page_elems}
-    pager, loaded = engine.scheduler.adapters, engine.runner.adapters
-    if pager is not None and loaded is not None:
-        stats.update(lora_page_ins=pager.num_page_ins, lora_loads=loaded.num_loads,
+    loaded = engine.runner.adapters
+    if loaded is not None:
+        stats.update(lora_page_ins=engine.kv_cache_manager.num_adapter_page_ins, lora_loads=loaded.num_loads,
                      lora_load_seconds=loaded.load_seconds)
     return stats
 

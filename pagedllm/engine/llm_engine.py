@@ -90,10 +90,11 @@ class LLMEngine:
         plan = self.pool_plan
         self.kv_channels = KVChannels(config, self.runner, self.model_path, plan.block_size)
         self.kv_tiers = self.kv_channels.tiers
-        self.kv_cache_manager = create_kv_cache_manager(config.cache, plan, self.scheduler_config, self.kv_channels)
-        # LoRA: adapters checked by name (registry), paged into the pool by the scheduler (pager).
-        self.adapter_registry, pager = create_lora(config, self.model_config, self.runner, self.kv_cache_manager)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, pager)
+        self.kv_cache_manager = create_kv_cache_manager(config.cache, plan, self.scheduler_config, self.kv_channels,
+                                                        config.lora)
+        # LoRA: adapters checked by name (registry), paged into the pool by the KV manager as requests are admitted.
+        self.adapter_registry = create_lora(config, self.model_config, self.runner, self.kv_cache_manager)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.vocab_size = self.model_config.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                               self.scheduler_config, config.cache, plan.num_blocks, config.seed,

@@ -36,7 +36,7 @@ def add_lora(engine: LLMEngine, lora_request: LoRARequest) -> str:
 def remove_lora(engine: LLMEngine, lora_name: str) -> bool:
     """Forget an adapter (False: the engine does not know the name), so the name can
     be loaded again, from any path. Refused (``ValueError``) while requests under it
-    are unfinished: they read its pages. Its idle pages are dropped now: the pager
+    are unfinished: they read its pages. Its idle pages are dropped now: the KV manager
     keeps resident adapters by name, so a new adapter of the name would otherwise
     revive the old weights. Its cached prefix blocks may stay: they are keyed by the
     name *and* the files' fingerprint, so only the same weights ever find them."""
@@ -48,7 +48,7 @@ def remove_lora(engine: LLMEngine, lora_name: str) -> bool:
     if users:
         raise ValueError(f"LoRA adapter {lora_name!r} is used by {users} unfinished requests; unload it once "
                          "they have finished")
-    engine.scheduler.adapters.drop(lora_name)
+    engine.kv_cache_manager.drop_adapter(lora_name)
     registry.forget(lora_name)
     return True
 

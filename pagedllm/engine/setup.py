@@ -9,7 +9,7 @@ from typing import Any
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from pagedllm.config.engine import CacheConfig, EngineConfig, SchedulerConfig, sampling_overrides
-from pagedllm.core.adapter_pages import AdapterPager
+from pagedllm.config.lora import LoRAConfig
 from pagedllm.core.contiguous import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_interface import KVCacheManagerProtocol
@@ -23,10 +23,10 @@ logger = init_logger(__name__)
 
 
 def create_kv_cache_manager(cache: CacheConfig, plan: PoolPlan, scheduler_config: SchedulerConfig,
-                            channels: KVChannels) -> KVCacheManagerProtocol:
+                            channels: KVChannels, lora: LoRAConfig) -> KVCacheManagerProtocol:
     """The block bookkeeping over the planned pool: paged, one table per KV
-    cache group (with the tiers' index and the event log, if any), or the
-    contiguous baseline (one group only)."""
+    cache group (with the tiers' index, the event log and, with ``enable_lora``,
+    the adapters' pages, if any), or the contiguous baseline (one group only)."""
     num_blocks, block_size = plan.num_blocks, plan.block_size
     groups = scheduler_config.kv_groups
     if cache.kv_layout == "contiguous":
@@ -34,23 +34,23 @@ def create_kv_cache_manager(cache: CacheConfig, plan: PoolPlan, scheduler_config
         tokens = {"max_model_len": scheduler_config.max_model_len, "request": None}.get(reservation, reservation)
         return ContiguousKVCacheManager(num_blocks, block_size, tokens)
     return KVCacheManager(num_blocks, block_size, cache.enable_block_sharing, cache.enable_prefix_caching,
-                          plan.num_swap_blocks, windows=(None,) if groups is None else groups.windows,
-                          tiers=channels.tier_index, events=channels.events)
+                          plan.num_swap_blocks, windows=(None,) if groups is None else groups.kinds,
+                          tiers=channels.tier_index, events=channels.events, enable_lora=lora.enable_lora,
+                          max_loras=lora.max_loras)
 
 
 def create_lora(config: EngineConfig, model_config: PretrainedConfig, runner: Any,
-                kv_cache_manager: KVCacheManagerProtocol) -> tuple[AdapterRegistry | None, AdapterPager | None]:
-    """With ``enable_lora``: the adapter registry (sized by the runner's pages) and the
-    pager over the pool; (None, None) without it. ``ValueError`` where LoRA cannot run yet."""
+                kv_cache_manager: KVCacheManagerProtocol) -> AdapterRegistry | None:
+    """With ``enable_lora``: the adapter registry (sized by the runner's pages; the KV
+    manager pages the adapters in); None without it. ``ValueError`` where LoRA cannot run yet."""
     lora = config.lora
     if not lora.enable_lora:
-        return None, None
+        return None
     if config.cache.kv_layout != "paged":
         raise ValueError("enable_lora pages adapters into the KV pool's blocks: it needs kv_layout='paged'")
     num_blocks = kv_cache_manager.num_blocks
-    registry = AdapterRegistry(model_config, lora.max_lora_rank, runner.adapter_page_elems, num_blocks,
-                               config.tensor_parallel_size, runner.num_kv_groups)
-    return registry, AdapterPager(kv_cache_manager.block_pool, lora.max_loras)
+    return AdapterRegistry(model_config, lora.max_lora_rank, runner.adapter_page_elems, num_blocks,
+                           config.tensor_parallel_size, runner.num_kv_groups)
 
 
 def eos_token_ids_of(tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig, config: EngineConfig,

@@ -152,14 +152,14 @@ def cmd_explain(args: argparse.Namespace) -> None:
     if any(v is not None for v in explicit) and not all(v is not None for v in explicit):
         raise ValueError("give all of --layers, --kv-heads and --head-dim, or none (then the model's are used)")
     context = args.context
-    layer_windows: list[int | None] = []
+    layer_windows: list = []  # each layer's attention (``model.shapes.layer_attention_of``)
     if explicit[0] is None:
-        from pagedllm.model.shapes import head_dim_of, num_kv_heads_of, sliding_windows_of
+        from pagedllm.model.shapes import head_dim_of, layer_attention_of, num_kv_heads_of
         from pagedllm.model.loader import load_checkpoint
 
         config = load_checkpoint(args.model).config
         explicit = (config.num_hidden_layers, num_kv_heads_of(config), head_dim_of(config))
-        layer_windows = sliding_windows_of(config)
+        layer_windows = layer_attention_of(config)
         context = context or config.max_position_embeddings
         print(f"model: {args.model or 'SmolLM2-135M-Instruct (embedded)'}")
     shape = KVShape(*explicit, dtype=args.dtype, block_size=args.block_size)

@@ -62,5 +62,7 @@ def tier_fingerprint(model_path: str, dtype: str, kv_cache_dtype: str, block_siz
         "gguf_weights": gguf_weights,
     }
     if kv_groups is not None and kv_groups.is_hybrid:
-        description["kv_groups"] = [[group.kind, list(group.layers), group.window] for group in kv_groups.groups]
+        # A chunk size only where there is one, so the fingerprints of windowed layouts stay as they were.
+        description["kv_groups"] = [[group.kind, list(group.layers), group.window]
+                                    + ([group.chunk] if group.chunk is not None else []) for group in kv_groups.groups]
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()

@@ -24,7 +24,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
         raise ValueError(f"{str(folder)!r} has no config.json; {WHAT_TO_PASS}")
     # Read model_type ourselves: AutoConfig fails with its own, less helpful error on unknown types.
     check_architecture(json.loads(config_file.read_text()).get("model_type"))
-    shards = _safetensors_shards(folder)
+    shards = safetensors_shards(folder)
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         raise ValueError(f"{str(folder)!r} has no tokenizer files (one of {', '.join(_TOKENIZER_FILES)})")
 
@@ -45,7 +45,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
     return Checkpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, path=str(folder))
 
 
-def _safetensors_shards(folder: Path) -> list[Path]:
+def safetensors_shards(folder: Path) -> list[Path]:
     """The weight files: those listed by model.safetensors.index.json if present, else all *.safetensors."""
     index_file = folder / "model.safetensors.index.json"
     if index_file.is_file():

@@ -32,9 +32,11 @@ class Attention(nn.Module):
                  sliding_window: int | None = None) -> None:
         super().__init__()
         self.tp = tp
-        # This layer's window (None: full attention) and score cap (Gemma 2), as Hugging Face applies them.
+        # This layer's window (None: full attention), score cap (Gemma 2) and attention
+        # chunk (Llama 4's chunked local layers), as Hugging Face applies them.
         self.sliding_window = sliding_window
         self.logits_soft_cap: float | None = None
+        self.attention_chunk: int | None = None
         layout = shard_layout(config, tp)
         self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
         self.head_dim = head_dim_of(config)
@@ -70,21 +72,29 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.position(positions, q, k, metadata)
+        # A hybrid KV layout: this layer reads its own group's block tables.
+        out = backend.forward(q, k, v, kv_cache, metadata.for_cache(kv_cache), self.scale,
+                              sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
+                              attention_chunk=self.attention_chunk)
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
+
+    def position(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k as attention reads them: normalised (Qwen3, Gemma 3), then rotated."""
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:  # None: a SmolLM3 "NoPE" layer, which attends without positions
             q, k = self.rotary(positions, q, k, metadata)
-        # A hybrid KV layout: this layer reads its own group's block tables.
-        out = backend.forward(q, k, v, kv_cache, metadata.for_cache(kv_cache), self.scale,
-                              sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
+        return q, k
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding | None, tp: TensorParallelGroup,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, attention: Attention | None = None) -> None:
+        """``attention``: a family's own attention module (Llama 4's), else Llama's."""
         super().__init__()
-        self.self_attn = Attention(config, rotary, tp, sliding_window)
+        self.self_attn = attention or Attention(config, rotary, tp, sliding_window)
         self.mlp = GatedMLP(config.hidden_size, shard_layout(config, tp).intermediate_size,
                             bool(getattr(config, "mlp_bias", False)), tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -107,6 +117,13 @@ class DecoderLayer(nn.Module):
         hidden = _times(self.self_attn(positions, hidden, kv_cache, metadata, backend), self.residual_multiplier)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return _times(self.mlp(hidden), self.residual_multiplier), residual
+
+
+def check_silu(config: PretrainedConfig) -> None:
+    """ValueError unless the MLP's activation is SiLU (the fused gated MLP's)."""
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
 
 
 def _times(x: torch.Tensor, multiplier: float | None) -> torch.Tensor:
@@ -206,9 +223,7 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def build_decoder(config: PretrainedConfig, max_position: int, tp: TensorParallelGroup) -> nn.Module:
         """The embedding, layers and final norm (``self.model``)."""
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
+        check_silu(config)
         return DecoderModel(config, max_position, tp)
 
     def forward(

@@ -18,6 +18,7 @@ from pagedllm.model.base import CausalLM
 from pagedllm.model.cohere2 import Cohere2ForCausalLM
 from pagedllm.model.gemma import GemmaForCausalLM
 from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.llama4 import Llama4ForCausalLM
 from pagedllm.model.packed_linear import pack_linears
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(LlamaForCausalLM.model_types, LlamaForCausalLM),
     **dict.fromkeys(GemmaForCausalLM.model_types, GemmaForCausalLM),
     **dict.fromkeys(Cohere2ForCausalLM.model_types, Cohere2ForCausalLM),
+    **dict.fromkeys(Llama4ForCausalLM.model_types, Llama4ForCausalLM),
 }
 SUPPORTED_ARCHITECTURES = tuple(_CLASSES)
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedllm.core.kv_managers.chunked_local import ChunkedLocal
+from pagedllm.core.kv_managers.kinds import LayerAttention
+
 
 def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -55,3 +58,22 @@ def sliding_windows_of(config: Any) -> list[int | None]:
     if layer_types is None or model_type in _EVERY_LAYER_TYPES:
         return [window] * num_layers
     return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
+def attention_chunks_of(config: Any) -> list[int | None]:
+    """Each layer's attention chunk (None: none): Llama 4's ``attention_chunk_size`` on the
+    layers ``config.layer_types`` marks ``chunked_attention`` (a query at p reads keys from
+    p // chunk * chunk), as Hugging Face's chunked causal mask applies it."""
+    chunk = getattr(config, "attention_chunk_size", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    if chunk is None or "chunked_attention" not in layer_types:
+        return [None] * config.num_hidden_layers
+    return [chunk if kind == "chunked_attention" else None for kind in layer_types]
+
+
+def layer_attention_of(config: Any) -> list[LayerAttention]:
+    """Each layer's attention as the KV cache groups take it (``core.kv_groups``): its
+    sliding window (``sliding_windows_of``), a ``ChunkedLocal`` chunk, or None (full)."""
+    chunks = attention_chunks_of(config)
+    return [ChunkedLocal(chunk) if chunk is not None else window
+            for chunk, window in zip(chunks, sliding_windows_of(config))]

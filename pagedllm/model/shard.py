@@ -18,7 +18,7 @@ from pagedllm.model.base import CausalLM
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.model.registry import build_model
 from pagedllm.model.rotary import context_window_of
-from pagedllm.model.shapes import sliding_windows_of
+from pagedllm.model.shapes import layer_attention_of
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def load_model_shard(config: EngineConfig, device: torch.device, tp: TensorParal
     dtype = torch_dtype(config.dtype)
     checkpoint = load_checkpoint(config.model, dtype=dtype, gguf_weights=config.gguf_weights)
     scheduler_config = config.scheduler_config(context_window_of(checkpoint.config),
-                                               sliding_windows_of(checkpoint.config))
+                                               layer_attention_of(checkpoint.config))
     check_tensor_parallel_size(checkpoint.config, tp.world_size)
     model = build_model(checkpoint, scheduler_config.max_model_len, device, dtype, tp)
     shard = ModelShard(model, checkpoint.config, checkpoint.tokenizer, checkpoint.path, scheduler_config)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.core.adapter_spec import AdapterLoad
+from pagedllm.core.block_moves import AdapterLoad
 from pagedllm.lora.adapter_files import read_adapter
 from pagedllm.lora.layers import LoRAContext, LoRAStep, PartRows, install_lora, part_rows, uses_kernel
 from pagedllm.lora.page_layout import AdapterLayout, adapter_layout, projection_shapes
@@ -23,9 +23,9 @@ logger = init_logger(__name__)
 class RunnerAdapters:
     """Where each resident adapter's pages start and how they are laid out.
 
-    Safety rule: a sequence names an adapter only while the scheduler holds it
-    pinned, and the scheduler pins only after queueing its page-in (if it was not
-    resident), so the latest load of a name is the one its sequences read; stale
+    Safety rule: a sequence names an adapter only while the KV manager holds it
+    pinned for it, and the manager pins only after queueing its page-in (if it was
+    not resident), so the latest load of a name is the one its sequences read; stale
     entries of evicted adapters are never named again before they are reloaded.
     """
 

@@ -135,6 +135,7 @@ class ModelRunner:
         self.pooler = None if pooler is None else DecoderPooler(pooler, model.compute_logits, self.sequences)
         self.adapters = None if not spec.max_lora_rank else RunnerAdapters(
             model, model.config, self.layer_caches, spec.dtype, spec.max_lora_rank, device, self.adapter_page_elems)
+        self.mover.adapters = self.adapters
 
     @torch.inference_mode()
     def _capture_graphs(self, max_num_seqs: int, max_model_len: int, pad_block: int) -> DecodeGraphs | None:
@@ -192,7 +193,6 @@ class ModelRunner:
         if batch is not None:
             step.input_ids, step.positions, step.metadata = batch.input_ids, batch.positions, batch.metadata
         if self.adapters is not None:
-            step.adapter_loads = scheduler_output.adapter_loads
             step.adapter_runs = [] if batch is None else self._adapter_runs(batch)
         if self.broadcast_step is not None:
             self.broadcast_step(step)
@@ -220,13 +220,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> torch.Tensor | None:
-        """Move blocks (the phases before the forward), page adapters in, then run
-        the forward: the part every rank runs. Returns the final hidden states
+        """Carry out the plan's phases before the forward (block moves, then
+        adapter page-ins), then run the forward: the part every rank runs. Returns the final hidden states
         (None when the step has no tokens). The driver runs the phases after
         the forward (``execute``)."""
         self.mover.before_forward(step.block_moves)
         if self.adapters is not None:
-            self.adapters.load(step.adapter_loads)
             self.adapters.set_step(step.adapter_runs, 0 if step.input_ids is None else step.input_ids.shape[0])
         if step.input_ids is None:
             return None

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata
-from pagedllm.core.adapter_spec import AdapterLoad
 from pagedllm.core.block_moves import BlockMovePlan
 
 
@@ -24,7 +23,6 @@ class StepInputs:
     input_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     metadata: AttentionMetadata | None = None
-    # LoRA: adapters to read into their pages before the forward, and the forward's
-    # rows as runs (start row, end row, adapter name or None for the base).
-    adapter_loads: list[AdapterLoad] = field(default_factory=list)
+    # LoRA: the forward's rows as runs (start row, end row, adapter name or None for
+    # the base); page-ins are ``block_moves``' ``AdapterLoad`` records.
     adapter_runs: list[tuple[int, int, str | None]] = field(default_factory=list)

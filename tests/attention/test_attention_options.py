@@ -1,6 +1,6 @@
-"""Per-layer attention options: a sliding window and logit soft-capping must
-equal dense attention with Hugging Face's mask and cap, on every backend, for
-fresh prefills, later prefill chunks that read the pool, and decodes."""
+"""Per-layer attention options: a sliding window, an attention chunk (Llama 4) and logit
+soft-capping must equal dense attention with Hugging Face's mask and cap, on every backend,
+for fresh prefills, later prefill chunks that read the pool, and decodes."""
 
 import random
 
@@ -20,10 +20,12 @@ OPTIONS = [
     {"sliding_window": 40},
     {"logits_soft_cap": 2.0},
     {"sliding_window": 7, "logits_soft_cap": 1.5},
+    {"attention_chunk": 8},  # a chunk per two blocks of 4, and chunk starts mid-block at 16
+    {"attention_chunk": 20, "logits_soft_cap": 1.5},
 ]
 
 
-def dense_reference(q, k, v, sliding_window=None, logits_soft_cap=None):
+def dense_reference(q, k, v, sliding_window=None, logits_soft_cap=None, attention_chunk=None):
     """Hugging Face's eager attention of one whole sequence (q [L, H, D], k/v [L, Hkv, D]) in float64."""
     group = NUM_HEADS // NUM_KV_HEADS
     q, k, v = (t.double().transpose(0, 1) for t in (q, k, v))
@@ -35,6 +37,8 @@ def dense_reference(q, k, v, sliding_window=None, logits_soft_cap=None):
     visible = positions[None, :] <= positions[:, None]
     if sliding_window is not None:
         visible &= positions[None, :] > positions[:, None] - sliding_window
+    if attention_chunk is not None:  # Hugging Face's chunked_overlay: the same chunk only
+        visible &= positions[None, :] // attention_chunk == positions[:, None] // attention_chunk
     scores = scores.masked_fill(~visible, float("-inf"))
     return (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).float()
 
@@ -72,11 +76,14 @@ def test_options_match_dense_attention(backend, options, block_size):
         torch.testing.assert_close(out[i], expected[i][-1], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("window, block_size", [(5, 4), (12, 8), (16, 16)])
-def test_windowed_reads_never_touch_released_entries(backend, window, block_size):
-    """Table entries wholly before the window (released by the KV manager) point
-    at a block of NaNs (as is every slot never written): any read of one, even
+@pytest.mark.parametrize("option, window, block_size", [
+    ("sliding_window", 5, 4), ("sliding_window", 12, 8), ("sliding_window", 16, 16),
+    ("attention_chunk", 6, 4), ("attention_chunk", 16, 8)])
+def test_windowed_reads_never_touch_released_entries(backend, option, window, block_size):
+    """Table entries wholly before the window or chunk (released by the KV manager)
+    point at a block of NaNs (as is every slot never written): any read of one, even
     masked, would poison the output."""
+    options = {option: window}
     torch.manual_seed(window)
     lens = [61, 23, 3]
     tables, num_blocks = random_tables(lens, block_size, random.Random(window))
@@ -89,18 +96,19 @@ def test_windowed_reads_never_touch_released_entries(backend, window, block_size
         slots = torch.tensor(slots_of(table, range(n), block_size))
         cache.key.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = k
         cache.value.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = v
-    expected = [dense_reference(*seq, sliding_window=window) for seq in seqs]
+    expected = [dense_reference(*seq, **options) for seq in seqs]
 
     def released(table, first_query):
-        """The table with every entry before the window of ``first_query`` poisoned."""
-        first_block = max(0, first_query - window + 1) // block_size
+        """The table with every entry before the window or chunk of ``first_query`` poisoned."""
+        first_read = first_query // window * window if option == "attention_chunk" else first_query - window + 1
+        first_block = max(0, first_read) // block_size
         return [poison] * first_block + table[first_block:]
 
     # Decodes of each sequence's last token (written again where it already is).
     meta = decode_only_metadata([released(t, n - 1) for t, n in zip(tables, lens)], lens)
     meta.slot_mapping = torch.tensor([slots_of(t, [n - 1], block_size)[0] for t, n in zip(tables, lens)])
     q, k, v = (torch.stack([seq[j][-1] for seq in seqs]) for j in range(3))
-    out = backend.forward(q, k, v, cache, meta, SCALE, sliding_window=window)
+    out = backend.forward(q, k, v, cache, meta, SCALE, **options)
     for i in range(len(lens)):
         torch.testing.assert_close(out[i], expected[i][-1], atol=1e-5, rtol=1e-5)
     # A later prefill chunk of sequence 0 (positions 40-60) gathers from the pool.
@@ -109,5 +117,5 @@ def test_windowed_reads_never_touch_released_entries(backend, window, block_size
     meta = AttentionMetadata(torch.tensor(slots_of(tables[0], range(first, n), block_size)), 0,
                              torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [span])
     q, k, v = (t[first:] for t in seqs[0])
-    out = backend.forward(q, k, v, cache, meta, SCALE, sliding_window=window)
+    out = backend.forward(q, k, v, cache, meta, SCALE, **options)
     torch.testing.assert_close(out, expected[0][first:], atol=1e-5, rtol=1e-5)

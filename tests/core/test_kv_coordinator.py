@@ -299,17 +299,21 @@ class CoordinatorMachine(RuleBasedStateMachine):
     reading another's K/V, a stale block or a missed copy shows up."""
 
     NUM_BLOCKS = 24  # small: admissions evict cached blocks, other groups' hits among them
+    KINDS = LAYOUT.kinds  # each group's attention kind (test_kv_chunked.py runs chunked groups)
     sequences = Bundle("sequences")
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = manager(self.NUM_BLOCKS, num_swap_blocks=self.NUM_BLOCKS)
+        self.kv = self._manager(num_swap_blocks=self.NUM_BLOCKS)
         self.pool: list[list] = [[None] * BLOCK_SIZE for _ in range(self.NUM_BLOCKS)]
         self.host: list[list] = [[None] * BLOCK_SIZE for _ in range(self.NUM_BLOCKS)]
         self.requests: dict[str, Request] = {}
         self.swapped: set[str] = set()
         self.ids = itertools.count()
         self.prompts: list[list[int]] = []  # every prompt admitted, for prompts that repeat one
+
+    def _manager(self, **options) -> KVCacheManager:
+        return KVCacheManager(self.NUM_BLOCKS, BLOCK_SIZE, windows=self.KINDS, **options)
 
     def _write(self, seq: str, start: int, labels: list) -> None:
         tables = self.kv.get_block_ids(seq)
@@ -421,8 +425,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
             tokens = self.requests[seq].all_token_ids
             tables = self.kv.get_block_ids(seq)
             assert len({len(table) for table in tables}) == 1
-            for group, (table, window) in enumerate(zip(tables, LAYOUT.windows)):
-                first = 0 if window is None else max(0, num_tokens - window + 1)
+            for group, (table, kind) in enumerate(zip(tables, self.KINDS)):
+                first = kind.first_position_read(num_tokens)  # what the next query reads
                 read = [self.pool[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in range(first, num_tokens)]
                 assert read == [(group, token) for token in tokens[first:num_tokens]]
 
@@ -445,8 +449,8 @@ class TieredCoordinatorMachine(CoordinatorMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = manager(self.NUM_BLOCKS, num_swap_blocks=self.NUM_BLOCKS,
-                          tiers=TierIndex(host_capacity_blocks=24, block_size=BLOCK_SIZE))
+        self.kv = self._manager(num_swap_blocks=self.NUM_BLOCKS,
+                                tiers=TierIndex(host_capacity_blocks=24, block_size=BLOCK_SIZE))
         self.tier_store: dict[bytes, list] = {}
 
     @rule(target=CoordinatorMachine.sequences, index=st.integers(0, 40), extra=st.lists(st.integers(0, 2), min_size=1, max_size=5))

@@ -97,11 +97,17 @@ def test_admissions_bound_is_the_most_a_request_holds_in_the_real_manager(window
                                                                           num_tokens, data):
     """A request of ``num_tokens`` tokens run in steps of at most ``max_step`` tokens, in a
     full and a sliding group: the blocks it holds never pass ``most_blocks_held``."""
+    assert_admissions_bound_holds(kv_group_layout([None, window]), block_size, max_step, num_tokens, data)
+
+
+def assert_admissions_bound_holds(layout: KVGroupLayout, block_size: int, max_step: int, num_tokens: int,
+                                  data) -> None:
+    """Run one request in the real manager in random steps of at most ``max_step`` tokens
+    (drawn from hypothesis' ``data``) and check the blocks it holds against the layout's bound."""
     from pagedllm.core.kv_cache_manager import KVCacheManager
 
-    layout = kv_group_layout([None, window])
     bound = layout.most_blocks_held(num_tokens, block_size, max_step)
-    manager = KVCacheManager(4 * bound + 8, block_size, enable_prefix_caching=False, windows=layout.windows)
+    manager = KVCacheManager(4 * bound + 8, block_size, enable_prefix_caching=False, windows=layout.kinds)
     computed, most = 0, 0
     while computed < num_tokens:
         step = data.draw(st.integers(1, min(max_step, num_tokens - computed)))

@@ -29,6 +29,28 @@ def write_checkpoint(folder: Path, config: PretrainedConfig, tokenizer) -> str:
     return str(folder)
 
 
+def random_eager_model(config: PretrainedConfig, norm_mean: float) -> torch.nn.Module:
+    """A random fp32 model of ``config`` (seed 0) on Hugging Face's eager attention, its norm
+    weights drawn around ``norm_mean`` (the default ones, or Gemma's zeros, would hide a norm
+    that ignores its weight)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(norm_mean, 0.3)
+    return model.eval()
+
+
+def write_eager_model(folder: Path, config: PretrainedConfig, tokenizer) -> torch.nn.Module:
+    """``random_eager_model`` with norm weights around 1, saved with ``tokenizer`` to
+    ``folder``; returns it as the oracle."""
+    model = random_eager_model(config, 1.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
 def prompts(lengths: list[int], vocab_size: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(0)
     return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]

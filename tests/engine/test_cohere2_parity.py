@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, Cohere2Config
 from pagedllm import LLM, LoRARequest, SamplingParams
 from tests.conftest import assert_pool_free
 from tests.distributed.test_tensor_parallel import assert_no_workers_left
+from tests.engine.arch_parity import write_eager_model
 from tests.engine.test_gemma_parity import check_greedy
 from tests.engine.test_hf_parity import assert_bf16_close_to_hf, prompts_for
 from tests.engine.test_hybrid_kv_oracle import HYBRID, _llm, check_hybrid_oracle
@@ -35,16 +36,8 @@ def tiny_cohere2(tmp_path_factory, smollm_tokenizer) -> tuple[str, torch.nn.Modu
                            num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=len(LAYER_TYPES),
                            layer_types=LAYER_TYPES, sliding_window=WINDOW, max_position_embeddings=4096,
                            logit_scale=0.5, initializer_range=0.05, eos_token_id=smollm_tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):  # ones would hide a norm that ignores its weight
-                param.normal_(1.0, 0.3)
     folder = tmp_path_factory.mktemp("tiny-cohere2")
-    model.save_pretrained(folder)
-    smollm_tokenizer.save_pretrained(folder)
-    return str(folder), model.eval()
+    return str(folder), write_eager_model(folder, config, smollm_tokenizer)
 
 
 @HYBRID

@@ -91,7 +91,7 @@ def test_adapters_wait_for_pages_and_are_evicted_lru(tiny_llama, adapters, promp
     expected = [oracle["all8"][0], peft_greedy(tiny_llama, other["all8b"], prompts[1:2], MAX_TOKENS)[0],
                 oracle["all8"][2], peft_greedy(tiny_llama, other["all8b"], prompts[3:4], MAX_TOKENS)[0]]
     assert _tokens(llm, prompts[:4], [requests[n] for n in names]) == expected
-    assert llm.llm_engine.scheduler.adapters.num_page_ins == 4  # each switch evicted the other adapter
+    assert llm.llm_engine.kv_cache_manager.num_adapter_page_ins == 4  # each switch evicted the other adapter
     assert_pool_free(llm)
 
 

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFWriter
-from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GemmaConfig, PreTrainedModel
+from transformers import Gemma2Config, Gemma3TextConfig, GemmaConfig, PreTrainedModel
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.gemma import GemmaForCausalLM, GemmaRMSNorm
 from pagedllm.model.loader import load_checkpoint
 from tests.conftest import assert_pool_free
+from tests.engine.arch_parity import random_eager_model
 from tests.model.test_loader import TINY_TOKENS, _write_gguf
 
 GEMMA_ARCHS = ["gemma", "gemma2", "gemma3"]  # llama.cpp's names; Hugging Face calls the last gemma3_text
@@ -41,13 +42,7 @@ def tiny_gemma_config(arch: str, vocab_size: int, query_pre_attn_scalar: int = 2
 
 def tiny_gemma(config) -> PreTrainedModel:
     """The random model; its norm weights are random too (zeros would hide ``1 + w``)."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.normal_(0.0, 0.3)
-    return model.eval()
+    return random_eager_model(config, 0.0)
 
 
 def assert_hf_greedy(hf_model: PreTrainedModel, prompt: list[int], completion, eos_masked: int | None = None,

@@ -7,7 +7,8 @@ One case per supported family and per config field that decides it: Gemma 2/3 ``
 and Gemma 3's legacy ``sliding_window_pattern``, Mistral (every layer, ``layer_types`` ignored),
 Qwen2/3 ``use_sliding_window`` + ``max_window_layers``, SmolLM3's sliding NoPE layers, Phi-3
 (every layer when set), Cohere 2's ``layer_types`` (default: every 4th layer full), and Llama / Granite / Gemma 1, which ignore a ``sliding_window`` their
-config carries.
+config carries. Llama 4's chunked layers (``model.shapes.layer_attention_of``) are checked by the
+keys the last query sees in its chunk.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     GraniteConfig,
+    Llama4TextConfig,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
@@ -32,8 +34,9 @@ from transformers import (
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from pagedllm.core.kv_groups import kv_group_layout
+from pagedllm.core.kv_managers.chunked_local import ChunkedLocal
 from pagedllm.model.registry import SUPPORTED_ARCHITECTURES
-from pagedllm.model.shapes import sliding_windows_of
+from pagedllm.model.shapes import layer_attention_of, sliding_windows_of
 
 WINDOW = 4
 SEQUENCE = 11  # longer than the window
@@ -99,6 +102,9 @@ CASES = {
     "cohere2-layer-types": lambda: Cohere2Config(**_COMMON, sliding_window=WINDOW, layer_types=[
         "full_attention", "sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
         "sliding_attention"]),
+    # Llama 4's default: layers chunked where they rotate (no_rope_layers), every 4th full.
+    "llama4": lambda: Llama4TextConfig(**_COMMON, head_dim=16, intermediate_size_mlp=64, moe_layers=[],
+                                       attention_chunk_size=WINDOW),
 }
 
 
@@ -111,7 +117,18 @@ def _with_stray_window(config):
 @pytest.mark.parametrize("case", CASES)
 def test_layer_windows_are_hugging_faces(case):
     config = CASES[case]()
-    assert sliding_windows_of(config) == hf_layer_windows(config)
+    assert [_keys_seen(layer) for layer in layer_attention_of(config)] == hf_layer_windows(config)
+    if config.model_type != "llama4_text":
+        assert sliding_windows_of(config) == layer_attention_of(config)
+
+
+def _keys_seen(layer) -> int | None:
+    """The keys the last query of the sequence sees in a layer that attends as ``layer`` says
+    (None: every one); a chunked layer's, from its chunk's start."""
+    if isinstance(layer, ChunkedLocal):
+        last = SEQUENCE - 1
+        return last - layer.first_position_read(last) + 1
+    return layer
 
 
 def test_every_supported_family_is_checked():
