@@ -71,13 +71,15 @@ def convert_to_gguf(folder: str, script: str | None, server: str) -> str:
 
 def passages(tokenizer, count: int, min_tokens: int, max_tokens: int, seed: int) -> list[str]:
     """``count`` passages of whole words drawn from the tokenizer's vocabulary, each
-    ``min_tokens``-``max_tokens`` tokens long (uniform; special tokens not counted):
+    ``min_tokens``-``max_tokens`` tokens long as the model sees it (uniform; the special
+    tokens counted, so the longest fits a model of ``max_tokens``, all-MiniLM-L6-v2's 256):
     mixed lengths are what packing without padding is about."""
     rng = random.Random(seed)
     words = sorted(w for w in tokenizer.get_vocab() if w.isascii() and w.isalpha() and len(w) >= 3)
+    specials = len(tokenizer("")["input_ids"])  # [CLS] and [SEP]
     texts = []
     for _ in range(count):
-        target = rng.randint(min_tokens, max_tokens)
+        target = max(1, rng.randint(min_tokens, max_tokens) - specials)
         text = " ".join(rng.choice(words) for _ in range(target))
         ids = tokenizer(text, add_special_tokens=False)["input_ids"][:target]
         texts.append(tokenizer.decode(ids))
