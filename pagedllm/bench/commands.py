@@ -10,6 +10,7 @@ them (nor what they load: kernels, gguf, matplotlib, prometheus).
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from pagedllm import LLM
 from pagedllm.bench.record import cpu_description, report
@@ -289,6 +290,9 @@ def cmd_bench_embed(args: argparse.Namespace) -> None:
     results.append(embed.run_pagedllm(lambda batch: [o.outputs.embedding for o in llm.embed(batch)], texts,
                                       "pagedllm LLM.embed"))
     llm.shutdown()
+    offline = results[-1]
+    served = embed.run_served(folder, texts, args.clients, engine_flags_from_args(args))
+    results.append(replace(served, detail=f"{served.detail}; {offline.seconds / served.seconds:.2f}x of LLM.embed"))
     server = find_llama_server(args.llama_server)
     if server is not None:
         gguf = args.llama_gguf or embed.convert_to_gguf(folder, args.llama_convert_script, server)

@@ -1,6 +1,7 @@
 """`pagedllm bench embed`: passages through an embedding model, pagedllm against
 sentence-transformers' ``encode`` (its best batch size) and llama.cpp's embedding
-server on the same weights (a GGUF F32 conversion), all in one run.
+server on the same weights (a GGUF F32 conversion), and ``pagedllm serve --runner
+pooling``'s /v1/embeddings under concurrent clients, all in one run.
 
 Every system embeds the same texts; the table gives passages per second, the
 ratio to sentence-transformers, and the smallest cosine between each system's
@@ -77,7 +78,7 @@ def passages(tokenizer, count: int, min_tokens: int, max_tokens: int, seed: int)
     specials = tokenizer.num_special_tokens_to_add()
     texts = []
     for _ in range(count):
-        target = rng.randint(min_tokens, max_tokens) - specials
+        target = max(1, rng.randint(min_tokens, max_tokens) - specials)
         text = " ".join(rng.choice(words) for _ in range(target))
         ids = tokenizer(text, add_special_tokens=False)["input_ids"][:target]
         texts.append(tokenizer.decode(ids))
@@ -119,23 +120,42 @@ def run_llama_server(binary: str, gguf: str, texts: list[str], threads: int, cli
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_for_line(log, server, "listening on http", 300.0)
-            batches = [texts[i:i + texts_per_request] for i in range(0, len(texts), texts_per_request)]
-            post = _embeddings_poster(f"http://127.0.0.1:{port}/v1/embeddings")
-            post(batches[0][:4])  # warm-up
-            started = time.perf_counter()
-            with ThreadPoolExecutor(clients) as pool:
-                results = list(pool.map(post, batches))
-            elapsed = time.perf_counter() - started
+            elapsed, vectors = post_concurrently(f"http://127.0.0.1:{port}", "bench", texts, clients,
+                                                 texts_per_request)
         finally:
             server.terminate()
             server.wait(30)
-    vectors = [vector for batch in results for vector in batch]
     return EmbedResult("llama.cpp llama-server", elapsed, vectors, f"{clients} clients x {texts_per_request} texts")
 
 
-def _embeddings_poster(url: str) -> Callable[[list[str]], list[list[float]]]:
+def run_served(folder: str, texts: list[str], clients: int, server_args: list[str],
+               texts_per_request: int = 32) -> EmbedResult:
+    """``pagedllm serve FOLDER --runner pooling``, sent the texts to /v1/embeddings in requests of
+    ``texts_per_request`` by ``clients`` concurrent clients (an encoder's server batches them together)."""
+    from pagedllm.bench.server_process import running_server
+
+    with running_server([folder, "--runner", "pooling", *server_args]) as (base, _pid):
+        elapsed, vectors = post_concurrently(base, folder, texts, clients, texts_per_request)
+    return EmbedResult("pagedllm serve /v1/embeddings", elapsed, vectors,
+                       f"{clients} clients x {texts_per_request} texts")
+
+
+def post_concurrently(base: str, model: str, texts: list[str], clients: int,
+                      texts_per_request: int) -> tuple[float, list]:
+    """(seconds, vectors in text order) of the texts sent to ``base``'s /v1/embeddings (for ``model``) in requests of
+    ``texts_per_request`` by ``clients`` concurrent clients, after a small warm-up request."""
+    batches = [texts[i:i + texts_per_request] for i in range(0, len(texts), texts_per_request)]
+    post = _embeddings_poster(f"{base}/v1/embeddings", model)
+    post(batches[0][:4])  # warm-up
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(post, batches))
+    return time.perf_counter() - started, [vector for batch in results for vector in batch]
+
+
+def _embeddings_poster(url: str, model: str) -> Callable[[list[str]], list[list[float]]]:
     def post(batch: list[str]) -> list[list[float]]:
-        body = json.dumps({"input": batch, "model": "bench"}).encode()
+        body = json.dumps({"input": batch, "model": model, "encoding_format": "float"}).encode()
         request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=600) as response:
             data = json.loads(response.read())["data"]

@@ -30,6 +30,7 @@ from pagedllm.engine.lora_admin import add_lora, remove_lora
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -158,13 +159,13 @@ class AsyncLLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | BeamSearchParams,
+        params: SamplingParams | BeamSearchParams | PoolingParams,
         *,
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Queue a request now, sampled or a beam search (``LLMEngine.add_request``:
+        """Queue a request now, sampled, a beam search or a pooling request (``LLMEngine.add_request``:
         raises ``ValueError`` at once for a bad one) and return the stream of its outputs."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine loop died ({self.dead_error!r}); restart the server")

@@ -128,10 +128,12 @@ class AsyncEngineClient(Protocol):
 
     def next_request_id(self, prefix: str) -> str: ...
 
-    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams | BeamSearchParams, *,
+    async def add_request(self, request_id: str, prompt: Any,
+                          params: SamplingParams | BeamSearchParams | PoolingParams, *,
                           priority: int = 0, cache_salt: str | None = None,
                           lora_request: LoRARequest | None = None) -> RequestStream:
-        """Queue a request (``ValueError`` as ``EngineClient.add_request``); the stream of its outputs."""
+        """Queue a request (``ValueError`` as ``EngineClient.add_request``); the stream of its outputs
+        (a pooling request's: one finished ``PoolingRequestOutput``)."""
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed before the next step. Idempotent."""
@@ -198,8 +200,11 @@ class CoreConnection:
     name: str = "api"  # the prefix of the client's identity (and of its request ids)
 
 
-def make_async_engine_client(engine: LLMEngine | CoreConnection) -> AsyncEngineClient:
-    """The async client of an engine built in this process, or of a core process."""
+def make_async_engine_client(engine: LLMEngine | CoreConnection | AsyncEngineClient) -> AsyncEngineClient:
+    """The async client of an engine built in this process, or of a core process (a client
+    already, an encoder server's engine-less one: itself)."""
+    if isinstance(engine, AsyncEngineClient):
+        return engine
     if isinstance(engine, CoreConnection):
         from pagedllm.engine.core_client import AsyncEngineCoreClient
 

@@ -179,7 +179,8 @@ class AsyncEngineCoreClient:
         self._ids += 1
         return f"{prefix}-{self.identity.decode()}-{self._ids}"
 
-    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams | BeamSearchParams, *,
+    async def add_request(self, request_id: str, prompt: Any,
+                          params: SamplingParams | BeamSearchParams | PoolingParams, *,
                           priority: int = 0, cache_salt: str | None = None,
                           lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request in the core (raises ``ValueError`` as ``LLMEngine.add_request``

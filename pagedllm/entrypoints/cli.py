@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from pagedllm.config.engine import CacheConfig, DType, EngineConfig
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_options_from_args, make_llm
@@ -85,24 +85,41 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_keys:
         logger.warning("serving on %s without --api-key: anyone who can reach this port can use the model",
                        args.host)
-    EngineConfig.from_options(**engine_options_from_args(args))  # bad flags stop serve before it listens
+    options = engine_options_from_args(args)
+    EngineConfig.from_options(**options)  # bad flags stop serve before it listens
     load_chat_template(args.chat_template)  # and so does a bad template, before a core process starts
     served_adapters(args)  # and malformed --lora-modules (each adapter is checked once the engine is up)
     names = served_model_names(args)
-    if args.data_parallel_size != 1:
+    load_engine = _encoder_loader(args, options)
+    if load_engine is None and args.data_parallel_size != 1:
         sys.exit(_serve_data_parallel(args))
-    if args.engine_process:
+    if load_engine is None and args.engine_process:
         from pagedllm.entrypoints.serve_processes import serve_with_engine_process
 
         sys.exit(serve_with_engine_process(args, names))
     stop_server = ServerStopper()
-    state = server_state(args, names, lambda: _load_served_engine(args, names[0]), stop_server)
+    state = server_state(args, names, load_engine or (lambda: _load_served_engine(args, names[0])), stop_server)
     run_uvicorn(build_app(state, args.allowed_origins), uvicorn_options(args), stop_server,
                 server_drain(args, state))
     if state.async_engine is not None:  # finish the disk tier's queued writes, close the event sockets
         state.async_engine.shutdown()
     if state.load_error is not None:
         sys.exit(1)
+
+
+def _encoder_loader(args: argparse.Namespace, options: dict) -> Callable[[], Any] | None:
+    """What loads an encoder checkpoint's engine-less client (``pooling/encoder_server.py``), served
+    in this process; None: the model runs on an engine."""
+    from pagedllm.entrypoints.pooling_api import encoder_runner_for, is_encoder_model
+
+    if not is_encoder_model(args.model, options):
+        return None
+    if args.data_parallel_size != 1 or args.api_server_count != 1:
+        raise ValueError("an encoder-only model is served by one API server without an engine: drop "
+                         "--data-parallel-size and --api-server-count")
+    from pagedllm.entrypoints.openai.pooling.encoder_server import EncoderEngineClient
+
+    return lambda: EncoderEngineClient(encoder_runner_for(args.model, options))
 
 
 def _serve_data_parallel(args: argparse.Namespace) -> int:

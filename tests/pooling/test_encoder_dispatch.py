@@ -52,17 +52,23 @@ class _Pair:
         return {"input_ids": first + second, "token_type_ids": [0] * len(first) + [1] * len(second)}
 
 
-@pytest.fixture
-def encoder_llm(monkeypatch, tmp_path):
-    runner = _Runner(_Pair())
+def install_stand_in(monkeypatch, runner, encoder_folder: Path) -> None:
+    """``pagedllm.pooling.encoder_runner`` as the stand-in: ``encoder_folder`` is its one encoder
+    checkpoint, loaded as ``runner``."""
     module = types.ModuleType("pagedllm.pooling.encoder_runner")
     module.PoolingInput = _Input
-    module.is_encoder_checkpoint = lambda folder: Path(folder) == tmp_path
+    module.is_encoder_checkpoint = lambda folder: Path(folder) == encoder_folder
     module.EncoderPoolingRunner = types.SimpleNamespace(from_folder=lambda folder, dtype, budget: runner)
     package = types.ModuleType("pagedllm.pooling")
     package.__spec__ = importlib.machinery.ModuleSpec("pagedllm.pooling", None, is_package=True)
     monkeypatch.setitem(sys.modules, "pagedllm.pooling", package)
     monkeypatch.setitem(sys.modules, "pagedllm.pooling.encoder_runner", module)
+
+
+@pytest.fixture
+def encoder_llm(monkeypatch, tmp_path):
+    runner = _Runner(_Pair())
+    install_stand_in(monkeypatch, runner, tmp_path)
     return LLM(str(tmp_path), runner="pooling"), runner
 
 

@@ -3,6 +3,7 @@ engine-core process's, or an AsyncLLMEngine in this process).
 
 Each API registers its own routes from its folder: ``chat/`` (POST /v1/chat/completions),
 ``completions/``, ``responses/`` (OpenAI's Responses API), ``messages/`` (Anthropic's), and
+``pooling/`` (a ``--runner pooling`` server's /v1/embeddings, /score, /rerank, /classify, /pooling),
 ``admin/`` (the server's own routes: /health, /version, /server_info, /metrics, /v1/models,
 the block pool; /tokenize and /detokenize; the LoRA admin routes). Every path is in
 ``common/routes.py``. Here: the lifespan that loads the engine, the refusal while it loads,
@@ -17,7 +18,7 @@ import asyncio
 import contextlib
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -36,6 +37,7 @@ from pagedllm.entrypoints.openai.admin.lora import add_lora_routes
 from pagedllm.entrypoints.openai.admin.server import add_server_routes
 from pagedllm.entrypoints.openai.admin.tokens import add_token_routes
 from pagedllm.entrypoints.openai.messages.serving import add_messages_routes
+from pagedllm.entrypoints.openai.pooling.serving import add_pooling_routes, runner_guard
 from pagedllm.entrypoints.openai.responses.serving import add_responses_routes
 from pagedllm.entrypoints.openai.common.state import (ServerState, TenantDependency, presented_key,
                                                tenant_of_key)
@@ -74,7 +76,11 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
 
     if state.async_engine is not None:
         state.reasoning  # noqa: B018 - a --reasoning-parser that does not fit the model fails here
-    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
+    tenant_of = _tenant_dependency(state)
+    # A generation route on a pooling server, or a pooling route on a generation server: a 400 saying
+    # which --runner to start it with (before the body is read).
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan,
+                  dependencies=[Depends(runner_guard(state, tenant_of))])
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
@@ -87,13 +93,13 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return JSONResponse(error_body(str(exc), "server_error", code="engine_dead"), status_code=503)
 
-    tenant_of = _tenant_dependency(state)
     add_server_routes(app, state, tenant_of)
     add_token_routes(app, state, tenant_of)
     add_completion_route(app, state, tenant_of)
     add_chat_route(app, state, tenant_of)
     add_messages_routes(app, state, tenant_of)
     add_responses_routes(app, state, tenant_of)
+    add_pooling_routes(app, state, tenant_of)
     if state.adapters is not None:
         add_lora_routes(app, state, tenant_of)
     return app

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from pagedllm.entrypoints.chat_utils import rendering_arguments
+from pagedllm.entrypoints.openai.common import routes
 from pagedllm.entrypoints.openai.common.limits import bound_schema, document_request_tokens
 from pagedllm.entrypoints.openai.completions.serving import fim_token_names
 from pagedllm.entrypoints.openai.common.state import ServerState
@@ -27,7 +28,8 @@ from pagedllm.entrypoints.openai.common.state import ServerState
 _UNUSED_COMPONENTS = ("HTTPValidationError", "ValidationError")
 # The request schemas whose route answers a "model" it does not serve with a 404 (``check_model``).
 MODEL_CHECKED_SCHEMAS = ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
-                         "ResponsesRequest", "MessagesRequest", "MessagesCountTokensRequest")
+                         "ResponsesRequest", "MessagesRequest", "MessagesCountTokensRequest", "EmbeddingRequest",
+                         "ScoreRequest", "RerankRequest", "ClassifyRequest", "PoolingRequest")
 # The request schemas rendered by the chat template (``chat_prompt``), with the condition under
 # which they are (None: always).
 CHAT_TEMPLATE_SCHEMAS: dict[str, dict[str, Any] | None] = {
@@ -59,10 +61,20 @@ def install_openapi(app: FastAPI, state: ServerState) -> None:
         bound_schema(state.async_engine.info, schema)
         document_request_tokens(schema, state.request_token_cap)
         _document_server_rules(schema, state)
+        _served_paths(schema, state)
         app.openapi_schema = schema
         return schema
 
     app.openapi = openapi
+
+
+def _served_paths(schema: dict[str, Any], state: ServerState) -> None:
+    """Drop the paths of the other ``--runner`` (a pooling server's generations, a generation server's
+    pooling routes): the server answers them only with the 400 that says how to start it."""
+    runner = "generate" if state.engine_info.pooler_spec is None else "pooling"
+    for path, needs in routes.RUNNER_OF_PATH.items():
+        if needs != runner:
+            schema.get("paths", {}).pop(path, None)
 
 
 # Chat's and Anthropic's AssistantMessage share a class name, so FastAPI names each component by

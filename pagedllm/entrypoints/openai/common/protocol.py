@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import ConfigDict, Field, WithJsonSchema
 
 from pagedllm.entrypoints.openai.common.errors import RequestFieldError
 # Re-exported: the other front doors' request models share them.
@@ -31,7 +31,7 @@ from pagedllm.entrypoints.openai.chat.protocol import (  # noqa: F401
     NamedToolChoice, PlainMessage, TextPart, ToolCall, ToolMessage,
 )
 from pagedllm.entrypoints.openai.common.request_fields import (  # noqa: F401
-    UNIMPLEMENTED_FIELD_HINTS, UNIMPLEMENTED_FIELDS, IgnoredFieldLog, StrictModel, one_of_cases,
+    UNIMPLEMENTED_FIELD_HINTS, UNIMPLEMENTED_FIELDS, FieldCheckedModel, IgnoredFieldLog, StrictModel, one_of_cases,
     refuse_unimplemented_fields, schema_rules, set_field,
 )
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -149,16 +149,8 @@ _ONE_CONSTRAINT = Field(default=None, description=(
     "with ignore_eos or min_tokens > 0 (else a 400 names the field)"))
 
 
-class _SamplingFields(StrictModel):
-    model_config = ConfigDict(extra="ignore", json_schema_extra=schema_rules())
-    # A request model overrides this to give a field another harmless value.
-    unimplemented_fields: ClassVar[dict[str, tuple[Any, ...]]] = UNIMPLEMENTED_FIELDS
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unimplemented_fields(cls, data: Any) -> Any:
-        return refuse_unimplemented_fields(cls, cls.unimplemented_fields, data)
-
+class _SamplingFields(FieldCheckedModel):
+    # (A request model overrides unimplemented_fields to give a field another harmless value.)
     model: str | None = None
     n: int = Field(default=1, ge=1)
     best_of: int | None = Field(default=None, ge=1)

@@ -10,7 +10,7 @@ import threading
 import types
 from collections.abc import Callable, Mapping
 from functools import cache
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -208,3 +208,16 @@ class StrictModel(BaseModel):
         for key, annotation in fields:
             data[key] = _whole_numbers_as_int(annotation, data[key])
         return data
+
+
+class FieldCheckedModel(StrictModel):
+    """A request body that refuses the fields of ``unimplemented_fields`` (a subclass gives its own
+    table, or other harmless values) and logs unknown ones (``refuse_unimplemented_fields``)."""
+
+    model_config = ConfigDict(extra="ignore", json_schema_extra=schema_rules())
+    unimplemented_fields: ClassVar[dict[str, tuple[Any, ...]]] = UNIMPLEMENTED_FIELDS
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented_fields(cls, data: Any) -> Any:
+        return refuse_unimplemented_fields(cls, cls.unimplemented_fields, data)

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Route:
-    """One path: the API folder of ``entrypoints/openai`` that serves it, and whether
-    it is a generation whose prompt the router reads to pick a replica."""
+    """One path: the API folder of ``entrypoints/openai`` that serves it, whether
+    it is a generation whose prompt the router reads to pick a replica, and the
+    ``--runner`` it needs (None: any server answers it)."""
 
     path: str
     api: str
     routed: bool = False
+    runner: str | None = None
 
 
 CHAT = "/v1/chat/completions"
@@ -36,13 +38,21 @@ TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
 LOAD_LORA_ADAPTER = "/v1/load_lora_adapter"
 UNLOAD_LORA_ADAPTER = "/v1/unload_lora_adapter"
+EMBEDDINGS = "/v1/embeddings"
+SCORE = "/score"
+V1_SCORE = "/v1/score"
+RERANK = "/rerank"
+V1_RERANK = "/v1/rerank"
+V2_RERANK = "/v2/rerank"
+CLASSIFY = "/classify"
+POOLING = "/pooling"
 
 ROUTES = (
-    Route(CHAT, "chat", routed=True),
-    Route(COMPLETIONS, "completions", routed=True),
-    Route(RESPONSES, "responses", routed=True),
+    Route(CHAT, "chat", routed=True, runner="generate"),
+    Route(COMPLETIONS, "completions", routed=True, runner="generate"),
+    Route(RESPONSES, "responses", routed=True, runner="generate"),
     Route(STORED_RESPONSE, "responses"),
-    Route(MESSAGES, "messages", routed=True),
+    Route(MESSAGES, "messages", routed=True, runner="generate"),
     Route(COUNT_TOKENS, "messages"),
     Route(HEALTH, "admin"),
     Route(VERSION, "admin"),
@@ -56,10 +66,18 @@ ROUTES = (
     Route(DETOKENIZE, "admin"),
     Route(LOAD_LORA_ADAPTER, "admin"),
     Route(UNLOAD_LORA_ADAPTER, "admin"),
+    # Not routed by prefix: the router's prompt reader knows the generation bodies, and the prefix a
+    # pooling request shares (a rerank's query) is shared within the request, on whichever replica runs it.
+    *(Route(path, "pooling", runner="pooling")
+      for path in (EMBEDDINGS, SCORE, V1_SCORE, RERANK, V1_RERANK, V2_RERANK, CLASSIFY, POOLING)),
 )
 
 # The generations: their bodies carry the prompt the router hashes.
 ROUTED_PATHS = frozenset(route.path for route in ROUTES if route.routed)
+
+
+# The --runner each path needs (the others: any).
+RUNNER_OF_PATH = {route.path: route.runner for route in ROUTES if route.runner is not None}
 
 
 def is_under(path: str, root: str) -> bool:

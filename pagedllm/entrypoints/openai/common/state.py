@@ -62,6 +62,8 @@ class ServerState:
     reasoning_parser: str | None = None
     # The Responses API's stored responses (--responses-store-max-entries / -max-bytes, per tenant).
     responses_store: ResponseStore = field(default_factory=ResponseStore)
+    # What runs the pooling routes (``pooling/service.py``), made on the first pooling request.
+    pooling_service: Any = None
 
     def __post_init__(self) -> None:
         if (self.async_engine is None) == (self.load_engine is None):
