@@ -194,7 +194,7 @@ def _without_ids(value):
     if isinstance(value, list):
         return [_without_ids(item) for item in value]
     if isinstance(value, dict):
-        return {key: _without_ids(item) for key, item in value.items() if key not in ("id", "created", "created_at")}
+        return {key: _without_ids(item) for key, item in value.items() if key not in ("id", "created", "created_at", "completed_at")}
     return value
 
 
