@@ -141,18 +141,14 @@ class PoolingMethods:
     def embed(self, prompts: Any, pooling_params: PoolingParams | None = None, *,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (``.outputs.embedding``, a list of floats), in prompt order."""
-        inputs = self.pooling_backend.inputs.prompts(as_prompt_list(prompts), pooling_params, "embed",
-                                                     truncate_prompt_tokens)
-        return [_output(EmbeddingRequestOutput, EmbeddingOutput(result.data.tolist()), item, result)
-                for item, result in zip(inputs, self.pooling_backend.run(inputs, use_tqdm))]
+        return self._pooled(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm,
+                            EmbeddingRequestOutput, lambda data: EmbeddingOutput(data.tolist()))
 
     def classify(self, prompts: Any, pooling_params: PoolingParams | None = None, *,
                  truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt (``.outputs.probs``: softmax over the labels, sigmoid for one)."""
-        inputs = self.pooling_backend.inputs.prompts(as_prompt_list(prompts), pooling_params, "classify",
-                                                     truncate_prompt_tokens)
-        return [_output(ClassificationRequestOutput, ClassificationOutput(result.data.tolist()), item, result)
-                for item, result in zip(inputs, self.pooling_backend.run(inputs, use_tqdm))]
+        return self._pooled(prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm,
+                            ClassificationRequestOutput, lambda data: ClassificationOutput(data.tolist()))
 
     def encode(self, prompts: Any, pooling_params: PoolingParams | None = None, *, pooling_task: str = "encode",
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
@@ -160,10 +156,8 @@ class PoolingMethods:
         (``encode``: every token's last hidden state, ``[T, H]``)."""
         if pooling_task not in POOLING_TASKS:
             raise ValueError(f"pooling_task must be one of {', '.join(POOLING_TASKS)}, got {pooling_task!r}")
-        inputs = self.pooling_backend.inputs.prompts(as_prompt_list(prompts), pooling_params, pooling_task,
-                                                     truncate_prompt_tokens)
-        return [_output(PoolingRequestOutput, PoolingOutput(result.data), item, result)
-                for item, result in zip(inputs, self.pooling_backend.run(inputs, use_tqdm))]
+        return self._pooled(prompts, pooling_params, pooling_task, truncate_prompt_tokens, use_tqdm,
+                            PoolingRequestOutput, PoolingOutput)
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], *,
               pooling_params: PoolingParams | None = None, truncate_prompt_tokens: int | None = None,
@@ -171,11 +165,18 @@ class PoolingMethods:
         """The relevance score of each text pair (``.outputs.score``): one-to-one
         (lists of equal length) or one-to-many (one text and a list), in pair order."""
         inputs = self.pooling_backend.inputs.pairs(data_1, data_2, pooling_params, truncate_prompt_tokens)
-        return [_output(ScoringRequestOutput, ScoringOutput(float(result.data[0])), item, result)
+        return self._outputs(inputs, use_tqdm, ScoringRequestOutput, lambda data: ScoringOutput(float(data[0])))
+
+    def _pooled(self, prompts: Any, pooling_params: PoolingParams | None, task: str,
+                truncate_prompt_tokens: int | None, use_tqdm: bool, cls: type[PoolingRequestOutput],
+                wrap: Callable[[torch.Tensor], Any]) -> list:
+        inputs = self.pooling_backend.inputs.prompts(as_prompt_list(prompts), pooling_params, task,
+                                                     truncate_prompt_tokens)
+        return self._outputs(inputs, use_tqdm, cls, wrap)
+
+    def _outputs(self, inputs: Sequence[PooledPrompt], use_tqdm: bool, cls: type[PoolingRequestOutput],
+                 wrap: Callable[[torch.Tensor], Any]) -> list:
+        """Run ``inputs`` and wrap each result's data (``wrap``) in a ``cls`` output, in input order."""
+        return [cls(result.request_id, wrap(result.data), item.token_ids, num_cached_tokens=result.num_cached_tokens,
+                    prompt=item.prompt)
                 for item, result in zip(inputs, self.pooling_backend.run(inputs, use_tqdm))]
-
-
-def _output(cls: type[PoolingRequestOutput], outputs: Any, item: PooledPrompt,
-            result: PooledResult) -> PoolingRequestOutput:
-    return cls(result.request_id, outputs, item.token_ids, num_cached_tokens=result.num_cached_tokens,
-               prompt=item.prompt)
