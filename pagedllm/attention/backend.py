@@ -83,7 +83,10 @@ class AttentionBackend(Protocol):
     p - W < j <= p (Mistral, Gemma's local layers); ``logits_soft_cap`` c: scores
     (after ``scale``) become c * tanh(score / c) before the softmax (Gemma 2);
     ``attention_chunk`` C: a query at position p sees only keys at positions
-    floor(p / C) * C <= j <= p, its own C-token chunk (Llama 4's chunked local layers).
+    floor(p / C) * C <= j <= p, its own C-token chunk (Llama 4's chunked local layers);
+    ``sinks`` [num_heads]: a learned logit per query head that joins the softmax's
+    denominator and weighs no value (gpt-oss's attention sinks): head h's weights are
+    exp(s_j) / (exp(sinks[h]) + sum_i exp(s_i)), so they sum to less than one.
     """
 
     def forward(
@@ -98,4 +101,5 @@ class AttentionBackend(Protocol):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         attention_chunk: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...

@@ -6,7 +6,10 @@ when Triton is installed and the block size is a power of two, for the same
 storage types, except an int8 pool with full-precision tails (``kv_cache``),
 which the Triton kernel does not read (the C++ kernel does). Both kernels mask
 by sliding window, not by chunk: a chunked local layer's decodes (Llama 4) take
-PyTorch's gather path whatever the kernel (``TorchPagedAttention._decode``). Anything else
+PyTorch's gather path whatever the kernel (``TorchPagedAttention._decode``). Neither
+has attention sinks: a layer with sinks (gpt-oss, every layer) decodes through the same
+gather path, and its prefill spans attend eagerly in PyTorch, never through the C++
+prefill kernel (``TorchPagedAttention`` checks the layer's options, not the selector). Anything else
 (fp8 pools, ``PAGEDLLM_CPU_KERNEL=0`` on CPU, no Triton): None, and the
 backend gathers through PyTorch, which runs on any device and storage type.
 

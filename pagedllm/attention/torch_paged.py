@@ -6,7 +6,8 @@ spans run one sequence at a time; a span with no earlier context attends to
 its own fresh K/V directly and never touches the pool on the read side.
 A windowed or chunked layer's reads start at the first block of its queries' window
 or chunk: the table entries before it may have been released (``core/kv_managers/``).
-The decode kernels mask by window only: a chunked layer's decodes gather here.
+The decode kernels mask by window only and have no attention sinks: a chunked layer's
+decodes, and a layer with sinks (gpt-oss), gather here.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ class TorchPagedAttention:
 
     Prefill spans use PyTorch's SDPA, or a ``prefill_kernel`` (the selector's
     :func:`~pagedllm.attention.selector.prefill_kernel_for`) for the spans of
-    plain causal layers (no window, no soft cap) that read no full-precision
-    tails. It takes ``(query, key, value, scale, query_offset)``, query
+    plain causal layers (no window, no soft cap, no sinks) that read no full-precision
+    tails. A layer with a soft cap or sinks attends eagerly, as Hugging Face does (SDPA has neither). It takes ``(query, key, value, scale, query_offset)``, query
     [queries, heads, dim] and key/value [keys, kv_heads, dim] whose rows may be
     strided as long as each row's dims are packed, in the dtype the selector
     chose it for, and returns [queries, heads, dim] where query i attends to
@@ -77,8 +78,9 @@ class TorchPagedAttention:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         attention_chunk: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        layer = _LayerOptions(scale, sliding_window, logits_soft_cap, attention_chunk)
+        layer = _LayerOptions(scale, sliding_window, logits_soft_cap, attention_chunk, sinks)
         # Every read sees what the pool holds: with a quantized pool a prompt's
         # own fresh K/V come back rounded exactly as stored, so a prefix-cache hit
         # (which reads them from the pool) gives the same result as a recompute.
@@ -126,7 +128,7 @@ class TorchPagedAttention:
 
     def _decode(self, query, kv_cache: LayerKVCache, metadata: AttentionMetadata, layer: _LayerOptions,
                 tail_slots: torch.Tensor | None = None) -> torch.Tensor:
-        if self.decode_kernel is not None and layer.attention_chunk is None:
+        if self.decode_kernel is not None and layer.attention_chunk is None and layer.sinks is None:
             # A quantized pool stores K/V rotated (see ``kv_cache``; its tails too):
             # the kernel reads them as stored, given the query in that basis.
             out = self.decode_kernel(kv_cache.in_storage_basis(query), kv_cache, metadata.decode_block_tables,
@@ -212,10 +214,11 @@ class _LayerOptions:
     sliding_window: int | None
     logits_soft_cap: float | None
     attention_chunk: int | None = None
+    sinks: torch.Tensor | None = None  # [heads]: gpt-oss's per-head logit in the denominator
 
     @property
     def is_plain(self) -> bool:
-        return self.reach is None and self.logits_soft_cap is None
+        return self.reach is None and self.logits_soft_cap is None and self.sinks is None
 
     @property
     def reach(self) -> int | None:
@@ -284,13 +287,22 @@ def _attend_with_tails(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_st
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
             layer: _LayerOptions) -> torch.Tensor:
     """Masked attention, q [b, heads, n, d] over k/v [b, kv_heads, m, d].
-    SDPA has no soft cap, so capped layers take Hugging Face's eager path:
-    scores in the input dtype, capped, softmax in fp32, cast back."""
-    if layer.logits_soft_cap is None:
+    SDPA has no soft cap and no sinks, so such layers take Hugging Face's eager path:
+    scores in the input dtype, capped, masked, each head's sink logit appended as one
+    more column, softmax in fp32, the sink's column dropped, cast back."""
+    if layer.logits_soft_cap is None and layer.sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = q @ k.transpose(-1, -2) * layer.scale
     cap = layer.logits_soft_cap
-    scores = torch.tanh(q @ k.transpose(-1, -2) * layer.scale / cap) * cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    if layer.sinks is not None:
+        sinks = layer.sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat((scores, sinks), dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if layer.sinks is not None:
+        probs = probs[..., :-1]
+    return probs.to(q.dtype) @ v

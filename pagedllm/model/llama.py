@@ -32,11 +32,13 @@ class Attention(nn.Module):
                  sliding_window: int | None = None) -> None:
         super().__init__()
         self.tp = tp
-        # This layer's window (None: full attention), score cap (Gemma 2) and attention
-        # chunk (Llama 4's chunked local layers), as Hugging Face applies them.
+        # This layer's window (None: full attention), score cap (Gemma 2), attention
+        # chunk (Llama 4's chunked local layers) and sinks (gpt-oss's per-head
+        # parameter), as Hugging Face applies them.
         self.sliding_window = sliding_window
         self.logits_soft_cap: float | None = None
         self.attention_chunk: int | None = None
+        self.sinks: torch.Tensor | None = None
         layout = shard_layout(config, tp)
         self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
         self.head_dim = head_dim_of(config)
@@ -77,7 +79,7 @@ class Attention(nn.Module):
         # A hybrid KV layout: this layer reads its own group's block tables.
         out = backend.forward(q, k, v, kv_cache, metadata.for_cache(kv_cache), self.scale,
                               sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
-                              attention_chunk=self.attention_chunk)
+                              attention_chunk=self.attention_chunk, sinks=self.sinks)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
 
     def position(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

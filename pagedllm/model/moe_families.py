@@ -1,4 +1,4 @@
-"""Mixture-of-experts decoders: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral and Granite-MoE.
+"""Mixture-of-experts decoders: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, Granite-MoE and gpt-oss.
 
 Each is the dense decoder of ``llama.py`` (attention, norms, rope, the add-then-norm layer,
 loading and the LM head) whose MLP is a ``moe.block.SparseMoeBlock`` on its sparse layers,
@@ -9,9 +9,12 @@ each as Hugging Face's modeling file computes it:
   ``moe_intermediate_size``);
 - OLMoE: q and k RMS-normalised over the whole projection (all heads at once) before the rope;
 - Mixtral: Mistral's attention;
-- Granite-MoE: Granite's multipliers (embedding, residual, attention, logits).
+- Granite-MoE: Granite's multipliers (embedding, residual, attention, logits);
+- gpt-oss: attention sinks, q/k/v/o biases, its router's bias and its experts' biases and
+  clamped SwiGLU (``gpt_oss``).
 The routing of each is in ``moe.routers``. Refused: tensor parallelism (the experts are not
-split yet), OLMoE's ``clip_qkv``, an activation other than SiLU.
+split yet), OLMoE's ``clip_qkv``, an activation other than SiLU (gpt-oss's experts have their
+own), gpt-oss's MXFP4 safetensors.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from transformers import PretrainedConfig
 
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
+from pagedllm.model.gpt_oss import SinkAttention, check_gpt_oss_config, gpt_oss_expert_layout
 from pagedllm.model.layers import Embedding, RMSNorm
 from pagedllm.model.llama import Attention, DecoderLayer, LlamaForCausalLM, check_silu
 from pagedllm.model.moe.block import SparseMoeBlock, is_sparse_layer
@@ -29,14 +33,15 @@ from pagedllm.model.moe.names import stack_expert_weights
 from pagedllm.model.rotary import RotaryEmbedding
 from pagedllm.model.shapes import head_dim_of, sliding_windows_of
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe", "gpt_oss")
 
 
 class OlmoeAttention(Attention):
     """Llama's attention with OLMoE's q/k norms over the whole projection (not per head)."""
 
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup) -> None:
-        super().__init__(config, rotary, tp)
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup,
+                 sliding_window: int | None = None) -> None:
+        super().__init__(config, rotary, tp, sliding_window)
         self.q_norm = RMSNorm(self.q_size, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.kv_size, config.rms_norm_eps)
 
@@ -48,15 +53,18 @@ class OlmoeAttention(Attention):
         return self.rotary(positions, q, k, metadata)
 
 
+# The families whose attention is not Llama's (in ``llama.Attention``'s signature).
+_ATTENTION: dict[str, type[Attention]] = {"olmoe": OlmoeAttention, "gpt_oss": SinkAttention}
+
+
 class MoeDecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, max_position: int, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
-        olmoe = config.model_type == "olmoe"
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, tp, window, attention=OlmoeAttention(config, rotary, tp) if olmoe else None)
-            for window in sliding_windows_of(config))
+        attention = _ATTENTION.get(config.model_type, Attention)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary, tp, attention=attention(config, rotary, tp, window))
+                                    for window in sliding_windows_of(config))
         for index, layer in enumerate(self.layers):
             if is_sparse_layer(config, index):
                 layer.mlp = SparseMoeBlock(config)
@@ -71,7 +79,10 @@ def check_moe_config(config: PretrainedConfig, tp: TensorParallelGroup) -> None:
     if getattr(config, "clip_qkv", None) is not None:
         raise ValueError(f"clip_qkv={config.clip_qkv} (OLMoE's q/k/v clamp) is not supported; "
                          "only checkpoints with clip_qkv=None run")
-    check_silu(config)
+    if config.model_type == "gpt_oss":
+        check_gpt_oss_config(config)
+    else:
+        check_silu(config)
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -90,5 +101,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         return MoeDecoderModel(config, max_position, tp)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        if self.config.model_type == "gpt_oss":
+            gpt_oss_expert_layout(state_dict)
         stack_expert_weights(state_dict)
         super().load_weights(state_dict)

@@ -1,6 +1,7 @@
-"""Per-layer attention options: a sliding window, an attention chunk (Llama 4) and logit
-soft-capping must equal dense attention with Hugging Face's mask and cap, on every backend,
-for fresh prefills, later prefill chunks that read the pool, and decodes."""
+"""Per-layer attention options: a sliding window, an attention chunk (Llama 4), logit
+soft-capping and attention sinks (gpt-oss) must equal dense attention with Hugging Face's
+mask, cap and sinks, on every backend, for fresh prefills, later prefill chunks that read the
+pool, and decodes."""
 
 import random
 
@@ -22,11 +23,19 @@ OPTIONS = [
     {"sliding_window": 7, "logits_soft_cap": 1.5},
     {"attention_chunk": 8},  # a chunk per two blocks of 4, and chunk starts mid-block at 16
     {"attention_chunk": 20, "logits_soft_cap": 1.5},
+    # gpt-oss: a sink logit per head (some above the scores, some far below), on full and sliding layers.
+    {"sinks": torch.linspace(-4.0, 3.0, NUM_HEADS)},
+    {"sliding_window": 6, "sinks": torch.linspace(2.0, -1.0, NUM_HEADS)},
 ]
 
 
-def dense_reference(q, k, v, sliding_window=None, logits_soft_cap=None, attention_chunk=None):
-    """Hugging Face's eager attention of one whole sequence (q [L, H, D], k/v [L, Hkv, D]) in float64."""
+def _option_id(options: dict) -> str:
+    return "-".join(k if isinstance(v, torch.Tensor) else f"{k}={v}" for k, v in options.items())
+
+
+def dense_reference(q, k, v, sliding_window=None, logits_soft_cap=None, attention_chunk=None, sinks=None):
+    """Hugging Face's eager attention of one whole sequence (q [L, H, D], k/v [L, Hkv, D]) in float64;
+    ``sinks``: gpt-oss's, a per-head logit appended to the scores, its probability dropped."""
     group = NUM_HEADS // NUM_KV_HEADS
     q, k, v = (t.double().transpose(0, 1) for t in (q, k, v))
     k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
@@ -40,10 +49,15 @@ def dense_reference(q, k, v, sliding_window=None, logits_soft_cap=None, attentio
     if attention_chunk is not None:  # Hugging Face's chunked_overlay: the same chunk only
         visible &= positions[None, :] // attention_chunk == positions[:, None] // attention_chunk
     scores = scores.masked_fill(~visible, float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).float()
+    if sinks is not None:
+        column = sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return (probs @ v).transpose(0, 1).float()
 
 
-@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("options", OPTIONS, ids=_option_id)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_options_match_dense_attention(backend, options, block_size):
     torch.manual_seed(block_size)

@@ -2,8 +2,9 @@
 sliding windows, with ``disable_hybrid_kv_cache_manager`` on and off.
 
 Gemma 2 (every other layer slides, window 8), Gemma 3 (5 local layers to 1 global, window 8),
-Mistral (every layer slides, window 12) and Qwen2 with ``max_window_layers`` (a full layer then
-a sliding one, window 12): prompts of 3 to 9 windows, generations of 24 tokens, chunked prefill
+Mistral (every layer slides, window 12), Qwen2 with ``max_window_layers`` (a full layer then
+a sliding one, window 12) and gpt-oss (sliding, full, sliding, window 8, attention sinks on
+every layer, a mixture of experts; ``tests/model/moe_configs.py``): prompts of 3 to 9 windows, generations of 24 tokens, chunked prefill
 and 4-token blocks, so windows cross block boundaries and blocks fall behind them. Greedy output
 equals Hugging Face's free-running ``generate`` token for token. A second request that shares a
 prefix longer than the window reuses it from the prefix cache (with the hybrid manager, the
@@ -22,6 +23,7 @@ from pagedllm import LLM
 from tests.conftest import assert_pool_free
 from tests.engine.test_gemma_parity import tiny_gemma_dir  # noqa: F401 (fixture)
 from tests.engine.test_sliding_window import greedy, hf_greedy, prompts, sliding_model  # noqa: F401 (fixture)
+from tests.model.moe_configs import moe_config, random_moe_model
 
 PROMPT_LENGTHS = [40, 70]
 NEW_TOKENS = 24
@@ -59,4 +61,20 @@ def test_tiny_gemma_matches_hf_past_the_window(tiny_gemma_dir, arch, disable_hyb
 @pytest.mark.parametrize("kind", ["mistral", "qwen2-hybrid"])
 def test_tiny_sliding_models_match_hf_past_the_window(sliding_model, kind, disable_hybrid):  # noqa: F811
     folder, hf_model = sliding_model(kind)
+    check_hybrid_oracle(_llm(folder, disable_hybrid), hf_model, hf_model.config.sliding_window)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss(tmp_path_factory, smollm_tokenizer):
+    """(checkpoint folder, Hugging Face model) of a tiny random gpt-oss, written once."""
+    folder = tmp_path_factory.mktemp("tiny-gpt-oss")
+    model = random_moe_model(moe_config("gpt_oss", len(smollm_tokenizer)))
+    model.save_pretrained(folder)
+    smollm_tokenizer.save_pretrained(folder)
+    return str(folder), model
+
+
+@HYBRID
+def test_tiny_gpt_oss_matches_hf_past_the_window(tiny_gpt_oss, disable_hybrid):
+    folder, hf_model = tiny_gpt_oss
     check_hybrid_oracle(_llm(folder, disable_hybrid), hf_model, hf_model.config.sliding_window)

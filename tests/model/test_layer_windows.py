@@ -7,7 +7,7 @@ One case per supported family and per config field that decides it: Gemma 2/3 ``
 and Gemma 3's legacy ``sliding_window_pattern``, Mistral (every layer, ``layer_types`` ignored),
 Qwen2/3 ``use_sliding_window`` + ``max_window_layers``, SmolLM3's sliding NoPE layers, Phi-3
 (every layer when set), Cohere 2's ``layer_types`` (default: every 4th layer full), and Llama / Granite / Gemma 1, which ignore a ``sliding_window`` their
-config carries; the mixtures of experts (Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE). Llama 4's chunked layers (``model.shapes.layer_attention_of``) are checked by the
+config carries; the mixtures of experts (Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE, gpt-oss). Llama 4's chunked layers (``model.shapes.layer_attention_of``) are checked by the
 keys the last query sees in its chunk.
 """
 
@@ -22,6 +22,7 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
+    GptOssConfig,
     GraniteConfig,
     GraniteMoeConfig,
     Llama4TextConfig,
@@ -120,6 +121,9 @@ CASES = {
     "qwen2-moe": lambda: Qwen2MoeConfig(**_MOE, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
     "olmoe": lambda: _with_stray_window(OlmoeConfig(**_MOE)),
     "granitemoe": lambda: _with_stray_window(GraniteMoeConfig(**_MOE)),
+    # gpt-oss: layer_types, by default sliding then full, alternating.
+    "gpt-oss": lambda: GptOssConfig(**{k: v for k, v in _MOE.items() if k != "num_experts"}, head_dim=16,
+                                    sliding_window=WINDOW),
 }
 
 

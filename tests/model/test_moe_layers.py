@@ -2,7 +2,8 @@
 
 For every family, the router picks the same experts with the same weights (fp32 and bf16),
 and the grouped forward (tokens sorted by expert, one matmul per expert) equals Hugging
-Face's eager experts within 1e-6 in fp32 (bf16: within one rounding). Checkpoint names
+Face's eager experts within 1e-6 in fp32 (bf16: within one rounding); gpt-oss's experts
+(biases, clamped SwiGLU) load from its transposed, interleaved layout. Checkpoint names
 (per-expert, Mixtral's w1/w3/w2, Granite's stacked input/output linears) load into the
 stacked layout; a tensor-parallel MoE and OLMoE's clip_qkv are refused.
 """
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.model.gpt_oss import gpt_oss_expert_layout
+from pagedllm.model.moe.block import experts_of
 from pagedllm.model.moe.experts import Experts
 from pagedllm.model.moe.names import stack_expert_weights
 from pagedllm.model.moe.routers import routing_of
@@ -39,15 +42,42 @@ def test_router_and_grouped_experts_equal_hugging_face(family: str, dtype: torch
     x = torch.randn(37, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
     with torch.no_grad():
         _, hf_weights, hf_indices = _hf_router(block)(x)
-        indices, weights = routing_of(config).route(torch.nn.functional.linear(x, _hf_router(block).weight))
+        router = _hf_router(block)
+        indices, weights = routing_of(config).route(torch.nn.functional.linear(x, router.weight,
+                                                                               getattr(router, "bias", None)))
         assert torch.equal(indices, hf_indices) and weights.dtype == hf_weights.dtype
         assert torch.equal(weights, hf_weights)
         assert len(indices.unique()) == 8, "the scaled router sends tokens to every expert"
-        experts = Experts(8, 64, 32)
-        experts.gate_up_proj.data, experts.down_proj.data = block.experts.gate_up_proj, block.experts.down_proj
-        ours, theirs = experts(x, indices, weights), block.experts(x, hf_indices, hf_weights)
+        ours, theirs = _ours(config, block.experts)(x, indices, weights), block.experts(x, hf_indices, hf_weights)
     tolerance = 1e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance)
+
+
+def _ours(config, hf_experts: torch.nn.Module) -> Experts:
+    """The family's expert stack holding Hugging Face's expert weights, converted as at load."""
+    prefix = "model.layers.0.mlp.experts."
+    tensors = {prefix + name: param.detach() for name, param in hf_experts.named_parameters()}
+    if config.model_type == "gpt_oss":
+        gpt_oss_expert_layout(tensors)
+    experts = experts_of(config)
+    experts.load_state_dict({name.removeprefix(prefix): t for name, t in tensors.items()}, assign=True)
+    return experts
+
+
+def test_gpt_oss_clamps_bite() -> None:
+    """Inputs large enough that gpt-oss's gate and up clamps (limit 0.5) cut most values:
+    the grouped forward still equals Hugging Face's experts."""
+    config = moe_config("gpt_oss", 128)
+    block = _hf_block(random_moe_model(config))
+    x = 20 * torch.randn(23, 64, generator=torch.Generator().manual_seed(2))
+    indices = torch.randint(0, 8, (23, 2), generator=torch.Generator().manual_seed(3))
+    indices[:, 1] = (indices[:, 0] + 1) % 8
+    weights = torch.rand(23, 2, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        gate_up = x @ block.experts.gate_up_proj[0] + block.experts.gate_up_proj_bias[0]
+        assert (gate_up.abs() > config.swiglu_limit).float().mean() > 0.5
+        torch.testing.assert_close(_ours(config, block.experts)(x, indices, weights),
+                                   block.experts(x, indices, weights), rtol=1e-5, atol=1e-5)
 
 
 def test_checkpoint_names_stack_into_experts() -> None:

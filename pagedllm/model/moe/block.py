@@ -7,7 +7,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedllm.model.layers import GatedMLP, Linear
-from pagedllm.model.moe.experts import Experts
+from pagedllm.model.moe.experts import Experts, clamped_swiglu
 from pagedllm.model.moe.routers import routing_of
 
 
@@ -30,6 +30,16 @@ def is_sparse_layer(config: PretrainedConfig, layer: int) -> bool:
     return num_experts_of(config) > 0 and (layer + 1) % (getattr(config, "decoder_sparse_step", None) or 1) == 0
 
 
+def experts_of(config: PretrainedConfig) -> Experts:
+    """A layer's expert stack: gpt-oss's have biases and its clamped SwiGLU (``swiglu_alpha``,
+    ``swiglu_limit``; its ``hidden_act`` is not read, as in Hugging Face), the others
+    ``hidden_act``-and-multiply without biases."""
+    sizes = (num_experts_of(config), config.hidden_size, expert_width_of(config))
+    if config.model_type == "gpt_oss":
+        return Experts(*sizes, act_and_mul=clamped_swiglu(config.swiglu_alpha, config.swiglu_limit), bias=True)
+    return Experts(*sizes, getattr(config, "hidden_act", "silu"))
+
+
 class SparseMoeBlock(nn.Module):
     """router -> top-k experts (grouped forward), plus the sigmoid-gated shared expert
     where the config has one (Qwen2-MoE's ``shared_expert_intermediate_size``)."""
@@ -37,10 +47,9 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.routing = routing_of(config)
-        num_experts = num_experts_of(config)
-        self.gate = Linear(config.hidden_size, num_experts, bias=False)
-        self.experts = Experts(num_experts, config.hidden_size, expert_width_of(config),
-                               getattr(config, "hidden_act", "silu"))
+        # gpt-oss's router is the one with a bias.
+        self.gate = Linear(config.hidden_size, num_experts_of(config), bias=config.model_type == "gpt_oss")
+        self.experts = experts_of(config)
         shared = getattr(config, "shared_expert_intermediate_size", None)
         self.shared_expert = GatedMLP(config.hidden_size, shared, False) if shared else None
         self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False) if shared else None

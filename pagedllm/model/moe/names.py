@@ -9,6 +9,8 @@ What ``save_pretrained`` writes (transformers 5.x saves the hub's original layou
 - Granite-MoE: already stacked, ``block_sparse_moe.input_linear.weight`` [E, 2I, H] (gate
   rows first), ``block_sparse_moe.output_linear.weight`` [E, H, I], router
   ``block_sparse_moe.router.layer.weight``.
+- gpt-oss: stacked ``mlp.experts.{gate_up,down}_proj`` and their ``_bias``, router
+  ``mlp.router.{weight,bias}`` (its transposed, interleaved layout: ``model.gpt_oss``).
 transformers' in-memory names (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``,
 ``router.weight``) are accepted too. Everything lands under ``mlp.``: ``mlp.gate.weight``,
 ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``, ``mlp.shared_expert.gate_up_proj.weight``.
@@ -27,6 +29,7 @@ _RENAMES = (
     (".mlp.output_linear.weight", ".mlp.experts.down_proj"),
     (".mlp.router.layer.weight", ".mlp.gate.weight"),
     (".mlp.router.weight", ".mlp.gate.weight"),
+    (".mlp.router.bias", ".mlp.gate.bias"),
     (".mlp.experts.gate_up_proj.weight", ".mlp.experts.gate_up_proj"),
     (".mlp.experts.down_proj.weight", ".mlp.experts.down_proj"),
 )

@@ -1,14 +1,15 @@
 """Each family's router, exactly as Hugging Face computes it (transformers 5.x).
 
-The router is one linear layer (``gate``: [num_experts, hidden], no bias) whose logits, in
-the model's dtype, pick ``top_k`` experts per token and weigh them:
+The router is one linear layer (``gate``: [num_experts, hidden]; a bias only in gpt-oss) whose
+logits, in the model's dtype, pick ``top_k`` experts per token and weigh them:
 - ``softmax_topk`` (Qwen2-MoE, Qwen3-MoE, OLMoE): softmax over all experts in fp32, the
   top k probabilities, divided by their sum when ``norm_topk_prob``; the weights are
   rounded to the model's dtype.
 - ``mixtral``: the same softmax and top k, always renormalised, and the weights stay fp32
   (the experts' bf16 outputs are multiplied in fp32, then rounded).
-- ``topk_softmax`` (Granite-MoE): the top k of the fp32 logits, then a softmax over those
-  k alone, rounded to the model's dtype.
+- ``topk_softmax`` (Granite-MoE, gpt-oss): the top k of the fp32 logits, then a softmax over
+  those k alone, rounded to the model's dtype (gpt-oss's softmax runs in the logits' dtype,
+  which for bf16 is the fp32 softmax rounded once: the same weights).
 Ties go as ``torch.topk`` breaks them, the op Hugging Face calls.
 """
 
@@ -51,6 +52,6 @@ def routing_of(config) -> Routing:
     top_k = config.num_experts_per_tok
     if model_type == "mixtral":
         return Routing("mixtral", top_k)
-    if model_type == "granitemoe":
+    if model_type in ("granitemoe", "gpt_oss"):
         return Routing("topk_softmax", top_k)
     return Routing("softmax_topk", top_k, bool(getattr(config, "norm_topk_prob", False)))

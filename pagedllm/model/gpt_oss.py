@@ -1,0 +1,61 @@
+"""gpt-oss (``gpt_oss``): what sets it apart from the other mixtures of experts
+(``moe_families``), as Hugging Face's ``modeling_gpt_oss`` computes it.
+
+- Attention: q/k/v/o with biases (``attention_bias``), YaRN rope as configured (``rotary``),
+  sliding-window layers where ``layer_types`` says ``sliding_attention`` (window
+  ``sliding_window``), and on every layer a learned logit per head, ``sinks``, that joins the
+  softmax's denominator (``AttentionBackend.forward``'s ``sinks``).
+- Router: a linear layer with a bias, top-k of its logits, softmax over those k
+  (``moe.routers``' ``topk_softmax``).
+- Experts: gate|up with biases, the clamped SwiGLU ``(clamp(up) + 1) * g * sigmoid(alpha * g)``
+  with g = gate clamped above, down with biases (``moe.experts.clamped_swiglu``).
+
+Its checkpoints store each expert stack as ``x @ W`` multiplies it, transposed from the other
+families', with gate and up columns interleaved: ``gate_up_proj`` [E, H, 2I] (column 2i is
+gate i, 2i + 1 is up i) and ``down_proj`` [E, I, H]; ``gpt_oss_expert_layout`` turns them into
+the stacked ``[gate rows | up rows]`` layout of ``moe.experts`` at load. The hub's MXFP4
+safetensors (``*_blocks`` / ``*_scales``) are refused: a bf16 or fp32 copy loads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.model.llama import Attention
+from pagedllm.model.rotary import RotaryEmbedding
+
+
+class SinkAttention(Attention):
+    """Llama's attention (with gpt-oss's q/k/v/o biases from ``attention_bias``) plus one sink
+    logit per query head."""
+
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup,
+                 sliding_window: int | None = None) -> None:
+        super().__init__(config, rotary, tp, sliding_window)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads))
+
+
+def check_gpt_oss_config(config: PretrainedConfig) -> None:
+    """ValueError for a gpt-oss checkpoint whose experts are MXFP4 (the hub's original files)."""
+    quantization = getattr(config, "quantization_config", None) or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method is not None:
+        raise ValueError(f"gpt-oss checkpoints quantized with {method!r} are not supported from safetensors: "
+                         "load a bf16 or fp32 copy (dequantized experts)")
+
+
+def gpt_oss_expert_layout(state_dict: dict[str, torch.Tensor]) -> None:
+    """gpt-oss's expert tensors, in place, in the stacked layout of ``moe.experts``:
+    ``gate_up_proj`` [E, H, 2I] interleaved -> [E, 2I, H] (gate rows, then up rows), its bias
+    [E, 2I] likewise, ``down_proj`` [E, I, H] -> [E, H, I]."""
+    for name in [n for n in state_dict if n.endswith(".mlp.experts.gate_up_proj")]:
+        prefix = name.removesuffix("gate_up_proj")
+        gate_up = state_dict.pop(name)
+        state_dict[name] = torch.cat((gate_up[..., ::2], gate_up[..., 1::2]), dim=-1).transpose(1, 2).contiguous()
+        bias = state_dict.pop(f"{prefix}gate_up_proj_bias")
+        state_dict[f"{prefix}gate_up_proj_bias"] = torch.cat((bias[..., ::2], bias[..., 1::2]), dim=-1)
+        down = state_dict.pop(f"{prefix}down_proj")
+        state_dict[f"{prefix}down_proj"] = down.transpose(1, 2).contiguous()
