@@ -4,7 +4,7 @@ sliding windows, with ``disable_hybrid_kv_cache_manager`` on and off.
 Gemma 2 (every other layer slides, window 8), Gemma 3 (5 local layers to 1 global, window 8),
 Mistral (every layer slides, window 12), Qwen2 with ``max_window_layers`` (a full layer then
 a sliding one, window 12) and gpt-oss (sliding, full, sliding, window 8, attention sinks on
-every layer, a mixture of experts; ``tests/model/moe_configs.py``): prompts of 3 to 9 windows, generations of 24 tokens, chunked prefill
+every layer, a mixture of experts; ``tests/model/moe_configs.py``; slow): prompts of 3 to 9 windows, generations of 24 tokens, chunked prefill
 and 4-token blocks, so windows cross block boundaries and blocks fall behind them. Greedy output
 equals Hugging Face's free-running ``generate`` token for token. A second request that shares a
 prefix longer than the window reuses it from the prefix cache (with the hybrid manager, the
@@ -74,6 +74,7 @@ def tiny_gpt_oss(tmp_path_factory, smollm_tokenizer):
     return str(folder), model
 
 
+@pytest.mark.slow  # Hugging Face's gpt-oss generate (eager attention and experts) is the slow part
 @HYBRID
 def test_tiny_gpt_oss_matches_hf_past_the_window(tiny_gpt_oss, disable_hybrid):
     folder, hf_model = tiny_gpt_oss

@@ -4,9 +4,11 @@ Face's free-running ``generate`` (eager attention, eager experts) token for toke
 Each model has three layers (Qwen3-MoE and Qwen2-MoE with one dense ``mlp_only_layers``
 layer), 8 experts, top-2, expert width 32, routers scaled 30x so that routing is far from
 uniform (the prompts' prefill sends tokens to every expert of every sparse layer, checked on
-Hugging Face's routers). Fast: one batch of mixed-length prompts per family. Slow: 16 prompts
+Hugging Face's routers). Fast: one batch of mixed-length prompts per family (gpt-oss's
+window of 8 is shorter than most of them). Slow: 16 prompts
 with 40 new tokens, prefix caching on and a second round served from it; a model whose routers
-are all zero (every token ties on the same two experts); a preemption run in a small pool.
+are all zero (every token ties on the same two experts), gpt-oss left to the hybrid KV
+oracle; a preemption run in a small pool.
 The pool is all-free after each engine run. LoRA on a mixture of experts is refused; the
 start-up line counts a packed GGUF's tied head once.
 """
@@ -80,7 +82,9 @@ def test_moe_greedy_equals_hugging_face(tmp_path: Path, smollm_tokenizer, family
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+# gpt-oss's prefix-cache rounds are the hybrid KV oracle's (tests/engine/test_hybrid_kv_oracle.py),
+# whose prompts also cross its window; its Hugging Face generate is the slowest of the families.
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family != "gpt_oss"])
 def test_moe_batch_prefix_cache_and_ties(tmp_path: Path, smollm_tokenizer, family: str) -> None:
     model = _oracle(tmp_path / "scaled", family, smollm_tokenizer)
     batch = _prompts(smollm_tokenizer, 16)

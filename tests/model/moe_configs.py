@@ -2,8 +2,8 @@
 random Hugging Face model of one, its routers scaled so that routing is far from uniform.
 
 gpt-oss: layers sliding (window 8, shorter than most prompts), full, sliding; YaRN rope
-(factor 4 over 256 positions); SwiGLU limit 0.5, so the clamps bite on random weights; its
-sinks and expert biases drawn large enough to move the outputs."""
+(factor 4 over 256 positions); SwiGLU limit 0.2, so the clamps change its predictions; its
+sinks drawn around 1 and its expert biases with spread 0.1, so both move the outputs."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ _FAMILIES = {
                                                         embedding_multiplier=3.0, residual_multiplier=0.5,
                                                         attention_multiplier=0.2, logits_scaling=2.0)),
     "gpt_oss": (transformers.GptOssConfig, dict(num_local_experts=8, intermediate_size=32, head_dim=16,
-                                                 sliding_window=8, swiglu_limit=0.5,
+                                                 sliding_window=8, swiglu_limit=0.2,
                                                  rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0,
                                                                       beta_slow=1.0, truncate=False,
                                                                       original_max_position_embeddings=256,
@@ -50,7 +50,7 @@ def routers_of(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 def random_moe_model(config: PretrainedConfig, router_scale: float = 30.0) -> torch.nn.Module:
     """A random fp32 model (seed 0) on eager attention and eager experts (Hugging Face's reference
     order); norm weights around 1, gpt-oss's sinks around 1 and its expert biases around 0 with
-    spread 0.5, and routers ``router_scale`` times their init (0: all zero, every token ties on the
+    spread 0.1, and routers ``router_scale`` times their init (0: all zero, every token ties on the
     same experts; a router's bias, gpt-oss's, is kept)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
@@ -60,7 +60,7 @@ def random_moe_model(config: PretrainedConfig, router_scale: float = 30.0) -> to
             if name.endswith(("norm.weight", "sinks")):
                 param.normal_(1.0, 0.3 if name.endswith("norm.weight") else 1.0)
             elif name.endswith("proj_bias"):
-                param.normal_(0.0, 0.5)
+                param.normal_(0.0, 0.1)
         for router in routers_of(model):
             router.mul_(router_scale)
     return model.eval()

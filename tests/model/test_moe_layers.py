@@ -65,7 +65,7 @@ def _ours(config, hf_experts: torch.nn.Module) -> Experts:
 
 
 def test_gpt_oss_clamps_bite() -> None:
-    """Inputs large enough that gpt-oss's gate and up clamps (limit 0.5) cut most values:
+    """Inputs large enough that gpt-oss's gate and up clamps (limit 0.2) cut most values:
     the grouped forward still equals Hugging Face's experts."""
     config = moe_config("gpt_oss", 128)
     block = _hf_block(random_moe_model(config))
@@ -107,6 +107,8 @@ def test_refusals_name_what_to_change() -> None:
             MoeForCausalLM(moe_config("mixtral", 128), tp=TensorParallelGroup(rank=0, world_size=2))
         with pytest.raises(ValueError, match="clip_qkv"):
             MoeForCausalLM(moe_config("olmoe", 128, clip_qkv=8.0))
+        with pytest.raises(ValueError, match="gpt-oss checkpoints quantized with 'mxfp4'"):
+            MoeForCausalLM(moe_config("gpt_oss", 128, quantization_config={"quant_method": "mxfp4"}))
 
 
 def test_active_parameters_count_top_k_of_each_expert_stack() -> None:
