@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from pagedllm.model.gguf_moe import MOE_ARCHITECTURES, MOE_TENSORS, moe_settings
 from pagedllm.model.gguf_reader import GGUFArray, GGUFFile
 
 _REQUIRED = object()  # marks a metadata key that has no default
@@ -93,6 +94,9 @@ GGUF_ARCHITECTURES = {
     "granite": GGUFArchitecture(_SEPARATE_PROJECTIONS, True, frozenset({"rope_freqs"}), False, scalars={
         "attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
         "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}),
+    # Mixtures of experts (gguf_moe): the dense names plus the router, experts and shared expert.
+    **{name: GGUFArchitecture({**_SEPARATE_PROJECTIONS, **MOE_TENSORS}, False, _NO_ROPE_TENSORS, False,
+                              model_type=model_type) for name, model_type in MOE_ARCHITECTURES.items()},
 }
 
 
@@ -150,7 +154,7 @@ def gguf_config(reader: GGUFFile, architecture: str, rope_tensors: dict[str, tor
         "eos_token_id": metadata(reader, "tokenizer.ggml.eos_token_id", None),
         "pad_token_id": metadata(reader, "tokenizer.ggml.padding_token_id", None),
     }
-    if architecture in ("llama", "qwen3", "granite", "smollm3", "gemma", "gemma2", "gemma3"):
+    if architecture in ("llama", "qwen3", "qwen3moe", "granite", "smollm3", "gemma", "gemma2", "gemma3"):
         # Qwen2Config has neither: head_dim is implied, biases always on
         settings["head_dim"] = head_dim
         settings["attention_bias"] = "blk.0.attn_q.bias" in shapes
@@ -160,6 +164,7 @@ def gguf_config(reader: GGUFFile, architecture: str, rope_tensors: dict[str, tor
         if (value := arch_key(key, None)) is not None:
             settings[attribute] = value
     settings.update(_gemma_query_scale(architecture, settings))
+    settings.update(moe_settings(arch_key, architecture, shapes, settings))
     if architecture == "phi3":
         settings["original_max_position_embeddings"] = arch_key("rope.scaling.original_context_length",
                                                                 settings["max_position_embeddings"])

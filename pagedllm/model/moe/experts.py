@@ -6,7 +6,8 @@ expert's gate rows, then its up rows) and ``down_proj`` [E, H, I]. One step's
 them at once (one gate|up and one down matmul per expert per layer, never one per token),
 and its weighted outputs are added back into their tokens' rows. The experts are visited
 in increasing id and each adds into a zeroed output, as Hugging Face's eager experts do, so
-every token's terms are summed in Hugging Face's order.
+every token's terms are summed in Hugging Face's order. With the C++ kernels built this runs
+as one grouped call per projection (``moe.grouped``); the per-expert loop is the fallback.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from pagedllm.model.layers import GATED_ACTIVATIONS, linear
+from pagedllm.model.moe.grouped import dense_stack, grouped_forward, grouped_kernels, loop_forward
 
 
 class Experts(nn.Module):
@@ -31,21 +33,12 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{indices[t, k]}(x[t]) for every token t of x [tokens, H]."""
-        out = torch.zeros_like(x)
-        top_k = indices.shape[1]
-        flat = indices.reshape(-1)
-        # Stable: within an expert, its tokens keep their order (each token at most once per expert).
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        flat_weights = weights.reshape(-1)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            pairs = order[start:start + count]
-            start += count
-            tokens = pairs // top_k
-            hidden = self.act_and_mul(linear(x[tokens], self.gate_up_proj[expert]))
-            hidden = linear(hidden, self.down_proj[expert]) * flat_weights[pairs, None]
-            out.index_add_(0, tokens, hidden.to(out.dtype))
-        return out
+        gate_up, down = [dense_stack(self.gate_up_proj)], [dense_stack(self.down_proj)]
+        kernels = grouped_kernels(x, gate_up, down) if self.gate_up_proj.dtype == x.dtype else None
+        if kernels is not None:
+            return grouped_forward(kernels, x, indices, weights, gate_up, down, self.act_and_mul)
+        return loop_forward(x, indices, weights, self.num_experts, self.project, self.act_and_mul)
+
+    def project(self, expert: int, which: int, rows: torch.Tensor) -> torch.Tensor:
+        """rows @ W^T for expert ``expert``'s gate|up (``which`` 0) or down (1) weights."""
+        return linear(rows, (self.gate_up_proj, self.down_proj)[which][expert])

@@ -1,0 +1,89 @@
+"""A tiny Hugging Face mixture of experts written as llama.cpp's converter writes it (merged
+``ffn_{gate,up,down}_exps`` stacks, ``ffn_gate_inp`` routers, Qwen2-MoE's ``*_shexp``), with
+its expert stacks quantized to a chosen GGUF type by ``gguf.quants``; the model's expert
+weights are then set to the dequantized values, so it is the oracle of the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from tests.model.test_loader import _write_gguf
+
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe"}
+_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_LAYER = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+
+
+def _name(hf_name: str) -> str:
+    base, suffix = hf_name.rsplit(".", 1)
+    if base.startswith("model.layers."):
+        _, _, layer, part = base.split(".", 3)
+        return f"blk.{layer}.{_LAYER[part]}.{suffix}"
+    return f"{_GLOBAL[base]}.{suffix}"
+
+
+def _metadata(writer: GGUFWriter, config) -> None:
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    if getattr(config, "head_dim", None):
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if getattr(config, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+
+
+def _stack(writer: GGUFWriter, name: str, values: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """Write one expert stack as ``qtype``; returns what the file decodes to (the oracle's weights)."""
+    array = values.detach().numpy()
+    if qtype == GGMLQuantizationType.F32:
+        writer.add_tensor(name, np.ascontiguousarray(array))
+        return values.detach()
+    blocks = gguf.quants.quantize(array, qtype)
+    writer.add_tensor(name, blocks, raw_dtype=qtype)
+    return torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).reshape(values.shape)
+
+
+def write_moe_gguf(path: Path, model: torch.nn.Module, expert_type: GGMLQuantizationType) -> Path:
+    """Write ``model`` (a Qwen3-MoE, Qwen2-MoE or OLMoE) to ``path``, its expert stacks as
+    ``expert_type``, everything else F32; the model's experts become the file's decoded values."""
+    config = model.config
+
+    def tensors(writer: GGUFWriter) -> None:
+        _metadata(writer, config)
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.experts.gate_up_proj"):
+                blk = f"blk.{name.split('.')[2]}"
+                gate, up = param.chunk(2, dim=1)
+                decoded = [_stack(writer, f"{blk}.ffn_{part}_exps.weight", values, expert_type)
+                           for part, values in (("gate", gate), ("up", up))]
+                param.data = torch.cat(decoded, dim=1)
+            elif name.endswith("mlp.experts.down_proj"):
+                blk = f"blk.{name.split('.')[2]}"
+                param.data = _stack(writer, f"{blk}.ffn_down_exps.weight", param, expert_type)
+            else:
+                writer.add_tensor(_name(name), param.detach().numpy())
+
+    model.generation_config.eos_token_id = 2  # the file's EOS: masked by min_new_tokens in both
+    return _write_gguf(path, GGUF_ARCH[config.model_type], extra=tensors)
