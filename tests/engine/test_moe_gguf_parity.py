@@ -38,9 +38,14 @@ def _prompts(llm: LLM, count: int) -> list[list[int]]:
     return [ids[9 * i: 9 * i + 6 + (13 * i) % 29] for i in range(count)]
 
 
-@pytest.mark.parametrize("family,expert_type", [("qwen3_moe", T.F32), ("qwen3_moe", T.Q8_0), ("qwen3_moe", T.MXFP4),
-                                                ("qwen2_moe", T.Q8_0), ("olmoe", T.MXFP4)],
-                         ids=lambda v: getattr(v, "name", v))
+# Fast: one packed MXFP4 model (new decoder, packed stacks, grouped kernel); the rest are slow.
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("family,expert_type", [
+    ("qwen3_moe", T.MXFP4), pytest.param("qwen3_moe", T.F32, marks=_SLOW), pytest.param("qwen3_moe", T.Q8_0, marks=_SLOW),
+    pytest.param("qwen2_moe", T.Q8_0, marks=_SLOW), pytest.param("olmoe", T.MXFP4, marks=_SLOW)],
+    ids=lambda v: getattr(v, "name", v))
 def test_gguf_moe_greedy_equals_hugging_face(tmp_path: Path, family: str, expert_type: T) -> None:
     llm, model = _engine_and_oracle(tmp_path, family, expert_type)
     batch = _prompts(llm, 6)
@@ -53,6 +58,7 @@ def test_gguf_moe_greedy_equals_hugging_face(tmp_path: Path, family: str, expert
     _check(llm, model, batch, 8)
 
 
+@pytest.mark.slow
 def test_gguf_moe_all_tokens_on_the_same_experts(tmp_path: Path) -> None:
     llm, model = _engine_and_oracle(tmp_path, "qwen3_moe", T.Q8_0, router_scale=0.0)
     batch = _prompts(llm, 6)

@@ -12,39 +12,13 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from tests.model.test_loader import _write_gguf
+from tests.model.test_loader import _gguf_name, _write_gguf, add_decoder_metadata
 
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe"}
-_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-_LAYER = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
-    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
-    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
-}
-
-
-def _name(hf_name: str) -> str:
-    base, suffix = hf_name.rsplit(".", 1)
-    if base.startswith("model.layers."):
-        _, _, layer, part = base.split(".", 3)
-        return f"blk.{layer}.{_LAYER[part]}.{suffix}"
-    return f"{_GLOBAL[base]}.{suffix}"
 
 
 def _metadata(writer: GGUFWriter, config) -> None:
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    if getattr(config, "head_dim", None):
-        writer.add_key_length(config.head_dim)
-        writer.add_value_length(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    add_decoder_metadata(writer, config)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_expert_count(config.num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
@@ -83,7 +57,7 @@ def write_moe_gguf(path: Path, model: torch.nn.Module, expert_type: GGMLQuantiza
                 blk = f"blk.{name.split('.')[2]}"
                 param.data = _stack(writer, f"{blk}.ffn_down_exps.weight", param, expert_type)
             else:
-                writer.add_tensor(_name(name), param.detach().numpy())
+                writer.add_tensor(_gguf_name(name), param.detach().numpy())
 
     model.generation_config.eos_token_id = 2  # the file's EOS: masked by min_new_tokens in both
     return _write_gguf(path, GGUF_ARCH[config.model_type], extra=tensors)

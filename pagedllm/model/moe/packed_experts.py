@@ -7,7 +7,8 @@ gate and up as ``ffn_gate_up_exps`` [E, 2I, H]). A quantized one loads as a
 ``quantized.packed``. ``install_packed_experts`` swaps a layer's ``mlp.experts`` for a
 ``PackedExperts`` holding them, which runs the grouped kernel on the blocks (``moe.grouped``):
 nothing is decoded beyond the 4-row tiles a step's experts multiply. Without the C++ kernels
-it loops over the experts with tokens, decoding each one's rows (``dequantize_rows``).
+it loops over the experts with tokens, each one's projection a ``QuantizedLinear``'s packed
+matmul (which then decodes tile by tile with ``gguf.quants``).
 
 Safety rules: a layer whose projections are not all packed (an F32 down with a Q8_0 gate/up)
 is dequantized to dense tensors and stacked as a Hugging Face checkpoint's; with tensor
@@ -26,6 +27,7 @@ from torch import nn
 from pagedllm.model.gguf_reader import GGUFTensor
 from pagedllm.model.layers import replace_submodule
 from pagedllm.model.moe.grouped import ExpertStack, grouped_forward, grouped_kernels, loop_forward
+from pagedllm.model.quantized.modules import packed_matmul
 from pagedllm.model.quantized.packed import PACKED_TYPES, dequantize_rows, row_bytes
 
 # The names the GGUF loader gives merged expert tensors (under a layer's ``mlp.experts.``).
@@ -91,11 +93,17 @@ class PackedExperts(nn.Module):
         return loop_forward(x, indices, weights, self.num_experts, self.project, self.act_and_mul)
 
     def project(self, expert: int, which: int, rows: torch.Tensor) -> torch.Tensor:
-        """rows @ W^T in fp32 over the expert's decoded rows, rounded to rows' dtype once."""
+        """rows @ W^T for one expert's segments: the packed matmul of a ``QuantizedLinear``
+        (the C++ kernel per expert, or its decode-and-multiply fallback), rounded to rows' dtype."""
         segments = self.stacks()[which]
-        dense = torch.cat([dequantize_rows(s.weights[expert], GGMLQuantizationType(s.qtype), s.in_features)
-                           for s in segments])
-        return (rows.float() @ dense.t()).to(rows.dtype)
+        x32 = rows.float().contiguous()
+        out = torch.empty(rows.shape[0], sum(s.out_features for s in segments), dtype=torch.float32)
+        start = 0
+        for segment in segments:
+            qtype = GGMLQuantizationType(segment.qtype)
+            packed_matmul(x32, segment.weights[expert], qtype, out[:, start:start + segment.out_features])
+            start += segment.out_features
+        return out.to(rows.dtype)
 
     def extra_repr(self) -> str:
         types = ", ".join(GGMLQuantizationType(qtype).name for qtype, _, _ in self.segment_types)
