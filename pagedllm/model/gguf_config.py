@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from pagedllm.model.gguf_moe import MOE_ARCHITECTURES, MOE_TENSORS, moe_settings
+from pagedllm.model.gguf_moe import MOE_ARCHITECTURES, MOE_TENSORS, moe_model_type, moe_settings
 from pagedllm.model.gguf_reader import GGUFArray, GGUFFile
 
 _REQUIRED = object()  # marks a metadata key that has no default
@@ -79,7 +79,8 @@ class GGUFArchitecture:
 
 _NO_ROPE_TENSORS: frozenset[str] = frozenset()
 GGUF_ARCHITECTURES = {
-    "llama": GGUFArchitecture(_SEPARATE_PROJECTIONS, True, frozenset({"rope_freqs"}), False),
+    # Mixtral is written as llama with experts (gguf_moe): the MoE names are there for it.
+    "llama": GGUFArchitecture({**_SEPARATE_PROJECTIONS, **MOE_TENSORS}, True, frozenset({"rope_freqs"}), False),
     "qwen2": GGUFArchitecture(_SEPARATE_PROJECTIONS, False, _NO_ROPE_TENSORS, False),
     "qwen3": GGUFArchitecture(_SEPARATE_PROJECTIONS, False, _NO_ROPE_TENSORS, False),
     "phi3": GGUFArchitecture(_FUSED_PROJECTIONS, False, frozenset({"rope_factors_long", "rope_factors_short"}), True),
@@ -170,7 +171,8 @@ def gguf_config(reader: GGUFFile, architecture: str, rope_tensors: dict[str, tor
                                                                 settings["max_position_embeddings"])
         settings["sliding_window"] = arch_key("attention.sliding_window", 0) or None  # 0: none (Phi-4)
     settings.update(_rope_settings(arch_key, architecture, head_dim, settings, rope_tensors))
-    config = AutoConfig.for_model(gguf_architecture(architecture).model_type or architecture, **settings)
+    model_type = moe_model_type(arch_key, architecture) or gguf_architecture(architecture).model_type
+    config = AutoConfig.for_model(model_type or architecture, **settings)
     if "rope_freqs" in rope_tensors:
         config.gguf_rope_factors = rope_tensors["rope_freqs"].tolist()
     return config

@@ -1,5 +1,5 @@
 """A tiny Hugging Face mixture of experts written as llama.cpp's converter writes it (merged
-``ffn_{gate,up,down}_exps`` stacks, ``ffn_gate_inp`` routers, Qwen2-MoE's ``*_shexp``), with
+``ffn_{gate,up,down}_exps`` stacks, ``ffn_gate_inp`` routers, Qwen2-MoE's ``*_shexp``, Mixtral as llama with permuted q/k), with
 its expert stacks quantized to a chosen GGUF type by ``gguf.quants``; the model's expert
 weights are then set to the dequantized values, so it is the oracle of the file."""
 
@@ -12,15 +12,15 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from tests.model.test_loader import _gguf_name, _write_gguf, add_decoder_metadata
+from tests.model.test_loader import _gguf_name, _llama_cpp_permute, _write_gguf, add_decoder_metadata
 
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe"}
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama"}
 
 
 def _metadata(writer: GGUFWriter, config) -> None:
     add_decoder_metadata(writer, config)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_expert_count(config.num_experts)
+    writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     if getattr(config, "moe_intermediate_size", None):
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
@@ -39,8 +39,16 @@ def _stack(writer: GGUFWriter, name: str, values: torch.Tensor, qtype: GGMLQuant
     return torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).reshape(values.shape)
 
 
+def _permuted(name: str, weights: np.ndarray, config) -> np.ndarray:
+    """llama.cpp's q/k row permutation, which it applies to llama files (Mixtral's) only."""
+    if config.model_type != "mixtral" or not name.endswith(("q_proj.weight", "k_proj.weight")):
+        return weights
+    heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+    return _llama_cpp_permute(weights, heads)
+
+
 def write_moe_gguf(path: Path, model: torch.nn.Module, expert_type: GGMLQuantizationType) -> Path:
-    """Write ``model`` (a Qwen3-MoE, Qwen2-MoE or OLMoE) to ``path``, its expert stacks as
+    """Write ``model`` (a Qwen3-MoE, Qwen2-MoE, OLMoE or Mixtral) to ``path``, its expert stacks as
     ``expert_type``, everything else F32; the model's experts become the file's decoded values."""
     config = model.config
 
@@ -57,7 +65,7 @@ def write_moe_gguf(path: Path, model: torch.nn.Module, expert_type: GGMLQuantiza
                 blk = f"blk.{name.split('.')[2]}"
                 param.data = _stack(writer, f"{blk}.ffn_down_exps.weight", param, expert_type)
             else:
-                writer.add_tensor(_gguf_name(name), param.detach().numpy())
+                writer.add_tensor(_gguf_name(name), _permuted(name, param.detach().numpy(), config))
 
     model.generation_config.eos_token_id = 2  # the file's EOS: masked by min_new_tokens in both
     return _write_gguf(path, GGUF_ARCH[config.model_type], extra=tensors)
