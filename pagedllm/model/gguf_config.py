@@ -60,6 +60,9 @@ GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
 _GEMMA2_KEYS = {"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
                 "final_logit_softcapping": "final_logit_softcapping"}
 _GEMMA3_KEYS = {"attention.sliding_window": "sliding_window"}
+# llama.cpp's converter renames Granite's multipliers to *_scale and writes each only when set.
+_GRANITE_KEYS = {"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+                 "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
 # llama.cpp's block counts of the 27B Gemmas, which scale queries by (hidden / heads) ** -0.5.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
@@ -91,10 +94,9 @@ GGUF_ARCHITECTURES = {
                                model_type="gemma3_text", scalars=_GEMMA3_KEYS),
     # llama.cpp writes no NoPE layout for SmolLM3: it fixes every 4th layer (SmolLM3Config's default).
     "smollm3": GGUFArchitecture(_SEPARATE_PROJECTIONS, True, frozenset({"rope_freqs"}), False),
-    # llama.cpp's converter renames Granite's multipliers to *_scale and writes each only when set.
-    "granite": GGUFArchitecture(_SEPARATE_PROJECTIONS, True, frozenset({"rope_freqs"}), False, scalars={
-        "attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
-        "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}),
+    "granite": GGUFArchitecture(_SEPARATE_PROJECTIONS, True, frozenset({"rope_freqs"}), False, scalars=_GRANITE_KEYS),
+    "granitemoe": GGUFArchitecture({**_SEPARATE_PROJECTIONS, **MOE_TENSORS}, True, frozenset({"rope_freqs"}), False,
+                                   scalars=_GRANITE_KEYS),
     # Mixtures of experts (gguf_moe): the dense names plus the router, experts and shared expert.
     **{name: GGUFArchitecture({**_SEPARATE_PROJECTIONS, **MOE_TENSORS}, False, _NO_ROPE_TENSORS, False,
                               model_type=model_type) for name, model_type in MOE_ARCHITECTURES.items()},

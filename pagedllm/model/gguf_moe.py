@@ -1,6 +1,6 @@
-"""Mixture-of-experts GGUF files (llama.cpp's qwen3moe, qwen2moe and olmoe architectures, and
-Mixtral, which it writes as ``llama`` with ``llama.expert_count``): their tensor names and the
-config fields their metadata gives.
+"""Mixture-of-experts GGUF files (llama.cpp's qwen3moe, qwen2moe, olmoe and granitemoe
+architectures, and Mixtral, which it writes as ``llama`` with ``llama.expert_count``): their
+tensor names and the config fields their metadata gives.
 
 llama.cpp's converter (convert_hf_to_gguf.py, ``Qwen2MoeModel`` / ``OlmoeModel``) stacks each
 layer's experts into one tensor per projection, ``blk.N.ffn_{gate,up,down}_exps.weight``:
@@ -8,14 +8,15 @@ torch shapes [E, I, H] for gate and up, [E, H, I] for down (gguf-py lists them r
 ``--fuse-gate-up-exps`` writes ``ffn_gate_up_exps`` [E, 2I, H] (gate rows first) instead.
 The router is ``ffn_gate_inp`` [E, H]; Qwen2-MoE's shared expert is ``ffn_{gate,up,down}_shexp``
 with its gate ``ffn_gate_inp_shexp`` ([H]: Hugging Face's [1, H]). The MoE architectures'
-q/k rows are not permuted; Mixtral's are, as every llama file's (``LlamaModel`` merges its
-``block_sparse_moe.experts.{e}.w1/w3/w2`` into the same three stacks). Here the merged tensors load under
+q/k rows are not permuted; Mixtral's and Granite-MoE's are, as every llama and granite file's
+(``LlamaModel`` merges Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2`` into the same three
+stacks; ``GraniteMoeModel`` splits Granite-MoE's ``input_linear`` into gate and up). Here the merged tensors load under
 ``mlp.experts.{gate,up,down,gate_up}_proj.weight``, then ``moe.packed_experts`` keeps
 quantized ones packed or stacks them densely.
 
 Routing is what llama.cpp hard-codes per architecture, which matches each Hugging Face
 config's default: qwen3moe renormalises the top-k weights (``norm_topk_prob``), qwen2moe and
-olmoe do not; Mixtral's routing always renormalises. A layer without ``ffn_gate_inp`` is a dense layer (``mlp_only_layers``).
+olmoe do not; Mixtral's routing always renormalises, Granite-MoE's is a softmax over the top k. A layer without ``ffn_gate_inp`` is a dense layer (``mlp_only_layers``).
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ _RENORMALIZES = {"qwen3moe": True, "qwen2moe": False, "olmoe": False}
 def moe_settings(arch_key: Callable[..., Any], architecture: str, shapes: dict[str, tuple[int, ...]],
                  settings: dict[str, Any]) -> dict[str, Any]:
     """The config fields of a MoE architecture's metadata (empty for any other architecture)."""
-    if moe_model_type(arch_key, architecture) == "mixtral":  # its experts are intermediate_size wide
-        return {"num_local_experts": arch_key("expert_count"), "num_experts_per_tok": arch_key("expert_used_count")}
+    if architecture == "granitemoe" or moe_model_type(arch_key, architecture) == "mixtral":
+        # num_local_experts, each intermediate_size (feed_forward_length) wide
+        local = {"num_local_experts": arch_key("expert_count"), "num_experts_per_tok": arch_key("expert_used_count")}
+        return {**local, "attention_bias": "blk.0.attn_q.bias" in shapes} if architecture == "granitemoe" else local
     if architecture not in MOE_ARCHITECTURES:
         return {}
     layers = settings["num_hidden_layers"]

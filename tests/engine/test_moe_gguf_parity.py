@@ -45,7 +45,7 @@ _SLOW = pytest.mark.slow
 @pytest.mark.parametrize("family,expert_type", [
     ("qwen3_moe", T.MXFP4), pytest.param("qwen3_moe", T.F32, marks=_SLOW), pytest.param("qwen3_moe", T.Q8_0, marks=_SLOW),
     pytest.param("qwen2_moe", T.Q8_0, marks=_SLOW), pytest.param("olmoe", T.MXFP4, marks=_SLOW),
-    pytest.param("mixtral", T.Q8_0, marks=_SLOW)],
+    pytest.param("mixtral", T.Q8_0, marks=_SLOW), pytest.param("granitemoe", T.MXFP4, marks=_SLOW)],
     ids=lambda v: getattr(v, "name", v))
 def test_gguf_moe_greedy_equals_hugging_face(tmp_path: Path, family: str, expert_type: T) -> None:
     llm, model = _engine_and_oracle(tmp_path, family, expert_type)
