@@ -72,24 +72,37 @@ def test_dense_grouped_equals_the_loop(kernels, dtype, tokens, case):
     torch.testing.assert_close(actual.float(), expected.float(), rtol=tolerance, atol=tolerance * 0.1)
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.MXFP4], ids=lambda t: t.name)
-@pytest.mark.parametrize("tokens,case", [(24, "all"), (24, "same"), (60, "all")])
-def test_packed_grouped_equals_the_loop(kernels, qtype, tokens, case):
-    """60 tokens: experts with more than 48 rows decode through the fp32 scratch, not registers."""
-    def stack(rows: int, columns: int, seed: int) -> PackedExpertWeight:
-        blocks = torch.from_numpy(random_blocks(qtype, EXPERTS * rows, columns, seed)).reshape(EXPERTS, rows, -1)
-        return PackedExpertWeight(blocks.contiguous(), qtype, (EXPERTS, rows, columns), torch.float32)
+def _packed_stack(qtype: T, rows: int, columns: int, seed: int) -> PackedExpertWeight:
+    blocks = torch.from_numpy(random_blocks(qtype, EXPERTS * rows, columns, seed)).reshape(EXPERTS, rows, -1)
+    return PackedExpertWeight(blocks.contiguous(), qtype, (EXPERTS, rows, columns), torch.float32)
 
-    width = 256  # whole Q4_K blocks on both sides
-    experts = PackedExperts([stack(width, HIDDEN, 1), stack(width, HIDDEN, 2)], stack(HIDDEN, width, 3),
-                            GATED_ACTIVATIONS["silu"])
-    assert len(experts.stacks()[0]) == 1, "gate and up of one type run as one segment"
+
+def _assert_packed_matches_the_loop(experts: PackedExperts, tokens: int, case: str) -> None:
     x = torch.randn(tokens, HIDDEN)
     indices, weights = _routing(tokens, case)
     actual, expected = experts(x, indices, weights), _loop(experts, x, indices, weights)
     scale = expected.abs().max().item()
     assert scale > 1.0
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens,case", [(24, "all"), (24, "same"), (60, "all")])
+def test_packed_grouped_equals_the_loop(kernels, qtype, tokens, case):
+    """60 tokens: experts with more than 48 rows decode through the fp32 scratch, not registers."""
+    width = 256  # whole Q4_K blocks on both sides
+    experts = PackedExperts([_packed_stack(qtype, width, HIDDEN, 1), _packed_stack(qtype, width, HIDDEN, 2)],
+                            _packed_stack(qtype, HIDDEN, width, 3), GATED_ACTIVATIONS["silu"])
+    assert len(experts.stacks()[0]) == 1, "gate and up of one type run as one segment"
+    _assert_packed_matches_the_loop(experts, tokens, case)
+
+
+def test_gate_and_up_of_different_types_run_as_two_segments(kernels):
+    """A GGUF may store gate and up in different types (and down in a third)."""
+    experts = PackedExperts([_packed_stack(T.Q8_0, 256, HIDDEN, 1), _packed_stack(T.MXFP4, 256, HIDDEN, 2)],
+                            _packed_stack(T.Q6_K, HIDDEN, 256, 3), GATED_ACTIVATIONS["silu"])
+    assert [len(segments) for segments in experts.stacks()] == [2, 1]
+    _assert_packed_matches_the_loop(experts, 24, "all")
 
 
 def test_the_combine_sums_in_expert_order(kernels, monkeypatch):
