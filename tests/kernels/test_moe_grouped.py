@@ -54,7 +54,7 @@ def _dense_experts(dtype: torch.dtype) -> Experts:
 
 
 def _loop(experts, x, indices, weights) -> torch.Tensor:
-    return grouped.loop_forward(x, indices, weights, experts.num_experts, experts.project, experts.act_and_mul)
+    return grouped.loop_forward(x, indices, weights, experts.num_experts, experts.expert_forward)
 
 
 @pytest.mark.parametrize("tokens,case", [(24, "all"), (24, "same"), (1, "all")])
@@ -113,13 +113,17 @@ def test_the_combine_sums_in_expert_order(kernels, monkeypatch):
     indices, weights = _routing(24, "all")
     stacks = {0: grouped.dense_stack(experts.gate_up_proj), 1: grouped.dense_stack(experts.down_proj)}
 
-    def kernel_project(expert: int, which: int, rows: torch.Tensor) -> torch.Tensor:
-        one = stacks[which].weights[expert:expert + 1].contiguous()
+    def kernel_project(rows: torch.Tensor, stack: grouped.ExpertStack, expert: int) -> torch.Tensor:
+        one = stack.weights[expert:expert + 1].contiguous()
         out = torch.empty(rows.shape[0], one.shape[1])
         kernels.moe_grouped_linear(rows.contiguous(), one, 0, torch.tensor([0, rows.shape[0]]), out)
         return out
 
-    monkeypatch.setattr(experts, "project", kernel_project)
+    def expert_forward(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        hidden = experts.act_and_mul(kernel_project(rows, stacks[0], expert))
+        return kernel_project(hidden, stacks[1], expert)
+
+    monkeypatch.setattr(experts, "expert_forward", expert_forward)
     assert torch.equal(experts(x, indices, weights), _loop(experts, x, indices, weights))
 
 

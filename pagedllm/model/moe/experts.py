@@ -37,8 +37,8 @@ class Experts(nn.Module):
         kernels = grouped_kernels(x, gate_up, down) if self.gate_up_proj.dtype == x.dtype else None
         if kernels is not None:
             return grouped_forward(kernels, x, indices, weights, gate_up, down, self.act_and_mul)
-        return loop_forward(x, indices, weights, self.num_experts, self.project, self.act_and_mul)
+        return loop_forward(x, indices, weights, self.num_experts, self.expert_forward)
 
-    def project(self, expert: int, which: int, rows: torch.Tensor) -> torch.Tensor:
-        """rows @ W^T for expert ``expert``'s gate|up (``which`` 0) or down (1) weights."""
-        return linear(rows, (self.gate_up_proj, self.down_proj)[which][expert])
+    def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``expert``'s MLP over its tokens' rows ``x`` (the per-expert loop's step)."""
+        return linear(self.act_and_mul(linear(x, self.gate_up_proj[expert])), self.down_proj[expert])

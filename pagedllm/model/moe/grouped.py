@@ -114,11 +114,10 @@ def _sum_in_expert_order(scaled: torch.Tensor, order: torch.Tensor, tokens: int,
 
 
 def loop_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
-                 project: Callable[[int, int, torch.Tensor], torch.Tensor],
-                 act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The per-expert loop: each expert with tokens multiplies all of them at once
-    (``project(expert, 0 for gate|up or 1 for down, rows)`` in x's dtype) and ``index_add_``s
-    its weighted rows into a zeroed output, experts in increasing id (Hugging Face's order)."""
+                 expert_forward: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The per-expert loop: each expert with tokens runs its MLP over all of them at once
+    (``expert_forward(expert, rows)`` in x's dtype) and ``index_add_``s its weighted rows into
+    a zeroed output, experts in increasing id (Hugging Face's order)."""
     out = torch.zeros_like(x)
     top_k = indices.shape[1]
     pairs = sort_pairs(indices, num_experts)
@@ -128,6 +127,6 @@ def loop_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, 
             continue
         chosen = pairs.order[int(pairs.offsets[expert]):int(pairs.offsets[expert + 1])]
         tokens = chosen // top_k
-        hidden = project(expert, 1, act_and_mul(project(expert, 0, x[tokens]))) * flat_weights[chosen, None]
+        hidden = expert_forward(expert, x[tokens]) * flat_weights[chosen, None]
         out.index_add_(0, tokens, hidden.to(out.dtype))
     return out

@@ -90,7 +90,11 @@ class PackedExperts(nn.Module):
         kernels = grouped_kernels(x, gate_up, down)
         if kernels is not None:
             return grouped_forward(kernels, x, indices, weights, gate_up, down, self.act_and_mul)
-        return loop_forward(x, indices, weights, self.num_experts, self.project, self.act_and_mul)
+        return loop_forward(x, indices, weights, self.num_experts, self.expert_forward)
+
+    def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``expert``'s MLP over its tokens' rows ``x`` (the per-expert loop's step)."""
+        return self.project(expert, 1, self.act_and_mul(self.project(expert, 0, x)))
 
     def project(self, expert: int, which: int, rows: torch.Tensor) -> torch.Tensor:
         """rows @ W^T for one expert's segments: the packed matmul of a ``QuantizedLinear``
