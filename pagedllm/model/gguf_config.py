@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from pagedllm.model.gguf_moe import MOE_ARCHITECTURES, MOE_TENSORS, moe_model_type, moe_settings
 from pagedllm.model.gguf_reader import GGUFArray, GGUFFile
 
 _REQUIRED = object()  # marks a metadata key that has no default
@@ -59,6 +60,9 @@ GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
 _GEMMA2_KEYS = {"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
                 "final_logit_softcapping": "final_logit_softcapping"}
 _GEMMA3_KEYS = {"attention.sliding_window": "sliding_window"}
+# llama.cpp's converter renames Granite's multipliers to *_scale and writes each only when set.
+_GRANITE_KEYS = {"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+                 "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
 # llama.cpp's block counts of the 27B Gemmas, which scale queries by (hidden / heads) ** -0.5.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
@@ -78,7 +82,8 @@ class GGUFArchitecture:
 
 _NO_ROPE_TENSORS: frozenset[str] = frozenset()
 GGUF_ARCHITECTURES = {
-    "llama": GGUFArchitecture(_SEPARATE_PROJECTIONS, True, frozenset({"rope_freqs"}), False),
+    # Mixtral is written as llama with experts (gguf_moe): the MoE names are there for it.
+    "llama": GGUFArchitecture({**_SEPARATE_PROJECTIONS, **MOE_TENSORS}, True, frozenset({"rope_freqs"}), False),
     "qwen2": GGUFArchitecture(_SEPARATE_PROJECTIONS, False, _NO_ROPE_TENSORS, False),
     "qwen3": GGUFArchitecture(_SEPARATE_PROJECTIONS, False, _NO_ROPE_TENSORS, False),
     "phi3": GGUFArchitecture(_FUSED_PROJECTIONS, False, frozenset({"rope_factors_long", "rope_factors_short"}), True),
@@ -89,10 +94,12 @@ GGUF_ARCHITECTURES = {
                                model_type="gemma3_text", scalars=_GEMMA3_KEYS),
     # llama.cpp writes no NoPE layout for SmolLM3: it fixes every 4th layer (SmolLM3Config's default).
     "smollm3": GGUFArchitecture(_SEPARATE_PROJECTIONS, True, frozenset({"rope_freqs"}), False),
-    # llama.cpp's converter renames Granite's multipliers to *_scale and writes each only when set.
-    "granite": GGUFArchitecture(_SEPARATE_PROJECTIONS, True, frozenset({"rope_freqs"}), False, scalars={
-        "attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
-        "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}),
+    "granite": GGUFArchitecture(_SEPARATE_PROJECTIONS, True, frozenset({"rope_freqs"}), False, scalars=_GRANITE_KEYS),
+    "granitemoe": GGUFArchitecture({**_SEPARATE_PROJECTIONS, **MOE_TENSORS}, True, frozenset({"rope_freqs"}), False,
+                                   scalars=_GRANITE_KEYS),
+    # Mixtures of experts (gguf_moe): the dense names plus the router, experts and shared expert.
+    **{name: GGUFArchitecture({**_SEPARATE_PROJECTIONS, **MOE_TENSORS}, False, _NO_ROPE_TENSORS, False,
+                              model_type=model_type) for name, model_type in MOE_ARCHITECTURES.items()},
 }
 
 
@@ -150,7 +157,7 @@ def gguf_config(reader: GGUFFile, architecture: str, rope_tensors: dict[str, tor
         "eos_token_id": metadata(reader, "tokenizer.ggml.eos_token_id", None),
         "pad_token_id": metadata(reader, "tokenizer.ggml.padding_token_id", None),
     }
-    if architecture in ("llama", "qwen3", "granite", "smollm3", "gemma", "gemma2", "gemma3"):
+    if architecture in ("llama", "qwen3", "qwen3moe", "granite", "smollm3", "gemma", "gemma2", "gemma3"):
         # Qwen2Config has neither: head_dim is implied, biases always on
         settings["head_dim"] = head_dim
         settings["attention_bias"] = "blk.0.attn_q.bias" in shapes
@@ -160,12 +167,14 @@ def gguf_config(reader: GGUFFile, architecture: str, rope_tensors: dict[str, tor
         if (value := arch_key(key, None)) is not None:
             settings[attribute] = value
     settings.update(_gemma_query_scale(architecture, settings))
+    settings.update(moe_settings(arch_key, architecture, shapes, settings))
     if architecture == "phi3":
         settings["original_max_position_embeddings"] = arch_key("rope.scaling.original_context_length",
                                                                 settings["max_position_embeddings"])
         settings["sliding_window"] = arch_key("attention.sliding_window", 0) or None  # 0: none (Phi-4)
     settings.update(_rope_settings(arch_key, architecture, head_dim, settings, rope_tensors))
-    config = AutoConfig.for_model(gguf_architecture(architecture).model_type or architecture, **settings)
+    model_type = moe_model_type(arch_key, architecture) or gguf_architecture(architecture).model_type
+    config = AutoConfig.for_model(model_type or architecture, **settings)
     if "rope_freqs" in rope_tensors:
         config.gguf_rope_factors = rope_tensors["rope_freqs"].tolist()
     return config

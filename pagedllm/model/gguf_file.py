@@ -18,7 +18,9 @@ from transformers import PreTrainedTokenizerFast
 from pagedllm.logger import init_logger
 from pagedllm.model.checkpoint import Checkpoint, check_architecture
 from pagedllm.model.gguf_config import GLOBAL_NAMES, GGUFArchitecture, gguf_architecture, gguf_config, metadata
+from pagedllm.model.gguf_moe import shape_moe_tensor
 from pagedllm.model.gguf_reader import GGUFFile, GGUFTensor, read_gguf
+from pagedllm.model.moe.packed_experts import PackedExpertWeight
 from pagedllm.model.quantized.packed import DEQUANTIZED_TYPES, PACKED_TYPES, PackedWeight
 
 logger = init_logger(__name__)
@@ -81,21 +83,23 @@ def _rope_tensor_name(gguf_name: str) -> str:
 
 
 def _read_weights(reader: GGUFFile, hf_names: dict[str, str], layout: GGUFArchitecture, config,
-                  dtype: torch.dtype, packed: bool) -> dict[str, torch.Tensor | PackedWeight]:
-    """Every named tensor, by Hugging Face name: decoded to ``dtype``, or kept in its blocks."""
-    state_dict: dict[str, torch.Tensor | PackedWeight] = {}
+                  dtype: torch.dtype, packed: bool) -> dict[str, torch.Tensor | PackedWeight | PackedExpertWeight]:
+    """Every named tensor, by Hugging Face name: decoded to ``dtype``, or kept in its blocks
+    (2-D weights as ``PackedWeight``, merged expert stacks as ``PackedExpertWeight``)."""
+    state_dict: dict[str, torch.Tensor | PackedWeight | PackedExpertWeight] = {}
     dequantized: set[str] = set()  # quantized types decoded at load although packing was asked for
     for tensor in reader.tensors:
         if tensor.name not in hf_names:
             continue
         name = hf_names[tensor.name]
-        keep_packed = packed and tensor.tensor_type in PACKED_TYPES and len(tensor.shape) == 2  # not biases
+        keep_packed = packed and tensor.tensor_type in PACKED_TYPES and len(tensor.shape) in (2, 3)  # not biases
         if keep_packed:
-            weights = PackedWeight.from_gguf(tensor, dtype)
+            kind = PackedWeight if len(tensor.shape) == 2 else PackedExpertWeight
+            weights = kind.from_gguf(tensor, dtype)
         elif layout.norms_stored_plus_one and name.endswith("norm.weight"):
             weights = (dequantize_tensor(tensor, torch.float32) - 1).to(dtype)
         else:
-            weights = dequantize_tensor(tensor, dtype)
+            weights = shape_moe_tensor(name, dequantize_tensor(tensor, dtype))
         if packed and not keep_packed and tensor.tensor_type not in _FLOAT_GGUF_TYPES:
             dequantized.add(tensor.tensor_type.name)
         if layout.unpermute_qk and ".q_proj." in name:

@@ -30,6 +30,7 @@ from pagedllm.model.layers import Embedding, RMSNorm
 from pagedllm.model.llama import Attention, DecoderLayer, LlamaForCausalLM, check_silu
 from pagedllm.model.moe.block import SparseMoeBlock, is_sparse_layer
 from pagedllm.model.moe.names import stack_expert_weights
+from pagedllm.model.moe.packed_experts import install_packed_experts
 from pagedllm.model.rotary import RotaryEmbedding
 from pagedllm.model.shapes import head_dim_of, sliding_windows_of
 
@@ -87,7 +88,8 @@ def check_moe_config(config: PretrainedConfig, tp: TensorParallelGroup) -> None:
 
 class MoeForCausalLM(LlamaForCausalLM):
     """The MoE families; loading is Llama's after the expert weights are stacked
-    (``moe.names.stack_expert_weights``)."""
+    (``moe.names.stack_expert_weights``) or, from a GGUF, installed packed
+    (``moe.packed_experts``)."""
 
     model_types = MOE_MODEL_TYPES
 
@@ -101,6 +103,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         return MoeDecoderModel(config, max_position, tp)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        install_packed_experts(self, state_dict)  # a GGUF's merged expert tensors
         if self.config.model_type == "gpt_oss":
             gpt_oss_expert_layout(state_dict)
         stack_expert_weights(state_dict)

@@ -17,7 +17,7 @@ from pagedllm.model.gemma import GemmaForCausalLM, GemmaRMSNorm
 from pagedllm.model.loader import load_checkpoint
 from tests.conftest import assert_pool_free
 from tests.engine.arch_parity import random_eager_model
-from tests.model.test_loader import TINY_TOKENS, _write_gguf
+from tests.model.test_loader import TINY_TOKENS, _write_gguf, add_decoder_metadata
 
 GEMMA_ARCHS = ["gemma", "gemma2", "gemma3"]  # llama.cpp's names; Hugging Face calls the last gemma3_text
 
@@ -96,15 +96,7 @@ def write_gemma_gguf(path: Path, arch: str, model: PreTrainedModel) -> Path:
     config = model.config
 
     def gemma_metadata_and_tensors(writer: GGUFWriter) -> None:
-        writer.add_block_count(config.num_hidden_layers)
-        writer.add_context_length(config.max_position_embeddings)
-        writer.add_embedding_length(config.hidden_size)
-        writer.add_feed_forward_length(config.intermediate_size)
-        writer.add_head_count(config.num_attention_heads)
-        writer.add_head_count_kv(config.num_key_value_heads)
-        writer.add_key_length(config.head_dim)
-        writer.add_value_length(config.head_dim)
-        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        add_decoder_metadata(writer, config)
         if arch != "gemma":
             writer.add_sliding_window(config.sliding_window)
         if arch == "gemma2":

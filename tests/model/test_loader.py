@@ -238,6 +238,10 @@ _LAYER_TO_GGUF = {
     "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3's fused projections
+    # mixtures of experts (tests.model.moe_gguf): routers and Qwen2-MoE's shared expert
+    "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
 
@@ -258,6 +262,20 @@ def _llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
 TINY_TOKENS = [*bytes_to_unicode().values(), "hi"]  # the byte alphabet and one merge
 
 
+def add_decoder_metadata(writer: GGUFWriter, config) -> None:
+    """The `{arch}.` shape keys and norm epsilon llama.cpp's converter writes for a decoder."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    if getattr(config, "head_dim", None):  # llama.cpp writes it only when the HF config states it
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+
+
 def _write_gguf(
     path: Path,
     architecture: str,
@@ -276,16 +294,7 @@ def _write_gguf(
     writer.add_chat_template("{{ messages[0]['content'] }}")
     if model is not None:
         config = model.config
-        writer.add_block_count(config.num_hidden_layers)
-        writer.add_context_length(config.max_position_embeddings)
-        writer.add_embedding_length(config.hidden_size)
-        writer.add_feed_forward_length(config.intermediate_size)
-        writer.add_head_count(config.num_attention_heads)
-        writer.add_head_count_kv(config.num_key_value_heads)
-        if hasattr(config, "head_dim"):  # llama.cpp writes it only when the HF config states it
-            writer.add_key_length(config.head_dim)
-            writer.add_value_length(config.head_dim)
-        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        add_decoder_metadata(writer, config)
         writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
         for name, tensor in _expected_parameters(model).items():
             weights = tensor.numpy()

@@ -23,6 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether packed_linear was built for this dtype (AVX-512 for fp32, AVX-512 BF16 for bf16)", py::arg("dtype"));
   m.def("quant_dequantize", &quant_dequantize, "Packed GGUF rows [rows, bytes] as fp32 [rows, in_features] (CPU)");
   m.def("quant_linear", &quant_linear, "out = x @ W^T for a packed GGUF weight W, written into out (CPU)");
+  m.def("moe_grouped_linear", &moe_grouped_linear,
+        "Each expert's rows of x (sorted by expert, offsets[e]..offsets[e+1]) times its weights, into out (CPU)",
+        py::arg("x"), py::arg("weights"), py::arg("qtype"), py::arg("offsets"), py::arg("out"));
   m.def("lora_bgmv", &lora_bgmv,
         "out[:, out_col:out_col + out_size] += B_r @ (A_r @ x[r]), each row's LoRA adapter from flat pools (CPU)",
         py::arg("out"), py::arg("x"), py::arg("a_pool"), py::arg("b_pool"), py::arg("a_offsets"), py::arg("b_offsets"),

@@ -1,5 +1,6 @@
 // llama.cpp's packed GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
-// Q5_K, Q6_K) and their decoders to fp32, for quant_linear.cpp's kernels.
+// Q5_K, Q6_K, MXFP4) and their decoders to fp32, for quant_linear.cpp's and
+// moe_grouped.cpp's kernels.
 //
 // Each block decodes exactly as gguf-py's numpy dequantize does (the same
 // products, in the same order), so the dequantized values are that package's
@@ -20,7 +21,7 @@
 namespace {
 
 // GGML type ids (gguf.GGMLQuantizationType values).
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
 
 using BlockDecoder = void (*)(const uint8_t* block, float* out);
 
@@ -30,7 +31,27 @@ inline float f16_at(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(bits);
 }
 
+// MXFP4 (OCP microscaling): one E8M0 exponent byte, then 16 bytes of e2m1 nibbles (byte j: weight
+// j low, weight j + 16 high). llama.cpp stores the e2m1 values doubled and halves the scale
+// (ggml_e8m0_to_fp32_half), so each weight is an exact product of a power of two and an integer.
+constexpr float kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? uint32_t{0x00200000} << e : static_cast<uint32_t>(e - 1) << 23;
+  float d;
+  std::memcpy(&d, &bits, 4);
+  return d;
+}
+
 #if !defined(__AVX512F__)
+void decode_mxfp4(const uint8_t* b, float* y) {
+  const float d = e8m0_half(b[0]);
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * kMxfp4Values[b[1 + j] & 0x0F];
+    y[j + 16] = d * kMxfp4Values[b[1 + j] >> 4];
+  }
+}
+
 void decode_q8_0(const uint8_t* b, float* y) {
   const float d = f16_at(b);
   const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
@@ -89,6 +110,13 @@ inline void q5_registers(const uint8_t* b, __m512& lo, __m512& hi) {
                               high_table);
   hi = _mm512_permutex2var_ps(
       low_table, _mm512_mask_or_epi32(hi_index, static_cast<__mmask16>(qh >> 16), hi_index, sixteen), high_table);
+}
+
+inline void mxfp4_registers(const uint8_t* b, __m512& lo, __m512& hi) {
+  const __m512 table = _mm512_mul_ps(_mm512_set1_ps(e8m0_half(b[0])), _mm512_loadu_ps(kMxfp4Values));
+  const __m512i lanes = nibble_lanes(b + 1);
+  lo = _mm512_permutexvar_ps(lanes, table);  // VPERMPS reads the index's low 4 bits
+  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(lanes, 4), table);
 }
 
 inline void q8_0_registers(const uint8_t* b, __m512& lo, __m512& hi) {
@@ -236,12 +264,14 @@ void with_format(int64_t qtype, Body&& body) {
     case Q4_1: return body(Format<32, 20, store_registers<q4_registers<true>>, q4_registers<true>>{});
     case Q5_0: return body(Format<32, 22, store_registers<q5_registers<false>>, q5_registers<false>>{});
     case Q5_1: return body(Format<32, 24, store_registers<q5_registers<true>>, q5_registers<true>>{});
+    case MXFP4: return body(Format<32, 17, store_registers<mxfp4_registers>, mxfp4_registers>{});
 #else
     case Q8_0: return body(Format<32, 34, decode_q8_0>{});
     case Q4_0: return body(Format<32, 18, decode_q4<false>>{});
     case Q4_1: return body(Format<32, 20, decode_q4<true>>{});
     case Q5_0: return body(Format<32, 22, decode_q5<false>>{});
     case Q5_1: return body(Format<32, 24, decode_q5<true>>{});
+    case MXFP4: return body(Format<32, 17, decode_mxfp4>{});
 #endif
     case Q4_K: return body(Format<256, 144, decode_k<false>>{});
     case Q5_K: return body(Format<256, 176, decode_k<true>>{});

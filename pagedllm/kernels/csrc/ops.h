@@ -46,6 +46,12 @@ torch::Tensor quant_dequantize(torch::Tensor packed, int64_t qtype, int64_t in_f
 void quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::Tensor out, int64_t small_rows,
                   bool packed_tiles);
 
+// moe_grouped.cpp: out[rows of expert e] = x[rows of expert e] @ W_e^T for a stack of expert
+// weights [experts, N, K] (qtype: 0 fp32, 30 bf16, else a packed GGUF type id), each expert's
+// rows of x and out at offsets[e] .. offsets[e + 1] (the step's pairs sorted by expert).
+void moe_grouped_linear(torch::Tensor x, torch::Tensor weights, int64_t qtype, torch::Tensor offsets,
+                        torch::Tensor out);
+
 // lora_ops.cpp: out[:, out_col : out_col + out_size] += B_r @ (A_r @ x[r]) per row r, with each row's
 // adapter A_r [ranks[r], in] and B_r [out_size, ranks[r]] at a_offsets[r] / b_offsets[r] in two flat
 // pools (rank 0: no adapter); fp32 or bf16, sums in fp32, out rounded once.

@@ -8,7 +8,9 @@ step's (token, expert) pairs are sorted by expert; each expert that has tokens m
 all of them at once (one gate|up and one down matmul per expert per layer, never one per
 token), and its weighted outputs are added back into their tokens' rows. The experts are
 visited in increasing id and each adds into a zeroed output, as Hugging Face's eager
-experts do, so every token's terms are summed in Hugging Face's order.
+experts do, so every token's terms are summed in Hugging Face's order. With the C++ kernels
+built, bias-free experts run as one grouped call per projection (``moe.grouped``); the
+per-expert loop is the fallback.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from pagedllm.model.layers import GATED_ACTIVATIONS, linear
+from pagedllm.model.moe.grouped import dense_stack, grouped_forward, grouped_kernels, loop_forward
 
 
 def clamped_swiglu(alpha: float, limit: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -54,27 +57,16 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{indices[t, k]}(x[t]) for every token t of x [tokens, H]."""
-        out = torch.zeros_like(x)
-        top_k = indices.shape[1]
-        flat = indices.reshape(-1)
-        # Stable: within an expert, its tokens keep their order (each token at most once per expert).
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        flat_weights = weights.reshape(-1)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            pairs = order[start:start + count]
-            start += count
-            tokens = pairs // top_k
-            hidden = self.expert_forward(expert, x[tokens]) * flat_weights[pairs, None]
-            out.index_add_(0, tokens, hidden.to(out.dtype))
-        return out
+        gate_up, down = [dense_stack(self.gate_up_proj)], [dense_stack(self.down_proj)]
+        # The grouped kernel has no bias term: gpt-oss's biased experts take the loop.
+        grouped = self.gate_up_proj_bias is None and self.gate_up_proj.dtype == x.dtype
+        kernels = grouped_kernels(x, gate_up, down) if grouped else None
+        if kernels is not None:
+            return grouped_forward(kernels, x, indices, weights, gate_up, down, self.act_and_mul)
+        return loop_forward(x, indices, weights, self.num_experts, self.expert_forward)
 
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert ``expert``'s MLP over its tokens' rows ``x``: the one place a packed
-        variant of the weights multiplies differently."""
+        """Expert ``expert``'s MLP over its tokens' rows ``x`` (the per-expert loop's step)."""
         hidden = self.act_and_mul(linear(x, self.gate_up_proj[expert], _row(self.gate_up_proj_bias, expert)))
         return linear(hidden, self.down_proj[expert], _row(self.down_proj_bias, expert))
 

@@ -5,20 +5,19 @@ from __future__ import annotations
 
 from torch import nn
 
-from pagedllm.model.moe.experts import Experts
-
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:
     """(all parameters, those active per token): each ``Experts`` stack counts its
     ``top_k / num_experts`` share as active, every other weight in full (embeddings included).
-    A weight packed at load (``PackedLinear``, GGUF blocks) counts as its dense shape."""
+    A weight packed at load (``PackedLinear``, GGUF blocks, packed expert stacks) counts as its
+    dense shape."""
     seen: set[int] = set()
     total = inactive = 0
     for module in model.modules():
         total += _weights_of(module, seen)
         routing, experts = getattr(module, "routing", None), getattr(module, "experts", None)
-        if routing is not None and isinstance(experts, Experts):
-            stacked = sum(p.numel() for p in experts.parameters())
+        if routing is not None and hasattr(experts, "num_experts"):  # Experts or PackedExperts
+            stacked = getattr(experts, "num_weights", None) or sum(p.numel() for p in experts.parameters())
             inactive += stacked - stacked * routing.top_k // experts.num_experts
     return total, total - inactive
 
@@ -36,6 +35,8 @@ def _weights_of(module: nn.Module, seen: set[int]) -> int:
     if storages and storages <= seen:
         return count
     seen.update(storages)
+    if hasattr(module, "num_weights"):  # a packed expert stack
+        return count + module.num_weights
     if hasattr(module, "in_features") and hasattr(module, "out_features"):
         return count + module.in_features * module.out_features
     if hasattr(module, "blocks") and hasattr(module, "num_embeddings"):  # a GGUF embedding's packed rows

@@ -36,6 +36,7 @@ PACKED_TYPES = frozenset(
         GGMLQuantizationType.Q4_K,
         GGMLQuantizationType.Q5_K,
         GGMLQuantizationType.Q6_K,
+        GGMLQuantizationType.MXFP4,  # gpt-oss's experts
     }
 )
 
@@ -43,7 +44,7 @@ PACKED_TYPES = frozenset(
 DEQUANTIZED_TYPES = frozenset(
     GGMLQuantizationType[name]
     for name in ("Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
-                 "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4")
+                 "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0")
 )
 
 

@@ -1,0 +1,127 @@
+// The multiply tiles shared by quant_linear.cpp (one packed weight) and moe_grouped.cpp (a
+// stack of expert weights): a tile of 4 decoded weight rows times every row of x, from an fp32
+// scratch (multiply_tile) or from blocks decoded into registers (fused_tile).
+#pragma once
+#include <torch/extension.h>
+
+#include <algorithm>
+
+#include "gguf_blocks.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include "lanes.h"
+#endif
+
+// Internal linkage, as gguf_blocks.h: each including .cpp gets its own inlinable copy.
+namespace {
+
+constexpr int64_t kTileRows = 4;  // weight rows decoded per decode-path tile
+
+#if defined(__AVX512F__)
+// y[m, i] = x[m] . w[i] for kGroup (1-4) rows of x and the tile's 4 decoded weight rows (K a
+// multiple of 16): 16 accumulators, one per output, kept in registers by the fixed group size.
+template <int kGroup>
+void multiply_group(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, int64_t rows) {
+  __m512 acc[16];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + K + k), w2 = _mm512_loadu_ps(w + 2 * K + k),
+                 w3 = _mm512_loadu_ps(w + 3 * K + k);
+#pragma GCC unroll 4
+    for (int m = 0; m < kGroup; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
+      acc[4 * m] = _mm512_fmadd_ps(xv, w0, acc[4 * m]);
+      acc[4 * m + 1] = _mm512_fmadd_ps(xv, w1, acc[4 * m + 1]);
+      acc[4 * m + 2] = _mm512_fmadd_ps(xv, w2, acc[4 * m + 2]);
+      acc[4 * m + 3] = _mm512_fmadd_ps(xv, w3, acc[4 * m + 3]);
+    }
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, sum_lanes_of_16(acc));  // lane 4m + i: output (m, i)
+  for (int m = 0; m < kGroup; ++m)
+    for (int64_t i = 0; i < rows; ++i) y[m * ldy + i] = sums[4 * m + i];
+}
+
+// The fused path: up to kMaxFusedRows rows of x against a tile of 4 weight rows whose blocks are
+// decoded into registers and multiplied at once (no fp32 scratch written and read back). The
+// decoded values and the order of the sums are multiply_group's, so the outputs are the same.
+constexpr int64_t kMaxFusedRows = 5;  // 20 accumulators + 8 weight + 2 input registers of 32
+constexpr int64_t kFusedPrefetchTiles = 2;
+
+template <BlockRegisters kRegisters, int kGroup>
+void fused_group(const uint8_t* const* w, int64_t block_bytes, const uint8_t* ahead, int64_t ahead_bytes,
+                 const float* x, int64_t ldx, int64_t K, float* y, int64_t ldy, int64_t rows) {
+  __m512 acc[4 * kGroup];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  const int64_t blocks = K / 32, lines_per_block = ((ahead_bytes + 63) / 64 + blocks - 1) / blocks;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    for (int64_t line = blk * lines_per_block; line < (blk + 1) * lines_per_block; ++line)
+      __builtin_prefetch(ahead + line * 64, 0, 2);  // into L2 (T1): L1 has too few miss buffers
+    __m512 lo[4], hi[4];
+    for (int i = 0; i < 4; ++i) kRegisters(w[i] + blk * block_bytes, lo[i], hi[i]);
+    for (int half = 0; half < 2; ++half) {  // weights 0-15 then 16-31: multiply_group's k order
+      const __m512* wv = half == 0 ? lo : hi;
+#pragma GCC unroll 5
+      for (int m = 0; m < kGroup; ++m) {
+        const __m512 xv = _mm512_loadu_ps(x + m * ldx + blk * 32 + half * 16);
+        for (int i = 0; i < 4; ++i) acc[4 * m + i] = _mm512_fmadd_ps(xv, wv[i], acc[4 * m + i]);
+      }
+    }
+  }
+  for (int first = 0; first < kGroup; first += 4) {  // 16 accumulators (4 input rows) per reduction
+    __m512 part[16];
+    for (int j = 0; j < 16; ++j) part[j] = 4 * first + j < 4 * kGroup ? acc[4 * first + j] : _mm512_setzero_ps();
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, sum_lanes_of_16(part));
+    for (int m = first; m < std::min(kGroup, first + 4); ++m)
+      for (int64_t i = 0; i < rows; ++i) y[m * ldy + i] = sums[4 * (m - first) + i];
+  }
+}
+
+template <typename F>
+void fused_tile(const uint8_t* const* w, const uint8_t* ahead, int64_t ahead_bytes, const float* x, int64_t ldx,
+                int64_t M, int64_t K, float* y, int64_t ldy, int64_t rows) {
+  // Groups of kMaxFusedRows rows of x; later groups decode the tile again from L1, which costs
+  // less than writing and reading back an fp32 scratch. Only the first group prefetches.
+  int64_t m = 0;
+  for (; m + kMaxFusedRows <= M; m += kMaxFusedRows, ahead_bytes = 0)
+    fused_group<F::registers, kMaxFusedRows>(w, F::block_bytes, ahead, ahead_bytes, x + m * ldx, ldx, K,
+                                             y + m * ldy, ldy, rows);
+  const float* xm = x + m * ldx;
+  float* ym = y + m * ldy;
+  switch (M - m) {
+    case 4: return fused_group<F::registers, 4>(w, F::block_bytes, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows);
+    case 3: return fused_group<F::registers, 3>(w, F::block_bytes, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows);
+    case 2: return fused_group<F::registers, 2>(w, F::block_bytes, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows);
+    case 1: return fused_group<F::registers, 1>(w, F::block_bytes, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows);
+    default: return;
+  }
+}
+#endif
+
+// y[m, i] = x[m] . w[i] for the tile's 4 decoded weight rows and all M rows of x; only the
+// first `rows` outputs of each row of y are written (the last tile may be partial).
+void multiply_tile(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K, float* y, int64_t ldy,
+                   int64_t rows) {
+#if defined(__AVX512F__)
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) multiply_group<4>(x + m * ldx, ldx, w, K, y + m * ldy, ldy, rows);
+  switch (M - m) {
+    case 3: multiply_group<3>(x + m * ldx, ldx, w, K, y + m * ldy, ldy, rows); break;
+    case 2: multiply_group<2>(x + m * ldx, ldx, w, K, y + m * ldy, ldy, rows); break;
+    case 1: multiply_group<1>(x + m * ldx, ldx, w, K, y + m * ldy, ldy, rows); break;
+    default: break;
+  }
+#else  // portable: the compiler vectorizes the inner sum (-ffast-math lets it reorder)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < rows; ++i) {
+      float total = 0.0f;
+      for (int64_t k = 0; k < K; ++k) total += x[m * ldx + k] * w[i * K + k];
+      y[m * ldy + i] = total;
+    }
+#endif
+}
+
+}  // namespace
