@@ -312,7 +312,7 @@ def cmd_bench_rerank(args: argparse.Namespace) -> None:
                                                       enable_prefix_caching=enabled),
                              rerank.QUERY, docs, args.rounds)
     report(args, rerank.format_table(results),
-           f"CPU: {cpu_description()}. {args.model or 'The embedded SmolLM2-135M-Instruct'} as a yes/no reranker "
+           f"{args.model or 'The embedded SmolLM2-135M-Instruct (GGUF Q4_1)'} as a yes/no reranker "
            f"(Qwen3-Reranker's template and recipe), {args.dtype}: LLM.score of 1 query x {args.num_documents} "
            f"documents of {args.min_words}-{args.max_words} words (seed {args.seed}), each engine's best of "
            f"{args.rounds} alternating rounds, its prefix cache emptied before each.")

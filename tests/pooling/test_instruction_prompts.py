@@ -12,13 +12,19 @@ import json
 import os
 from pathlib import Path
 
+import httpx
 import pytest
 import sentence_transformers
 import torch
 
 from pagedllm import LLM
+from pagedllm.entrypoints.openai.api_server import ServerState, build_app
+from pagedllm.entrypoints.openai.pooling.encoder_server import EncoderEngineClient
+from pagedllm.entrypoints.pooling_api import encoder_runner_for
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.utils import free_port
 from tests.conftest import assert_pool_free
+from tests.entrypoints.live_server import uvicorn_thread
 from tests.pooling.conftest import real_texts, write_json
 
 QUERY = "Represent this sentence for searching relevant passages: "
@@ -52,12 +58,18 @@ def _assert_same(got: list, expected: torch.Tensor) -> None:
 
 
 @pytest.fixture(scope="module")
-def prompted_minilm(minilm_folder, tmp_path_factory) -> tuple[LLM, sentence_transformers.SentenceTransformer]:
-    """The MiniLM folder with prompts and include_prompt: false, as an LLM and as sentence-transformers."""
+def prompted_folder(minilm_folder, tmp_path_factory) -> Path:
+    """The MiniLM folder with prompts, a default prompt and include_prompt: false."""
     folder = _linked_copy(Path(minilm_folder), tmp_path_factory.mktemp("minilm-prompts"))
     _rewrite(folder / "config_sentence_transformers.json", **PROMPTS)
     _rewrite(folder / "1_Pooling" / "config.json", include_prompt=False)
-    return LLM(str(folder), runner="pooling"), sentence_transformers.SentenceTransformer(str(folder), device="cpu")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def prompted_minilm(prompted_folder) -> tuple[LLM, sentence_transformers.SentenceTransformer]:
+    return (LLM(str(prompted_folder), runner="pooling"),
+            sentence_transformers.SentenceTransformer(str(prompted_folder), device="cpu"))
 
 
 def test_encoder_prompts_match_sentence_transformers(prompted_minilm):
@@ -117,3 +129,22 @@ def test_decoder_folder_prompts_match_sentence_transformers(tiny_model_dir, tmp_
     write_json(folder / "1_Pooling" / "config.json", {"embedding_dimension": 64, "pooling_mode": "mean"})
     with pytest.raises(ValueError, match="mean pooling; a decoder embedder is pooled at its last token"):
         LLM(str(folder), runner="pooling", dtype="float32", num_kv_blocks=32, block_size=16)
+
+
+def test_embeddings_route_takes_prompt_name(prompted_folder, prompted_minilm):
+    llm = prompted_minilm[0]
+    runner = encoder_runner_for(str(prompted_folder), {"runner": "pooling"})
+    state = ServerState(async_engine=EncoderEngineClient(runner), served_model_name="m", model_root=str(prompted_folder))
+    port = free_port()
+    texts = _texts(3)
+    with uvicorn_thread(build_app(state), {"host": "127.0.0.1", "port": port, "log_level": "warning"}):
+        url = f"http://127.0.0.1:{port}/v1/embeddings"
+        for name in (None, "document"):  # the default prompt, a named one
+            answer = httpx.post(url, json={"input": texts, "prompt_name": name}, timeout=60).json()
+            want = llm.embed(texts, prompt_name=name, use_tqdm=False)
+            for got, expected in zip(answer["data"], want):
+                assert got["embedding"] == pytest.approx(expected.outputs.embedding, abs=1e-5)
+            assert answer["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in want)
+        refused = httpx.post(url, json={"input": texts, "prompt_name": "passage"}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_name"
+    assert "'query', 'document'" in refused.json()["error"]["message"]
