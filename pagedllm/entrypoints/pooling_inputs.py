@@ -43,17 +43,17 @@ class PooledPrompt:
     params: PoolingParams  # its task set
     token_type_ids: list[int] | None = None  # an encoder's segment ids of a text pair
     prompt: str | None = None
-    # Its leading tokens that are the instruction prompt, as sentence-transformers counts them
-    # ([CLS] included): an encoder leaves them out of pooling when its config says include_prompt: false.
+    # Its leading instruction-prompt tokens, as sentence-transformers counts them ([CLS] included), when
+    # the model's Pooling config leaves them out (include_prompt: false); else 0.
     num_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class _Instruction:
-    """The instruction prompt of one call: its text, its token count, and whether the call named it."""
+    """The instruction prompt of one call: its text, its tokens left out of pooling, and whether the call named it."""
 
     text: str = ""
-    num_tokens: int = 0
+    num_left_out: int = 0
     named: bool = False
 
 
@@ -109,7 +109,8 @@ class PoolingInputs:
         if named and task != "embed":
             raise ValueError(f"prompt_name and instruction apply to the embed task, not {task!r}")
         text = self.instructions.resolve(prompt_name, instruction) if task == "embed" else ""
-        prefix = _Instruction(text, prompt_token_count(self.tokenizer, text) if text else 0, named)
+        left_out = prompt_token_count(self.tokenizer, text) if text and not self.instructions.include_prompt else 0
+        prefix = _Instruction(text, left_out, named)
         return [self.checked(_prompt_input(self.tokenizer, prompt, p, prefix, i), i)
                 for i, (prompt, p) in enumerate(zip(prompts, per_input))]
 
@@ -152,7 +153,7 @@ def _prompt_input(tokenizer: Any, prompt: Any, params: PoolingParams, instructio
             return PooledPrompt([], params, prompt=prompt)
         text = instruction.text + prompt
         return PooledPrompt(list(tokenizer(text)["input_ids"]), params, prompt=text,
-                            num_prompt_tokens=instruction.num_tokens)
+                            num_prompt_tokens=instruction.num_left_out)
     if instruction.named and instruction.text:
         raise ValueError(f"input {index} is token ids: prompt_name and instruction put text before text inputs; "
                          "pass text, or token ids that hold the instruction")
