@@ -131,6 +131,12 @@ def _add_embed_parser(benches: argparse._SubParsersAction) -> None:
                     help="llama.cpp's convert_hf_to_gguf.py (default: the one of the llama-server's source tree)")
     em.add_argument("--llama-threads", type=int, default=2)
     em.add_argument("--clients", type=int, default=4, help="concurrent clients of the embedding servers")
+    rr = add_bench_command(benches, "rerank", "1 query x many documents through a decoder yes/no reranker, prefix "
+                                              "caching on vs off (the query computed once)", commands.cmd_bench_rerank)
+    rr.add_argument("--num-documents", type=int, default=100)
+    rr.add_argument("--min-words", type=int, default=20)
+    rr.add_argument("--max-words", type=int, default=120)
+    rr.add_argument("--rounds", type=int, default=3)
 
 
 def _add_hybrid_kv_parser(benches: argparse._SubParsersAction) -> None:

@@ -301,3 +301,18 @@ def cmd_bench_embed(args: argparse.Namespace) -> None:
            f"Model {folder}; {len(texts)} passages of {args.min_tokens}-{args.max_tokens} tokens (uniform, seed "
            f"{args.seed}), float32. sentence-transformers: the best of batch sizes {embed.BATCH_SIZES}."
            + ("" if server is not None else " No llama-server build was given (--llama-server): no llama.cpp row."))
+
+
+def cmd_bench_rerank(args: argparse.Namespace) -> None:
+    from pagedllm.bench import rerank
+
+    docs = rerank.documents(args.num_documents, args.min_words, args.max_words, args.seed)
+    results = rerank.measure(lambda enabled: make_llm(args, runner="pooling", convert="classify",
+                                                      hf_overrides=rerank.RERANKER_OVERRIDES,
+                                                      enable_prefix_caching=enabled),
+                             rerank.QUERY, docs, args.rounds)
+    report(args, rerank.format_table(results),
+           f"{args.model or 'The embedded SmolLM2-135M-Instruct (GGUF Q4_1)'} as a yes/no reranker "
+           f"(Qwen3-Reranker's template and recipe), {args.dtype}: LLM.score of 1 query x {args.num_documents} "
+           f"documents of {args.min_words}-{args.max_words} words (seed {args.seed}), each engine's best of "
+           f"{args.rounds} alternating rounds, its prefix cache emptied before each.")

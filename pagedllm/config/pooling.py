@@ -52,12 +52,44 @@ class PoolingConfig:
 
 
 @dataclass(frozen=True)
+class InstructionPrompts:
+    """A model's named instruction prompts, as sentence-transformers reads them
+    (``config_sentence_transformers.json``'s ``prompts`` and ``default_prompt_name``),
+    and whether its pooling includes their tokens (the Pooling config's ``include_prompt``)."""
+
+    prompts: tuple[tuple[str, str], ...] = ()  # (name, text) pairs: plain data that crosses to the core
+    default_prompt_name: str | None = None
+    include_prompt: bool = True
+
+    def resolve(self, prompt_name: str | None, instruction: str | None) -> str:
+        """The text put before each input, as ``SentenceTransformer.encode`` picks it: ``instruction``
+        when given, else the prompt named ``prompt_name``, else the default prompt ("": none)."""
+        named = dict(self.prompts)
+        if instruction is not None:
+            if prompt_name is not None:
+                raise ValueError("pass prompt_name or instruction, not both")
+            return instruction
+        if prompt_name is not None:
+            if prompt_name not in named:
+                raise ValueError(f"prompt_name {prompt_name!r} is not one of this model's prompts "
+                                 f"({', '.join(map(repr, named)) or 'it names none'}: its "
+                                 "config_sentence_transformers.json lists them)")
+            return named[prompt_name]
+        return named.get(self.default_prompt_name, "") if self.default_prompt_name is not None else ""
+
+
+@dataclass(frozen=True)
 class PoolerSpec:
     """What the loaded decoder pools (plain data, decided once at start-up).
 
     ``tasks``: the tasks it serves. ``classifier_token_ids``: ``(no, yes)`` token
     ids of a yes/no reranker, whose one label is read from the LM head; None for
-    a ``score``-head classifier or an embedder."""
+    a ``score``-head classifier or an embedder. ``prompts``: an embedder's
+    instruction prompts; ``normalize``: whether its embeddings are L2-normalized
+    when a request leaves ``normalize`` unset (its sentence-transformers folder's
+    Normalize module; yes without such a folder)."""
 
     tasks: tuple[str, ...]
     classifier_token_ids: tuple[int, int] | None = None
+    prompts: InstructionPrompts = InstructionPrompts()
+    normalize: bool = True

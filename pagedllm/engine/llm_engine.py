@@ -141,7 +141,7 @@ class LLMEngine:
         if self.executor is not None:
             self.executor.send_runner_spec(self.runner_spec)
         # What a pooling engine's decoder pools (None: it generates); the driver alone pools.
-        self.pooler_spec = pooler_spec_of(config.pooling, self.model_config, self.tokenizer)
+        self.pooler_spec = pooler_spec_of(config.pooling, self.model_config, self.tokenizer, self.model_path)
         return RunnerPlan(self.runner_spec, self.eos_token_ids, speculative_config=config.speculative,
                           broadcast_step=self.executor.broadcast_step if self.executor is not None else None,
                           draft_model=self.draft_model, pooler=self.pooler_spec)

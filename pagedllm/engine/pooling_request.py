@@ -10,6 +10,7 @@ output (``worker/pooler.py``) in place of a sampled token.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -21,6 +22,7 @@ from pagedllm.core.sequence_group import POOLING
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.model.shapes import classifier_labels_of
 from pagedllm.outputs import PoolingOutput, PoolingRequestOutput, RequestMetrics
+from pagedllm.pooling.st_folder import decoder_st_settings
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -29,9 +31,12 @@ from pagedllm.sampling_params import SamplingParams
 POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 
-def pooler_spec_of(config: PoolingConfig, model_config: Any, tokenizer: Any) -> PoolerSpec | None:
-    """What the loaded decoder pools under ``config`` (None: a generative engine).
-    ``ValueError`` saying what to change for a runner the checkpoint cannot be."""
+def pooler_spec_of(config: PoolingConfig, model_config: Any, tokenizer: Any,
+                   model_path: str | None = None) -> PoolerSpec | None:
+    """What the loaded decoder pools under ``config`` (None: a generative engine); an
+    embedder's instruction prompts and normalization come from the sentence-transformers
+    files of its folder, ``model_path``. ``ValueError`` saying what to change for a runner
+    the checkpoint cannot be."""
     num_labels = classifier_labels_of(model_config)
     tokens = config.classifier_from_token
     runner = config.runner
@@ -48,7 +53,10 @@ def pooler_spec_of(config: PoolingConfig, model_config: Any, tokenizer: Any) -> 
     if config.convert == "classify":
         raise ValueError("convert='classify' of a generative checkpoint needs the tokens its label is read from: "
                          "hf_overrides={'classifier_from_token': ['no', 'yes']} (Qwen3-Reranker's recipe)")
-    return PoolerSpec(("embed", "encode"))
+    if model_path is None or not Path(model_path).is_dir():
+        return PoolerSpec(("embed", "encode"))
+    prompts, normalize = decoder_st_settings(Path(model_path))
+    return PoolerSpec(("embed", "encode"), prompts=prompts, normalize=normalize)
 
 
 def _token_ids(tokens: tuple[str, str], tokenizer: Any) -> tuple[int, int]:

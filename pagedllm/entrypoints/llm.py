@@ -48,7 +48,8 @@ class LLM(PoolingMethods):
 
     ``runner="pooling"`` makes a pooling LLM (``embed``, ``classify``, ``score``,
     ``encode``: ``entrypoints/pooling_api.py``; docs/pooling.md): a decoder's
-    requests go through the engine, its pool and prefix cache; an encoder-only
+    requests go through the engine, its pool and prefix cache (with
+    ``data_parallel_size`` > 1, each to the replica the fleet routes it to); an encoder-only
     checkpoint runs on the encoder runner, without an engine.
     """
 
@@ -57,11 +58,9 @@ class LLM(PoolingMethods):
         self._pooling_backend: PoolingBackend | None = None
         encoder = encoder_runner_for(model, options)
         if encoder is not None:  # an encoder-only checkpoint: pooled without an engine or KV blocks
-            self.llm_engine: EngineClient = NoEngine()
+            self.llm_engine: EngineClient = NoEngine(encoder.tokenizer)
             self._pooling_backend = EncoderBackend(encoder)
             return
-        if options.get("runner", "generate") != "generate" and data_parallel_size > 1:
-            raise ValueError("a pooling LLM runs one engine: drop data_parallel_size")
         self.llm_engine = make_engine_client({"model": model, **options}, engine_process=engine_process,
                                              data_parallel_size=data_parallel_size)
 

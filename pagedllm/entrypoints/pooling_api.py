@@ -24,8 +24,9 @@ import torch
 from pagedllm.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
                               EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, ScoringOutput,
                               ScoringRequestOutput)
-from pagedllm.entrypoints.pooling_inputs import PooledPrompt, PoolingInputs, rerank_prompt  # noqa: F401 (re-exported)
-from pagedllm.pooling_params import POOLING_TASKS, PoolingParams
+from pagedllm.entrypoints.pooling_inputs import (PooledPrompt, PoolingInputs, PoolingParamsArg,
+                                                 rerank_prompt)  # noqa: F401 (rerank_prompt: re-exported)
+from pagedllm.pooling_params import POOLING_TASKS
 
 
 @dataclass(frozen=True)
@@ -79,16 +80,25 @@ def run_encoder(runner: Any, inputs: Sequence[PooledPrompt]) -> list[torch.Tenso
     """``inputs`` through an ``EncoderPoolingRunner`` in one call (it packs them by its token budget)."""
     from pagedllm.pooling.encoder_runner import PoolingInput
 
-    return runner.run([PoolingInput(i.token_ids, i.params, i.token_type_ids) for i in inputs])
+    return runner.run([PoolingInput(i.token_ids, i.params, i.token_type_ids, i.num_prompt_tokens) for i in inputs])
 
 
 def encoder_inputs(runner: Any, what_to_pass: str) -> PoolingInputs:
-    """How an ``EncoderPoolingRunner``'s inputs are built (text pairs by its tokenizer)."""
-    return PoolingInputs(runner.tokenizer, runner.max_model_len, tuple(runner.supported_tasks), None, what_to_pass)
+    """How an ``EncoderPoolingRunner``'s inputs are built (text pairs by its tokenizer, the instruction
+    prompts of its sentence-transformers folder)."""
+    return PoolingInputs(runner.tokenizer, runner.max_model_len, tuple(runner.supported_tasks), None, what_to_pass,
+                         runner.st.instruction_prompts())
 
 
 class NoEngine:
-    """The ``llm_engine`` of an encoder LLM: every engine method says what it serves instead."""
+    """The ``llm_engine`` of an encoder LLM: its tokenizer, and every other engine method says
+    what it serves instead."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
 
     def shutdown(self) -> None:  # nothing to stop: the encoder runs in this process
         return None
@@ -138,19 +148,26 @@ class PoolingMethods:
 
     pooling_backend: PoolingBackend
 
-    def embed(self, prompts: Any, pooling_params: PoolingParams | None = None, *,
-              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
-        """One embedding per prompt (``.outputs.embedding``, a list of floats), in prompt order."""
-        return self._pooled(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm,
-                            EmbeddingRequestOutput, lambda data: EmbeddingOutput(data.tolist()))
+    def embed(self, prompts: Any, pooling_params: PoolingParamsArg = None, *,
+              truncate_prompt_tokens: int | None = None, prompt_name: str | None = None,
+              instruction: str | None = None, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``.outputs.embedding``, a list of floats), in prompt order.
 
-    def classify(self, prompts: Any, pooling_params: PoolingParams | None = None, *,
+        ``pooling_params``: one ``PoolingParams`` for all prompts or a list, one per prompt.
+        Each text prompt gets an instruction in front, as ``SentenceTransformer.encode`` picks it:
+        ``instruction`` (its ``prompt``; "" for none), else the model's prompt named ``prompt_name``,
+        else its ``default_prompt_name``'s (``config_sentence_transformers.json``)."""
+        inputs = self.pooling_backend.inputs.prompts(as_prompt_list(prompts), pooling_params, "embed",
+                                                     truncate_prompt_tokens, prompt_name, instruction)
+        return self._outputs(inputs, use_tqdm, EmbeddingRequestOutput, lambda data: EmbeddingOutput(data.tolist()))
+
+    def classify(self, prompts: Any, pooling_params: PoolingParamsArg = None, *,
                  truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt (``.outputs.probs``: softmax over the labels, sigmoid for one)."""
         return self._pooled(prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm,
                             ClassificationRequestOutput, lambda data: ClassificationOutput(data.tolist()))
 
-    def encode(self, prompts: Any, pooling_params: PoolingParams | None = None, *, pooling_task: str = "encode",
+    def encode(self, prompts: Any, pooling_params: PoolingParamsArg = None, *, pooling_task: str = "encode",
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
         """The raw pooled tensor per prompt (``.outputs.data``) for ``pooling_task``
         (``encode``: every token's last hidden state, ``[T, H]``)."""
@@ -160,14 +177,14 @@ class PoolingMethods:
                             PoolingRequestOutput, PoolingOutput)
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], *,
-              pooling_params: PoolingParams | None = None, truncate_prompt_tokens: int | None = None,
+              pooling_params: PoolingParamsArg = None, truncate_prompt_tokens: int | None = None,
               use_tqdm: bool = True) -> list[ScoringRequestOutput]:
         """The relevance score of each text pair (``.outputs.score``): one-to-one
         (lists of equal length) or one-to-many (one text and a list), in pair order."""
         inputs = self.pooling_backend.inputs.pairs(data_1, data_2, pooling_params, truncate_prompt_tokens)
         return self._outputs(inputs, use_tqdm, ScoringRequestOutput, lambda data: ScoringOutput(float(data[0])))
 
-    def _pooled(self, prompts: Any, pooling_params: PoolingParams | None, task: str,
+    def _pooled(self, prompts: Any, pooling_params: PoolingParamsArg, task: str,
                 truncate_prompt_tokens: int | None, use_tqdm: bool, cls: type[PoolingRequestOutput],
                 wrap: Callable[[torch.Tensor], Any]) -> list:
         inputs = self.pooling_backend.inputs.prompts(as_prompt_list(prompts), pooling_params, task,

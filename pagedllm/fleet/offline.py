@@ -35,9 +35,11 @@ from pagedllm.fleet.routing import BalanceRule, ReplicaLoad, RoutingPolicy
 from pagedllm.outputs import RequestOutput
 
 if TYPE_CHECKING:  # the fleet sees its replicas through the contract only
+    from pagedllm.config.pooling import PoolerSpec
     from pagedllm.engine.beam_search import BeamSearchParams
     from pagedllm.engine.client import EngineClient
     from pagedllm.lora.request import LoRARequest
+    from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import SamplingParams
 
 # How long a routed prompt's blocks count as held by its replica (they may be evicted sooner: a hint only).
@@ -97,7 +99,8 @@ class OfflineFleet:
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | BeamSearchParams | None = None,
+    def add_request(self, request_id: str, prompt: Any,
+                    params: SamplingParams | BeamSearchParams | PoolingParams | None = None,
                     *, priority: int = 0, cache_salt: str | None = None,
                     lora_request: LoRARequest | None = None) -> None:
         """Route the request to a replica and queue it there (its ``ValueError`` if it refuses)."""
@@ -139,6 +142,14 @@ class OfflineFleet:
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.replicas[0].get_default_sampling_params()
+
+    @property
+    def pooler_spec(self) -> PoolerSpec | None:  # what a pooling fleet's replicas pool (all alike)
+        return self.replicas[0].pooler_spec
+
+    @property
+    def max_model_len(self) -> int:
+        return self.replicas[0].max_model_len
 
     def stats(self) -> dict:
         return merge_stats([replica.stats() for replica in self.replicas])

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from pagedllm.model.bert import PackedBatch
 from pagedllm.model.encoders import EncoderModel, encoder_architecture, load_encoder
 from pagedllm.pooling.poolers import Dense, activation_module, pool
-from pagedllm.pooling.st_folder import STFolder, read_st_folder
+from pagedllm.pooling.st_folder import STFolder, prompt_token_count, read_st_folder
 from pagedllm.pooling_params import PoolingParams
 
 
@@ -100,10 +100,8 @@ class EncoderPoolingRunner:
         return cls(model, st, tokenizer, dtype, max_num_batched_tokens)
 
     def prompt_token_count(self, prompt: str) -> int:
-        """The prompt's token count as sentence-transformers measures it for include_prompt:
-        the prompt tokenized alone, less its trailing special token (SEP / EOS)."""
-        ids = self.tokenizer(prompt)["input_ids"]
-        return len(ids) - 1 if ids and ids[-1] in self.tokenizer.all_special_ids else len(ids)
+        """The prompt's token count as sentence-transformers measures it for include_prompt."""
+        return prompt_token_count(self.tokenizer, prompt)
 
     def _check(self, index: int, item: PoolingInput) -> None:
         what = f"input {index}"

@@ -14,6 +14,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from pagedllm.config.pooling import InstructionPrompts
 
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 # The legacy boolean keys, in the order sentence-transformers concatenates their outputs.
@@ -55,6 +58,30 @@ class STFolder:
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
     is_sentence_transformers: bool = True  # False: a plain HF folder with the defaults above
+
+    def instruction_prompts(self) -> InstructionPrompts:
+        return InstructionPrompts(tuple(self.prompts.items()), self.default_prompt_name, self.pooling.include_prompt)
+
+
+def prompt_token_count(tokenizer: Any, prompt: str) -> int:
+    """An instruction prompt's token count as sentence-transformers measures it for
+    include_prompt: the prompt tokenized alone, less its trailing special token (SEP / EOS)."""
+    ids = tokenizer(prompt)["input_ids"]
+    return len(ids) - 1 if ids and ids[-1] in tokenizer.all_special_ids else len(ids)
+
+
+def decoder_st_settings(folder: Path) -> tuple[InstructionPrompts, bool]:
+    """A decoder embedder's instruction prompts and whether it normalizes, from its
+    sentence-transformers files (none: no prompts, normalized). A decoder is pooled at its
+    last token, so a folder asking for another pooling or a Dense layer is a ValueError."""
+    st = read_st_folder(folder)
+    if not st.is_sentence_transformers:
+        return st.instruction_prompts(), True
+    if st.pooling.modes != ("lasttoken",) or st.dense:
+        raise ValueError(f"{str(folder)!r}: its sentence-transformers modules ask for {'+'.join(st.pooling.modes)} "
+                         f"pooling{' and Dense layers' if st.dense else ''}; a decoder embedder is pooled at its "
+                         "last token only (pooling_mode lasttoken, no Dense)")
+    return st.instruction_prompts(), st.normalize
 
 
 def _short_type(type_name: str) -> str:

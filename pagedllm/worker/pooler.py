@@ -7,7 +7,7 @@ of sampled (``StepSampler`` skips it). What it returns (``PoolerSpec`` says
 which tasks the loaded model serves):
 
 - ``embed``: the last token's final hidden state (after the final norm),
-  L2-normalized unless ``normalize`` is False, its first ``dimensions`` numbers
+  L2-normalized unless ``normalize`` is False (unset: the ``PoolerSpec``'s rule), its first ``dimensions`` numbers
   (normalized again after the cut).
 - ``classify`` / ``score``: the classifier's logits at the last token: the
   ``score`` head of a ``*ForSequenceClassification`` checkpoint, or for a
@@ -21,7 +21,9 @@ which tasks the loaded model serves):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -38,10 +40,11 @@ def pooled_output(values: torch.Tensor) -> PooledOutput:
     return PooledOutput(host.numpy().tobytes(), tuple(host.shape))
 
 
-def embedding_of(hidden: torch.Tensor, params: PoolingParams) -> torch.Tensor:
-    """One embedding from a pooled hidden state ``[H]`` (float32)."""
+def embedding_of(hidden: torch.Tensor, params: PoolingParams, normalize_by_default: bool = True) -> torch.Tensor:
+    """One embedding from a pooled hidden state ``[H]`` (float32); ``normalize_by_default``:
+    whether it is normalized when ``params.normalize`` is unset (the model's own rule)."""
     vector = hidden.float()
-    normalize = params.normalize is not False
+    normalize = normalize_by_default if params.normalize is None else params.normalize
     if normalize:
         vector = F.normalize(vector, dim=-1)
     if params.dimensions is not None:  # (the engine checked it against the hidden size)
@@ -94,7 +97,8 @@ class DecoderPooler:
             else:  # classify and score read the same logits
                 kind = "embed" if params.task == "embed" else "classify"
                 last[kind].append((scheduled.sequence_id, params, last_row))
-        for kind, finish in (("embed", embedding_of), ("classify", activated)):
+        embedding = functools.partial(embedding_of, normalize_by_default=self.spec.normalize)
+        for kind, finish in (("embed", embedding), ("classify", activated)):
             if last[kind]:
                 rows = hidden[torch.tensor([row for _, _, row in last[kind]], device=hidden.device)]
                 values = (rows if kind == "embed" else self._classifier_logits(rows)).to("cpu", torch.float32)

@@ -29,7 +29,8 @@ from tests.conftest import assert_pool_free
 # Every command that builds an engine, with the arguments it needs besides the flags.
 ENGINE_COMMANDS = [
     ["run"], ["generate", "Hello"], ["serve"],
-    *(["bench", name] for name in ("throughput", "sharing", "prefix", "preemption", "roofline", "soak", "spec")),
+    *(["bench", name] for name in ("throughput", "sharing", "prefix", "rerank", "preemption", "roofline", "soak",
+                                   "spec")),
 ]
 
 

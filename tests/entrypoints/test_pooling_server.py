@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -174,14 +175,22 @@ def test_score_and_rerank_are_llm_score(scorer):
 
 def test_a_decoder_reranker_computes_the_query_once(reranker):
     base, llm = reranker
-    query, documents = "What does a paged KV cache share?", ["Blocks.", "Prefix blocks, counted once.", "Nothing."]
-    want = [o.outputs.score for o in llm.score(query, documents, use_tqdm=False)]
+    query = "What does a paged KV cache share between the requests of one rerank?"
+    documents = [f"Document {i}: " + "blocks " * (i % 7) for i in range(100)]
+    outputs = llm.score(query, documents, use_tqdm=False)
+    want = [o.outputs.score for o in outputs]
     ranked = httpx.post(f"{base}/v1/rerank", json={"query": query, "documents": documents}, headers=AUTH,
                         timeout=60).json()
-    assert [r["index"] for r in ranked["results"]] == sorted(range(3), key=lambda i: -want[i])
+    assert [r["index"] for r in ranked["results"]] == sorted(range(100), key=lambda i: -want[i])
     assert [r["relevance_score"] for r in sorted(ranked["results"], key=lambda r: r["index"])] == pytest.approx(
         want, abs=1e-5)
-    assert ranked["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the later documents hit the query's blocks
+    # The template's and the query's full blocks are computed for the first document only: every later one
+    # finds them cached (the documents differ from their first token on).
+    shared = len(os.path.commonprefix([o.prompt_token_ids for o in outputs]))
+    full_blocks = shared // ENGINE["block_size"] * ENGINE["block_size"]
+    usage = ranked["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 99 * full_blocks, (usage, shared)
+    assert usage["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in outputs)
 
 
 def test_classify_is_llm_classify_with_the_config_labels(scorer):

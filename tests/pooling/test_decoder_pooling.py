@@ -227,3 +227,20 @@ def test_engine_pooling_requests_name_truncate_prompt_tokens(embed_llm):
         outputs += engine.step()
     assert len(outputs[0].prompt_token_ids) == ENGINE["max_model_len"] - 1
     assert_pool_free(embed_llm)
+
+
+@pytest.mark.slow
+def test_a_data_parallel_pooling_llm_equals_one_engine(embed_llm, tiny_model_dir):
+    texts = _texts()
+    expected = embed_llm.embed(texts, use_tqdm=False)
+    fleet = LLM(tiny_model_dir("qwen2"), runner="pooling", data_parallel_size=2, num_threads=1, **ENGINE)
+    try:
+        got = fleet.embed(texts, use_tqdm=False)
+        assert [o.prompt_token_ids for o in got] == [o.prompt_token_ids for o in expected]
+        for output, reference in zip(got, expected):
+            assert torch.allclose(torch.tensor(output.outputs.embedding), torch.tensor(reference.outputs.embedding),
+                                  atol=1e-5)
+        assert set(fleet.llm_engine.last_assignment) == {0, 1}  # both replicas pooled
+        assert_pool_free(fleet)
+    finally:
+        fleet.shutdown()

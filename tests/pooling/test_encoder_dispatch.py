@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pagedllm import LLM
+from pagedllm.pooling.st_folder import PoolingConfig, STFolder
 from pagedllm.pooling_params import PoolingParams
 
 
@@ -22,6 +23,7 @@ class _Input:
     token_ids: list[int]
     params: PoolingParams
     token_type_ids: list[int] | None = None
+    num_prompt_tokens: int = 0
 
 
 class _Runner:
@@ -31,8 +33,7 @@ class _Runner:
         self.tokenizer = tokenizer
         self.max_model_len = 32
         self.supported_tasks = ("classify", "score", "encode")
-        self.prompts: dict[str, str] = {}
-        self.default_prompt_name = None
+        self.st = STFolder(Path("."), PoolingConfig(("cls",)))  # no instruction prompts
         self.seen: list[_Input] = []
 
     def run(self, inputs):

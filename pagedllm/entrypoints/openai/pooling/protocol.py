@@ -45,6 +45,9 @@ class EmbeddingRequest(PoolingRequestBase):
     dimensions: int | None = Field(default=None, ge=1, description="the first n numbers of each embedding "
                                                                     "(Matryoshka models), normalized again")
     normalize: bool | None = None  # None: the model's own rule (its Normalize module, or a decoder's default)
+    # One of the model's instruction prompts (config_sentence_transformers.json) before each text input;
+    # unset: its default_prompt_name's, if it names one.
+    prompt_name: str | None = None
 
 
 class ScoreRequest(PoolingRequestBase):

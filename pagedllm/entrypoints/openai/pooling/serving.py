@@ -25,6 +25,8 @@ from pagedllm.entrypoints.pooling_inputs import PooledPrompt
 from pagedllm.pooling_params import PoolingParams
 
 _RESPONSES = error_responses(400, 401, 404, 503)
+# The request fields an input error may name (its 400's ``param``).
+_NAMED_FIELDS = ("truncate_prompt_tokens", "prompt_name")
 
 
 def add_pooling_routes(app: FastAPI, state: ServerState, tenant_of: TenantDependency) -> None:
@@ -32,7 +34,7 @@ def add_pooling_routes(app: FastAPI, state: ServerState, tenant_of: TenantDepend
     async def embeddings(body: EmbeddingRequest, tenant: str | None = Depends(tenant_of)) -> dict:
         params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
         inputs, results = await _run(state, body, tenant, lambda b: b.inputs.prompts(
-            prompt_list(body.input), params, "embed", body.truncate_prompt_tokens))
+            prompt_list(body.input), params, "embed", body.truncate_prompt_tokens, body.prompt_name))
         data = [{"object": "embedding", "index": i, "embedding": _encoded(r.data, body.encoding_format)}
                 for i, r in enumerate(results)]
         return {"object": "list", "data": data, "model": _model(state, body), "usage": _usage(inputs, results)}
@@ -103,7 +105,7 @@ async def _run(state: ServerState, body: PoolingRequestBase, tenant: str | None,
     try:
         inputs = build(service)
     except ValueError as exc:
-        param = "truncate_prompt_tokens" if "truncate_prompt_tokens" in str(exc) else None
+        param = next((name for name in _NAMED_FIELDS if name in str(exc)), None)
         raise APIError(400, str(exc), param=param) from exc
     return inputs, await service.run(inputs, cache_salt_of(tenant, body.cache_salt))
 
