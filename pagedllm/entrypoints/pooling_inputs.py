@@ -72,7 +72,13 @@ class PoolingInputs:
                 truncate_prompt_tokens: int | None) -> list[PooledPrompt]:
         """One input per prompt (a string, token ids, or a dict)."""
         params = self.params(params, task, truncate_prompt_tokens)
-        return [self.checked(_prompt_input(self.tokenizer, prompt, params), i) for i, prompt in enumerate(prompts)]
+        texts = [prompt for prompt in prompts if isinstance(prompt, str) and prompt]
+        # The texts in one tokenizer call: a fast tokenizer encodes a batch in parallel, about
+        # twice as fast as one call per text (and with the same ids).
+        encoded = iter(self.tokenizer(texts)["input_ids"] if texts else [])
+        items = [PooledPrompt(list(next(encoded)), params, prompt=prompt) if isinstance(prompt, str) and prompt
+                 else _prompt_input(self.tokenizer, prompt, params) for prompt in prompts]
+        return [self.checked(item, i) for i, item in enumerate(items)]
 
     def pairs(self, data_1: str | Sequence[str], data_2: str | Sequence[str], params: PoolingParams | None,
               truncate_prompt_tokens: int | None) -> list[PooledPrompt]:
