@@ -11,7 +11,7 @@ of an empty input or one over the model's length.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -111,7 +111,12 @@ class PoolingInputs:
         text = self.instructions.resolve(prompt_name, instruction) if task == "embed" else ""
         left_out = prompt_token_count(self.tokenizer, text) if text and not self.instructions.include_prompt else 0
         prefix = _Instruction(text, left_out, named)
-        return [self.checked(_prompt_input(self.tokenizer, prompt, p, prefix, i), i)
+        prompts = [_unwrapped(prompt) for prompt in prompts]
+        # The texts in one tokenizer call: a fast tokenizer encodes a batch in parallel, about
+        # twice as fast as one call per text (and with the same ids).
+        texts = [prefix.text + prompt for prompt in prompts if isinstance(prompt, str) and prompt]
+        encoded = iter(self.tokenizer(texts)["input_ids"] if texts else [])
+        return [self.checked(_prompt_input(prompt, p, prefix, i, encoded), i)
                 for i, (prompt, p) in enumerate(zip(prompts, per_input))]
 
     def pairs(self, data_1: str | Sequence[str], data_2: str | Sequence[str], params: PoolingParamsArg,
@@ -142,17 +147,22 @@ class PoolingInputs:
         return item
 
 
-def _prompt_input(tokenizer: Any, prompt: Any, params: PoolingParams, instruction: _Instruction,
-                  index: int) -> PooledPrompt:
-    """One input; a text gets ``instruction`` in front (as sentence-transformers: the two strings joined,
-    then tokenized), token ids are the model's input as given."""
+def _unwrapped(prompt: Any) -> Any:
+    """A dict holding only text (``{"prompt": ...}``) as that text."""
     if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
-        prompt = prompt["prompt"]
+        return prompt["prompt"]
+    return prompt
+
+
+def _prompt_input(prompt: Any, params: PoolingParams, instruction: _Instruction, index: int,
+                  encoded: Iterator[list[int]]) -> PooledPrompt:
+    """One input; a text gets ``instruction`` in front (as sentence-transformers: the two strings joined,
+    then tokenized: ``encoded`` holds the ids of every non-empty text, in order), token ids are the
+    model's input as given."""
     if isinstance(prompt, str):
         if not prompt:
             return PooledPrompt([], params, prompt=prompt)
-        text = instruction.text + prompt
-        return PooledPrompt(list(tokenizer(text)["input_ids"]), params, prompt=text,
+        return PooledPrompt(list(next(encoded)), params, prompt=instruction.text + prompt,
                             num_prompt_tokens=instruction.num_left_out)
     if instruction.named and instruction.text:
         raise ValueError(f"input {index} is token ids: prompt_name and instruction put text before text inputs; "

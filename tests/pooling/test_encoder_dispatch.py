@@ -43,9 +43,11 @@ class _Runner:
 
 
 class _Pair:
-    """A BERT-like pair tokenizer: ``[1] a [2] b [2]`` with segment ids."""
+    """A BERT-like pair tokenizer: ``[1] a [2] b [2]`` with segment ids (a list of texts: one each)."""
 
     def __call__(self, text, text_pair=None):
+        if isinstance(text, list):
+            return {"input_ids": [self(one)["input_ids"] for one in text]}
         first = [1] + [10 + len(w) for w in text.split()] + [2]
         if text_pair is None:
             return {"input_ids": first}
@@ -83,6 +85,9 @@ def test_encoder_checkpoints_take_the_same_inputs(encoder_llm):
     assert probs.outputs.probs == [3.0, 5.0] and runner.seen[-1].params.use_activation is False
     [states] = llm.encode(["x " * 40], truncate_prompt_tokens=-1, use_tqdm=False)
     assert states.outputs.data.shape == (32, 1) and states.num_cached_tokens == 0
+    # Texts (tokenized in one call), token ids and dicts mixed in one call keep their order.
+    llm.classify(["a query", [5, 6, 7], {"prompt": "one document"}, "x yz"], use_tqdm=False)
+    assert [item.token_ids for item in runner.seen[-4:]] == [[1, 11, 15, 2], [5, 6, 7], [1, 13, 18, 2], [1, 11, 12, 2]]
 
 
 def test_encoder_errors_say_what_to_change(encoder_llm):
