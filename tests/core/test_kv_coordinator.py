@@ -332,10 +332,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
         seq = f"s{next(self.ids)}"
         self.prompts.append(tokens)
         req = request(seq, tokens)
+        if not self.kv.tails.hold(seq):  # (an int8 pool's tails, before the lookup: ``admit``)
+            return multiple()
         hits, num_cached, _ = self.kv.get_computed_blocks(req)
         assert num_cached % BLOCK_SIZE == 0 and num_cached < len(tokens)
         copies = self.kv.allocate_slots(seq, num_cached, len(tokens) - num_cached, hits)
         if copies is None:
+            self.kv.tails.release(seq)
             return multiple()
         assert copies == []
         self._copy(copies)
@@ -387,7 +390,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
         if seq not in self.swapped:
             return
         req = self.requests[seq]
+        if not self.kv.tails.hold(seq):  # (as ``admit_swapped`` does)
+            return
         if self.kv.swap_in_cost(seq, req.num_tokens, 1) > self.kv.num_free_blocks:
+            self.kv.tails.release(seq)
             return
         moves = self.kv.swap_in(seq)
         self._copy([])  # (the tiered machine's offloads: a swap-in may evict)
@@ -440,6 +446,27 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
 TestCoordinator = CoordinatorMachine.TestCase
 TestCoordinator.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class TailCoordinatorMachine(CoordinatorMachine):
+    """The same operations on an int8 pool: each request holds a full-precision tail
+    per group, a run of two aligned blocks of the same pool, while it writes (a fork's
+    child from its first growth on); the checker verifies every run and its owner,
+    and the teardown that every block, tails' included, is free again."""
+
+    def _manager(self, **options) -> KVCacheManager:
+        return super()._manager(tail_run_blocks=2, tails_per_request=len(self.KINDS), **options)
+
+    @invariant()
+    def tails_are_held_by_the_requests_that_write(self):
+        holders = set(self.kv.tails.held)
+        assert holders <= set(self.requests) - self.swapped
+        held = sum(len(runs) for runs in self.kv.tails.held.values()) * 2
+        assert held == sum(block.ref_cnt > 0 and block.owner is not None for block in self.kv.block_pool.blocks)
+
+
+TestTailCoordinator = TailCoordinatorMachine.TestCase
+TestTailCoordinator.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
 
 
 class TieredCoordinatorMachine(CoordinatorMachine):
