@@ -63,7 +63,8 @@ def test_int8_hybrid_preemption_changes_nothing(tiny_gemma_dir, preemption_mode)
     folder, _ = tiny_gemma_dir("gemma2")
     batch = prompts(_llm(folder, False).get_tokenizer(), PROMPT_LENGTHS)
     requests = [{"prompt_token_ids": p} for p in batch]
-    small = _llm(folder, False, num_kv_blocks=36, preemption_mode=preemption_mode)
+    # 44 blocks: each request also holds a 4-block fp32 tail per group (2 groups) while it writes.
+    small = _llm(folder, False, num_kv_blocks=44, preemption_mode=preemption_mode)
     got = results(small.generate(requests, GREEDY, use_tqdm=False))
     stats = small.stats()
     assert stats["num_preemptions"] > 0, stats
