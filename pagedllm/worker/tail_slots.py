@@ -40,9 +40,8 @@ Safety rules:
   a free one. A slot given back while a block still uses it (another
   sequence's block took it from the shared pool) moves that tail to a free
   slot held (``tail_copies``), before anything reuses the slot's run
-  (``core.block_moves.Phase``). Should none be free (the contiguous layout
-  holds none) a block simply gets none and its tokens read as int8, never an
-  error.
+  (``core.block_moves.Phase``). Should none be free, a block simply gets none
+  and its tokens read as int8, never an error.
 * A hybrid KV layout (``core.kv_groups``) gives a sequence one table per
   group, and each group's layers their own metadata view: every rule above
   applies to each group's table and view. Slots stay keyed by physical block:
