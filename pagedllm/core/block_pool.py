@@ -6,7 +6,7 @@ per-layer KV tensors owned by the model runner.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Protocol
 
 from pagedllm.core.block_hash import BlockHash
@@ -185,8 +185,10 @@ class BlockPool:
         elif block.owner is not None:
             block.owner.evicted(block)
 
-    def take_run(self, n: int, owner: BlockOwner, align: int = 1) -> list[KVCacheBlock] | None:
-        """``n`` free blocks with consecutive ids, the first a multiple of ``align``, each
+    def take_run(self, n: int, owner: BlockOwner, align: int = 1,
+                 avoid: Collection[int] = ()) -> list[KVCacheBlock] | None:
+        """``n`` free blocks with consecutive ids (none in ``avoid``: a prefix hit about
+        to be revived), the first a multiple of ``align``, each
         with one reference and owned by ``owner`` from the moment it is taken (no held
         block is ever seen without its owner), or None if no such run is free. Of the
         free runs, the one holding the fewest cached blocks and owned free blocks wins,
@@ -199,7 +201,7 @@ class BlockPool:
         free_in_run = valued = 0  # over the window [start, start + n)
         for start in range(self.num_blocks - 1, -1, -1):
             block = self.blocks[start]
-            free_in_run = free_in_run + 1 if block.ref_cnt == 0 else 0
+            free_in_run = free_in_run + 1 if block.ref_cnt == 0 and start not in avoid else 0
             valued += block.block_hash is not None or block.owner is not None
             if start + n < self.num_blocks:
                 gone = self.blocks[start + n]

@@ -59,10 +59,10 @@ class KVCacheManager:
       prefix lookup (a page-in may evict cached blocks, perhaps the very hit) and
       unpins it when the blocks do not fit; ``free`` and ``swap_out`` unpin.
     - An int8 pool's tails (``TailRuns``) are blocks like the others: a request
-      takes them where it starts writing (``admit`` before the prefix lookup, as
-      a page-in, since taking may evict cached blocks; ``admit_swapped``; a fork's
-      child at its first ``allocate_slots``) within the same all-or-nothing
-      count, and gives them back where its device blocks go (``free``, ``swap_out``).
+      takes them where it starts writing (its first
+      ``allocate_slots``, from blocks other than its prefix hit; ``admit_swapped``;
+      a fork's child at its first growth) within the same all-or-nothing count,
+      and gives them back where its device blocks go (``free``, ``swap_out``).
     """
 
     def __init__(
@@ -146,18 +146,16 @@ class KVCacheManager:
         self.prefix_cache.prefetch(request)
 
     def admit(self, request: Request, first_chunk: FirstChunk) -> Admission | None:
-        """Pin the request's adapter (paging it in, which may evict cached blocks) and
-        take its tails (likewise), then look its prefix up and allocate its first
-        chunk (``admit_from_prefix``); None, with the pin and tails released, when
-        any of it does not fit. A page-in made for it stays, idle: its load is
-        still owed, so a revival reads the weights."""
-        request_id = request.request_id
-        if not self.adapters.pin(request_id, request.lora):
+        """Pin the request's adapter (paging it in, which may evict cached blocks),
+        then look its prefix up and allocate its first chunk and its tails
+        (``admit_from_prefix``); None, with the pin released, when any of it does
+        not fit. A page-in made for it stays, idle: its load is still owed, so a
+        revival reads the weights."""
+        if not self.adapters.pin(request.request_id, request.lora):
             return None
-        admitted = admit_from_prefix(self, request, first_chunk) if self.tails.hold(request_id) else None
+        admitted = admit_from_prefix(self, request, first_chunk)
         if admitted is None:
-            self.tails.release(request_id)
-            self.adapters.unpin(request_id)
+            self.adapters.unpin(request.request_id)
         return admitted
 
     def admit_swapped(self, request: Request, num_new_tokens: int) -> tuple[list[SwapIn],
@@ -218,16 +216,15 @@ class KVCacheManager:
         ``num_computed_tokens // block_size``), or None if the pool is short; on
         None nothing was added. Either way, first releases each sliding or chunked
         group's entries that no query from ``num_computed_tokens`` on reads.
-        A request without its tails (a fork's child) takes them first; with a
-        hit, ``admit`` took them before the lookup, as taking may evict a cached block.
+        A request without its tails (a new one, a fork's child) takes them first,
+        from blocks other than its hit's (taking may evict cached blocks).
         """
         hits = computed_blocks or [[] for _ in self.groups]
         for group in self.groups:
             group.release_unread(request_id, num_computed_tokens)
         had_tails = request_id in self.tails.held
-        if computed_blocks is not None and not had_tails and self.tails.per_request:
-            raise ValueError(f"request {request_id!r}: take its tails before its prefix lookup (admit does)")
-        if not self.tails.hold(request_id):
+        hit_blocks = {entry.block_id for hit in hits for entry in hit if isinstance(entry, KVCacheBlock)}
+        if not self.tails.hold(request_id, avoid=hit_blocks):
             return None
         plans = [group.plan(request_id, num_computed_tokens, num_new_tokens, hit)
                  for group, hit in zip(self.groups, hits)]

@@ -332,13 +332,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
         seq = f"s{next(self.ids)}"
         self.prompts.append(tokens)
         req = request(seq, tokens)
-        if not self.kv.tails.hold(seq):  # (an int8 pool's tails, before the lookup: ``admit``)
-            return multiple()
         hits, num_cached, _ = self.kv.get_computed_blocks(req)
         assert num_cached % BLOCK_SIZE == 0 and num_cached < len(tokens)
         copies = self.kv.allocate_slots(seq, num_cached, len(tokens) - num_cached, hits)
         if copies is None:
-            self.kv.tails.release(seq)
             return multiple()
         assert copies == []
         self._copy(copies)

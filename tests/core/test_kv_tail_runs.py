@@ -37,6 +37,12 @@ def test_an_aligned_run_skips_a_run_that_straddles_the_alignment():
     assert pool.take_run(2, TailRun("c"), align=2)[0].block_id == 8
 
 
+def test_a_run_avoids_the_blocks_asked_for():
+    """A new request's tails never take (and so evict) a block of its own prefix hit."""
+    assert [b.block_id for b in BlockPool(8).take_run(4, TailRun("a"), align=4, avoid={5})] == [0, 1, 2, 3]
+    assert BlockPool(8).take_run(4, TailRun("a"), align=4, avoid={1, 5}) is None
+
+
 def test_admission_takes_the_tails_and_free_gives_them_back_in_order():
     kv = manager()
     assert kv.admit(request("a", 6), lambda num_cached: 6 - num_cached) is not None

@@ -13,9 +13,10 @@ the model's dtype holds ``run_blocks`` times an int8 block's values
 
 A request holds ``per_request`` tails (one per KV cache group for the block it
 fills, plus those one step's draft tokens reach past it: ``tails_per_request``)
-while it holds device blocks and writes: taken when it is admitted, swapped in,
-or first scheduled after a fork, given back when it finishes, is preempted or
-swapped out. The runner decides which of its blocks uses which of the granted
+while it holds device blocks and writes: taken when it is admitted (from
+blocks other than its prefix hit, which taking may otherwise evict), swapped
+in, or first scheduled after a fork, given back when it finishes, is preempted
+or swapped out. The runner decides which of its blocks uses which of the granted
 slots (``worker/tail_slots.py``); the scheduler only ever sees blocks, so a
 request that cannot get its tails waits or preempts like any block shortage.
 
@@ -83,15 +84,15 @@ class TailRuns:
     def slot_of(self, run: TailRun) -> int:
         return run.blocks[0].block_id // self.run_blocks
 
-    def hold(self, request_id: str) -> bool:
-        """Give ``request_id`` its tails if it holds none; False (nothing taken) when
-        the pool has no free aligned runs for all of them."""
+    def hold(self, request_id: str, avoid: Collection[int] = ()) -> bool:
+        """Give ``request_id`` its tails if it holds none, from no block in ``avoid``;
+        False (nothing taken) when the pool has no free aligned runs for all of them."""
         if not self.per_request or request_id in self.held:
             return True
         runs = []
         for _ in range(self.per_request):
             run = TailRun(request_id)
-            blocks = self.pool.take_run(self.run_blocks, run, align=self.run_blocks)
+            blocks = self.pool.take_run(self.run_blocks, run, align=self.run_blocks, avoid=avoid)
             if blocks is None:
                 self._give_back(runs)
                 return False
