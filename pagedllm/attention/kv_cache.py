@@ -28,11 +28,15 @@ fp8 is not rotated: e4m3 keeps a relative precision per value, so an outlier
 costs the other channels nothing, and rotating would spread the outlier's own
 error over every channel (measured: 3.5x the error of unrotated e4m3).
 
-Full-precision tails (int8 only, issue 23). Besides the int8 pool, the runner
-keeps each sequence's still-filling last block in full precision: a small tail
-pool ``tail_key`` / ``tail_value`` of ``[num_tail_slots, block_size,
-num_kv_heads, head_dim]`` in the model's dtype, in the rotated basis (so a
-decode kernel reads a tail with the same rotated query as the int8 blocks).
+Full-precision tails (int8 only, issues 23 and 55). Besides the int8 pool, the
+runner keeps each sequence's still-filling last block in full precision:
+``tail_key`` / ``tail_value`` of ``[num_tail_slots, block_size, num_kv_heads,
+head_dim]`` in the model's dtype, in the rotated basis (so a decode kernel
+reads a tail with the same rotated query as the int8 blocks). They are views
+over the int8 pool's own bytes: tail slot ``s`` is the key (value) bytes of
+blocks ``[s * k, (s + 1) * k)``, ``k = tail_run_blocks(dtype)``, which the
+scheduler's requests hold as tails (``core/kv_managers/tail_runs.py``), so a
+tail costs pool blocks only while a sequence writes.
 Every token still goes to the int8 pool as above (a block that fills needs no
 conversion; prefix caching, copy-on-write and swap see only int8 blocks); a
 token in a block that will not be full after it is *also* written to its
@@ -57,7 +61,8 @@ import torch
 from pagedllm.config.cache import KV_CACHE_DTYPES
 from pagedllm.kernels.cpu import cpu_kernels_for
 
-__all__ = ["KV_CACHE_DTYPES", "LayerKVCache", "allocate_layer", "dequantize", "hadamard_rotate", "quantize"]
+__all__ = ["KV_CACHE_DTYPES", "LayerKVCache", "allocate_layer", "dequantize", "hadamard_rotate", "quantize",
+           "tail_run_blocks"]
 
 # Largest magnitude each stored type represents: a vector's absolute maximum maps to it.
 _QUANT_MAX = {"int8": 127.0, "fp8_e4m3": 448.0}
@@ -82,7 +87,8 @@ class LayerKVCache:
     key_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] fp32 when quantized
     value_scale: torch.Tensor | None = None
     # int8 only: [num_tail_slots, block_size, num_kv_heads, head_dim] in the model's
-    # dtype, rotated; indexed by tail slot, not block (not in ``tensors()``).
+    # dtype, rotated; indexed by tail slot, not block; views over ``key`` / ``value``
+    # (``allocate_layer``), so not in ``tensors()``.
     tail_key: torch.Tensor | None = None
     tail_value: torch.Tensor | None = None
     # The KV cache group whose block tables this layer reads (``core.kv_groups``;
@@ -104,10 +110,10 @@ class LayerKVCache:
         return [self.key, self.value, *scales]
 
     def pretouch(self) -> None:
-        """Write every page of the layer's tensors (zeros), tails included, so that
-        their memory is resident now rather than as blocks fill (``allocate_layer``)."""
-        tails = [self.tail_key, self.tail_value] if self.has_tails else []
-        for tensor in (*self.tensors(), *tails):
+        """Write every page of the layer's tensors (zeros; the tails are views over
+        them), so that their memory is resident now rather than as blocks fill
+        (``allocate_layer``)."""
+        for tensor in self.tensors():
             tensor.zero_()
 
     @property
@@ -245,10 +251,25 @@ def dequantize(stored: torch.Tensor, scale: torch.Tensor, kv_cache_dtype: str, d
     return (values.float() * scale.unsqueeze(-1)).to(dtype)
 
 
+def tail_run_blocks(dtype: torch.dtype) -> int:
+    """int8 blocks one full-precision tail of ``dtype`` takes: its values are that
+    many bytes each, and an int8 block's key (value) tensor holds one byte per
+    value (its scales live in other tensors and go unused)."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _tail_view(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Tail slot ``s`` over blocks ``[s * k, (s + 1) * k)`` of an int8 block-major
+    tensor, read as ``dtype`` (``k = tail_run_blocks(dtype)``)."""
+    run = tail_run_blocks(dtype)
+    num_slots = stored.shape[0] // run
+    return stored[: num_slots * run].view(-1).view(dtype).view(num_slots, *stored.shape[1:])
+
+
 def allocate_layer(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                   kv_cache_dtype: str, device: torch.device, num_tail_slots: int = 0) -> LayerKVCache:
+                   kv_cache_dtype: str, device: torch.device, tails: bool = False) -> LayerKVCache:
     """An uninitialised layer cache for ``num_blocks`` blocks (and, for int8 with
-    ``num_tail_slots`` > 0, that many full-precision tail slots).
+    ``tails``, full-precision tail slots over the same bytes: ``_tail_view``).
 
     Reserved, not written: on a CPU the operating system backs a page of a large
     allocation only when it is first written, so the pool's resident memory
@@ -262,18 +283,18 @@ def allocate_layer(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     if kv_cache_dtype == "auto":
         return LayerKVCache(torch.empty(shape, dtype=dtype, device=device),
                             torch.empty(shape, dtype=dtype, device=device))
-    if num_tail_slots and kv_cache_dtype != "int8":
+    if tails and kv_cache_dtype != "int8":
         raise ValueError(f"full-precision tails are for int8 pools, not {kv_cache_dtype}")
     storage = _STORAGE_DTYPE[kv_cache_dtype]
-    tail_shape = (num_tail_slots, *shape[1:])
+    key, value = torch.empty(shape, dtype=storage, device=device), torch.empty(shape, dtype=storage, device=device)
     return LayerKVCache(
-        torch.empty(shape, dtype=storage, device=device),
-        torch.empty(shape, dtype=storage, device=device),
+        key,
+        value,
         kv_cache_dtype,
         torch.empty(shape[:3], dtype=torch.float32, device=device),
         torch.empty(shape[:3], dtype=torch.float32, device=device),
-        torch.empty(tail_shape, dtype=dtype, device=device) if num_tail_slots else None,
-        torch.empty(tail_shape, dtype=dtype, device=device) if num_tail_slots else None,
+        _tail_view(key, dtype) if tails else None,
+        _tail_view(value, dtype) if tails else None,
     )
 
 

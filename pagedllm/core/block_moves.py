@@ -3,7 +3,9 @@
 Everything that moves a block's bytes in a step is a record here: copy-on-write
 copies, preemption swaps, the tiers' offloads, loads, drops and persists, LoRA
 adapters' page-ins, and (added by the runner, ``worker/tail_slots.py``) an int8
-pool's tail-slot moves.
+pool's tail-slot moves. A tail slot is a run of pool blocks
+(``core/kv_managers/tail_runs.py``), so tail moves and block moves touch the
+same bytes and their order matters as much.
 The scheduler, the KV manager and the tier index add records to a
 ``BlockMovePlan``; the worker's ``BlockMover`` carries it out phase by phase.
 
@@ -19,9 +21,14 @@ The scheduler, the KV manager and the tier index add records to a
   swap-out), and ``TIER_DROP`` after the loads: an entry loaded and dropped in
   one step is still there for its load. An offload always makes a new entry,
   so an offload and a load in one step never clash.
-- The tail moves follow the block moves they shadow: tails out to the host
-  (before a freed slot is reused), slot copies, tails back in, then fills,
-  which read a block's int8 values as this step's block moves left them.
+- Every move that reads what this step frees runs before any that writes: a
+  tail's run given back this step (a finished, preempted or swapped-out
+  request's) may be reused this step as a copy, swap-in or load destination,
+  another tail or an adapter's pages. So ``TAIL_OUT`` (a swapped-out block's
+  tail to the host) and ``TAIL_COPY`` (a copied block's tail, and a tail moved
+  off a slot given back) follow the swap-outs, whose blocks a newly taken
+  tail may be, and precede ``COPY``. Tails back in and fills come after the
+  block moves: a fill reads a block's int8 values as they left them.
 - ``ADAPTER_LOAD`` after every block move: an adapter's pages may be blocks
   the pool evicted (or a swap-out freed) this step, so their old contents must
   have moved out first; the forward after it reads the new weights.
@@ -51,12 +58,12 @@ class Phase(IntEnum):
 
     TIER_OFFLOAD = 0
     SWAP_OUT = 1
-    COPY = 2
-    SWAP_IN = 3
-    TIER_LOAD = 4
-    TIER_DROP = 5
-    TAIL_OUT = 6
-    TAIL_COPY = 7
+    TAIL_OUT = 2
+    TAIL_COPY = 3
+    COPY = 4
+    SWAP_IN = 5
+    TIER_LOAD = 6
+    TIER_DROP = 7
     TAIL_IN = 8
     TAIL_FILL = 9
     ADAPTER_LOAD = 10

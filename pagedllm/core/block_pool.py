@@ -6,7 +6,7 @@ per-layer KV tensors owned by the model runner.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Protocol
 
 from pagedllm.core.block_hash import BlockHash
@@ -185,23 +185,31 @@ class BlockPool:
         elif block.owner is not None:
             block.owner.evicted(block)
 
-    def take_run(self, n: int, owner: BlockOwner) -> list[KVCacheBlock] | None:
-        """``n`` free blocks with consecutive ids, each with one reference and owned by
-        ``owner`` from the moment it is taken (no held block is ever seen without its
-        owner), or None if no such run is free. Of the free runs, the one holding the
-        fewest cached blocks and adapter pages wins, the highest ids on a tie: allocation takes low ids
-        first, so adapters settle at the top of the pool, apart from the requests'
-        blocks. O(num_blocks): for an adapter's page-in, not a step's allocation."""
+    def take_run(self, n: int, owner: BlockOwner, align: int = 1,
+                 avoid: Collection[int] = ()) -> list[KVCacheBlock] | None:
+        """``n`` free blocks with consecutive ids (none in ``avoid``: a prefix hit about
+        to be revived), the first a multiple of ``align``, each
+        with one reference and owned by ``owner`` from the moment it is taken (no held
+        block is ever seen without its owner), or None if no such run is free. Of the
+        free runs, the one holding the fewest cached blocks and owned free blocks wins,
+        the highest ids on a tie: allocation takes low ids first, so adapters and tails
+        settle at the top of the pool, apart from the requests' blocks. Scans from the
+        top and stops at the first free run that holds nothing of value (the best there
+        is); O(num_blocks) at worst: for an adapter's page-in or a request's tails,
+        not every step's allocation."""
         best: tuple[int, int] | None = None  # (valued blocks in the run, -start)
-        free_in_run = valued = 0
-        for block in self.blocks:
-            free_in_run = free_in_run + 1 if block.ref_cnt == 0 else 0
+        free_in_run = valued = 0  # over the window [start, start + n)
+        for start in range(self.num_blocks - 1, -1, -1):
+            block = self.blocks[start]
+            free_in_run = free_in_run + 1 if block.ref_cnt == 0 and start not in avoid else 0
             valued += block.block_hash is not None or block.owner is not None
-            if block.block_id >= n:
-                gone = self.blocks[block.block_id - n]
+            if start + n < self.num_blocks:
+                gone = self.blocks[start + n]
                 valued -= gone.block_hash is not None or gone.owner is not None
-            if free_in_run >= n and (best is None or (valued, -(block.block_id - n + 1)) <= best):
-                best = (valued, -(block.block_id - n + 1))
+            if free_in_run >= n and start % align == 0 and (best is None or valued < best[0]):
+                best = (valued, -start)
+                if valued == 0:
+                    break
         if best is None:
             return None
         run = self.blocks[-best[1]: -best[1] + n]

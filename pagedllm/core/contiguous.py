@@ -140,6 +140,9 @@ class ContiguousKVCacheManager:
     def take_tier_moves(self) -> BlockMovePlan:
         return BlockMovePlan()  # no prefix cache, so no tiers below it
 
+    def take_tail_changes(self) -> tuple[list[int], list[int]]:
+        return [], []  # no tails: an int8 pool's partial blocks read as int8 (docs/paging.md)
+
     def reset_prefix_cache(self) -> int:
         return 0
 

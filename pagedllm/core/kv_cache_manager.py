@@ -10,20 +10,22 @@ all-or-nothing. Token ``t`` of a request lives, in group ``g``, in slot
 group's leading entries that no later query reads are None (released).
 Beside the groups, the adapter-pages kind (``kv_managers.adapter_pages``) holds
 the LoRA adapters' pages in the same pool, pinned for the requests that hold
-device blocks under them.
+device blocks under them, and the tail kind (``kv_managers.tail_runs``) an int8
+pool's full-precision tails, held by the requests that write.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
-from pagedllm.core.block_hash import external_block_hash
 from pagedllm.core.block_moves import AdapterLoad, BlockMovePlan, SwapIn, SwapOut
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.kv_events import KVEventLog
 from pagedllm.core.kv_interface import Admission, BlockCopy, FirstChunk, KVCacheStats, PrefixHit, admit_from_prefix
 from pagedllm.core.kv_managers.adapter_pages import AdapterPages
 from pagedllm.core.kv_managers.kinds import LayerAttention, attention_of
+from pagedllm.core.kv_managers.tail_runs import TailRuns
+from pagedllm.core.pool_view import paged_pool_snapshot
 from pagedllm.core.prefix_cache import PrefixCache
 from pagedllm.core.request import Request
 from pagedllm.core.single_type_manager import HitEntry, SingleTypeManager
@@ -56,6 +58,11 @@ class KVCacheManager:
       exactly while it holds device blocks: ``admit`` pins the adapter before the
       prefix lookup (a page-in may evict cached blocks, perhaps the very hit) and
       unpins it when the blocks do not fit; ``free`` and ``swap_out`` unpin.
+    - An int8 pool's tails (``TailRuns``) are blocks like the others: a request
+      takes them where it starts writing (its first
+      ``allocate_slots``, from blocks other than its prefix hit; ``admit_swapped``;
+      a fork's child at its first growth) within the same all-or-nothing count,
+      and gives them back where its device blocks go (``free``, ``swap_out``).
     """
 
     def __init__(
@@ -70,6 +77,8 @@ class KVCacheManager:
         events: KVEventLog | None = None,
         enable_lora: bool = False,
         max_loras: int | None = None,
+        tail_run_blocks: int = 0,
+        tails_per_request: int = 0,
     ) -> None:
         check_block_size(block_size)
         if not windows:
@@ -86,6 +95,7 @@ class KVCacheManager:
                        for group, kind in enumerate(kinds)]
         self.peak_blocks_in_use = 0
         self.adapters = AdapterPages(self.block_pool, max_loras, enabled=enable_lora)
+        self.tails = TailRuns(self.block_pool, tail_run_blocks, tails_per_request)
         self.swap_space = SwapSpace(num_swap_blocks)
         self.num_swap_out_blocks = 0
         self.num_swap_in_blocks = 0
@@ -124,8 +134,8 @@ class KVCacheManager:
     def num_blocks_to_start(self, num_tokens: int) -> int:
         # A step holds, in every group, each block it writes: a sliding or chunked
         # group releases what it no longer reads only before a step, and its queries read
-        # the step's own earlier tokens.
-        return len(self.groups) * self.num_blocks_for(num_tokens)
+        # the step's own earlier tokens. It also takes its tails.
+        return len(self.groups) * self.num_blocks_for(num_tokens) + self.tails.blocks_per_request
 
     def get_computed_blocks(self, request: Request) -> PrefixHit:
         """The request's cached prefix, per group, in the pool and the tiers (``PrefixCache.lookup``)."""
@@ -137,9 +147,10 @@ class KVCacheManager:
 
     def admit(self, request: Request, first_chunk: FirstChunk) -> Admission | None:
         """Pin the request's adapter (paging it in, which may evict cached blocks),
-        then look its prefix up and allocate its first chunk (``admit_from_prefix``);
-        None, with the pin released, when any of it does not fit. A page-in made
-        for it stays, idle: its load is still owed, so a revival reads the weights."""
+        then look its prefix up and allocate its first chunk and its tails
+        (``admit_from_prefix``); None, with the pin released, when any of it does
+        not fit. A page-in made for it stays, idle: its load is still owed, so a
+        revival reads the weights."""
         if not self.adapters.pin(request.request_id, request.lora):
             return None
         admitted = admit_from_prefix(self, request, first_chunk)
@@ -149,13 +160,15 @@ class KVCacheManager:
 
     def admit_swapped(self, request: Request, num_new_tokens: int) -> tuple[list[SwapIn],
                                                                             list[BlockCopy]] | None:
-        """Pin the request's adapter (first, as ``admit`` does), bring its blocks back
-        and allocate its next ``num_new_tokens`` tokens; None with nothing changed
-        but an idle page-in when they do not fit."""
+        """Pin the request's adapter and take its tails (first, as ``admit`` does),
+        bring its blocks back and allocate its next ``num_new_tokens`` tokens; None
+        with nothing changed but an idle page-in when they do not fit."""
         request_id, num_computed = request.request_id, request.num_computed_tokens
         if not self.adapters.pin(request_id, request.lora):
             return None
-        if self.swap_in_cost(request_id, num_computed, num_new_tokens) > self.num_free_blocks:
+        if not self.tails.hold(request_id) or \
+                self.swap_in_cost(request_id, num_computed, num_new_tokens) > self.num_free_blocks:
+            self.tails.release(request_id)
             self.adapters.unpin(request_id)
             return None
         moves = self.swap_in(request_id)
@@ -203,13 +216,21 @@ class KVCacheManager:
         ``num_computed_tokens // block_size``), or None if the pool is short; on
         None nothing was added. Either way, first releases each sliding or chunked
         group's entries that no query from ``num_computed_tokens`` on reads.
+        A request without its tails (a new one, a fork's child) takes them first,
+        from blocks other than its hit's (taking may evict cached blocks).
         """
         hits = computed_blocks or [[] for _ in self.groups]
         for group in self.groups:
             group.release_unread(request_id, num_computed_tokens)
+        had_tails = request_id in self.tails.held
+        hit_blocks = {entry.block_id for hit in hits for entry in hit if isinstance(entry, KVCacheBlock)}
+        if not self.tails.hold(request_id, avoid=hit_blocks):
+            return None
         plans = [group.plan(request_id, num_computed_tokens, num_new_tokens, hit)
                  for group, hit in zip(self.groups, hits)]
         if sum(plan.cost for plan in plans) > self.num_free_blocks:
+            if not had_tails:
+                self.tails.release(request_id)
             return None
         # Every group revives its cached hit before any takes a fresh block (a tier
         # load's or a new one): taking one may evict a free cached block, which must
@@ -225,6 +246,9 @@ class KVCacheManager:
 
     def take_tier_moves(self) -> BlockMovePlan:
         return self.prefix_cache.take_tier_moves()
+
+    def take_tail_changes(self) -> tuple[list[int], list[int]]:
+        return self.tails.take_changes()
 
     def num_released(self, request_id: str) -> list[int]:
         """Per group, the leading entries of the request's table its window or
@@ -254,7 +278,8 @@ class KVCacheManager:
         reference), so a preempted sibling never takes memory from the others.
         Returns the swap-outs to perform before the next forward pass, or None
         (nothing changed) if the host pool is short. The request's adapter pin
-        goes with its device blocks.
+        and tails go with its device blocks (the runner copies a tail out
+        before anything reuses its run: ``core.block_moves.Phase``).
         """
         private = [block for group in self.groups for block in group.private_blocks(request_id)]
         host_blocks = self.swap_space.allocate(len(private))
@@ -263,6 +288,7 @@ class KVCacheManager:
         to_host: dict[KVCacheBlock, int] = dict(zip(private, host_blocks))
         for group in self.groups:
             group.swap_out(request_id, to_host)
+        self.tails.release(request_id)
         self.adapters.unpin(request_id)
         self.num_swap_out_blocks += len(private)
         return [SwapOut(block.block_id, host) for block, host in to_host.items()]
@@ -303,12 +329,13 @@ class KVCacheManager:
         return copies
 
     def free(self, request_id: str) -> None:
-        """Release the request's blocks (each group tail first), host blocks and
-        then its adapter pin (the pages join the LRU after the blocks). Freeing
+        """Release the request's blocks (each group tail first), host blocks, tails
+        and then its adapter pin (the pages join the LRU after the blocks). Freeing
         an unknown request is a no-op, so every finish/abort/preempt path can
         call it unconditionally."""
         for group in self.groups:
             self.swap_space.free(group.free(request_id))
+        self.tails.release(request_id)
         self.adapters.unpin(request_id)
 
     def truncate(self, request_id: str, num_tokens: int) -> int:
@@ -320,38 +347,8 @@ class KVCacheManager:
         return min(group.truncate(request_id, keep) for group in self.groups)
 
     def pool_snapshot(self) -> list[dict]:
-        """Per physical block, for the live pool view: ``state`` ("used": some
-        table points at it; "cached": free but hashed, so prefix caching can
-        revive it until it is evicted; "free"), ``ref_cnt``, the ids of the
-        requests whose tables hold it (a swapped request keeps the shared blocks
-        it points at), ``hashed``, ``group`` (the KV cache group whose tables or
-        cache hold it; None when free and uncached, or an adapter page), and
-        ``adapter`` (the LoRA adapter whose weights it holds, if any: "used"
-        while pinned, "cached" while idle). Safe to call while another thread
-        steps the engine: each mapping is copied in one call, so the view may
-        straddle a step but never raises."""
-        owners: dict[int, list[str]] = {}
-        group_of: dict[int, int] = {}
-        for group in self.groups:
-            for request_id, table in list(group.tables.items()) + list(group.swapped_tables.items()):
-                for block in list(table.entries):
-                    if isinstance(block, KVCacheBlock):
-                        owners.setdefault(block.block_id, []).append(request_id)
-                        group_of[block.block_id] = group.group
-        return [
-            {
-                "block_id": block.block_id,
-                "state": "used" if block.ref_cnt else ("cached" if block.block_hash or block.owner else "free"),
-                "ref_cnt": block.ref_cnt,
-                "owners": owners.get(block.block_id, []),
-                "hashed": block.block_hash is not None,
-                # As KV events name it (``external_block_hash``), so a subscriber's view can be checked.
-                "block_hash": None if block.block_hash is None else external_block_hash(block.block_hash),
-                "group": group_of.get(block.block_id, None if block.block_hash is None else block.cache_group),
-                "adapter": None if block.owner is None else block.owner.name,
-            }
-            for block in self.block_pool.blocks
-        ]
+        """Per physical block, for the live pool view (``core.pool_view.paged_pool_snapshot``)."""
+        return paged_pool_snapshot(self)
 
     def get_block_ids(self, request_id: str, start: int = 0) -> list[list[int]]:
         """Per group, the block ids of the request's table from entry ``start`` on
@@ -387,5 +384,6 @@ class KVCacheManager:
         and ``table_invariants``)."""
         check_paged_tables(self, running, swapped)
         self.adapters.check_invariants(self.groups[0].tables)
+        self.tails.check_invariants(self.groups[0].tables)
         if self.tiers is not None:
             self.tiers.check_invariants()

@@ -221,6 +221,10 @@ class KVCacheManagerProtocol(Protocol):
     def take_tier_moves(self) -> BlockMovePlan:
         """The tier moves owed since the last call, for this step's plan (empty without tiers)."""
 
+    def take_tail_changes(self) -> tuple[list[int], list[int]]:
+        """``(taken, given back)`` int8 tail slots since the last call, for this
+        step's output (``kv_managers.tail_runs``; empty without tails)."""
+
     def reset_peak_blocks_in_use(self) -> None:
         """Start a new peak measurement from the blocks in use now."""
 

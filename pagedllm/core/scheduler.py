@@ -153,6 +153,7 @@ class Scheduler(StepUpdates):
         output.released_sequence_ids = self.runner_views.take_released()
         output.block_moves.extend(self.kv_cache_manager.take_tier_moves())
         output.block_moves.add_all(self.kv_cache_manager.take_adapter_loads())
+        output.tails_taken, output.tails_returned = self.kv_cache_manager.take_tail_changes()
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> bool:

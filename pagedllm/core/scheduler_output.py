@@ -111,6 +111,10 @@ class SchedulerOutput:
     # tiers' moves. Copies and swaps are group-agnostic: moving block b moves its
     # row in every slot cache.
     block_moves: BlockMovePlan = field(default_factory=BlockMovePlan)
+    # An int8 pool's tail slots the requests took and gave back since the last
+    # output (``core/kv_managers/tail_runs.py``); the runner applies those given back first.
+    tails_taken: list[int] = field(default_factory=list)
+    tails_returned: list[int] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -38,6 +38,7 @@ class InputProcessor:
         seed: int,
         max_logprobs: int = 20,
         adapters: AdapterRegistry | None = None,
+        tail_blocks: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.adapters = adapters
@@ -49,6 +50,7 @@ class InputProcessor:
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
+        self.tail_blocks = tail_blocks  # an int8 request's full-precision tails (``core/kv_managers/tail_runs.py``)
         self._rng = random.Random(seed)
 
     def new_request(
@@ -217,8 +219,10 @@ class InputProcessor:
         paged = self.cache_config.kv_layout == "paged"  # a contiguous run reserves every block
         needed = cdiv(tokens, self.block_size) if groups is None or not paged else groups.most_blocks_held(
             tokens, self.block_size, self.scheduler_config.max_num_batched_tokens)
-        if needed + adapter_pages > self.num_blocks:
-            pages = f" beside its LoRA adapter's {adapter_pages} pages" if adapter_pages else ""
+        if needed + adapter_pages + self.tail_blocks > self.num_blocks:
+            beside = [f"its LoRA adapter's {adapter_pages} pages"] if adapter_pages else []
+            beside += [f"its full-precision tails' {self.tail_blocks} blocks"] if self.tail_blocks else []
+            pages = f" beside {' and '.join(beside)}" if beside else ""
             raise ValueError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {needed} KV blocks{pages} but the "
                 f"whole pool has {self.num_blocks}; lower max_tokens or enlarge the pool (kv_cache_memory / num_kv_blocks)"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from collections.abc import Sequence
 
 import torch
@@ -99,7 +99,8 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                               self.scheduler_config, config.cache, plan.num_blocks, config.seed,
-                                              max_logprobs=config.max_logprobs, adapters=self.adapter_registry)
+                                              max_logprobs=config.max_logprobs, adapters=self.adapter_registry,
+                                              tail_blocks=plan.tail_blocks_per_request)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Grammar state of guided sequences; the driver alone samples, so it lives here.
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -131,8 +132,6 @@ class LLMEngine:
         config = self.config
         self.draft_model = load_draft_model(config, self.model_config.vocab_size, self.max_model_len, self.device)
         self.pool_plan = plan_kv_pool(config, self.model, self.scheduler_config, self.device, self.draft_model)
-        if self.pool_plan.max_running_seqs is not None:  # int8: no more sequences than the tails hold
-            self.scheduler_config = replace(self.scheduler_config, max_num_seqs=self.pool_plan.max_running_seqs)
         self.bytes_per_token = self.pool_plan.bytes_per_token
         self.executor = self._start_tensor_parallel()
         self.eos_token_ids = eos_token_ids_of(self.tokenizer, self.model_config, config, self.model_path)

@@ -25,8 +25,9 @@ logger = init_logger(__name__)
 def create_kv_cache_manager(cache: CacheConfig, plan: PoolPlan, scheduler_config: SchedulerConfig,
                             channels: KVChannels, lora: LoRAConfig) -> KVCacheManagerProtocol:
     """The block bookkeeping over the planned pool: paged, one table per KV
-    cache group (with the tiers' index, the event log and, with ``enable_lora``,
-    the adapters' pages, if any), or the contiguous baseline (one group only)."""
+    cache group (with the tiers' index, the event log, an int8 pool's tails and,
+    with ``enable_lora``, the adapters' pages, if any), or the contiguous
+    baseline (one group only)."""
     num_blocks, block_size = plan.num_blocks, plan.block_size
     groups = scheduler_config.kv_groups
     if cache.kv_layout == "contiguous":
@@ -36,7 +37,8 @@ def create_kv_cache_manager(cache: CacheConfig, plan: PoolPlan, scheduler_config
     return KVCacheManager(num_blocks, block_size, cache.enable_block_sharing, cache.enable_prefix_caching,
                           plan.num_swap_blocks, windows=(None,) if groups is None else groups.kinds,
                           tiers=channels.tier_index, events=channels.events, enable_lora=lora.enable_lora,
-                          max_loras=lora.max_loras)
+                          max_loras=lora.max_loras, tail_run_blocks=plan.tail_run_blocks,
+                          tails_per_request=plan.tails_per_request)
 
 
 def create_lora(config: EngineConfig, model_config: PretrainedConfig, runner: Any,

@@ -26,16 +26,16 @@ from pagedllm.kv_tiers.host import HostKVStore
 
 
 def allocate_caches(model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                    kv_cache_dtype: str, device: torch.device, num_tail_slots: int = 0,
+                    kv_cache_dtype: str, device: torch.device, tails: bool = False,
                     num_slots: int | None = None) -> list[LayerKVCache]:
     """One block-major slot cache per slot of a block (``num_slots``; None: one
     per layer of ``model``), each with ``model``'s share of KV heads under tensor
-    parallelism: one block of one slot is one slab; with ``num_tail_slots``
-    (int8), each slot's full-precision tails."""
+    parallelism: one block of one slot is one slab; with ``tails`` (int8), each
+    slot's full-precision tails over its own blocks' bytes."""
     config = model.config
     return [
         allocate_layer(num_blocks, block_size, model.num_kv_heads, head_dim_of(config), dtype, kv_cache_dtype, device,
-                       num_tail_slots)
+                       tails)
         for _ in range(config.num_hidden_layers if num_slots is None else num_slots)
     ]
 

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
-from pagedllm.attention.kv_cache import allocate_layer, kv_bytes_per_token_per_kv_head
+from pagedllm.attention.kv_cache import allocate_layer, kv_bytes_per_token_per_kv_head, tail_run_blocks
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.config.engine import CacheConfig, EngineConfig, SchedulerConfig, torch_dtype
 from pagedllm.core.kv_groups import KVGroupLayout, kv_group_layout
+from pagedllm.core.kv_managers.tail_runs import tails_per_request
 from pagedllm.model.base import CausalLM
 from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
-from pagedllm.worker.tail_budget import NO_TAILS, TailPlan, tail_plan, within_share
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -53,12 +53,11 @@ class PoolPlan:
     device_type: str
     # A speculative draft model's pool, indexed by the same blocks (0: none).
     draft_bytes_per_token: int = 0
-    # int8: full-precision tails of still-filling blocks (``pagedllm.worker.tail_slots``).
-    num_tail_slots: int = 0
-    tail_bytes_per_slot: int = 0
-    # The most sequences that run at once, where a byte budget's share of tails
-    # holds fewer than ``max_num_seqs`` (``worker.tail_budget``); None: no such cap.
-    max_running_seqs: int | None = None
+    # int8 (paged): each writing request's full-precision tails of still-filling
+    # blocks, taken from these blocks (``core/kv_managers/tail_runs.py``): this many
+    # tails of ``tail_run_blocks`` blocks each (0: no tails).
+    tail_run_blocks: int = 0
+    tails_per_request: int = 0
     # The KV cache groups the pool serves (``core.kv_groups``); a block (and the
     # bytes per token above) holds ``kv_groups.num_slots`` layers. None: one group.
     kv_groups: KVGroupLayout | None = None
@@ -78,9 +77,9 @@ class PoolPlan:
         return self.num_tokens * self.draft_bytes_per_token
 
     @property
-    def tail_bytes(self) -> int:
-        """The int8 pool's full-precision tail slots (0: none)."""
-        return self.num_tail_slots * self.tail_bytes_per_slot
+    def tail_blocks_per_request(self) -> int:
+        """Blocks a writing request's tails take (0: no tails)."""
+        return self.tail_run_blocks * self.tails_per_request
 
     @property
     def swap_bytes(self) -> int:
@@ -92,7 +91,7 @@ class PoolPlan:
         quantization or tensor parallelism what they change; then every other byte
         the pool takes (tails, the draft model's pool, swap space) and, with a draft
         pool or swap space, the sum of it all (else the line already states the
-        sum: the blocks' MiB, or the tails' "with the blocks"). The offload tiers are
+        sum: the blocks' MiB). The offload tiers are
         not here: ``KVChannels.describe`` (engine/kv_channels.py) appends their own
         sentence to this line.
 
@@ -108,11 +107,6 @@ class PoolPlan:
         if self.kv_cache_dtype != "auto":
             gain = self.unquantized_bytes_per_token / self.bytes_per_token
             line += f"; {gain:.2f}x the tokens of a {self.dtype} pool of the same size"
-            if self.tail_bytes:
-                # Per byte of what the budget pays for: with many sequences and a
-                # small budget the tails can leave int8 fewer tokens than the model dtype.
-                paid = tokens * self.unquantized_bytes_per_token / (self.pool_bytes + self.tail_bytes)
-                line += f" ({paid:.2f}x counting the tails)"
         if self.tensor_parallel_size > 1:
             line += (f"; that is rank 0, with {self.num_kv_heads} of {self.total_num_kv_heads} KV heads; "
                      f"all {self.tensor_parallel_size} ranks together: {self.total_bytes_per_token} bytes/token, "
@@ -130,23 +124,22 @@ class PoolPlan:
     def _other_bytes(self) -> str:
         """The capacity line's tail: tails, draft pool, swap space, their sum."""
         text = ""
-        if self.num_tail_slots:
-            text += (f"; full-precision tails for {self.num_tail_slots} still-filling blocks "
-                     f"({_mib(self.tail_bytes)}, {_mib(self.pool_bytes + self.tail_bytes)} with the blocks)")
-            if self.max_running_seqs is not None:
-                text += f", so at most {self.max_running_seqs} sequences run at once"
+        if self.tail_run_blocks:
+            text += (f"; a writing sequence also keeps its still-filling blocks in {self.dtype}, in tails of "
+                     f"{self.tail_run_blocks} of these blocks ({self.tails_per_request} per sequence)")
         if self.draft_bytes_per_token:
             text += (f"; the draft model's pool over the same blocks: {self.draft_bytes_per_token} bytes/token, "
                      f"{_mib(self.draft_pool_bytes)}")
         if self.num_swap_blocks:
             text += f"; host swap space {self.num_swap_blocks} blocks ({_mib(self.swap_bytes)}, taken as used"
-            if self.num_tail_slots:
+            if self.tail_run_blocks:
                 # Not preallocated: a swapped block's tail is copied out when it goes (kv_tiers/host.py).
-                text += f", plus {self.tail_bytes_per_slot} bytes per swapped block that carries a tail"
+                tail_bytes = self.unquantized_bytes_per_token * self.block_size
+                text += f", plus {tail_bytes} bytes per swapped block that carries a tail"
             text += ")"
         if self.draft_bytes_per_token or self.num_swap_blocks:
-            # Otherwise the sum is already stated: the blocks' MiB, or the tails' "with the blocks".
-            on_device = self.pool_bytes + self.tail_bytes + self.draft_pool_bytes
+            # Otherwise the sum is already stated: the blocks' MiB.
+            on_device = self.pool_bytes + self.draft_pool_bytes
             text += f"; in all {_mib(on_device + self.swap_bytes)}"
             if self.device_type != "cpu" and self.swap_bytes:
                 text += f" ({_mib(on_device)} on {self.device_type}, {_mib(self.swap_bytes)} of host memory)"
@@ -185,9 +178,9 @@ def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: Schedu
     now, then on CUDA ``gpu_memory_utilization`` (0.9 by default), else on CPU
     ``DEFAULT_KV_CACHE_MEMORY``. A speculative ``draft_model`` keeps a pool
     over the same block ids, so a block costs both models' bytes. An int8
-    pool's full-precision tail slots come out of a byte budget with the blocks
-    (``_num_blocks``); ``num_kv_blocks`` stays an exact block count, its tails
-    on top (the capacity line states them). Swap blocks exist only with
+    pool's full-precision tails are its own blocks, taken as sequences write
+    (``core/kv_managers/tail_runs.py``), so they cost the budget nothing up
+    front (the capacity line states them). Swap blocks exist only with
     ``preemption_mode="swap"`` and the paged layout, ``swap_space`` GiB of them,
     beside the budget.
 
@@ -211,9 +204,10 @@ def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: Schedu
                                                                              cache.kv_cache_dtype)
     bytes_per_block = (bytes_per_token + draft_bytes_per_token) * cache.block_size
     unquantized_bytes_per_token = kv_bytes_per_token(model.config, dtype, "auto", model.num_kv_heads, slots)
-    tails = _tails_of(config, scheduler_config, groups, unquantized_bytes_per_token * cache.block_size)
-    num_blocks, tails, max_running_seqs = _num_blocks(config, model, scheduler_config, device, bytes_per_block,
-                                                      tails, bytes_per_token / unquantized_bytes_per_token)
+    num_blocks = _num_blocks(config, model, scheduler_config, device, bytes_per_block)
+    # The contiguous baseline holds no tails: its partial blocks read as int8 (docs/paging.md).
+    tails = cache.kv_cache_dtype == "int8" and cache.kv_layout == "paged"
+    num_spec = config.speculative.num_speculative_tokens if config.speculative is not None else 0
     swaps = config.preemption_mode == "swap" and cache.kv_layout == "paged"
     return PoolPlan(
         num_blocks=num_blocks,
@@ -230,50 +224,26 @@ def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: Schedu
         kv_cache_dtype=cache.kv_cache_dtype,
         device_type=device.type,
         draft_bytes_per_token=draft_bytes_per_token,
-        num_tail_slots=tails.num_slots,
-        tail_bytes_per_slot=tails.bytes_per_slot,
-        max_running_seqs=max_running_seqs,
+        tail_run_blocks=tail_run_blocks(dtype) if tails else 0,
+        tails_per_request=tails_per_request(groups.num_groups, cache.block_size, num_spec) if tails else 0,
         kv_groups=groups if groups.is_hybrid else None,
     )
 
 
-def _tails_of(config: EngineConfig, scheduler_config: SchedulerConfig, groups: KVGroupLayout,
-              bytes_per_slot: int) -> TailPlan:
-    """The full-precision tail slots an int8 pool wants (``worker.tail_budget``); none
-    for other pools. A slot, like a block, holds ``groups.num_slots`` layers
-    (``bytes_per_slot``), and a sequence fills a block of each group at a time."""
-    cache = config.cache
-    if cache.kv_cache_dtype != "int8":
-        return NO_TAILS
-    num_spec = config.speculative.num_speculative_tokens if config.speculative is not None else 0
-    return tail_plan(scheduler_config.max_num_seqs, cache.block_size, num_spec, groups.num_groups, bytes_per_slot)
-
-
 def _num_blocks(config: EngineConfig, model: CausalLM, scheduler_config: SchedulerConfig, device: torch.device,
-                bytes_per_block: int, tails: TailPlan, quantized_ratio: float) -> tuple[int, TailPlan, int | None]:
-    """(blocks, tails, the most sequences they let run or None): ``num_kv_blocks``
-    exactly (its tails on top), else the most blocks the first memory rule's
-    budget holds beside its share of tails (``tail_budget.within_share``).
-    Never more slots than blocks (a sequence holds at least one).
-    ``ValueError`` when the budget holds no block."""
+                bytes_per_block: int) -> int:
+    """``num_kv_blocks`` exactly, else the most blocks the first memory rule's
+    budget holds; ``ValueError`` when it holds no block."""
     cache = config.cache
-    max_running_seqs = None
     if cache.num_kv_blocks is not None:
-        num_blocks = cache.num_kv_blocks
-    else:
-        budget = _kv_budget_bytes(config, model, scheduler_config, device)
-        if tails.num_slots:
-            wanted, tails = tails.num_slots, within_share(tails, budget, quantized_ratio)
-            max_running_seqs = tails.max_running if tails.num_slots < wanted else None
-        num_blocks = (budget - tails.num_slots * tails.bytes_per_slot) // bytes_per_block
-        if num_blocks < 1:
-            with_tails = f" beside its full-precision tails ({tails.num_slots * tails.bytes_per_slot} bytes)" \
-                if tails.num_slots else ""
-            raise ValueError(
-                f"the KV budget of {budget} bytes holds no block of {cache.block_size} tokens "
-                f"({bytes_per_block} bytes){with_tails}; raise kv_cache_memory or kv_cache_fraction"
-            )
-    return num_blocks, tails._replace(num_slots=min(tails.num_slots, num_blocks)), max_running_seqs
+        return cache.num_kv_blocks
+    budget = _kv_budget_bytes(config, model, scheduler_config, device)
+    if budget < bytes_per_block:
+        raise ValueError(
+            f"the KV budget of {budget} bytes holds no block of {cache.block_size} tokens "
+            f"({bytes_per_block} bytes); raise kv_cache_memory or kv_cache_fraction"
+        )
+    return budget // bytes_per_block
 
 
 def _kv_budget_bytes(config: EngineConfig, model: CausalLM, scheduler_config: SchedulerConfig,
@@ -351,11 +321,14 @@ def run_dummy_step(model: CausalLM, attention, num_tokens: int, num_logit_rows: 
     the scheduler builds) into a throwaway pool just big enough for them, then
     the logits of ``num_logit_rows`` rows (the most sampled in one step). An
     int8 pool gets its full-precision tails, so the prefill measured is the one
-    the engine runs (``kv_cache``'s reading rule)."""
+    the engine runs (``kv_cache``'s reading rule): one tail, in blocks past the prompt's."""
     num_blocks = -(-num_tokens // block_size)
     tails = kv_cache_dtype == "int8"
+    run = tail_run_blocks(dtype)
+    tail_slot = -(-num_blocks // run)  # the first tail slot whose run lies past the prompt's blocks
     kv_caches = [
-        allocate_layer(num_blocks, block_size, *kv_shape, dtype, kv_cache_dtype, device, num_tail_slots=int(tails))
+        allocate_layer((tail_slot + 1) * run if tails else num_blocks, block_size, *kv_shape, dtype, kv_cache_dtype,
+                       device, tails=tails)
         for _ in range(model.config.num_hidden_layers)
     ]
     metadata = AttentionMetadata(
@@ -366,10 +339,10 @@ def run_dummy_step(model: CausalLM, attention, num_tokens: int, num_logit_rows: 
         prefills=[PrefillSpan(0, num_tokens, num_tokens, torch.arange(num_blocks, device=device))],
     )
     if tails:
-        # The last block's tokens also go to tail slot 0 (a full last block writes none).
+        # The last block's tokens also go to the tail (a full last block writes none).
         last = (num_tokens - 1) // block_size * block_size if num_tokens % block_size else num_tokens
         metadata.tail_write_rows = torch.arange(last, num_tokens, device=device)
-        metadata.tail_write_slots = metadata.tail_write_rows - last
+        metadata.tail_write_slots = metadata.tail_write_rows - last + tail_slot * block_size
         metadata.decode_tail_slots = torch.zeros(0, dtype=torch.long, device=device)
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     hidden = model(input_ids, torch.arange(num_tokens, device=device), kv_caches, metadata, attention)

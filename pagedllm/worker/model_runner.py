@@ -98,7 +98,7 @@ class ModelRunner:
         it verifies and proposes drafts (``draft_model``: the loaded draft of a ``draft_model``
         config); with ``pooler`` it pools the pooling sequences (``worker/pooler.py``).
         ``spec.cuda_graphs`` captures decode steps where the device and model allow
-        (``pagedllm.worker.cuda_graphs``); ``spec.num_tail_slots`` > 0 (int8 pools) keeps
+        (``pagedllm.worker.cuda_graphs``); ``spec.tails`` (int8 pools) keeps
         still-filling blocks also in full precision (``pagedllm.worker.tail_slots``).
         ``spec.kv_groups``: ``kv_caches`` are its ``num_slots`` slot caches, what every block
         move works on; the model reads ``layer_caches``, one per layer, aliasing them (``block_moves``' safety rule)."""
@@ -106,7 +106,7 @@ class ModelRunner:
         self.broadcast_step = broadcast_step
         self.block_size = block_size = spec.block_size
         self.device = device
-        self.attention = attention_backend_for(device, block_size, spec.kv_cache_dtype, tails=spec.num_tail_slots > 0,
+        self.attention = attention_backend_for(device, block_size, spec.kv_cache_dtype, tails=spec.tails,
                                                dtype=spec.dtype)
         self.kv_groups = groups = spec.kv_groups
         self.num_kv_groups = groups.num_groups
@@ -114,9 +114,9 @@ class ModelRunner:
         # With graphs, one block past the scheduler's pool takes the padded rows' writes.
         num_blocks = spec.num_blocks + (not no_graphs)
         self.kv_caches = allocate_caches(model, num_blocks, block_size, spec.dtype, spec.kv_cache_dtype, device,
-                                         spec.num_tail_slots, groups.num_slots)
+                                         spec.tails, groups.num_slots)
         self.layer_caches = layer_caches(self.kv_caches, groups)
-        self.tail_slots = TailSlots(num_blocks, spec.num_tail_slots, block_size) if spec.num_tail_slots else None
+        self.tail_slots = TailSlots(num_blocks, block_size) if spec.tails else None
         # Swapped blocks and (on the driver with tiers) the host tier's entries.
         self.host_store = HostKVStore(BlockCodec(self.kv_caches), spec.num_swap_blocks)
         self.mover = BlockMover(self.kv_caches, self.host_store)

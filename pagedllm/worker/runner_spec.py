@@ -26,7 +26,7 @@ class RunnerSpec:
     num_swap_blocks: int  # host blocks for preemption_mode="swap" (0 otherwise)
     dtype: torch.dtype  # the model's, and the pool's unless kv_cache_dtype quantizes it
     kv_cache_dtype: str
-    num_tail_slots: int  # int8 pools: full-precision tails of still-filling blocks (``worker.tail_slots``); 0: none
+    tails: bool  # int8 pools: full-precision tails of still-filling blocks (``worker.tail_slots``)
     max_num_seqs: int  # the persistent input batch's rows and the largest CUDA graph (the batch grows past them)
     max_model_len: int
     cuda_graphs: bool  # capture decode steps where the device and model allow (off: ``enforce_eager``)
@@ -47,7 +47,7 @@ class RunnerSpec:
             num_swap_blocks=plan.num_swap_blocks,
             dtype=torch_dtype(plan.dtype),
             kv_cache_dtype=plan.kv_cache_dtype,
-            num_tail_slots=plan.num_tail_slots,
+            tails=plan.tail_run_blocks > 0,
             max_num_seqs=scheduler_config.max_num_seqs,
             max_model_len=scheduler_config.max_model_len,
             # A tensor-parallel forward's graph would capture its all-reduces,

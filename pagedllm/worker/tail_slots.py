@@ -2,9 +2,12 @@
 
 The readers' rule is in ``pagedllm.attention.kv_cache`` ("Full-precision
 tails"): a query reads its own block at full precision unless it sits at the
-block's last position. This module decides, on the driver, which blocks hold a
-tail slot, and each step's tail writes and moves (``TailSlots.plan``, which
-the runner calls with the step's scheduler output and host arrays).
+block's last position. The slots are runs of the pool's blocks that the
+scheduler's requests hold (``core/kv_managers/tail_runs.py``); each step's
+output says which slots were taken and given back. This module decides, on the
+driver, which blocks use which of the slots held, and each step's tail writes
+and moves (``TailSlots.plan``, which the runner calls with the step's
+scheduler output and host arrays).
 
 Safety rules:
 
@@ -32,8 +35,13 @@ Safety rules:
   contents (``tail_copies``). A swap carries a tail with its block: the slot
   is copied to the host beside the block and freed, and the block swapped back
   in gets a new slot with those contents (``tail_swap_out`` / ``tail_swap_in``).
-* When every slot is taken (more live sequences than the pool was planned
-  for) a block simply gets none and its tokens read as int8, never an error.
+* The slots held are one pool for every live sequence: a request holds as
+  many as one sequence uses at once (``tails_per_request``), so a block finds
+  a free one. A slot given back while a block still uses it (another
+  sequence's block took it from the shared pool) moves that tail to a free
+  slot held (``tail_copies``), before anything reuses the slot's run
+  (``core.block_moves.Phase``). Should none be free, a block simply gets none
+  and its tokens read as int8, never an error.
 * A hybrid KV layout (``core.kv_groups``) gives a sequence one table per
   group, and each group's layers their own metadata view: every rule above
   applies to each group's table and view. Slots stay keyed by physical block:
@@ -71,15 +79,15 @@ class StepTokens(NamedTuple):
 
 
 class TailSlots:
-    """``slot_of[block]``: the block's tail slot, -1 for none; and the free slots."""
+    """``slot_of[block]``: the block's tail slot, -1 for none (``block_of`` the
+    other way); the slots the scheduler's requests hold, and those no block uses."""
 
-    def __init__(self, num_blocks: int, num_slots: int, block_size: int) -> None:
-        if num_slots < 1:
-            raise ValueError(f"a tail pool needs at least one slot, got {num_slots}")
+    def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.slot_of = np.full(num_blocks, -1, dtype=np.int64)
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: low slots first
+        self.block_of: dict[int, int] = {}
+        self.held: set[int] = set()
+        self._free: list[int] = []
         self.num_refused = 0  # blocks that found no free slot (their tokens read as int8)
         self._host_tails: set[int] = set()  # host swap blocks whose tail went to the host with them
 
@@ -99,20 +107,27 @@ class TailSlots:
         batch rows' tables. Returns the step's tail moves (their place in the
         step is ``core.block_moves.Phase``'s)."""
         block_moves = scheduler_output.block_moves
+        self.update_held(scheduler_output.tails_taken, scheduler_output.tails_returned)
         moves = BlockMovePlan(TailOut(*move) for move in self.swap_out(block_moves.of(SwapOut)))
-        moves.add_all(TailCopy(*move) for move in self.copy(block_moves.of(CopyBlock)))
+        copies = block_moves.of(CopyBlock)
+        keep = self._committed_blocks(scheduler_output, sequences, block_tables)
+        # Released before the copies and swap-ins take slots (the slots held are just
+        # enough for the live sequences), but a copy's source only once it is read.
+        self.release_all_but(np.concatenate([keep, np.array([src for src, _ in copies], dtype=np.int64)]))
+        moves.add_all(TailCopy(*move) for move in self.copy(copies))
         moves.add_all(TailIn(*move) for move in self.swap_in(block_moves.of(SwapIn)))
-        self._release_by_committed_length(scheduler_output, sequences, block_tables)
+        self.release_all_but(keep)
+        moves.add_all(TailCopy(*move) for move in self.move_off_given_back())
         if tokens is not None:
             views = tokens.metadata.group_views or [tokens.metadata]
             moves.add_all(TailFill(*fill) for view, slots in zip(views, tokens.slot_mappings, strict=True)
                           for fill in self._place_writes(tokens.positions, slots, view, device))
         return moves
 
-    def _release_by_committed_length(self, scheduler_output: SchedulerOutput,
-                                     sequences: Mapping[str, CachedSequence], block_tables: np.ndarray) -> None:
-        """Keep each sequence's blocks, in every group's table, from its
-        committed length's block to its last token written; for one scheduled
+    def _committed_blocks(self, scheduler_output: SchedulerOutput, sequences: Mapping[str, CachedSequence],
+                          block_tables: np.ndarray) -> np.ndarray:
+        """The blocks whose slots stay: each sequence's, in every group's table, from
+        its committed length's block to its last token written; for one scheduled
         now the committed length is exact, so only the block it ends in (when
         that is not full)."""
         block_size = self.block_size
@@ -122,9 +137,9 @@ class TailSlots:
         keep = [block_tables[:, s.row, s.num_computed // block_size : min(-(-s.num_written // block_size),
                                                                           s.num_blocks)].ravel()
                 for s in sequences.values()]
-        self.release_all_but(np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64))
         for scheduled in scheduler_output.scheduled:
             sequences[scheduled.sequence_id].num_written += scheduled.num_scheduled_tokens
+        return np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
 
     def _place_writes(self, positions: np.ndarray, slots: np.ndarray, metadata: AttentionMetadata,
                       device: torch.device) -> list[tuple[int, int]]:
@@ -159,13 +174,39 @@ class TailSlots:
         metadata.decode_tail_slots = _on(device, np.where(offsets[decodes] != block_size - 1, tail_of_token[decodes], -1))
         return fills
 
+    def update_held(self, taken: list[int], given_back: list[int]) -> None:
+        """The slots the requests took and gave back since the last step (given back
+        first: a slot may be given back and taken again). A slot given back that a
+        block uses keeps it until ``move_off_given_back``."""
+        for slot in given_back:
+            self.held.discard(slot)
+            if slot not in self.block_of:
+                self._free.remove(slot)
+        for slot in taken:
+            self.held.add(slot)
+            if slot not in self.block_of:
+                self._free.append(slot)
+
+    def move_off_given_back(self) -> list[tuple[int, int]]:
+        """Move each tail still in a slot given back to a free slot held; returns the
+        tail copies ``(old slot, new slot)`` (a tail that finds none is dropped)."""
+        moves = []
+        for slot, block in list(self.block_of.items()):
+            if slot not in self.held:
+                self.drop([block])
+                if self._take(block):
+                    moves.append((slot, int(self.slot_of[block])))
+        return moves
+
     def drop(self, blocks: list[int]) -> None:
         """Release the slots of ``blocks`` (those that hold one)."""
         for block in blocks:
             slot = int(self.slot_of[block])
             if slot >= 0:
-                self._free.append(slot)
                 self.slot_of[block] = -1
+                del self.block_of[slot]
+                if slot in self.held:
+                    self._free.append(slot)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Swaps ``(device block, host block)`` -> ``(slot, host block)`` of the
@@ -216,7 +257,10 @@ class TailSlots:
         a stale one, is released): for a prefill span that leaves ``src`` full
         and writes every token of ``dst`` it will read, after reading ``src``'s tail."""
         self.drop([dst])
-        self.slot_of[dst], self.slot_of[src] = self.slot_of[src], -1
+        slot = int(self.slot_of[src])
+        self.slot_of[dst], self.slot_of[src] = slot, -1
+        if slot >= 0:
+            self.block_of[slot] = dst
 
     def ensure(self, blocks: np.ndarray) -> list[tuple[int, int]]:
         """Give each of ``blocks`` a slot if it has none; returns ``(block, slot)``
@@ -230,11 +274,13 @@ class TailSlots:
     def _take(self, block: int) -> bool:
         if not self._free:
             if not self.num_refused:
-                logger.warning("int8 KV: all %d full-precision tail slots are in use; partial blocks without "
-                               "one read as int8 (size the pool for more sequences: max_num_seqs)", self.num_slots)
+                logger.warning("int8 KV: a still-filling block found no free full-precision tail slot among the "
+                               "%d the requests hold; blocks without one read as int8", len(self.held))
             self.num_refused += 1
             return False
-        self.slot_of[block] = self._free.pop()
+        slot = self._free.pop()
+        self.slot_of[block] = slot
+        self.block_of[slot] = block
         return True
 
 

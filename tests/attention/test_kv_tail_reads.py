@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
-from pagedllm.attention.kv_cache import allocate_layer
+from pagedllm.attention.kv_cache import LayerKVCache, allocate_layer, tail_run_blocks
 from pagedllm.attention.selector import cpu_decode
 from pagedllm.attention.torch_paged import TorchPagedAttention, _LayerOptions
 from pagedllm.kernels.cpu import load_cpu_kernels
@@ -26,6 +26,16 @@ from tests.poisoned_pool import poison_layer
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 6, 2, 64, 4
 SCALE = HEAD_DIM**-0.5
 CPU = torch.device("cpu")
+RUN = tail_run_blocks(torch.float32)  # int8 blocks one fp32 tail slot takes
+
+
+def int8_pool(num_blocks: int, num_tail_slots: int, tails: bool = True) -> tuple[LayerKVCache, int]:
+    """An int8 pool with ``num_blocks`` blocks for tables and, past them,
+    ``num_tail_slots`` tail slots (a slot is ``RUN`` blocks' bytes: ``allocate_layer``),
+    and the first of those slots."""
+    first_slot = -(-num_blocks // RUN)
+    return allocate_layer((first_slot + num_tail_slots) * RUN, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32,
+                          "int8", CPU, tails=tails), first_slot
 
 
 def reference(query: torch.Tensor, p: int, full_k, full_v, int8_k, int8_v, window: int | None) -> torch.Tensor:
@@ -58,8 +68,7 @@ def test_decode_reads_the_last_block_from_its_tail(path, window):
     # Lengths at and around block boundaries: 4, 8 and 12 end a block (no tail read).
     lens = [1, 3, 4, 5, 8, 11, 12, 37]
     tables, num_blocks = random_tables(lens, BLOCK_SIZE, random.Random(1))
-    pool = allocate_layer(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "int8", CPU,
-                          num_tail_slots=len(lens) + 2)
+    pool, first_slot = int8_pool(num_blocks, len(lens) + 2)
     poison_layer(pool)  # slots and tail positions never written must not be read, even masked
     keys = [torch.randn(n, NUM_KV_HEADS, HEAD_DIM) for n in lens]
     values = [torch.randn(n, NUM_KV_HEADS, HEAD_DIM) for n in lens]
@@ -68,9 +77,10 @@ def test_decode_reads_the_last_block_from_its_tail(path, window):
         # Tail slots deliberately not the row order (slot i + 2), the last block's tokens into it.
         last = (n - 1) // BLOCK_SIZE * BLOCK_SIZE
         rows = torch.arange(last, n)
+        slot = first_slot + i + 2
         pool.write(k, v, torch.tensor(slots_of(table, range(n), BLOCK_SIZE)), tail_rows=rows,
-                   tail_slots=(i + 2) * BLOCK_SIZE + rows - last)
-        tail_slots.append(i + 2 if n % BLOCK_SIZE else -1)
+                   tail_slots=slot * BLOCK_SIZE + rows - last)
+        tail_slots.append(slot if n % BLOCK_SIZE else -1)
     width = max(len(t) for t in tables)
     metadata = AttentionMetadata(
         slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lens),
@@ -96,15 +106,15 @@ def test_decode_reads_the_last_block_from_its_tail(path, window):
 def test_a_tail_slot_out_of_range_is_refused():
     if load_cpu_kernels() is None:
         pytest.fail("the C++ decode kernel did not build on this machine")
-    pool = allocate_layer(2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "int8", CPU, num_tail_slots=1)
+    pool, first_slot = int8_pool(2, 1)
     with pytest.raises(RuntimeError, match="tail slot out of range"):
         cpu_decode(torch.zeros(1, NUM_HEADS, HEAD_DIM), pool, torch.zeros(1, 1, dtype=torch.long),
-                   torch.tensor([2]), SCALE, tail_slots=torch.tensor([1]))
+                   torch.tensor([2]), SCALE, tail_slots=torch.tensor([first_slot + 1]))
 
 
 def test_tails_are_for_int8_pools():
     with pytest.raises(ValueError, match="int8"):
-        allocate_layer(2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "fp8_e4m3", CPU, num_tail_slots=1)
+        allocate_layer(2 * RUN, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "fp8_e4m3", CPU, tails=True)
 
 
 def _prefill_step(attention, pool, query, k, v, table, start, end, slot_of_block, soft_cap=None, window=None):
@@ -127,11 +137,13 @@ def _prefill_step(attention, pool, query, k, v, table, start, end, slot_of_block
 
 
 def _scattered(n: int) -> tuple[list[int], dict[int, int]]:
-    """A table for n tokens of scattered blocks (2 spare), and a tail slot per table index."""
+    """A table for n tokens of scattered blocks (2 spare), and a tail slot per table
+    index, past the table's blocks (``int8_pool``)."""
     num_blocks = -(-n // BLOCK_SIZE)
     rng = random.Random(n)
     table = rng.sample(range(num_blocks + 2), num_blocks)
-    slots = rng.sample(range(num_blocks), num_blocks)
+    first_slot = -(-(num_blocks + 2) // RUN)
+    slots = rng.sample(range(first_slot, first_slot + num_blocks), num_blocks)
     return table, dict(enumerate(slots))
 
 
@@ -143,14 +155,12 @@ def test_prefill_follows_the_rule_whatever_the_chunking(chunks, window, soft_cap
     torch.manual_seed(4)
     n = sum(chunks)
     table, slot_of_block = _scattered(n)
-    num_blocks = len(table) + 2
     query = torch.randn(n, NUM_HEADS, HEAD_DIM)
     k = torch.randn(n, NUM_KV_HEADS, HEAD_DIM)
     v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM)
 
     def pool(tails: bool):
-        layer = allocate_layer(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "int8", CPU,
-                               num_tail_slots=len(table) if tails else 0)
+        layer, _ = int8_pool(len(table) + 2, len(table), tails)
         poison_layer(layer)  # slots and tail positions never written must not be read
         return layer
 
@@ -184,11 +194,12 @@ def test_decode_after_prefill_matches_prefill_of_the_same_position(path):
     torch.manual_seed(5)
     n = 13
     table = [5, 0, 3, 1]
-    slot_of_block = {0: 2, 1: 0, 2: 3, 3: 1}
+    first = -(-6 // RUN)  # the tail slots past the 6 blocks (``int8_pool``)
+    slot_of_block = {0: first + 2, 1: first, 2: first + 3, 3: first + 1}
     query = torch.randn(n, NUM_HEADS, HEAD_DIM)
     k = torch.randn(n, NUM_KV_HEADS, HEAD_DIM)
     v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM)
-    pool = allocate_layer(6, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "int8", CPU, num_tail_slots=4)
+    pool, _ = int8_pool(6, 4)
     poison_layer(pool)
     prefilled = _prefill_step(TorchPagedAttention(), pool, query, k, v, table, 0, n, slot_of_block)
     attention = TorchPagedAttention(cpu_decode if path == "cpp" else None)

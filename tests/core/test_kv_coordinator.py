@@ -387,7 +387,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
         if seq not in self.swapped:
             return
         req = self.requests[seq]
+        if not self.kv.tails.hold(seq):  # (as ``admit_swapped`` does)
+            return
         if self.kv.swap_in_cost(seq, req.num_tokens, 1) > self.kv.num_free_blocks:
+            self.kv.tails.release(seq)
             return
         moves = self.kv.swap_in(seq)
         self._copy([])  # (the tiered machine's offloads: a swap-in may evict)
@@ -440,6 +443,27 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
 TestCoordinator = CoordinatorMachine.TestCase
 TestCoordinator.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class TailCoordinatorMachine(CoordinatorMachine):
+    """The same operations on an int8 pool: each request holds a full-precision tail
+    per group, a run of two aligned blocks of the same pool, while it writes (a fork's
+    child from its first growth on); the checker verifies every run and its owner,
+    and the teardown that every block, tails' included, is free again."""
+
+    def _manager(self, **options) -> KVCacheManager:
+        return super()._manager(tail_run_blocks=2, tails_per_request=len(self.KINDS), **options)
+
+    @invariant()
+    def tails_are_held_by_the_requests_that_write(self):
+        holders = set(self.kv.tails.held)
+        assert holders <= set(self.requests) - self.swapped
+        held = sum(len(runs) for runs in self.kv.tails.held.values()) * 2
+        assert held == sum(block.ref_cnt > 0 and block.owner is not None for block in self.kv.block_pool.blocks)
+
+
+TestTailCoordinator = TailCoordinatorMachine.TestCase
+TestTailCoordinator.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
 
 
 class TieredCoordinatorMachine(CoordinatorMachine):

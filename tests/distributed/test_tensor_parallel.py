@@ -72,7 +72,7 @@ def test_tensor_parallel_size_that_leaves_a_rank_empty_is_refused(tiny_llama):
     pytest.param("swap", "int8", marks=pytest.mark.slow),
 ])
 def test_two_ranks_give_the_tokens_of_one(tiny_llama, preemption_mode, kv_cache_dtype):
-    """A 12-block pool forces preemption; prompts share a 32-token prefix (prefix
+    """A 12-block pool (16 with int8's tails) forces preemption; prompts share a 32-token prefix (prefix
     cache hits) and n=2 forks copy blocks on write: every path's block moves
     reach the worker too (with int8, the full-precision tails' moves as well)."""
     prefix = [(17 * j) % 3000 + 200 for j in range(32)]
@@ -81,12 +81,13 @@ def test_two_ranks_give_the_tokens_of_one(tiny_llama, preemption_mode, kv_cache_
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
               SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)]
     batch_params = [params[i % 2] for i in range(5)]
-    single = LLM(tiny_llama, num_kv_blocks=12, block_size=8, preemption_mode=preemption_mode, debug_invariants=True,
-                 kv_cache_dtype=kv_cache_dtype)
+    num_kv_blocks = 16 if kv_cache_dtype == "int8" else 12  # int8: and a running sequence's 4-block fp32 tail
+    single = LLM(tiny_llama, num_kv_blocks=num_kv_blocks, block_size=8, preemption_mode=preemption_mode,
+                 debug_invariants=True, kv_cache_dtype=kv_cache_dtype)
     expected = token_ids(single.generate(prompts, batch_params, use_tqdm=False))
     expected_again = token_ids(single.generate(prompts, batch_params, use_tqdm=False))
-    tp = LLM(tiny_llama, num_kv_blocks=12, block_size=8, preemption_mode=preemption_mode, debug_invariants=True,
-             tensor_parallel_size=2, kv_cache_dtype=kv_cache_dtype)
+    tp = LLM(tiny_llama, num_kv_blocks=num_kv_blocks, block_size=8, preemption_mode=preemption_mode,
+             debug_invariants=True, tensor_parallel_size=2, kv_cache_dtype=kv_cache_dtype)
     try:
         assert token_ids(tp.generate(prompts, batch_params, use_tqdm=False)) == expected
         assert token_ids(tp.generate(prompts, batch_params, use_tqdm=False)) == expected_again  # cache hits

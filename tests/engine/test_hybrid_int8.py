@@ -23,7 +23,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_T
 
 
 def _llm(folder: str, disable_hybrid: bool, **kwargs) -> LLM:
-    kwargs.setdefault("num_kv_blocks", 128)
+    # 128 blocks, and two running sequences' fp32 tails: 4 blocks per group, and Gemma 3's
+    # tiny layout has 6 groups (one layer each), so the shared prefix stays cached.
+    kwargs.setdefault("num_kv_blocks", 176)
     return LLM(folder, kv_cache_dtype="int8", block_size=4, max_num_batched_tokens=16, long_prefill_token_threshold=7,
                disable_hybrid_kv_cache_manager=disable_hybrid, debug_invariants=True, **kwargs)
 
@@ -63,7 +65,8 @@ def test_int8_hybrid_preemption_changes_nothing(tiny_gemma_dir, preemption_mode)
     folder, _ = tiny_gemma_dir("gemma2")
     batch = prompts(_llm(folder, False).get_tokenizer(), PROMPT_LENGTHS)
     requests = [{"prompt_token_ids": p} for p in batch]
-    small = _llm(folder, False, num_kv_blocks=36, preemption_mode=preemption_mode)
+    # 44 blocks: each request also holds a 4-block fp32 tail per group (2 groups) while it writes.
+    small = _llm(folder, False, num_kv_blocks=44, preemption_mode=preemption_mode)
     got = results(small.generate(requests, GREEDY, use_tqdm=False))
     stats = small.stats()
     assert stats["num_preemptions"] > 0, stats

@@ -1,6 +1,7 @@
 """The engine with int8 KV and full-precision tails (issue 23): results depend
 on positions only, never on chunking, batching, prefix caching, forks,
-speculation or preemption; the tail slots all come back. The reading rule
+speculation or preemption; the tails (runs of the pool's own blocks, taken as
+a sequence writes: issue 55) all come back. The reading rule
 itself is tests/attention/test_kv_tail_reads.py; SmolLM2's agreement with fp32
 KV is tests/differential/test_kv_quant.py.
 
@@ -29,12 +30,15 @@ def int8_llm(tiny_llama, **kwargs) -> LLM:
 
 
 def assert_tails_free(llm: LLM) -> None:
-    """After the run: the pool is free, and so is every tail slot once a step has
-    released them (an empty step releases what no live sequence holds)."""
+    """After the run: the pool is free, tails' blocks included, and the runner,
+    once it hears of the last tails given back (the next step's output would
+    carry them), holds none, uses none, and never lacked one."""
     assert_pool_free(llm)
+    assert not llm.llm_engine.kv_cache_manager.tails.held
     tails = llm.llm_engine.runner.tail_slots
+    tails.update_held(*llm.llm_engine.kv_cache_manager.take_tail_changes())
     tails.release_all_but([])
-    assert tails.num_free == tails.num_slots and tails.num_refused == 0
+    assert not tails.held and not tails.block_of and tails.num_free == 0 and tails.num_refused == 0
 
 
 def results(outputs) -> list[tuple[list[int], float]]:
@@ -53,7 +57,7 @@ def expected(tiny_llama):
     """6 prompts (lengths 37-42: partial blocks), whole prefills."""
     llm = int8_llm(tiny_llama)
     out = results(llm.generate(_prompts(), GREEDY, use_tqdm=False))
-    assert llm.llm_engine.runner.tail_slots.num_slots == 256  # max_num_seqs, no speculation
+    assert llm.llm_engine.pool_plan.tails_per_request == 1  # no speculation
     assert_tails_free(llm)
     return out
 
@@ -86,16 +90,19 @@ def test_chunking_batching_and_preemption_change_nothing(tiny_llama, expected, k
     assert_tails_free(llm)
 
 
-def test_a_budget_runs_only_the_sequences_its_tails_hold(tiny_llama, expected):
-    """64 KiB: the tails' share (``worker.tail_budget``) is 2 slots, so 2 sequences run at
-    once, each with its tail, and the results are the whole-prefill run's."""
-    llm = int8_llm(tiny_llama, num_kv_blocks=None, kv_cache_memory=64 * 2**10)
+@pytest.mark.parametrize(("kv_cache_memory", "num_at_once"), [(64 * 2**10, None), (160 * 2**10, 6)],
+                         ids=["64 KiB", "160 KiB"])
+def test_a_budget_runs_as_many_sequences_as_its_blocks_hold(tiny_llama, expected, kv_cache_memory, num_at_once):
+    """No cap on sequences: each takes its tail (4 blocks) from the pool as it starts.
+    At 64 KiB (25 blocks) two fit at a time, and the others wait or are preempted
+    like any block shortage; at 160 KiB (64 blocks) all 6 run at once, each with
+    its tail. Either way the results are the whole-prefill run's."""
+    llm = int8_llm(tiny_llama, num_kv_blocks=None, kv_cache_memory=kv_cache_memory)
     engine = llm.llm_engine
-    assert engine.runner.tail_slots.num_slots == engine.scheduler_config.max_num_seqs == 2
-    assert engine.pool_plan.num_blocks == 19
+    assert engine.scheduler_config.max_num_seqs == 256
     assert_same(results(llm.generate(_prompts(), GREEDY, use_tqdm=False)), expected)
-    with pytest.raises(ValueError, match="only the sequences its tails hold"):
-        llm.generate(_prompts()[:1], SamplingParams(n=3, max_tokens=2), use_tqdm=False)
+    if num_at_once is not None:
+        assert llm.stats()["peak_running_per_step"] == num_at_once
     assert_tails_free(llm)
 
 
@@ -156,14 +163,14 @@ def test_ngram_speculation_gives_the_same_greedy_tokens(tiny_llama, expected):
     llm = int8_llm(tiny_llama, speculative_config=NGRAM)
     assert_same(results(llm.generate(_prompts(), GREEDY, use_tqdm=False)), expected)
     assert llm.stats()["spec_num_draft_tokens"] > 0
-    assert llm.llm_engine.runner.tail_slots.num_slots == 256 * 2  # one more for the drafts past a block
+    assert llm.llm_engine.pool_plan.tails_per_request == 2  # one more for the drafts past a block
     assert_tails_free(llm)
 
 
 def test_capacity_line_reports_the_tails(tiny_llama, caplog):
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         llm = int8_llm(tiny_llama, max_num_seqs=8)
-    # The tiny model: 2 layers x 2 KV heads x 16 dims, K and V in fp32, 16 tokens a slot.
-    assert llm.llm_engine.pool_plan.tail_bytes_per_slot == 2 * 2 * 16 * 2 * 4 * 16
-    assert any("; full-precision tails for 8 still-filling blocks (0.1 MiB, " in r.getMessage()
-               for r in caplog.records)
+    # An fp32 value is 4 int8 ones: a tail takes 4 blocks' bytes.
+    assert llm.llm_engine.pool_plan.tail_run_blocks == 4
+    assert any("; a writing sequence also keeps its still-filling blocks in float32, in tails of 4 of these blocks "
+               "(1 per sequence)" in r.getMessage() for r in caplog.records)

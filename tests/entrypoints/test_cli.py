@@ -301,9 +301,8 @@ def test_bench_throughput_async_against_synchronous_steps(tiny_model_dir, capsys
 
 
 def test_bench_throughput_int8_kv_against_auto_at_the_same_memory(tiny_model_dir, capsys):
-    # 160 KiB: 20 fp32 blocks of 16 tokens for the tiny model (8 KiB each); int8 first pays for the
-    # full-precision tail slots (8 KiB each) of the 6 sequences its tails' share holds (of 8 asked:
-    # worker/tail_budget.py), then holds 44 int8 blocks (2.5 KiB each).
+    # 160 KiB: 20 fp32 blocks of 16 tokens for the tiny model (8 KiB each), or 64 int8 blocks
+    # (2.5 KiB each), of which a running sequence's full-precision tail takes 4.
     main([
         "bench", "throughput", "--model", tiny_model_dir("llama"), "--num-prompts", "8", "--input-len", "40",
         "--output-len", "20", "--kv-cache-dtype", "int8", "--baseline", "kv-auto",
@@ -313,9 +312,10 @@ def test_bench_throughput_int8_kv_against_auto_at_the_same_memory(tiny_model_dir
     pools = {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")]
              for line in lines if line.startswith("| pagedllm") and line.count("|") == 9)}
     int8, auto = pools["pagedllm (int8 KV)"], pools["pagedllm (auto KV, float32)"]
-    assert (int8[1], int8[2]) == ("160", "44") and (auto[1], auto[2]) == ("512", "20")
-    # 8 requests of 60 tokens need 4 blocks each (3 at admission): int8 runs its 6 at once, fp32 at most 6.
-    assert int(int8[5]) == 6 and int(auto[5]) <= 6
+    assert (int8[1], int8[2]) == ("160", "64") and (auto[1], auto[2]) == ("512", "20")
+    # 8 requests of 60 tokens need 4 blocks each (3 at admission), and int8 a tail of 4 more:
+    # int8 runs all 8 at once, fp32 at most 6.
+    assert int(int8[5]) == 8 and int(auto[5]) <= 6
     assert int(auto[7]) >= int(int8[7])
 
 

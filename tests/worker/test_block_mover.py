@@ -17,9 +17,9 @@ NUM_BLOCKS, BLOCK_SIZE, NUM_SWAP = 8, 4, 4
 CPU = torch.device("cpu")
 
 
-def pool(kv_cache_dtype: str = "auto", num_tail_slots: int = 0) -> list[LayerKVCache]:
+def pool(kv_cache_dtype: str = "auto", tails: bool = False) -> list[LayerKVCache]:
     torch.manual_seed(0)
-    caches = [allocate_layer(NUM_BLOCKS, BLOCK_SIZE, 2, 8, torch.float32, kv_cache_dtype, CPU, num_tail_slots)
+    caches = [allocate_layer(NUM_BLOCKS, BLOCK_SIZE, 2, 8, torch.float32, kv_cache_dtype, CPU, tails)
               for _ in range(3)]
     for layer in caches:
         for tensor in (*layer.tensors(), *([layer.tail_key, layer.tail_value] if layer.has_tails else [])):
@@ -100,7 +100,7 @@ def test_persists_run_after_the_forward_and_only_where_tiers_are_attached():
 def test_swapped_blocks_and_tier_entries_share_one_host_store():
     """One codec, one store: a swap row and tier entries side by side, each
     counted in its own bytes (swap space reserved whole, the tier per entry)."""
-    caches = pool("int8", num_tail_slots=2)
+    caches = pool("int8", tails=True)  # tail slots 0 and 1: blocks 0-3 and 4-7
     mover = mover_for(caches)
     host = mover.host
     block_bytes = host.codec.block_bytes

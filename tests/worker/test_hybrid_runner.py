@@ -46,7 +46,7 @@ def runner_for(hf_model, layout: KVGroupLayout, num_swap_blocks: int = 0) -> Mod
     model = GemmaForCausalLM(hf_model.config)
     model.load_weights({name: tensor.clone() for name, tensor in hf_model.state_dict().items()})
     spec = RunnerSpec(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_swap_blocks=num_swap_blocks, dtype=torch.float32,
-                      kv_cache_dtype="auto", num_tail_slots=0, max_num_seqs=2, max_model_len=64, cuda_graphs=False,
+                      kv_cache_dtype="auto", tails=False, max_num_seqs=2, max_model_len=64, cuda_graphs=False,
                       kv_groups=layout)
     return ModelRunner(model.eval(), spec, CPU)
 

@@ -92,45 +92,38 @@ def test_bytes_per_token_int8_against_the_model_dtype():
     assert "int8 KV with per-token scales) on cpu; 3.20x the tokens of a float32 pool" in int8.capacity_line()
 
 
-@pytest.mark.parametrize(("max_num_seqs", "speculative", "num_kv_blocks", "expected_slots"), [
-    (8, None, 100, 8),  # one per sequence
-    (8, {"method": "ngram", "num_speculative_tokens": 4}, 100, 16),  # and one for drafts past a block
-    (8, {"method": "ngram", "num_speculative_tokens": 20}, 100, 24),
-    (256, None, 100, 100),  # never more than blocks
+@pytest.mark.parametrize(("speculative", "kv_layout", "expected_tails"), [
+    (None, "paged", 1),  # one per sequence
+    ({"method": "ngram", "num_speculative_tokens": 4}, "paged", 2),  # and one for drafts past a block
+    ({"method": "ngram", "num_speculative_tokens": 20}, "paged", 3),
+    (None, "contiguous", 0),  # the baseline holds none (its partial blocks read as int8)
 ])
-def test_int8_tails_are_planned_per_sequence(max_num_seqs, speculative, num_kv_blocks, expected_slots):
-    config = EngineConfig(cache=CacheConfig(num_kv_blocks=num_kv_blocks, kv_cache_dtype="int8"),
+def test_int8_tails_are_runs_of_the_pools_own_blocks(speculative, kv_layout, expected_tails):
+    config = EngineConfig(cache=CacheConfig(num_kv_blocks=100, kv_cache_dtype="int8", kv_layout=kv_layout),
                           speculative_config=speculative)
-    planned = plan_kv_pool(config, tiny_model(), SchedulerConfig(max_model_len=64, max_num_seqs=max_num_seqs), CPU)
-    # A slot is one block of K and V in the model's dtype: 16 tokens x 512 bytes for the tiny model.
-    assert (planned.num_blocks, planned.num_tail_slots, planned.tail_bytes_per_slot) == (
-        num_kv_blocks, expected_slots, 16 * TINY_FP32_BYTES_PER_TOKEN)
-    tails = expected_slots * 16 * TINY_FP32_BYTES_PER_TOKEN
-    total = (num_kv_blocks * 16 * planned.bytes_per_token + tails) / 2**20
-    assert planned.capacity_line().endswith(
-        f"; full-precision tails for {expected_slots} still-filling blocks ({tails / 2**20:.1f} MiB, "
-        f"{total:.1f} MiB with the blocks)")  # the sum is that, stated once
+    planned = plan_kv_pool(config, tiny_model(), SchedulerConfig(max_model_len=64, max_num_seqs=256), CPU)
+    # An fp32 tail takes 4 int8 blocks' bytes; nothing is set aside, whatever max_num_seqs.
+    assert (planned.num_blocks, planned.tails_per_request) == (100, expected_tails)
+    assert planned.tail_run_blocks == (4 if expected_tails else 0)
+    if expected_tails:
+        assert planned.capacity_line().endswith(
+            f"; a writing sequence also keeps its still-filling blocks in float32, in tails of 4 of these blocks "
+            f"({expected_tails} per sequence)")
     for kv_cache_dtype in ("auto", "fp8_e4m3"):
-        assert plan(num_kv_blocks=8, kv_cache_dtype=kv_cache_dtype).num_tail_slots == 0
+        assert plan(num_kv_blocks=8, kv_cache_dtype=kv_cache_dtype).tail_run_blocks == 0
 
 
 @pytest.mark.parametrize("max_num_seqs", [4, 256])
-def test_an_int8_budget_pays_for_its_tails(max_num_seqs):
-    """kv_cache_memory bounds the int8 blocks and their full-precision tails together
-    (they used to sit beside it: 180 MiB on top of 64 MiB for SmolLM2 at 256 sequences)."""
+def test_an_int8_budget_is_all_blocks(max_num_seqs):
+    """kv_cache_memory is int8 blocks only: tails are taken from them as sequences
+    write, so nothing is set aside and no cap on sequences follows."""
     budget = 1 << 20
     scheduler = SchedulerConfig(max_model_len=64, max_num_seqs=max_num_seqs)
     planned = plan_kv_pool(EngineConfig(cache=CacheConfig(kv_cache_memory=budget, kv_cache_dtype="int8")),
                            tiny_model(), scheduler, CPU)
-    block_bytes, tail_bytes = 16 * planned.bytes_per_token, planned.tail_bytes_per_slot
-    used = planned.num_blocks * block_bytes + planned.num_tail_slots * tail_bytes
-    assert used <= budget < used + block_bytes  # as many blocks as fit beside the tails, no more
-    # The tails get at most half of what int8 saves: (1 - 160 / 512) / 2 of 1 MiB is 44 slots of
-    # 8 KiB; past that the scheduler runs only the sequences they hold.
-    assert planned.num_tail_slots == min(max_num_seqs, 44)
-    assert planned.max_running_seqs == (None if max_num_seqs <= 44 else 44)
+    assert planned.num_blocks == budget // (16 * planned.bytes_per_token)
     auto = plan_kv_pool(EngineConfig(cache=CacheConfig(kv_cache_memory=budget)), tiny_model(), scheduler, CPU)
-    assert auto.num_blocks == budget // (16 * TINY_FP32_BYTES_PER_TOKEN) and auto.num_tail_slots == 0
+    assert auto.num_blocks == budget // (16 * TINY_FP32_BYTES_PER_TOKEN) and auto.tail_run_blocks == 0
 
 
 def smollm2_shaped_model() -> LlamaForCausalLM:
@@ -145,67 +138,65 @@ def smollm2_shaped_model() -> LlamaForCausalLM:
 
 def test_smollm2_int8_at_64_mib_and_256_sequences_stays_within_the_budget():
     """Issue 41: the tails used to sit beside kv_cache_memory (342 int8 blocks of
-    64 MiB plus 180 MiB of tails); now blocks and tails share the 64 MiB. Issue 55:
-    a slot for each of 256 sequences left 71 blocks (1,136 tokens, fewer than fp32's
-    1,456); the tails' share of the budget now holds 33, and 33 sequences run at once."""
+    64 MiB plus 180 MiB of tails). Issue 55: a slot set aside for each of 256
+    sequences left 71 blocks (1,136 tokens, fewer than fp32's 1,456); tails now
+    come out of the 342 blocks as sequences write."""
     budget = 64 * 2**20
     scheduler = SchedulerConfig(max_model_len=2048, max_num_seqs=256)
     int8 = plan_kv_pool(EngineConfig(cache=CacheConfig(kv_cache_memory=budget, kv_cache_dtype="int8")),
                         smollm2_shaped_model(), scheduler, CPU)
-    # int8 + an fp32 scale per vector: 30 x 3 x 2 x (64 + 4) bytes a token; a tail slot is 16 fp32 tokens.
-    assert (int8.bytes_per_token, int8.tail_bytes_per_slot) == (12_240, 16 * 46_080)
-    # 33 slots: (1 - 12,240 / 46,080) / 2 of 64 MiB over 737,280 bytes; 218 blocks in the rest.
-    assert (int8.num_blocks, int8.num_tail_slots, int8.max_running_seqs) == (218, 33, 33)
-    assert int8.pool_bytes + int8.tail_bytes == 218 * 16 * 12_240 + 33 * 16 * 46_080 <= budget
-    # The same budget in the model dtype: unchanged by the tails, 64 MiB // 737,280 bytes a block.
+    # int8 + an fp32 scale per vector: 30 x 3 x 2 x (64 + 4) bytes a token; 64 MiB // 195,840 bytes a block.
+    assert (int8.bytes_per_token, int8.num_blocks, int8.tail_blocks_per_request) == (12_240, 342, 4)
+    # The same budget in the model dtype: 64 MiB // 737,280 bytes a block.
     auto = plan_kv_pool(EngineConfig(cache=CacheConfig(kv_cache_memory=budget)), smollm2_shaped_model(), scheduler,
                         CPU)
-    assert (auto.num_blocks, auto.num_tail_slots) == (91, 0)
+    assert (auto.num_blocks, auto.tail_run_blocks) == (91, 0)
     assert int8.capacity_line() == (
-        "KV cache: 218 blocks x 16 tokens = 3488 tokens (12240 bytes/token, 40.7 MiB, int8 KV with per-token "
-        "scales) on cpu; 3.76x the tokens of a float32 pool of the same size (2.40x counting the tails); "
-        "full-precision tails for 33 still-filling blocks (23.2 MiB, 63.9 MiB with the blocks), so at most 33 "
-        "sequences run at once"
+        "KV cache: 342 blocks x 16 tokens = 5472 tokens (12240 bytes/token, 63.9 MiB, int8 KV with per-token "
+        "scales) on cpu; 3.76x the tokens of a float32 pool of the same size; a writing sequence also keeps its "
+        "still-filling blocks in float32, in tails of 4 of these blocks (1 per sequence)"
     )
 
 
-@pytest.mark.parametrize("mib", [16, 64, 256])
-def test_int8_holds_more_tokens_than_fp32_in_the_same_budget(mib):
-    """Issue 55: with the default 256 sequences, SmolLM2's shape in fp32."""
+@pytest.mark.parametrize("budget", [2 * 737_280, 3 * 737_280, 4 * 2**20, 16 * 2**20, 64 * 2**20, 256 * 2**20])
+def test_int8_holds_more_tokens_than_fp32_in_the_same_budget(budget):
+    """Issue 55, SmolLM2's shape in fp32, 256 sequences: from a budget of two fp32
+    blocks (one sequence of 32 tokens) up, int8 holds more tokens than fp32 even
+    after one sequence's tail, and more than three times as many when many write."""
     scheduler = SchedulerConfig(max_model_len=2048, max_num_seqs=256)
-    int8, fp32 = (plan_kv_pool(EngineConfig(cache=CacheConfig(kv_cache_memory=mib * 2**20, kv_cache_dtype=dtype)),
+    int8, fp32 = (plan_kv_pool(EngineConfig(cache=CacheConfig(kv_cache_memory=budget, kv_cache_dtype=dtype)),
                                smollm2_shaped_model(), scheduler, CPU) for dtype in ("int8", "auto"))
-    assert int8.num_tokens > fp32.num_tokens and int8.num_tail_slots >= 1
-    assert int8.pool_bytes + int8.tail_bytes <= mib * 2**20
+    assert (int8.num_blocks - int8.tail_blocks_per_request) * 16 > fp32.num_tokens
+    assert int8.num_tokens > 3 * fp32.num_tokens and int8.pool_bytes <= budget
 
 
 def test_the_capacity_line_states_swap_space_and_the_sum():
     """Every byte of the pool: blocks, tails, swap space (allocated up front) and
     their sum; the offload tiers are KVChannels.describe's sentence, not here."""
     planned = plan(preemption_mode="swap", swap_space=1.0, num_kv_blocks=64, kv_cache_dtype="int8")
-    blocks, tails = 64 * 16 * planned.bytes_per_token, 64 * 16 * TINY_FP32_BYTES_PER_TOKEN  # 256 sequences > blocks
+    blocks = 64 * 16 * planned.bytes_per_token  # the tails are some of the blocks
     swap = planned.num_swap_blocks * 16 * planned.bytes_per_token
-    assert (planned.num_tail_slots, swap) == (64, GIB // (16 * planned.bytes_per_token) * 16 * planned.bytes_per_token)
+    assert swap == GIB // (16 * planned.bytes_per_token) * 16 * planned.bytes_per_token
     line = planned.capacity_line()
     assert line.startswith("KV cache: 64 blocks x 16 tokens = 1024 tokens (160 bytes/token, 0.2 MiB, ")
     assert line.endswith(f"; host swap space {planned.num_swap_blocks} blocks ({swap / 2**20:.1f} MiB, taken as used, "
                          f"plus {16 * TINY_FP32_BYTES_PER_TOKEN} bytes per swapped block that carries a tail); "
-                         f"in all {(blocks + tails + swap) / 2**20:.1f} MiB")
+                         f"in all {(blocks + swap) / 2**20:.1f} MiB")
     # On a GPU the sum is split between the device and host memory.
     gpu = dataclasses.replace(planned, device_type="cuda")
     assert gpu.capacity_line().endswith(
-        f"; in all {(blocks + tails + swap) / 2**20:.1f} MiB ({(blocks + tails) / 2**20:.1f} MiB on cuda, "
+        f"; in all {(blocks + swap) / 2**20:.1f} MiB ({blocks / 2**20:.1f} MiB on cuda, "
         f"{swap / 2**20:.1f} MiB of host memory)")
     # The draft model's pool counts in the sum; without swap space it is all on the device.
     drafted = dataclasses.replace(planned, num_swap_blocks=0, draft_bytes_per_token=100, device_type="cuda")
     assert drafted.capacity_line().endswith(
         f"; the draft model's pool over the same blocks: 100 bytes/token, {1024 * 100 / 2**20:.1f} MiB; "
-        f"in all {(blocks + tails + 1024 * 100) / 2**20:.1f} MiB")
+        f"in all {(blocks + 1024 * 100) / 2**20:.1f} MiB")
 
 
-def test_a_budget_too_small_for_a_block_and_its_tail_is_refused():
-    config = EngineConfig(cache=CacheConfig(kv_cache_memory=9000, kv_cache_dtype="int8"))
-    with pytest.raises(ValueError, match="full-precision tail.*raise kv_cache_memory"):
+def test_a_budget_too_small_for_a_block_is_refused():
+    config = EngineConfig(cache=CacheConfig(kv_cache_memory=2000, kv_cache_dtype="int8"))
+    with pytest.raises(ValueError, match="holds no block.*raise kv_cache_memory"):
         plan_kv_pool(config, tiny_model(), SchedulerConfig(max_model_len=64), CPU)
 
 
@@ -260,13 +251,14 @@ def test_dummy_step_writes_every_token_into_its_throwaway_pool(tiny_llama, monke
     assert len(layers) == config.num_hidden_layers
     for layer in layers:
         for pool in (layer.key, layer.value):
-            assert pool.shape[:2] == (3, 16)
-            written = pool.view(48, -1).abs().sum(-1) > 0
-            assert written[:40].all() and not written[40:].any()
+            # With int8, 4 more blocks past the prompt's (rounded up to 4) hold one fp32 tail.
+            assert pool.shape[:2] == ((8 if tails else 3), 16)
+            written = pool.reshape(pool.shape[0] * 16, -1).abs().sum(-1) > 0
+            assert written[:40].all() and not written[40:64].any()
         assert layer.has_tails == tails
         if tails:
-            # Tokens 32-39 are the last block's: the tail's first 8 positions.
-            written = layer.tail_key.view(16, -1).abs().sum(-1) > 0
+            # Tokens 32-39 are the last block's: the first 8 positions of tail slot 1 (blocks 4-7).
+            written = layer.tail_key[1].view(16, -1).abs().sum(-1) > 0
             assert written[:8].all() and not written[8:].any()
 
 
