@@ -10,8 +10,8 @@ each as Hugging Face's modeling file computes it:
 - OLMoE: q and k RMS-normalised over the whole projection (all heads at once) before the rope;
 - Mixtral: Mistral's attention;
 - Granite-MoE: Granite's multipliers (embedding, residual, attention, logits).
-The routing of each is in ``moe.routers``. Refused: tensor parallelism (the experts are not
-split yet), OLMoE's ``clip_qkv``, an activation other than SiLU.
+The routing of each is in ``moe.routers``. Tensor parallelism splits every expert's width
+(``moe.sharding``). Refused: OLMoE's ``clip_qkv``, an activation other than SiLU.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.model.layers import Embedding, RMSNorm
 from pagedllm.model.llama import Attention, DecoderLayer, LlamaForCausalLM, check_silu
-from pagedllm.model.moe.block import SparseMoeBlock, is_sparse_layer
+from pagedllm.model.moe.block import SparseMoeBlock, expert_width_of, is_sparse_layer
 from pagedllm.model.moe.names import stack_expert_weights
+from pagedllm.model.moe.sharding import expert_widths, shard_expert_weights
 from pagedllm.model.rotary import RotaryEmbedding
 from pagedllm.model.shapes import head_dim_of, sliding_windows_of
 
@@ -59,15 +60,14 @@ class MoeDecoderModel(nn.Module):
             for window in sliding_windows_of(config))
         for index, layer in enumerate(self.layers):
             if is_sparse_layer(config, index):
-                layer.mlp = SparseMoeBlock(config)
+                layer.mlp = SparseMoeBlock(config, tp)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 def check_moe_config(config: PretrainedConfig, tp: TensorParallelGroup) -> None:
-    """ValueError naming what this slice of issue 57 does not run."""
-    if tp.world_size > 1:
-        raise ValueError(f"tensor parallelism is not supported for mixture-of-experts models ({config.model_type}) "
-                         "yet: its experts are not split across ranks (issue 57); use tensor_parallel_size=1")
+    """ValueError naming what this slice of issue 57 does not run, or an expert width
+    ``tp.world_size`` does not divide."""
+    expert_widths(config, expert_width_of(config), tp)
     if getattr(config, "clip_qkv", None) is not None:
         raise ValueError(f"clip_qkv={config.clip_qkv} (OLMoE's q/k/v clamp) is not supported; "
                          "only checkpoints with clip_qkv=None run")
@@ -76,7 +76,7 @@ def check_moe_config(config: PretrainedConfig, tp: TensorParallelGroup) -> None:
 
 class MoeForCausalLM(LlamaForCausalLM):
     """The MoE families; loading is Llama's after the expert weights are stacked
-    (``moe.names.stack_expert_weights``)."""
+    (``moe.names.stack_expert_weights``) and cut to this rank's slices (``moe.sharding``)."""
 
     model_types = MOE_MODEL_TYPES
 
@@ -91,4 +91,5 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         stack_expert_weights(state_dict)
+        shard_expert_weights(state_dict, self.tp)
         super().load_weights(state_dict)

@@ -6,7 +6,8 @@ expert's gate rows, then its up rows) and ``down_proj`` [E, H, I]. One step's
 them at once (one gate|up and one down matmul per expert per layer, never one per token),
 and its weighted outputs are added back into their tokens' rows. The experts are visited
 in increasing id and each adds into a zeroed output, as Hugging Face's eager experts do, so
-every token's terms are summed in Hugging Face's order.
+every token's terms are summed in Hugging Face's order. On a GPU with Triton the same sum
+runs as two grouped kernel launches (``kernels.triton_moe``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.kernels.triton_moe import fused_experts, triton_available
 from pagedllm.model.layers import GATED_ACTIVATIONS, linear
 
 
@@ -31,6 +33,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{indices[t, k]}(x[t]) for every token t of x [tokens, H]."""
+        if x.is_cuda and triton_available():
+            return fused_experts(x, self.gate_up_proj, self.down_proj, indices, weights, self.act_and_mul)
         out = torch.zeros_like(x)
         top_k = indices.shape[1]
         flat = indices.reshape(-1)
