@@ -8,7 +8,8 @@ Hugging Face's routers). Fast: one batch of mixed-length prompts per family. Slo
 with 40 new tokens, prefix caching on and a second round served from it; a model whose routers
 are all zero (every token ties on the same two experts); a preemption run in a small pool.
 Slow too: Qwen3-MoE and Qwen2-MoE (shared expert) on two tensor-parallel ranks, each rank
-holding half of every expert's width. The pool is all-free after each engine run. LoRA on a
+holding half of every expert's width; and the engine with its experts on the Triton fused MoE
+kernel (through Triton's CPU interpreter). The pool is all-free after each engine run. LoRA on a
 mixture of experts is refused; the start-up line counts a packed GGUF's tied head once.
 """
 
@@ -20,6 +21,8 @@ import pytest
 import torch
 
 from pagedllm import LLM
+from pagedllm.kernels.triton_moe import fused_experts
+from pagedllm.model.moe.experts import Experts
 from pagedllm.model.moe.summary import weights_line
 from tests.conftest import assert_pool_free
 from tests.distributed.test_tensor_parallel import assert_no_workers_left
@@ -124,6 +127,17 @@ def test_moe_on_two_ranks_equals_hugging_face_and_one_rank(tmp_path: Path, smoll
             assert_pool_free(tp)
         finally:
             assert_no_workers_left(tp)
+
+
+@pytest.mark.slow
+def test_moe_on_the_triton_fused_kernel_equals_hugging_face(tmp_path: Path, smollm_tokenizer,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen2-MoE with every MoE block's experts on the fused kernel (which the engine takes on
+    CUDA), run here through Triton's interpreter: prefill and decode, 4 prompts, 8 tokens."""
+    model = _oracle(tmp_path, "qwen2_moe", smollm_tokenizer)
+    monkeypatch.setattr(Experts, "forward", lambda self, x, indices, weights: fused_experts(
+        x, self.gate_up_proj, self.down_proj, indices, weights, self.act_and_mul))
+    _check(LLM(str(tmp_path), num_kv_blocks=128), model, _prompts(smollm_tokenizer, 4), 8)
 
 
 def test_lora_on_a_mixture_of_experts_is_refused(tmp_path: Path, smollm_tokenizer) -> None:
