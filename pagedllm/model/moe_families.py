@@ -12,9 +12,9 @@ each as Hugging Face's modeling file computes it:
 - Granite-MoE: Granite's multipliers (embedding, residual, attention, logits);
 - gpt-oss: attention sinks, q/k/v/o biases, its router's bias and its experts' biases and
   clamped SwiGLU (``gpt_oss``).
-The routing of each is in ``moe.routers``. Refused: tensor parallelism (the experts are not
-split yet), OLMoE's ``clip_qkv``, an activation other than SiLU (gpt-oss's experts have their
-own), gpt-oss's MXFP4 safetensors.
+The routing of each is in ``moe.routers``. Tensor parallelism splits every expert's width
+(``moe.sharding``). Refused: OLMoE's ``clip_qkv``, an activation other than SiLU (gpt-oss's
+experts have their own), gpt-oss's MXFP4 safetensors, gpt-oss under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.model.gpt_oss import SinkAttention, check_gpt_oss_config, gpt_oss_expert_layout
 from pagedllm.model.layers import Embedding, RMSNorm
 from pagedllm.model.llama import Attention, DecoderLayer, LlamaForCausalLM, check_silu
-from pagedllm.model.moe.block import SparseMoeBlock, is_sparse_layer
+from pagedllm.model.moe.block import SparseMoeBlock, expert_width_of, is_sparse_layer
 from pagedllm.model.moe.names import stack_expert_weights
 from pagedllm.model.moe.packed_experts import install_packed_experts
+from pagedllm.model.moe.sharding import expert_widths, shard_expert_weights
 from pagedllm.model.rotary import RotaryEmbedding
 from pagedllm.model.shapes import head_dim_of, sliding_windows_of
 
@@ -68,20 +69,22 @@ class MoeDecoderModel(nn.Module):
                                     for window in sliding_windows_of(config))
         for index, layer in enumerate(self.layers):
             if is_sparse_layer(config, index):
-                layer.mlp = SparseMoeBlock(config)
+                layer.mlp = SparseMoeBlock(config, tp)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 def check_moe_config(config: PretrainedConfig, tp: TensorParallelGroup) -> None:
-    """ValueError naming what this slice of issue 57 does not run."""
-    if tp.world_size > 1:
-        raise ValueError(f"tensor parallelism is not supported for mixture-of-experts models ({config.model_type}) "
-                         "yet: its experts are not split across ranks (issue 57); use tensor_parallel_size=1")
+    """ValueError naming what this slice of issue 57 does not run, or an expert width
+    ``tp.world_size`` does not divide."""
+    expert_widths(config, expert_width_of(config), tp)
     if getattr(config, "clip_qkv", None) is not None:
         raise ValueError(f"clip_qkv={config.clip_qkv} (OLMoE's q/k/v clamp) is not supported; "
                          "only checkpoints with clip_qkv=None run")
     if config.model_type == "gpt_oss":
         check_gpt_oss_config(config)
+        if tp.world_size > 1:
+            raise ValueError("gpt-oss does not run under tensor parallelism yet (its attention sinks and expert "
+                             "biases are not split across ranks): use tensor_parallel_size=1")
     else:
         check_silu(config)
 
@@ -89,7 +92,7 @@ def check_moe_config(config: PretrainedConfig, tp: TensorParallelGroup) -> None:
 class MoeForCausalLM(LlamaForCausalLM):
     """The MoE families; loading is Llama's after the expert weights are stacked
     (``moe.names.stack_expert_weights``) or, from a GGUF, installed packed
-    (``moe.packed_experts``)."""
+    (``moe.packed_experts``), then cut to this rank's slices (``moe.sharding``)."""
 
     model_types = MOE_MODEL_TYPES
 
@@ -107,4 +110,5 @@ class MoeForCausalLM(LlamaForCausalLM):
         if self.config.model_type == "gpt_oss":
             gpt_oss_expert_layout(state_dict)
         stack_expert_weights(state_dict)
+        shard_expert_weights(state_dict, self.tp)
         super().load_weights(state_dict)

@@ -9,8 +9,10 @@ window of 8 is shorter than most of them). Slow: 16 prompts
 with 40 new tokens, prefix caching on and a second round served from it; a model whose routers
 are all zero (every token ties on the same two experts), gpt-oss left to the hybrid KV
 oracle; a preemption run in a small pool.
-The pool is all-free after each engine run. LoRA on a mixture of experts is refused; the
-start-up line counts a packed GGUF's tied head once.
+Slow too: Qwen3-MoE and Qwen2-MoE (shared expert) on two tensor-parallel ranks, each rank
+holding half of every expert's width; and the engine with its experts on the Triton fused MoE
+kernel (through Triton's CPU interpreter). The pool is all-free after each engine run. LoRA on a
+mixture of experts is refused; the start-up line counts a packed GGUF's tied head once.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ import pytest
 import torch
 
 from pagedllm import LLM
+from pagedllm.kernels.triton_moe import fused_experts
+from pagedllm.model.moe.experts import Experts
 from pagedllm.model.moe.summary import weights_line
 from tests.conftest import assert_pool_free
+from tests.distributed.test_tensor_parallel import assert_no_workers_left
 from tests.engine.test_hf_parity import TEXT
 from tests.engine.arch_parity import hf_greedy
 from tests.engine.test_sliding_window import greedy
@@ -59,15 +64,19 @@ def _experts_hit(model: torch.nn.Module, batch: list[list[int]]) -> list[set[int
     return hit
 
 
+def _generate_equals(llm: LLM, batch: list[list[int]], expected: list[list[int]]) -> None:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy(len(expected[0])), use_tqdm=False)
+    for prompt, tokens, output in zip(batch, expected, outputs):
+        assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens"
+
+
 def _check(llm: LLM, model: torch.nn.Module, batch: list[list[int]], new_tokens: int,
            cached_round: bool = False) -> None:
     """Greedy parity on ``batch`` (with ``cached_round``, run twice, the second time with the
     prompts' full blocks from the prefix cache), then the pool all-free."""
     expected = [hf_greedy(model, prompt, new_tokens) for prompt in batch]
     for _ in range(2 if cached_round else 1):
-        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy(new_tokens), use_tqdm=False)
-        for prompt, tokens, output in zip(batch, expected, outputs):
-            assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens"
+        _generate_equals(llm, batch, expected)
     if cached_round:
         assert llm.stats()["prefix_cache_hits"] > 0
     assert_pool_free(llm)
@@ -103,6 +112,36 @@ def test_moe_preemption_in_a_small_pool(tmp_path: Path, smollm_tokenizer, mode: 
     llm = LLM(str(tmp_path), num_kv_blocks=14, preemption_mode=mode, swap_space=0.01, debug_invariants=True)
     _check(llm, model, batch, 40)
     assert llm.stats()["num_preemptions"] > 0
+
+
+@pytest.mark.slow
+def test_moe_on_two_ranks_equals_hugging_face_and_one_rank(tmp_path: Path, smollm_tokenizer) -> None:
+    """tensor_parallel_size=2 splits every expert's width (32 -> 16 per rank), Qwen2-MoE's shared
+    expert's (40 -> 20) and the dense layer's; 12 prompts, 24 greedy tokens, one rank and two."""
+    batch = _prompts(smollm_tokenizer, 12)
+    for family in ("qwen3_moe", "qwen2_moe"):
+        model = _oracle(tmp_path / family, family, smollm_tokenizer)
+        expected = [hf_greedy(model, prompt, 24) for prompt in batch]
+        single = LLM(str(tmp_path / family), num_kv_blocks=128)
+        _generate_equals(single, batch, expected)
+        assert_pool_free(single)
+        tp = LLM(str(tmp_path / family), num_kv_blocks=128, tensor_parallel_size=2)
+        try:
+            _generate_equals(tp, batch, expected)
+            assert_pool_free(tp)
+        finally:
+            assert_no_workers_left(tp)
+
+
+@pytest.mark.slow
+def test_moe_on_the_triton_fused_kernel_equals_hugging_face(tmp_path: Path, smollm_tokenizer,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen2-MoE with every MoE block's experts on the fused kernel (which the engine takes on
+    CUDA), run here through Triton's interpreter: prefill and decode, 4 prompts, 8 tokens."""
+    model = _oracle(tmp_path, "qwen2_moe", smollm_tokenizer)
+    monkeypatch.setattr(Experts, "forward", lambda self, x, indices, weights: fused_experts(
+        x, self.gate_up_proj, self.down_proj, indices, weights, self.act_and_mul))
+    _check(LLM(str(tmp_path), num_kv_blocks=128), model, _prompts(smollm_tokenizer, 4), 8)
 
 
 def test_lora_on_a_mixture_of_experts_is_refused(tmp_path: Path, smollm_tokenizer) -> None:

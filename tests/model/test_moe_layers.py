@@ -5,7 +5,9 @@ and the grouped forward (tokens sorted by expert, one matmul per expert) equals 
 Face's eager experts within 1e-6 in fp32 (bf16: within one rounding); gpt-oss's experts
 (biases, clamped SwiGLU) load from its transposed, interleaved layout. Checkpoint names
 (per-expert, Mixtral's w1/w3/w2, Granite's stacked input/output linears) load into the
-stacked layout; a tensor-parallel MoE and OLMoE's clip_qkv are refused.
+stacked layout; tensor-parallel slices of every expert's width (and of Qwen2-MoE's shared
+expert) add up to the whole block; an expert width the ranks cannot split evenly and OLMoE's
+clip_qkv are refused.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.model.gpt_oss import gpt_oss_expert_layout
-from pagedllm.model.moe.block import experts_of
+from pagedllm.model.moe.block import SparseMoeBlock, expert_width_of, experts_of
 from pagedllm.model.moe.experts import Experts
 from pagedllm.model.moe.names import stack_expert_weights
 from pagedllm.model.moe.routers import routing_of
+from pagedllm.model.moe.sharding import shard_expert_weights
 from pagedllm.model.moe.summary import parameter_counts, weights_line
 from pagedllm.model.moe_families import MoeForCausalLM
 from tests.model.moe_configs import FAMILIES, moe_config, random_moe_model
@@ -59,7 +62,7 @@ def _ours(config, hf_experts: torch.nn.Module) -> Experts:
     tensors = {prefix + name: param.detach() for name, param in hf_experts.named_parameters()}
     if config.model_type == "gpt_oss":
         gpt_oss_expert_layout(tensors)
-    experts = experts_of(config)
+    experts = experts_of(config, expert_width_of(config))
     experts.load_state_dict({name.removeprefix(prefix): t for name, t in tensors.items()}, assign=True)
     return experts
 
@@ -103,12 +106,16 @@ def test_checkpoint_names_stack_into_experts() -> None:
 
 def test_refusals_name_what_to_change() -> None:
     with torch.device("meta"):
-        with pytest.raises(ValueError, match="tensor parallelism is not supported for mixture-of-experts"):
-            MoeForCausalLM(moe_config("mixtral", 128), tp=TensorParallelGroup(rank=0, world_size=2))
+        with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the model's expert width .*\(32\)"):
+            MoeForCausalLM(moe_config("mixtral", 128), tp=TensorParallelGroup(rank=0, world_size=3))
+        with pytest.raises(ValueError, match=r"does not divide the model's shared_expert_intermediate_size \(40\)"):
+            MoeForCausalLM(moe_config("qwen2_moe", 128, moe_intermediate_size=48), tp=TensorParallelGroup(0, 3))
         with pytest.raises(ValueError, match="clip_qkv"):
             MoeForCausalLM(moe_config("olmoe", 128, clip_qkv=8.0))
         with pytest.raises(ValueError, match="gpt-oss checkpoints quantized with 'mxfp4'"):
             MoeForCausalLM(moe_config("gpt_oss", 128, quantization_config={"quant_method": "mxfp4"}))
+        with pytest.raises(ValueError, match="gpt-oss does not run under tensor parallelism"):
+            MoeForCausalLM(moe_config("gpt_oss", 128), tp=TensorParallelGroup(rank=0, world_size=2))
 
 
 def test_active_parameters_count_top_k_of_each_expert_stack() -> None:
@@ -120,3 +127,32 @@ def test_active_parameters_count_top_k_of_each_expert_stack() -> None:
     assert total - active == experts * 6 // 8
     assert weights_line(model, 3 * 2**30).startswith("weights: 3.00 GiB, ")
     assert weights_line(model, 0).endswith(f"{active / 1000:.1f}K of {total / 1000:.1f}K parameters active per token")
+
+
+def test_expert_width_slices_add_up_to_the_whole_block() -> None:
+    """Qwen2-MoE's block (8 experts of width 32, a shared expert of 40) over 2 ranks: each rank
+    keeps its gate rows then its up rows of every expert, the same columns of down; the router
+    and the shared expert's gate stay whole; the ranks' outputs sum to the whole block's."""
+    config = moe_config("qwen2_moe", 128)
+    prefix = "model.layers.0.mlp."
+    whole = {k: v for k, v in random_moe_model(config).state_dict().items() if k.startswith(prefix)}
+    stack_expert_weights(whole)
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(1))
+    outputs, slices = [], []
+    for tp in (TensorParallelGroup(0, 2), TensorParallelGroup(1, 2)):
+        shard = dict(whole)
+        shard_expert_weights(shard, tp)
+        block = SparseMoeBlock(config, tp)
+        block.load_state_dict({k.removeprefix(prefix): v for k, v in shard.items()})
+        block.tp = SINGLE  # the sum below stands in for the all-reduce
+        assert block.experts.gate_up_proj.shape == (8, 32, 64) and block.shared_expert.down_proj.weight.shape == (64, 20)
+        with torch.no_grad():
+            outputs.append(block(x))
+        slices.append(block.experts.gate_up_proj.detach())
+    full = SparseMoeBlock(config)
+    full.load_state_dict({k.removeprefix(prefix): v for k, v in whole.items()})
+    gate_up = whole[f"{prefix}experts.gate_up_proj"]
+    assert torch.equal(torch.cat([s[:, :16] for s in slices], dim=1), gate_up[:, :32])  # the gate rows
+    assert torch.equal(torch.cat([s[:, 16:] for s in slices], dim=1), gate_up[:, 32:])  # the up rows
+    with torch.no_grad():
+        torch.testing.assert_close(outputs[0] + outputs[1], full(x), rtol=1e-5, atol=1e-5)

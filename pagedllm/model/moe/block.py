@@ -1,4 +1,5 @@
-"""The sparse MLP block of one layer: router, experts and Qwen2-MoE's shared expert."""
+"""The sparse MLP block of one layer: router, experts and Qwen2-MoE's shared expert; under
+tensor parallelism this rank's slice of every expert (``moe.sharding``), all-reduced once."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.model.layers import GatedMLP, Linear
 from pagedllm.model.moe.experts import Experts, clamped_swiglu
 from pagedllm.model.moe.routers import routing_of
+from pagedllm.model.moe.sharding import expert_widths
 
 
 def num_experts_of(config: PretrainedConfig) -> int:
@@ -30,11 +33,11 @@ def is_sparse_layer(config: PretrainedConfig, layer: int) -> bool:
     return num_experts_of(config) > 0 and (layer + 1) % (getattr(config, "decoder_sparse_step", None) or 1) == 0
 
 
-def experts_of(config: PretrainedConfig) -> Experts:
-    """A layer's expert stack: gpt-oss's have biases and its clamped SwiGLU (``swiglu_alpha``,
+def experts_of(config: PretrainedConfig, width: int) -> Experts:
+    """A layer's expert stack, ``width`` wide (this rank's share): gpt-oss's have biases and its clamped SwiGLU (``swiglu_alpha``,
     ``swiglu_limit``; its ``hidden_act`` is not read, as in Hugging Face), the others
     ``hidden_act``-and-multiply without biases."""
-    sizes = (num_experts_of(config), config.hidden_size, expert_width_of(config))
+    sizes = (num_experts_of(config), config.hidden_size, width)
     if config.model_type == "gpt_oss":
         return Experts(*sizes, act_and_mul=clamped_swiglu(config.swiglu_alpha, config.swiglu_limit), bias=True)
     return Experts(*sizes, getattr(config, "hidden_act", "silu"))
@@ -42,15 +45,20 @@ def experts_of(config: PretrainedConfig) -> Experts:
 
 class SparseMoeBlock(nn.Module):
     """router -> top-k experts (grouped forward), plus the sigmoid-gated shared expert
-    where the config has one (Qwen2-MoE's ``shared_expert_intermediate_size``)."""
+    where the config has one (Qwen2-MoE's ``shared_expert_intermediate_size``). With
+    ``tp.world_size`` ranks the experts and the shared expert are this rank's width slices,
+    the router and the shared expert's gate whole."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.routing = routing_of(config)
+        num_experts = num_experts_of(config)
+        width, shared = expert_widths(config, expert_width_of(config), tp)
         # gpt-oss's router is the one with a bias.
-        self.gate = Linear(config.hidden_size, num_experts_of(config), bias=config.model_type == "gpt_oss")
-        self.experts = experts_of(config)
-        shared = getattr(config, "shared_expert_intermediate_size", None)
+        self.gate = Linear(config.hidden_size, num_experts, bias=config.model_type == "gpt_oss")
+        self.experts = experts_of(config, width)
+        # Unsharded group: its partial sum joins the experts' in the block's one all-reduce.
         self.shared_expert = GatedMLP(config.hidden_size, shared, False) if shared else None
         self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False) if shared else None
 
@@ -60,4 +68,4 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             # Hugging Face: experts' output + sigmoid(gate(x)) * shared(x), in the model's dtype.
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.tp.all_reduce(out)

@@ -10,7 +10,8 @@ token), and its weighted outputs are added back into their tokens' rows. The exp
 visited in increasing id and each adds into a zeroed output, as Hugging Face's eager
 experts do, so every token's terms are summed in Hugging Face's order. With the C++ kernels
 built, bias-free experts run as one grouped call per projection (``moe.grouped``); the
-per-expert loop is the fallback.
+per-expert loop is the fallback. On a GPU with
+Triton, bias-free experts run as two grouped kernel launches (``kernels.triton_moe``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pagedllm.kernels.triton_moe import fused_experts, triton_available
 from pagedllm.model.layers import GATED_ACTIVATIONS, linear
 from pagedllm.model.moe.grouped import dense_stack, grouped_forward, grouped_kernels, loop_forward
 
@@ -57,10 +59,12 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{indices[t, k]}(x[t]) for every token t of x [tokens, H]."""
+        # Neither grouped kernel has a bias term: gpt-oss's biased experts take the loop.
+        biased = self.gate_up_proj_bias is not None
+        if x.is_cuda and triton_available() and not biased:
+            return fused_experts(x, self.gate_up_proj, self.down_proj, indices, weights, self.act_and_mul)
         gate_up, down = [dense_stack(self.gate_up_proj)], [dense_stack(self.down_proj)]
-        # The grouped kernel has no bias term: gpt-oss's biased experts take the loop.
-        grouped = self.gate_up_proj_bias is None and self.gate_up_proj.dtype == x.dtype
-        kernels = grouped_kernels(x, gate_up, down) if grouped else None
+        kernels = grouped_kernels(x, gate_up, down) if not biased and self.gate_up_proj.dtype == x.dtype else None
         if kernels is not None:
             return grouped_forward(kernels, x, indices, weights, gate_up, down, self.act_and_mul)
         return loop_forward(x, indices, weights, self.num_experts, self.expert_forward)
