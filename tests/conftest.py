@@ -93,6 +93,55 @@ def tiny_llama(tiny_model_dir) -> str:
     return tiny_model_dir("llama")
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma_dir(tmp_path_factory, smollm_tokenizer):
+    """Factory: a tiny random Gemma folder (with the SmolLM2 tokenizer) and its HF model, once per
+    arch and session, so every module's Hugging Face outputs of one model are computed once
+    (``tests.engine.test_sliding_window.hf_greedy`` keys them by the model)."""
+    from tests.model.test_gemma import tiny_gemma, tiny_gemma_config
+
+    made: dict[str, tuple[str, torch.nn.Module]] = {}
+
+    def make(arch: str):
+        if arch not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+            config = tiny_gemma_config(arch, len(smollm_tokenizer))
+            config.eos_token_id = smollm_tokenizer.eos_token_id
+            model = tiny_gemma(config)
+            model.save_pretrained(folder)
+            smollm_tokenizer.save_pretrained(folder)
+            made[arch] = (str(folder), model)
+        return made[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def sliding_model(tmp_path_factory, smollm_tokenizer):
+    """Factory: (kind, window) -> (checkpoint folder, Hugging Face model) of a tiny random
+    sliding-window model (``tests.engine.test_sliding_window.sliding_config``), once per session."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.bench.hf_reference import load_hf_model
+    from tests.engine.test_sliding_window import WINDOW, sliding_config
+
+    made: dict[tuple[str, int], tuple[str, object]] = {}
+
+    def make(kind: str, window: int = WINDOW):
+        if (kind, window) not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{kind}-w{window}")
+            config = sliding_config(kind, window)
+            config.vocab_size = len(smollm_tokenizer)
+            config.eos_token_id = smollm_tokenizer.eos_token_id
+            torch.manual_seed(4321)
+            AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+            smollm_tokenizer.save_pretrained(folder)
+            made[kind, window] = (str(folder), load_hf_model(str(folder)))
+        return made[kind, window]
+
+    return make
+
+
 # The generation prompt of a Qwen3 thinking model (and DeepSeek-R1): the template opens the
 # thinking, or with chat_template_kwargs {"enable_thinking": false} writes it closed and empty.
 _THINKING_GENERATION_PROMPT = """{%- if add_generation_prompt %}

@@ -8,7 +8,6 @@ import argparse
 
 from pagedllm.bench import commands
 from pagedllm.bench.cli import add_bench_parser
-from tests.engine.test_gemma_parity import tiny_gemma_dir  # noqa: F401 (fixture)
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -19,7 +18,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def test_bench_tables(tiny_gemma_dir, tiny_llama, capsys):  # noqa: F811
+def test_bench_tables(tiny_gemma_dir, tiny_llama, capsys):
     folder, _ = tiny_gemma_dir("gemma3")
     args = _args(["--model", folder, "--lengths", "16", "64", "--measure-up-to", "16", "--kv-cache-memory",
                   str(1 << 20), "--concurrent-len", "128", "--num-seqs", "6", "--output-len", "2",

@@ -17,13 +17,14 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_events import BlockRemoved, BlockStored, KVEventLog
 from pagedllm.core.kv_groups import kv_group_layout
 from pagedllm.core.kv_interface import NULL_BLOCK_ID, BlockCopy
+from pagedllm.core.kv_managers.sliding_window import SlidingWindow
 from pagedllm.core.request import Request
-from pagedllm.core.sliding_window import num_out_of_window_blocks
 from pagedllm.core.tier_index import TierIndex, tier_key
 from pagedllm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 WINDOW = 8
+SLIDING = SlidingWindow(WINDOW)
 LAYOUT = kv_group_layout([WINDOW if (layer + 1) % 3 else None for layer in range(6)])
 
 
@@ -54,7 +55,7 @@ def test_sliding_groups_release_behind_the_window_while_group_0_keeps_every_bloc
     for position in range(3, 60):
         assert kv.allocate_slots("a", position, 1) == []
         assert kv.allocate_slots("a", position + 1, 0) == []  # the next token's window moved on
-        released = num_out_of_window_blocks(position + 1, WINDOW, BLOCK_SIZE)
+        released = SLIDING.num_released(position + 1, BLOCK_SIZE)
         assert kv.num_released("a") == [0, released, released]
         tables = kv.get_block_ids("a")
         assert None not in kv.groups[0].tables["a"].entries and len({len(table) for table in tables}) == 1
@@ -84,7 +85,7 @@ def test_a_prefix_longer_than_the_window_hits_and_takes_only_the_window_in_slidi
     second = request("b", prompt + [1, 2])
     hits, num_cached, _ = kv.get_computed_blocks(second)
     assert num_cached == 40
-    start = num_out_of_window_blocks(40, WINDOW, BLOCK_SIZE)
+    start = SLIDING.num_released(40, BLOCK_SIZE)
     assert start == 8 and all(block is not None for block in hits[0])
     assert all(entries[:start] == [None] * start and None not in entries[start:] for entries in hits[1:])
     assert {block.block_id for block in hits[1][start:]}.isdisjoint(block.block_id for block in hits[0])
@@ -253,7 +254,7 @@ def test_tier_hits_count_per_group_and_load_each_groups_blocks():
     assert tiers.num_host_blocks == 30 and kv.take_tier_moves().of(TierOffload)
     hashes = extend_block_hashes([], prompt, BLOCK_SIZE)
     hit = kv.get_computed_blocks(request("c", prompt + [1]))
-    window_start = num_out_of_window_blocks(40, WINDOW, BLOCK_SIZE)
+    window_start = SLIDING.num_released(40, BLOCK_SIZE)
     assert hit.num_tokens == 40 and not hit.loading
     assert hit.blocks[0] == hashes and hit.blocks[1] == hit.blocks[2] == [None] * window_start + hashes[window_start:]
     assert kv.allocate_slots("c", 40, 1, hit.blocks) == []

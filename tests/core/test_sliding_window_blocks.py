@@ -17,8 +17,9 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_interface import NULL_BLOCK_ID
+from pagedllm.core.kv_managers.full_attention import FullAttention
+from pagedllm.core.kv_managers.sliding_window import SlidingWindow
 from pagedllm.core.request import Request
-from pagedllm.core.sliding_window import num_out_of_window_blocks
 from pagedllm.sampling_params import SamplingParams
 
 NUM_BLOCKS = 24
@@ -33,8 +34,8 @@ def test_out_of_window_blocks_are_those_no_later_query_sees(next_position, windo
         for i in range(next_position // block_size + 1)
     ]
     expected = out.index(False) if False in out else len(out)
-    assert num_out_of_window_blocks(next_position, window, block_size) == expected
-    assert num_out_of_window_blocks(next_position, None, block_size) == 0
+    assert SlidingWindow(window).num_released(next_position, block_size) == expected
+    assert FullAttention().num_released(next_position, block_size) == 0
 
 
 class SlidingWindowMachine(RuleBasedStateMachine):
@@ -117,7 +118,7 @@ class SlidingWindowMachine(RuleBasedStateMachine):
     def released_exactly_out_of_window_and_the_window_reads_back(self):
         for seq, tokens in self.expected.items():
             table = self.kv.get_block_ids(seq)[0]
-            released = num_out_of_window_blocks(self.allocated_at[seq], self.WINDOW, self.BLOCK_SIZE)
+            released = SlidingWindow(self.WINDOW).num_released(self.allocated_at[seq], self.BLOCK_SIZE)
             assert self.kv.num_released(seq) == [released]
             assert all(entry is None for entry in self.kv.groups[0].tables[seq].entries[:released])
             assert table[:released] == [NULL_BLOCK_ID] * released

@@ -8,29 +8,11 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+# test_hybrid_int8 imports the fixture from here (which gives that module its own instance of it).
 from tests.conftest import assert_pool_free
 from tests.distributed.test_tensor_parallel import assert_no_workers_left
 from tests.engine.test_hf_parity import assert_bf16_close_to_hf, check_parity, prompts_for
-from tests.model.test_gemma import GEMMA_ARCHS, assert_hf_greedy, tiny_gemma, tiny_gemma_config
-
-
-@pytest.fixture(scope="module")
-def tiny_gemma_dir(tmp_path_factory, smollm_tokenizer):
-    """Factory: a tiny random Gemma folder (with the SmolLM2 tokenizer) and its HF model, once per arch."""
-    made: dict[str, tuple[str, torch.nn.Module]] = {}
-
-    def make(arch: str):
-        if arch not in made:
-            folder = tmp_path_factory.mktemp(f"tiny-{arch}")
-            config = tiny_gemma_config(arch, len(smollm_tokenizer))
-            config.eos_token_id = smollm_tokenizer.eos_token_id
-            model = tiny_gemma(config)
-            model.save_pretrained(folder)
-            smollm_tokenizer.save_pretrained(folder)
-            made[arch] = (str(folder), model)
-        return made[arch]
-
-    return make
+from tests.model.test_gemma import GEMMA_ARCHS, assert_hf_greedy, tiny_gemma
 
 
 NEW_TOKENS = 24

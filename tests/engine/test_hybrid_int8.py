@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.engine.test_gemma_parity import tiny_gemma_dir  # noqa: F401 (fixture)
 from tests.engine.test_hybrid_kv_oracle import NEW_TOKENS, PROMPT_LENGTHS, SHARED
 from tests.engine.test_int8_tails import assert_same, assert_tails_free, results
 from tests.engine.test_sliding_window import hf_greedy, prompts

@@ -21,8 +21,7 @@ import pytest
 
 from pagedllm import LLM
 from tests.conftest import assert_pool_free
-from tests.engine.test_gemma_parity import tiny_gemma_dir  # noqa: F401 (fixture)
-from tests.engine.test_sliding_window import greedy, hf_greedy, prompts, sliding_model  # noqa: F401 (fixture)
+from tests.engine.test_sliding_window import greedy, hf_greedy, prompts
 from tests.model.moe_configs import moe_config, random_moe_model
 
 PROMPT_LENGTHS = [40, 70]
@@ -52,14 +51,14 @@ def _llm(folder: str, disable_hybrid: bool) -> LLM:
 
 @HYBRID
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_tiny_gemma_matches_hf_past_the_window(tiny_gemma_dir, arch, disable_hybrid):  # noqa: F811
+def test_tiny_gemma_matches_hf_past_the_window(tiny_gemma_dir, arch, disable_hybrid):
     folder, hf_model = tiny_gemma_dir(arch)
     check_hybrid_oracle(_llm(folder, disable_hybrid), hf_model, hf_model.config.sliding_window)
 
 
 @HYBRID
 @pytest.mark.parametrize("kind", ["mistral", "qwen2-hybrid"])
-def test_tiny_sliding_models_match_hf_past_the_window(sliding_model, kind, disable_hybrid):  # noqa: F811
+def test_tiny_sliding_models_match_hf_past_the_window(sliding_model, kind, disable_hybrid):
     folder, hf_model = sliding_model(kind)
     check_hybrid_oracle(_llm(folder, disable_hybrid), hf_model, hf_model.config.sliding_window)
 

@@ -19,7 +19,6 @@ import pytest
 
 from pagedllm import LLM
 from tests.conftest import assert_pool_free
-from tests.engine.test_gemma_parity import tiny_gemma_dir  # noqa: F401 (fixture)
 from tests.engine.test_hybrid_kv_oracle import NEW_TOKENS, check_hybrid_oracle
 from tests.engine.test_sliding_window import greedy, hf_greedy, prompts
 
@@ -33,7 +32,7 @@ def _llm(folder: str, draft: str | None, **options) -> LLM:
                speculative_config=speculative, debug_invariants=True, **options)
 
 
-def test_a_hybrid_gemma3_as_its_own_draft_matches_hf_and_is_accepted(tiny_gemma_dir):  # noqa: F811
+def test_a_hybrid_gemma3_as_its_own_draft_matches_hf_and_is_accepted(tiny_gemma_dir):
     folder, hf_model = tiny_gemma_dir("gemma3")
     llm = _llm(folder, folder, num_kv_blocks=192)
     assert llm.llm_engine.scheduler_config.kv_groups.num_groups == 6
@@ -44,7 +43,7 @@ def test_a_hybrid_gemma3_as_its_own_draft_matches_hf_and_is_accepted(tiny_gemma_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_another_draft_on_a_hybrid_target_changes_nothing_under_preemption(tiny_gemma_dir, tiny_llama,  # noqa: F811
+def test_another_draft_on_a_hybrid_target_changes_nothing_under_preemption(tiny_gemma_dir, tiny_llama,
                                                                            mode):
     folder, hf_model = tiny_gemma_dir("gemma3")
     llm = _llm(folder, tiny_llama, num_kv_blocks=NUM_BLOCKS, preemption_mode=mode, swap_space=0.01)

@@ -135,7 +135,7 @@ def test_the_right_victim_is_preempted(tiny_llama, policy):
 
 def test_seeded_sampling_survives_preemption(tiny_llama):
     prompts, _ = workload(12, seed=5)
-    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=80, seed=i, ignore_eos=True) for i in range(12)]
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, seed=i, ignore_eos=True) for i in range(12)]
     roomy = tokens_of(drive(LLM(tiny_llama, num_kv_blocks=1024), prompts, params))
     tight = LLM(tiny_llama, num_kv_blocks=20, debug_invariants=True)
     assert tokens_of(drive(tight, prompts, params)) == roomy

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.bench.hf_reference import load_hf_model
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.utils import cdiv
 from tests.conftest import TINY_COMMON, assert_pool_free
@@ -27,7 +26,8 @@ PROMPT_LENGTHS = [5, 23, 40, 70]
 NEW_TOKENS = 40
 
 
-def _config(kind: str, window: int):
+def sliding_config(kind: str, window: int):
+    """A tiny Mistral (every layer slides) or Qwen2 (sliding after ``max_window_layers`` full ones)."""
     from transformers import MistralConfig, Qwen2Config
 
     if kind == "mistral":
@@ -36,28 +36,6 @@ def _config(kind: str, window: int):
     full_layers = {"qwen2": 0, "qwen2-hybrid": 1}[kind]
     return Qwen2Config(**TINY_COMMON, use_sliding_window=True, sliding_window=window,
                        max_window_layers=full_layers, tie_word_embeddings=False)
-
-
-@pytest.fixture(scope="module")
-def sliding_model(tmp_path_factory, smollm_tokenizer):
-    """Factory: (kind, window) -> (checkpoint folder, Hugging Face model), written once per module."""
-    from transformers import AutoModelForCausalLM
-
-    made: dict[tuple[str, int], tuple[str, object]] = {}
-
-    def make(kind: str, window: int = WINDOW):
-        if (kind, window) not in made:
-            folder = tmp_path_factory.mktemp(f"tiny-{kind}-w{window}")
-            config = _config(kind, window)
-            config.vocab_size = len(smollm_tokenizer)
-            config.eos_token_id = smollm_tokenizer.eos_token_id
-            torch.manual_seed(4321)
-            AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-            smollm_tokenizer.save_pretrained(folder)
-            made[kind, window] = (str(folder), load_hf_model(str(folder)))
-        return made[kind, window]
-
-    return make
 
 
 def prompts(tokenizer, lengths=PROMPT_LENGTHS) -> list[list[int]]:

@@ -18,8 +18,7 @@ from pagedllm import LLM
 from pagedllm.core.kv_groups import kv_group_layout
 from pagedllm.kv_tiers.fingerprint import tier_fingerprint
 from tests.conftest import assert_pool_free
-from tests.engine.test_gemma_parity import tiny_gemma_dir  # noqa: F401 (fixture)
-from tests.engine.test_sliding_window import greedy, hf_greedy, prompts, sliding_model  # noqa: F401 (fixture)
+from tests.engine.test_sliding_window import greedy, hf_greedy, prompts
 
 NEW_TOKENS = 8
 SHARED = 64  # tokens of the first prompt the repeat shares (16 blocks of 4)
@@ -49,13 +48,13 @@ def _batches(llm: LLM) -> tuple[list[list[int]], list[int]]:
     return [first, *others], first[:SHARED] + others[0][:9]
 
 
-def _gemma3(tiny_gemma_dir):  # noqa: F811
+def _gemma3(tiny_gemma_dir):
     folder, hf_model = tiny_gemma_dir("gemma3")
     return folder, hf_model
 
 
 @pytest.mark.slow
-def test_the_host_tier_brings_an_evicted_prefix_back_per_group(tiny_gemma_dir):  # noqa: F811
+def test_the_host_tier_brings_an_evicted_prefix_back_per_group(tiny_gemma_dir):
     folder, hf_model = _gemma3(tiny_gemma_dir)
     llm = _llm(folder, kv_offload_host_bytes=1 << 20)
     assert llm.llm_engine.kv_cache_manager.num_groups == 6
@@ -71,7 +70,7 @@ def test_the_host_tier_brings_an_evicted_prefix_back_per_group(tiny_gemma_dir): 
 
 
 @pytest.mark.slow
-def test_the_disk_tier_brings_an_evicted_prefix_back_per_group_and_after_a_restart(tiny_gemma_dir,  # noqa: F811
+def test_the_disk_tier_brings_an_evicted_prefix_back_per_group_and_after_a_restart(tiny_gemma_dir,
                                                                                   tmp_path):
     folder, hf_model = _gemma3(tiny_gemma_dir)
     first = _llm(folder, kv_offload_dir=str(tmp_path))
@@ -95,7 +94,7 @@ def test_the_disk_tier_brings_an_evicted_prefix_back_per_group_and_after_a_resta
 
 @pytest.mark.slow
 @pytest.mark.parametrize("medium", ["host", "disk"])
-def test_a_model_whose_every_layer_slides_keeps_the_tiers(sliding_model, tmp_path, medium):  # noqa: F811
+def test_a_model_whose_every_layer_slides_keeps_the_tiers(sliding_model, tmp_path, medium):
     """One group with a window of 12 (Mistral): the repeat needs only the 3 blocks its window
     reads at token 64, which the other prompts evicted from the pool (16 blocks: a prompt
     holds at most 8); the search for the hit point walks back from the repeat's own blocks."""

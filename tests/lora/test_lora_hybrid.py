@@ -16,7 +16,6 @@ import pytest
 from pagedllm import LLM, LoRARequest, SamplingParams
 from tests.conftest import assert_pool_free
 from tests.engine.test_sliding_window import prompts as window_prompts
-from tests.engine.test_sliding_window import sliding_model  # noqa: F401 (fixture)
 from tests.lora.adapters import make_peft_adapter, peft_greedy
 
 MAX_TOKENS = 16
@@ -26,7 +25,7 @@ ADAPTERS = {"all8": dict(rank=8, seed=1), "qv4": dict(rank=4, targets=("q_proj",
 
 
 @pytest.fixture(scope="module")
-def hybrid_base(sliding_model) -> str:  # noqa: F811
+def hybrid_base(sliding_model) -> str:
     folder, _ = sliding_model("qwen2-hybrid")
     return folder
 

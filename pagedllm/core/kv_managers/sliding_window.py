@@ -1,16 +1,16 @@
 """A sliding window's rules for its KV cache group (no torch; vLLM's SlidingWindowManager).
 
-A query at position ``p`` reads keys ``p - W < j <= p`` (Hugging Face's convention), so once
-the next token to compute sits at ``p`` the blocks wholly before ``p - W + 1`` are released
-(``core.sliding_window``), a table holds about ``W / block_size`` blocks plus a step's, and a
-prefix-cache hit at ``h`` needs only the blocks a query at ``h`` reads cached.
+A query at position ``p`` reads keys ``p - W < j <= p`` (Hugging Face's convention). Once
+the next token to compute sits at ``p``, every later query sits at ``p`` or after, so a block
+whose last position is ``<= p - W`` is never read again and is released; a table holds about
+``W / block_size`` blocks plus a step's, and a prefix-cache hit at ``h`` needs only the
+blocks a query at ``h`` reads cached.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.core.sliding_window import num_out_of_window_blocks
 from pagedllm.utils import cdiv
 
 
@@ -43,8 +43,9 @@ class SlidingWindow:
         return max(0, position - self.window + 1)
 
     def num_released(self, num_tokens: int, block_size: int) -> int:
-        """Leading entries behind the window of a query at ``num_tokens``."""
-        return num_out_of_window_blocks(num_tokens, self.window, block_size)
+        """Leading entries behind the window of a query at ``num_tokens``: block ``i`` goes
+        when its last position ``(i + 1) * block_size - 1`` is ``<= num_tokens - window``."""
+        return self.first_position_read(num_tokens) // block_size
 
     def most_blocks_held(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
         return most_blocks_reading(self.window, num_tokens, block_size, max_step_tokens)
