@@ -154,6 +154,11 @@ class EngineConfig:
         default=20,
         metadata={"help": "most logprobs / prompt_logprobs (top_logprobs in chat) a request may ask for, as vLLM"},
     )
+    encoder_cache_bytes: int = field(
+        default=256 * 2**20,
+        metadata={"help": "bytes of vision-encoder outputs kept by image content hash, so a repeated image is "
+                          "not encoded again (0: off; vision-language models only)"},
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     pooling: PoolingConfig = field(default_factory=PoolingConfig)
@@ -255,6 +260,9 @@ class EngineConfig:
             raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got {self.distributed_timeout_s!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        budget = self.encoder_cache_bytes
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise ValueError(f"encoder_cache_bytes must be an integer >= 0, got {budget!r}")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space!r}")
 

@@ -15,7 +15,10 @@ The algorithm, exactly (a router in any language can recompute it):
    as 8-byte little-endian signed || JSON of the extra keys)``, where the extra keys
    are ``[]``, ``[cache_salt]`` (a JSON string), then for a request under a LoRA
    adapter ``["lora", name]`` appended, written with separators ``,`` and
-   ``:`` and no spaces, e.g. ``[]``, ``["tenant-a"]`` or ``["tenant-a",["lora","sql"]]``,
+   ``:`` and no spaces, e.g. ``[]``, ``["tenant-a"]`` or ``["tenant-a",["lora","sql"]]``;
+   a block that covers any of an image's placeholder positions then has ``["mm", content
+   hash]`` appended for each such image, in prompt order (``multimodal/inputs.py``), so the
+   same text around another image never hits, and the blocks after it differ through the chain
    as Python's ``json.dumps``
    writes it (non-ASCII characters as ``\uXXXX`` escapes: ``["caf\u00e9"]``);
    ``parent`` is ``hash_{i-1}``.
@@ -25,7 +28,8 @@ The algorithm, exactly (a router in any language can recompute it):
 
 Test vectors for a reimplementation (``hash_request_tokens``, block size 16):
 token ids ``0..15`` twice -> ``[3033277805137351077, 14884897223833445823]``;
-``0..15`` with ``cache_salt="tenant-a"`` -> ``[6873969315485558001]``.
+``0..15`` with ``cache_salt="tenant-a"`` -> ``[6873969315485558001]``;
+``0..15`` with an image ``"abc"`` over positions 4..7 (``mm_spans=[(4, 4, "abc")]``) -> ``[6685555401624510419]``.
 """
 
 from __future__ import annotations
@@ -58,14 +62,23 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: tuple = 
     return digest.digest()
 
 
+# An image's placeholder run in the prompt: (offset, length, content hash).
+MultiModalSpan = tuple[int, int, str]
+
+
 def extend_block_hashes(
-    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, extra_keys: tuple = ()
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, extra_keys: tuple = (),
+    mm_spans: Sequence[MultiModalSpan] = (),
 ) -> list[BlockHash]:
     """Append the hashes of the full blocks of ``token_ids`` not hashed yet
-    (``hashes`` holds those of the first blocks already); returns ``hashes``."""
+    (``hashes`` holds those of the first blocks already); returns ``hashes``.
+    ``mm_spans``: the images whose content hashes key the blocks they cover."""
     for index in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[index - 1] if index else ROOT_HASH
-        hashes.append(hash_block(parent, token_ids[index * block_size : (index + 1) * block_size], extra_keys))
+        start, end = index * block_size, (index + 1) * block_size
+        keys = extra_keys + tuple(["mm", identifier] for offset, length, identifier in mm_spans
+                                  if offset < end and start < offset + length)
+        hashes.append(hash_block(parent, token_ids[start:end], keys))
     return hashes
 
 
@@ -75,14 +88,17 @@ def external_block_hash(block_hash: BlockHash) -> int:
 
 
 def hash_request_tokens(token_ids: Sequence[int], block_size: int = 16, cache_salt: str | None = None,
-                        lora_name: str | None = None, lora_fingerprint: str = "") -> list[int]:
+                        lora_name: str | None = None, lora_fingerprint: str = "",
+                        mm_spans: Sequence[MultiModalSpan] = ()) -> list[int]:
     """The hashes of a request's full blocks exactly as ``BlockStored`` events
     carry them: what a router compares with a replica's events to know how
     many leading blocks of a prompt it already holds. A LoRA request's blocks need its
-    adapter's name and the fingerprint the replica's engine keys it by."""
+    adapter's name and the fingerprint the replica's engine keys it by; a prompt with
+    images needs their placeholder spans and content hashes (``mm_spans``)."""
     check_block_size(block_size)
     extra_keys = request_extra_keys(cache_salt, lora_name, lora_fingerprint)
-    return [external_block_hash(h) for h in extend_block_hashes([], list(token_ids), block_size, extra_keys)]
+    hashes = extend_block_hashes([], list(token_ids), block_size, extra_keys, mm_spans)
+    return [external_block_hash(h) for h in hashes]
 
 
 def request_extra_keys(cache_salt: str | None, lora_name: str | None, lora_fingerprint: str = "") -> tuple:

@@ -78,7 +78,8 @@ class PrefixCache:
         request should wait)."""
         if not self.enabled or request.needs_every_prompt_position:
             return PrefixHit([[] for _ in self.kinds], 0)
-        hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys)
+        hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys,
+                                     request.mm_spans)
         max_blocks = (request.num_tokens - 1) // self.block_size
         cached: list[list[HitEntry]] = [[] for _ in self.kinds]
         hit, loading = max_blocks, False
@@ -183,7 +184,8 @@ class PrefixCache:
         num_full = min(num_tokens // self.block_size, len(record.entries))
         if num_full <= record.num_registered:
             return
-        hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys)
+        hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.extra_keys,
+                                     request.mm_spans)
         # Token ids and parents only for the events and tiers that announce blocks (group 0's).
         described = self.block_pool.events is not None and group == 0
         tokens, size = request.all_token_ids, self.block_size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pagedllm.core.block_hash import request_extra_keys
@@ -15,6 +16,7 @@ from pagedllm.utils import mix_seed
 if TYPE_CHECKING:
     from pagedllm.core.adapter_spec import AdapterSpec
     from pagedllm.core.runner_output import PooledOutput
+    from pagedllm.multimodal.inputs import MultiModalFeature
 
 
 class RequestStatus(enum.Enum):
@@ -79,6 +81,7 @@ class Request:
         group_policy: SequenceGroupPolicy = SAMPLING,
         lora: AdapterSpec | None = None,
         pooling_params: PoolingParams | None = None,
+        mm_features: Sequence[MultiModalFeature] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -106,6 +109,10 @@ class Request:
                                   request_extra_keys(cache_salt, lora.name, lora.fingerprint))
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = 0
+        # Images in the prompt, in order: their content hashes key the blocks over
+        # their placeholders (``mm_spans``); their data goes to the runner untouched.
+        self.mm_features = tuple(mm_features)
+        self.mm_spans = tuple(feature.span for feature in self.mm_features)
         # Sharing: the request whose prompt this sequence shares, and its place
         # among the samples. ``num_pending_samples`` > 1 means the first sampled
         # position forks this sequence into that many (parallel sampling);
@@ -163,6 +170,7 @@ class Request:
             cache_salt=self.cache_salt,
             group_policy=self.group_policy,
             lora=self.lora,
+            mm_features=self.mm_features,
         )
         child.block_hashes = list(self.block_hashes)
         child.num_cached_tokens = self.num_cached_tokens

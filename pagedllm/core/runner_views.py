@@ -79,7 +79,7 @@ class RunnerViews:
             output.new_sequences.append(NewSequenceData(
                 sequence_id, request.prompt_token_ids, list(request.output_token_ids), block_ids,
                 request.sampling_params, None if request.lora is None else request.lora.name,
-                request.pooling_params,
+                request.pooling_params, request.mm_features,
             ))
             self._views[sequence_id] = _View(request.num_tokens, len(block_ids[0]), kv.num_released(sequence_id))
         else:

@@ -53,6 +53,8 @@ class NewSequenceData:
     lora_name: str | None = None
     # A pooling sequence (task set): its sample row is pooled, not sampled.
     pooling_params: PoolingParams | None = None
+    # Images in its prompt (``multimodal/inputs.py``): the runner embeds them at their placeholders.
+    mm_features: tuple = ()
 
 
 @dataclass

@@ -111,6 +111,7 @@ def engine_stats(engine: LLMEngine) -> dict[str, int | float | str]:
         **engine.runner.speculation_stats(),
         **(engine.kv_tiers.stats() if engine.kv_tiers is not None else {}),
         **_lora_stats(engine),
+        **(engine.runner.embedder.cache.stats() if engine.runner.embedder is not None else {}),
     }
 
 

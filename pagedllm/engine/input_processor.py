@@ -15,6 +15,8 @@ from pagedllm.core.adapter_spec import AdapterSpec
 from pagedllm.core.request import Request
 from pagedllm.lora.registry import AdapterRegistry
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalFeature
+from pagedllm.multimodal.processing import ImagePromptProcessor
 from pagedllm.core.sequence_group import SAMPLING, SequenceGroupPolicy
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import cdiv
@@ -39,8 +41,10 @@ class InputProcessor:
         max_logprobs: int = 20,
         adapters: AdapterRegistry | None = None,
         tail_blocks: int = 0,
+        multimodal: ImagePromptProcessor | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.multimodal = multimodal  # a vision-language model's prompt processor (None: text only)
         self.adapters = adapters
         self.max_logprobs = max_logprobs
         self.vocab_size = vocab_size
@@ -74,7 +78,11 @@ class InputProcessor:
         if priority != 0 and self.scheduler_config.scheduling_policy != "priority":
             raise ValueError("priority is only honoured with scheduling_policy='priority'; set it or drop priority")
         lora = self._adapter(lora_request)
-        prompt_text, token_ids = self._truncate(*self._tokenize(prompt), params.truncate_prompt_tokens)
+        prompt_text, token_ids, mm_features = self._prompt_inputs(prompt)
+        if mm_features and params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens would cut images out of the prompt; drop it for prompts "
+                             "with multi_modal_data")
+        prompt_text, token_ids = self._truncate(prompt_text, token_ids, params.truncate_prompt_tokens)
         max_tokens = self._validate(token_ids, params, 0 if lora is None else lora.num_pages)
         params = self._with_token_rules(params)
         if cache_salt is None and isinstance(prompt, dict):
@@ -103,6 +111,7 @@ class InputProcessor:
             cache_salt=cache_salt,
             group_policy=group_policy,
             lora=lora,
+            mm_features=mm_features,
         )
         return request, prompt_text
 
@@ -113,6 +122,22 @@ class InputProcessor:
             raise ValueError(f"request names LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} but "
                              "the engine was started without LoRA; start it with enable_lora=True (--enable-lora)")
         return self.adapters.spec_for(lora_request)
+
+    def _prompt_inputs(self, prompt: PromptType) -> tuple[str | None, list[int], list[MultiModalFeature]]:
+        """Text, token ids and images of a prompt: a dict with ``multi_modal_data``
+        (``{"image": PIL image or list}``, vLLM's shape) goes through the checkpoint's processor."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return (*self._tokenize(prompt), [])
+        if self.multimodal is None:
+            raise ValueError("this model takes text only; drop multi_modal_data or load a vision-language "
+                             "checkpoint (Idefics3 / SmolVLM)")
+        if set(data) != {"image"}:
+            raise ValueError(f"multi_modal_data takes 'image' only, got {sorted(data)}")
+        if not isinstance(prompt.get("prompt"), str):
+            raise ValueError("a prompt with multi_modal_data needs its text as 'prompt', with one image "
+                             f"placeholder ({self.multimodal.image_token!r}) where each image goes")
+        return (prompt["prompt"], *self.multimodal.process(prompt["prompt"], data["image"]))
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

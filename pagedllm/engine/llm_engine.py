@@ -36,6 +36,7 @@ from pagedllm.engine.stats_reporter import StatsReporter, metrics_context
 from pagedllm.model.loader import checkpoint_dtype
 from pagedllm.model.moe.summary import weights_line
 from pagedllm.model.shard import ModelShard
+from pagedllm.multimodal.processing import image_prompt_processor_for
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -100,7 +101,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                               self.scheduler_config, config.cache, plan.num_blocks, config.seed,
                                               max_logprobs=config.max_logprobs, adapters=self.adapter_registry,
-                                              tail_blocks=plan.tail_blocks_per_request)
+                                              tail_blocks=plan.tail_blocks_per_request,
+                                              multimodal=image_prompt_processor_for(self.model_config, self.model_path))
         self.output_processor = OutputProcessor(self.tokenizer)
         # Grammar state of guided sequences; the driver alone samples, so it lives here.
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoTokenizer
 from pagedllm.model.checkpoint import WHAT_TO_PASS, Checkpoint, check_architecture
 from pagedllm.model.safetensors_reader import read_safetensors
 from pagedllm.model.shapes import classifier_labels_of
+from pagedllm.model.vision.config import decoder_config_of
 
 # Files any one of which lets AutoTokenizer build a tokenizer from a folder.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -28,7 +29,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         raise ValueError(f"{str(folder)!r} has no tokenizer files (one of {', '.join(_TOKENIZER_FILES)})")
 
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    config = decoder_config_of(AutoConfig.from_pretrained(folder, local_files_only=True))
     state_dict: dict[str, torch.Tensor] = {}
     for shard in shards:
         # Old checkpoints saved the rotary frequencies; they are recomputed from the config.

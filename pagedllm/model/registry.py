@@ -17,6 +17,7 @@ from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.model.base import CausalLM
 from pagedllm.model.cohere2 import Cohere2ForCausalLM
 from pagedllm.model.gemma import GemmaForCausalLM
+from pagedllm.model.idefics3 import Idefics3ForConditionalGeneration
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.llama4 import Llama4ForCausalLM
 from pagedllm.model.moe_families import MoeForCausalLM
@@ -32,13 +33,15 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(Cohere2ForCausalLM.model_types, Cohere2ForCausalLM),
     **dict.fromkeys(Llama4ForCausalLM.model_types, Llama4ForCausalLM),
     **dict.fromkeys(MoeForCausalLM.model_types, MoeForCausalLM),
+    # Vision-language families, by the whole checkpoint's model_type (their decoder's config has its own).
+    **dict.fromkeys(Idefics3ForConditionalGeneration.vision_language_types, Idefics3ForConditionalGeneration),
 }
 SUPPORTED_ARCHITECTURES = tuple(_CLASSES)
 
 
 def model_class_for(config: Any) -> type[LlamaForCausalLM]:
     """The model class for a transformers config; ValueError naming the supported architectures."""
-    model_type = getattr(config, "model_type", None)
+    model_type = getattr(getattr(config, "vision_language_config", config), "model_type", None)
     if model_type not in _CLASSES:
         raise ValueError(
             f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"

@@ -29,7 +29,9 @@ from pagedllm.worker.block_mover import BlockMover
 from pagedllm.worker.block_moves import allocate_caches, layer_caches
 from pagedllm.worker.cuda_graphs import DecodeGraphs, why_no_graphs
 from pagedllm.worker.input_batch import CachedSequence, InputBatch, StepArrays
+from pagedllm.worker.encoder_cache import EncoderCache
 from pagedllm.worker.lora_adapters import RunnerAdapters
+from pagedllm.worker.multimodal_embeds import MultimodalEmbedder
 from pagedllm.config.pooling import PoolerSpec
 from pagedllm.worker.pooler import DecoderPooler
 from pagedllm.worker.runner_spec import RunnerSpec
@@ -136,6 +138,10 @@ class ModelRunner:
         self.adapters = None if not spec.max_lora_rank else RunnerAdapters(
             model, model.config, self.layer_caches, spec.dtype, spec.max_lora_rank, device, self.adapter_page_elems)
         self.mover.adapters = self.adapters
+        # A vision-language model's image encoder, through the encoder cache (driver only: it embeds, ranks decode).
+        embed_image = getattr(model, "embed_image", None)
+        self.embedder = None if embed_image is None else MultimodalEmbedder(
+            embed_image, EncoderCache(spec.encoder_cache_bytes), device)
 
     @torch.inference_mode()
     def _capture_graphs(self, max_num_seqs: int, max_model_len: int, pad_block: int) -> DecodeGraphs | None:
@@ -194,6 +200,8 @@ class ModelRunner:
             step.input_ids, step.positions, step.metadata = batch.input_ids, batch.positions, batch.metadata
         if self.adapters is not None:
             step.adapter_runs = [] if batch is None else self._adapter_runs(batch)
+        if self.embedder is not None and batch is not None:
+            step.multimodal_embeds = self.embedder.step_embeds(batch.order, batch.last_rows, self.sequences)
         if self.broadcast_step is not None:
             self.broadcast_step(step)
         prepared = time.perf_counter()
@@ -229,6 +237,9 @@ class ModelRunner:
             self.adapters.set_step(step.adapter_runs, 0 if step.input_ids is None else step.input_ids.shape[0])
         if step.input_ids is None:
             return None
+        if step.multimodal_embeds is not None:  # (a graph replays token embeddings only)
+            return self.model(step.input_ids, step.positions, self.layer_caches, step.metadata, self.attention,
+                              multimodal_embeds=step.multimodal_embeds)
         if self.decode_graphs is not None and self.decode_graphs.fits(step.input_ids.shape[0], step.metadata):
             return self.decode_graphs.run(step.input_ids, step.positions, step.metadata)
         return self.model(step.input_ids, step.positions, self.layer_caches, step.metadata, self.attention)

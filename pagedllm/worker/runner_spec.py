@@ -34,6 +34,7 @@ class RunnerSpec:
     # caches and one block table per group; one group of every layer without the hybrid manager.
     kv_groups: KVGroupLayout
     max_lora_rank: int = 0  # LoRA adapters' largest rank (0: LoRA off)
+    encoder_cache_bytes: int = 0  # vision-encoder outputs kept by image hash (``worker/encoder_cache.py``)
 
     @classmethod
     def from_plan(cls, plan: PoolPlan, config: EngineConfig, scheduler_config: SchedulerConfig,
@@ -56,4 +57,5 @@ class RunnerSpec:
             cuda_graphs=not config.enforce_eager and config.tensor_parallel_size == 1 and not config.lora.enable_lora,
             kv_groups=kv_groups_of(scheduler_config, num_layers),
             max_lora_rank=config.lora.max_lora_rank if config.lora.enable_lora else 0,
+            encoder_cache_bytes=config.encoder_cache_bytes,
         )

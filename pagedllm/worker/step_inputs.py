@@ -26,3 +26,5 @@ class StepInputs:
     # LoRA: the forward's rows as runs (start row, end row, adapter name or None for
     # the base); page-ins are ``block_moves``' ``AdapterLoad`` records.
     adapter_runs: list[tuple[int, int, str | None]] = field(default_factory=list)
+    # Images: forward rows and the encoder rows that replace their token embeddings (None: no image this step).
+    multimodal_embeds: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -1,0 +1,50 @@
+"""Vision-encoder outputs by image content hash, in a byte budget.
+
+A memo, never a source of truth: an entry is the encoder's output for exactly the
+image its content hash names, so a hit equals a recompute, and an entry evicted
+while its image is still being prefilled (in chunks) is only computed again. It
+is shared by every request and by the chunks of one prefill, and outlives a
+preemption by recompute."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+
+class EncoderCache:
+    """Least recently used out first; an output larger than the whole budget is
+    used and not kept (``budget_bytes=0`` turns the cache off)."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.num_bytes = self.hits = self.misses = self.evictions = 0
+
+    def get_or_compute(self, key: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry
+        self.misses += 1
+        value = compute()
+        size = value.numel() * value.element_size()
+        if size <= self.budget_bytes:
+            self._entries[key] = value
+            self.num_bytes += size
+            while self.num_bytes > self.budget_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self.num_bytes -= evicted.numel() * evicted.element_size()
+                self.evictions += 1
+        return value
+
+    def stats(self) -> dict[str, int | float]:
+        """What ``LLM.stats()`` reports: budget, use, and hits / misses / evictions so far."""
+        lookups = self.hits + self.misses
+        return {"encoder_cache_budget_bytes": self.budget_bytes, "encoder_cache_bytes": self.num_bytes,
+                "encoder_cache_entries": len(self._entries), "encoder_cache_hits": self.hits,
+                "encoder_cache_misses": self.misses, "encoder_cache_hit_rate": self.hits / max(1, lookups),
+                "encoder_cache_evictions": self.evictions}

@@ -1,0 +1,60 @@
+"""A step's image embeddings: which rows of the forward get which encoder output rows.
+
+A prefill chunk may start or stop inside an image's placeholder run (chunked
+prefill and prefix-cache hits split images anywhere): the image's whole encoder
+output comes from the encoder cache (or the encoder, once) and the chunk takes
+the rows of its own placeholder positions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from pagedllm.core.scheduler_output import ScheduledSequence
+from pagedllm.multimodal.inputs import MultiModalFeature
+from pagedllm.worker.encoder_cache import EncoderCache
+
+
+class MultimodalEmbedder:
+    """Runs ``embed_image`` (the model's) through ``cache`` for the images a step's spans cover."""
+
+    def __init__(self, embed_image: Callable[[object], torch.Tensor], cache: EncoderCache,
+                 device: torch.device) -> None:
+        self.embed_image = embed_image
+        self.cache = cache
+        self.device = device
+
+    def step_embeds(self, order: Sequence[ScheduledSequence], last_rows: Sequence[int],
+                    sequences: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(forward rows, their embeddings) for every image position scheduled this step; None without any."""
+        rows: list[np.ndarray] = []
+        chunks: list[torch.Tensor] = []
+        for scheduled, last_row in zip(order, last_rows):
+            sequence = sequences[scheduled.sequence_id]
+            start = scheduled.num_computed_tokens
+            end = start + scheduled.num_scheduled_tokens
+            for feature in sequence.mm_features:
+                if feature.placeholder.offset < end and start < feature.placeholder.end:
+                    positions = self._embed_positions(feature, sequence.prompt_token_ids)
+                    wanted = np.flatnonzero((positions >= start) & (positions < end))
+                    if len(wanted):
+                        rows.append(last_row - (end - 1) + positions[wanted])
+                        chunks.append(self._embeds(feature)[torch.from_numpy(wanted).to(self.device)])
+        if not rows:
+            return None
+        return torch.from_numpy(np.concatenate(rows)).to(self.device), torch.cat(chunks)
+
+    @staticmethod
+    def _embed_positions(feature: MultiModalFeature, prompt: list[int]) -> np.ndarray:
+        """Prompt positions of the image's rows: its placeholder tokens, in order."""
+        span = np.asarray(prompt[feature.placeholder.offset:feature.placeholder.end])
+        return feature.placeholder.offset + np.flatnonzero(span == feature.embed_token_id)
+
+    def _embeds(self, feature: MultiModalFeature) -> torch.Tensor:
+        embeds = self.cache.get_or_compute(feature.identifier, lambda: self.embed_image(feature.data))
+        if embeds.shape[0] != feature.num_embeds:
+            raise ValueError(f"the image encoder gave {embeds.shape[0]} rows for an image with "
+                             f"{feature.num_embeds} placeholder tokens; the processor and the model disagree")
+        return embeds

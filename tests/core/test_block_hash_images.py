@@ -1,0 +1,44 @@
+"""Image-aware block hashes (torch-free): a block's hash covers the content hash of
+every image whose placeholder tokens it covers, and the chain carries it onward."""
+
+from __future__ import annotations
+
+from pagedllm.core.block_hash import extend_block_hashes, hash_request_tokens
+from pagedllm.core.request import Request
+from pagedllm.multimodal.inputs import MultiModalFeature, PlaceholderRange
+from pagedllm.sampling_params import SamplingParams
+
+TOKENS = list(range(64))  # four blocks of 16; the image sits in block 1 and block 2
+
+
+def _hashes(identifier: str, offset: int = 20, length: int = 20) -> list[bytes]:
+    return extend_block_hashes([], TOKENS, 16, ("salt",), [(offset, length, identifier)])
+
+
+def test_another_image_changes_the_blocks_it_covers_and_every_later_one():
+    a, b = _hashes("image-a"), _hashes("image-b")
+    assert a[0] == b[0]  # before the image: shared
+    assert all(x != y for x, y in zip(a[1:], b[1:]))  # over it, and after it through the chain
+
+
+def test_the_same_image_in_the_same_place_hashes_the_same():
+    assert _hashes("image-a") == _hashes("image-a")
+
+
+def test_a_block_that_only_touches_the_image_edge_is_not_keyed_by_it():
+    """Placeholder [16, 32) lies in block 1 alone: block 0 ends where it starts."""
+    plain = extend_block_hashes([], TOKENS, 16, ("salt",))
+    keyed = extend_block_hashes([], TOKENS, 16, ("salt",), [(16, 16, "image-a")])
+    assert keyed[0] == plain[0] and keyed[1] != plain[1]
+
+
+def test_the_documented_image_test_vector():
+    assert hash_request_tokens(list(range(16)), mm_spans=[(4, 4, "abc")]) == [6685555401624510419]
+
+
+def test_a_requests_images_key_its_blocks_and_follow_its_forks():
+    feature = MultiModalFeature("image", "image-a", PlaceholderRange(20, 20), embed_token_id=7, num_embeds=16)
+    request = Request("r", TOKENS, SamplingParams(), eos_token_ids=[], max_tokens=4, cache_salt="salt",
+                      mm_features=[feature])
+    assert request.mm_spans == ((20, 20, "image-a"),)
+    assert request.fork("r::1", 1, 0).mm_spans == request.mm_spans

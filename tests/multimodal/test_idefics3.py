@@ -1,0 +1,92 @@
+"""Images in the prompt on a tiny random Idefics3: greedy output equals Hugging Face's
+``generate`` token for token (one image, two images between text, a text-only prompt,
+in one batch; whole and chunked prefill), and the prefix cache keys blocks by image
+content while the encoder cache serves a repeated image."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from tests.conftest import assert_pool_free
+from tests.multimodal.tiny_idefics3 import drawn_image, make_tiny_idefics3
+
+pytestmark = pytest.mark.slow  # ~40 s on a 2-core CPU: the tiny model, its processor and Hugging Face's outputs
+
+MAX_TOKENS = 8
+PREAMBLE = "You are a careful assistant who looks at pictures and answers in one short sentence. "
+CASES = [
+    ("Describe <image> briefly.", [1]),
+    ("First <image> and then <image>: which is brighter?", [2, (3, (20, 40))]),
+    ("A text-only prompt between the others.", []),
+    (PREAMBLE + "What is in <image>?", [(4, (60, 30))]),
+]
+
+
+def _images(spec: list) -> list:
+    return [drawn_image(*item) if isinstance(item, tuple) else drawn_image(item) for item in spec]
+
+
+@pytest.fixture(scope="module")
+def idefics3(tmp_path_factory, tiny_llama) -> str:
+    return make_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3"), tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(idefics3) -> list[list[int]]:
+    """Hugging Face's free-running greedy tokens for each case."""
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(idefics3)
+    model = Idefics3ForConditionalGeneration.from_pretrained(idefics3, dtype=torch.float32).eval()
+    outputs = []
+    for text, spec in CASES:
+        images = _images(spec)
+        inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
+        with torch.no_grad():
+            generated = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+        outputs.append(generated[0, inputs["input_ids"].shape[1]:].tolist())
+    return outputs
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [2048, 24], ids=["whole", "chunked"])
+def test_greedy_equals_hugging_face(idefics3, hf_outputs, max_num_batched_tokens):
+    """A 24-token budget splits every image's placeholder run across prefill chunks."""
+    llm = LLM(idefics3, num_kv_blocks=128, block_size=16, max_num_batched_tokens=max_num_batched_tokens)
+    prompts = [{"prompt": text, "multi_modal_data": {"image": _images(spec)}} if spec else text
+               for text, spec in CASES]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [list(out.outputs[0].token_ids) for out in outputs] == hf_outputs
+    assert_pool_free(llm)
+
+
+def test_blocks_are_keyed_by_image_content(idefics3):
+    """Same text, another image: only the text blocks before the image hit. The same
+    image again: every full block hits, and the encoder is not run again."""
+    llm = LLM(idefics3, num_kv_blocks=128, block_size=16)
+    text = PREAMBLE + "What is in <image>?"
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    def run(seed: int):
+        prompt = {"prompt": text, "multi_modal_data": {"image": drawn_image(seed)}}
+        return llm.generate(prompt, params, use_tqdm=False)[0]
+
+    first = run(10)
+    image_offset = first.prompt_token_ids.index(llm.llm_engine.model_config.vision_language_config.image_token_id)
+    assert image_offset > 16
+    other = run(11)
+    assert other.prompt_token_ids == first.prompt_token_ids  # same tokens: only the image differs
+    assert other.num_cached_tokens == image_offset // 16 * 16
+    again = run(10)
+    assert again.num_cached_tokens == (len(first.prompt_token_ids) - 1) // 16 * 16
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    before = llm.stats()
+    assert before["encoder_cache_misses"] == 2
+    # The same image under other text: no block to share, but its encoder output is cached.
+    llm.generate({"prompt": "Tell me about <image>", "multi_modal_data": {"image": drawn_image(10)}}, params,
+                 use_tqdm=False)
+    after = llm.stats()
+    assert after["encoder_cache_misses"] == 2
+    assert after["encoder_cache_hits"] == before["encoder_cache_hits"] + 1
+    assert_pool_free(llm)
