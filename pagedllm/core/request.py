@@ -100,23 +100,18 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        # The LoRA adapter it runs under (None: the base model).
-        self.lora = lora
-        # Prefix caching: what besides the tokens a block's identity covers
-        # (the tenant's salt, the adapter), and the hashes of the full blocks so far.
+        self.lora = lora  # the LoRA adapter it runs under (None: the base model)
+        # Prefix caching: what besides the tokens (and images) a block's identity covers
+        # (salt, adapter), and the hashes of the full blocks so far.
         self.cache_salt = cache_salt
         self.extra_keys: tuple = (request_extra_keys(cache_salt, None) if lora is None else
                                   request_extra_keys(cache_salt, lora.name, lora.fingerprint))
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = 0
-        # Images in the prompt, in order: their content hashes key the blocks over
-        # their placeholders (``mm_spans``); their data goes to the runner untouched.
-        self.mm_features = tuple(mm_features)
-        self.mm_spans = tuple(feature.span for feature in self.mm_features)
-        # Sharing: the request whose prompt this sequence shares, and its place
-        # among the samples. ``num_pending_samples`` > 1 means the first sampled
-        # position forks this sequence into that many (parallel sampling);
-        # until then the request holds that many of max_num_seqs' places.
+        self.mm_features = tuple(mm_features)  # images in the prompt (``mm_spans``)
+        # Sharing: the request whose prompt this sequence shares, and its place among the samples.
+        # ``num_pending_samples`` > 1: the first sampled position forks this sequence into that many
+        # (parallel sampling); until then the request holds that many of max_num_seqs' places.
         self.group_id = group_id if group_id is not None else request_id
         self.sample_index = sample_index
         self.num_pending_samples = num_samples
@@ -129,6 +124,11 @@ class Request:
         # A pooling request ends when its prompt is computed, with ``pooled`` instead of a sampled token.
         self.pooling_params = pooling_params
         self.pooled: PooledOutput | None = None
+
+    @property
+    def mm_spans(self) -> tuple[tuple[int, int, str], ...]:
+        """(offset, length, content hash) of each image: the block hashes' image keys."""
+        return tuple(feature.span for feature in self.mm_features)
 
     @property
     def needs_every_prompt_position(self) -> bool:

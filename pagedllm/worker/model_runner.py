@@ -29,9 +29,8 @@ from pagedllm.worker.block_mover import BlockMover
 from pagedllm.worker.block_moves import allocate_caches, layer_caches
 from pagedllm.worker.cuda_graphs import DecodeGraphs, why_no_graphs
 from pagedllm.worker.input_batch import CachedSequence, InputBatch, StepArrays
-from pagedllm.worker.encoder_cache import EncoderCache
 from pagedllm.worker.lora_adapters import RunnerAdapters
-from pagedllm.worker.multimodal_embeds import MultimodalEmbedder
+from pagedllm.worker.multimodal_embeds import multimodal_embedder_for
 from pagedllm.config.pooling import PoolerSpec
 from pagedllm.worker.pooler import DecoderPooler
 from pagedllm.worker.runner_spec import RunnerSpec
@@ -138,10 +137,7 @@ class ModelRunner:
         self.adapters = None if not spec.max_lora_rank else RunnerAdapters(
             model, model.config, self.layer_caches, spec.dtype, spec.max_lora_rank, device, self.adapter_page_elems)
         self.mover.adapters = self.adapters
-        # A vision-language model's image encoder, through the encoder cache (driver only: it embeds, ranks decode).
-        embed_image = getattr(model, "embed_image", None)
-        self.embedder = None if embed_image is None else MultimodalEmbedder(
-            embed_image, EncoderCache(spec.encoder_cache_bytes), device)
+        self.embedder = multimodal_embedder_for(model, spec.encoder_cache_bytes, device)  # images (None: text only)
 
     @torch.inference_mode()
     def _capture_graphs(self, max_num_seqs: int, max_model_len: int, pad_block: int) -> DecodeGraphs | None:

@@ -58,3 +58,10 @@ class MultimodalEmbedder:
             raise ValueError(f"the image encoder gave {embeds.shape[0]} rows for an image with "
                              f"{feature.num_embeds} placeholder tokens; the processor and the model disagree")
         return embeds
+
+
+def multimodal_embedder_for(model: object, encoder_cache_bytes: int, device: torch.device) -> MultimodalEmbedder | None:
+    """A vision-language model's (one with ``embed_image``) embedder over a fresh encoder
+    cache; None for a text-only model. Only the driver runs it: the step carries its rows."""
+    embed_image = getattr(model, "embed_image", None)
+    return None if embed_image is None else MultimodalEmbedder(embed_image, EncoderCache(encoder_cache_bytes), device)
