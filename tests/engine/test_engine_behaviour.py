@@ -109,6 +109,7 @@ def test_logprobs_are_reported_for_every_token(llm):
         ([1, 2, 10**9], "outside the vocabulary"),
         ([5] * 512, "max_model_len"),
         ({"prompt": 5}, "prompt_token_ids"),
+        ({"prompt": "a <image>", "multi_modal_data": {"image": []}}, "takes text only"),
     ],
 )
 def test_bad_prompts_raise_and_running_requests_carry_on(llm, prompt, message):

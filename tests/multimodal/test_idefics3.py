@@ -61,10 +61,15 @@ def test_greedy_equals_hugging_face(idefics3, hf_outputs, max_num_batched_tokens
     assert_pool_free(llm)
 
 
-def test_blocks_are_keyed_by_image_content(idefics3):
+@pytest.fixture(scope="module")
+def idefics3_llm(idefics3) -> LLM:
+    return LLM(idefics3, num_kv_blocks=128, block_size=16)
+
+
+def test_blocks_are_keyed_by_image_content(idefics3_llm):
     """Same text, another image: only the text blocks before the image hit. The same
     image again: every full block hits, and the encoder is not run again."""
-    llm = LLM(idefics3, num_kv_blocks=128, block_size=16)
+    llm = idefics3_llm
     text = PREAMBLE + "What is in <image>?"
     params = SamplingParams(temperature=0, max_tokens=2)
 
@@ -90,3 +95,16 @@ def test_blocks_are_keyed_by_image_content(idefics3):
     assert after["encoder_cache_misses"] == 2
     assert after["encoder_cache_hits"] == before["encoder_cache_hits"] + 1
     assert_pool_free(llm)
+
+
+@pytest.mark.parametrize(("prompt", "params", "message"), [
+    ({"prompt": "no placeholder", "multi_modal_data": {"image": drawn_image(1)}}, {}, "0 '<image>' placeholders"),
+    ({"prompt": "<image>", "multi_modal_data": {"image": "cat.png"}}, {}, "pass PIL images"),
+    ({"prompt": "<image>", "multi_modal_data": {"video": [drawn_image(1)]}}, {}, "'image' only"),
+    ({"prompt": "<image>", "multi_modal_data": {"image": drawn_image(1)}}, {"truncate_prompt_tokens": 8},
+     "truncate_prompt_tokens"),
+])
+def test_a_bad_image_prompt_is_refused_by_name(idefics3_llm, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        idefics3_llm.generate(prompt, SamplingParams(max_tokens=1, **params), use_tqdm=False)
+    assert_pool_free(idefics3_llm)
