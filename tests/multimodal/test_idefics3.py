@@ -50,14 +50,17 @@ def hf_outputs(idefics3) -> list[list[int]]:
     return outputs
 
 
-@pytest.mark.parametrize("max_num_batched_tokens", [2048, 24], ids=["whole", "chunked"])
-def test_greedy_equals_hugging_face(idefics3, hf_outputs, max_num_batched_tokens):
-    """A 24-token budget splits every image's placeholder run across prefill chunks."""
-    llm = LLM(idefics3, num_kv_blocks=128, block_size=16, max_num_batched_tokens=max_num_batched_tokens)
+@pytest.mark.parametrize(("max_num_batched_tokens", "num_kv_blocks"), [(2048, 128), (24, 12)],
+                         ids=["whole", "chunked-preempted"])
+def test_greedy_equals_hugging_face(idefics3, hf_outputs, max_num_batched_tokens, num_kv_blocks):
+    """A 24-token budget splits every image's placeholder run across prefill chunks, and a
+    12-block pool preempts requests (recompute), which embed their images again."""
+    llm = LLM(idefics3, num_kv_blocks=num_kv_blocks, block_size=16, max_num_batched_tokens=max_num_batched_tokens)
     prompts = [{"prompt": text, "multi_modal_data": {"image": _images(spec)}} if spec else text
                for text, spec in CASES]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert [list(out.outputs[0].token_ids) for out in outputs] == hf_outputs
+    assert (llm.stats()["num_preemptions"] > 0) == (num_kv_blocks == 12)
     assert_pool_free(llm)
 
 
