@@ -3,6 +3,8 @@ every image whose placeholder tokens it covers, and the chain carries it onward.
 
 from __future__ import annotations
 
+import pytest
+
 from pagedllm.core.block_hash import extend_block_hashes, hash_request_tokens
 from pagedllm.core.request import Request
 from pagedllm.multimodal.inputs import MultiModalFeature, PlaceholderRange
@@ -42,3 +44,10 @@ def test_a_requests_images_key_its_blocks_and_follow_its_forks():
                       mm_features=[feature])
     assert request.mm_spans == ((20, 20, "image-a"),)
     assert request.fork("r::1", 1, 0).mm_spans == request.mm_spans
+
+
+def test_images_are_refused_on_the_way_to_an_engine_core_process():
+    from pagedllm.core.prompt_tokens import tokenized
+
+    with pytest.raises(ValueError, match="engine_process=False"):
+        tokenized(None, {"prompt": "<image>", "multi_modal_data": {"image": [object()]}})
