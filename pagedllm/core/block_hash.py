@@ -3,7 +3,7 @@ r"""Chained block hashes: the identity of a full block's contents for prefix cac
 ``hash(block i) = sha256(hash(block i-1) || token ids of block i || extra keys)``.
 Because each hash covers its parent's, two requests share block ``i`` only if
 every token from position 0 up to the end of that block is equal, and their
-extra keys (the tenant's ``cache_salt``, the LoRA adapter's name) match. sha256 is stable across processes (unlike Python's salted
+extra keys (the tenant's ``cache_salt``, the LoRA adapter's name, the images) match. sha256 is stable across processes (unlike Python's salted
 ``hash()``) and collision resistant: an accidental collision, which would let
 one request read another's K/V, has probability ~2^-128 even after 2^64 blocks.
 
@@ -14,11 +14,11 @@ The algorithm, exactly (a router in any language can recompute it):
 3. ``hash_i = sha256(parent || len(block) as 8-byte little-endian || each token id
    as 8-byte little-endian signed || JSON of the extra keys)``, where the extra keys
    are ``[]``, ``[cache_salt]`` (a JSON string), then for a request under a LoRA
-   adapter ``["lora", name]`` appended, written with separators ``,`` and
-   ``:`` and no spaces, e.g. ``[]``, ``["tenant-a"]`` or ``["tenant-a",["lora","sql"]]``;
-   a block that covers any of an image's placeholder positions then has ``["mm", content
-   hash]`` appended for each such image, in prompt order (``multimodal/inputs.py``), so the
-   same text around another image never hits, and the blocks after it differ through the chain
+   adapter ``["lora", name]`` appended, then, in a block that covers any of an image's
+   placeholder positions, ``["mm", content hash]`` for each such image in prompt order
+   (``multimodal/inputs.py``: the same text around another image never hits, and the
+   blocks after it differ through the chain); written with separators ``,`` and
+   ``:`` and no spaces, e.g. ``[]``, ``["tenant-a"]`` or ``["tenant-a",["lora","sql"]]``,
    as Python's ``json.dumps``
    writes it (non-ASCII characters as ``\uXXXX`` escapes: ``["caf\u00e9"]``);
    ``parent`` is ``hash_{i-1}``.
