@@ -183,6 +183,7 @@ def test_a_pool_too_small_for_tails_to_pay_runs_without_them():
 
 
 def _model_and_groups(shape: str) -> tuple[LlamaForCausalLM, KVGroupLayout | None]:
+    """A model of the named KV shape, and its KV cache groups (None: one group)."""
     if shape == "smollm2":
         return smollm2_shaped_model(), None
     from transformers import LlamaConfig
@@ -194,10 +195,10 @@ def _model_and_groups(shape: str) -> tuple[LlamaForCausalLM, KVGroupLayout | Non
     return tiny_model(), HYBRID if shape == "tiny, 2 groups" else None
 
 
-@pytest.mark.parametrize(("shape", "speculative"), [
-    ("smollm2", None), ("smollm2", {"method": "ngram", "num_speculative_tokens": 20}), ("tiny", None),
-    ("tiny, 2 groups", None), ("head_dim 128", None)])
-def test_int8_holds_more_tokens_than_fp32_in_every_budget(shape, speculative):
+@pytest.mark.parametrize(("shape", "speculative", "tails"), [
+    ("smollm2", None, 1), ("smollm2", {"method": "ngram", "num_speculative_tokens": 20}, 3), ("tiny", None, 1),
+    ("tiny, 2 groups", None, 2), ("head_dim 128", None, 1)])
+def test_int8_holds_more_tokens_than_fp32_in_every_budget(shape, speculative, tails):
     """Issue 55: from a budget of one fp32 block up, int8 holds more tokens than fp32,
     after one sequence's tails where the pool keeps them (one per KV group, and
     more for drafts past a block); and more than three times as many once the
@@ -216,7 +217,8 @@ def test_int8_holds_more_tokens_than_fp32_in_every_budget(shape, speculative):
         assert (int8.num_blocks - int8.tail_blocks_per_request) * 16 > fp32.num_tokens, (budget, int8)
         assert int8.pool_bytes <= budget
         if budget >= 40 * fp32_block:
-            assert int8.tail_run_blocks and int8.num_tokens > 3 * fp32.num_tokens
+            assert (int8.tail_run_blocks, int8.tails_per_request) == (4, tails)
+            assert int8.num_tokens > 3 * fp32.num_tokens
 
 
 def test_int8_holds_at_least_a_16_bit_pools_tokens():
