@@ -1,7 +1,8 @@
 """The engine with int8 KV and full-precision tails (issue 23): results depend
 on positions only, never on chunking, batching, prefix caching, forks,
 speculation or preemption; the tails (runs of the pool's own blocks, taken as
-a sequence writes: issue 55) all come back. The reading rule
+a sequence writes: issue 55) all come back; a pool too small for tails to pay
+runs without them (issue 55: every key read as int8). The reading rule
 itself is tests/attention/test_kv_tail_reads.py; SmolLM2's agreement with fp32
 KV is tests/differential/test_kv_quant.py.
 
