@@ -36,7 +36,9 @@ reads a tail with the same rotated query as the int8 blocks). They are views
 over the int8 pool's own bytes: tail slot ``s`` is the key (value) bytes of
 blocks ``[s * k, (s + 1) * k)``, ``k = tail_run_blocks(dtype)``, which the
 scheduler's requests hold as tails (``core/kv_managers/tail_runs.py``), so a
-tail costs pool blocks only while a sequence writes.
+tail costs pool blocks only while a sequence writes. A pool too small for tails
+to pay has none (``tails_pay``; ``LayerKVCache.has_tails`` False): every key is
+read from the int8 pool, as without tails anywhere.
 Every token still goes to the int8 pool as above (a block that fills needs no
 conversion; prefix caching, copy-on-write and swap see only int8 blocks); a
 token in a block that will not be full after it is *also* written to its

@@ -26,7 +26,7 @@ from pagedllm.attention.kv_cache import allocate_layer, kv_bytes_per_token_per_k
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.config.engine import CacheConfig, EngineConfig, SchedulerConfig, torch_dtype
 from pagedllm.core.kv_groups import KVGroupLayout, kv_group_layout
-from pagedllm.core.kv_managers.tail_runs import tails_per_request
+from pagedllm.core.kv_managers.tail_runs import tails_pay, tails_per_request
 from pagedllm.model.base import CausalLM
 from pagedllm.model.shapes import head_dim_of, num_kv_heads_of
 
@@ -58,6 +58,9 @@ class PoolPlan:
     # tails of ``tail_run_blocks`` blocks each (0: no tails).
     tail_run_blocks: int = 0
     tails_per_request: int = 0
+    # Why a paged int8 pool keeps no tails (too small for them to pay:
+    # ``tails_pay``), for the capacity line; empty otherwise.
+    tails_off: str = ""
     # The KV cache groups the pool serves (``core.kv_groups``); a block (and the
     # bytes per token above) holds ``kv_groups.num_slots`` layers. None: one group.
     kv_groups: KVGroupLayout | None = None
@@ -127,6 +130,8 @@ class PoolPlan:
         if self.tail_run_blocks:
             text += (f"; a writing sequence also keeps its still-filling blocks in {self.dtype}, in tails of "
                      f"{self.tail_run_blocks} of these blocks ({self.tails_per_request} per sequence)")
+        if self.tails_off:
+            text += f"; {self.tails_off}"
         if self.draft_bytes_per_token:
             text += (f"; the draft model's pool over the same blocks: {self.draft_bytes_per_token} bytes/token, "
                      f"{_mib(self.draft_pool_bytes)}")
@@ -177,12 +182,12 @@ def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: Schedu
     ``kv_cache_memory``, then ``kv_cache_fraction`` of the memory available
     now, then on CUDA ``gpu_memory_utilization`` (0.9 by default), else on CPU
     ``DEFAULT_KV_CACHE_MEMORY``. A speculative ``draft_model`` keeps a pool
-    over the same block ids, so a block costs both models' bytes. An int8
-    pool's full-precision tails are its own blocks, taken as sequences write
-    (``core/kv_managers/tail_runs.py``), so they cost the budget nothing up
-    front (the capacity line states them). Swap blocks exist only with
-    ``preemption_mode="swap"`` and the paged layout, ``swap_space`` GiB of them,
-    beside the budget.
+    over the same block ids, so a block costs both models' bytes. An int8 pool's
+    full-precision tails are its own blocks, taken as sequences write (``tail_runs``),
+    so they cost the budget nothing up front (the capacity line states them); a
+    pool too small for them to pay keeps none (``_tail_plan``). Swap blocks exist
+    only with ``preemption_mode="swap"`` and the paged layout, ``swap_space`` GiB
+    of them, beside the budget.
 
     Safety rules: call it after the weights are on the device and before any
     pool is allocated, since the memory rules measure what is left. On CUDA
@@ -204,10 +209,10 @@ def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: Schedu
                                                                              cache.kv_cache_dtype)
     bytes_per_block = (bytes_per_token + draft_bytes_per_token) * cache.block_size
     unquantized_bytes_per_token = kv_bytes_per_token(model.config, dtype, "auto", model.num_kv_heads, slots)
-    num_blocks = _num_blocks(config, model, scheduler_config, device, bytes_per_block)
-    # The contiguous baseline holds no tails: its partial blocks read as int8 (docs/paging.md).
-    tails = cache.kv_cache_dtype == "int8" and cache.kv_layout == "paged"
-    num_spec = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+    num_blocks, memory = _num_blocks(config, model, scheduler_config, device, bytes_per_block)
+    draft_unquantized = 0 if draft_model is None else kv_bytes_per_token(draft_model.config, dtype)
+    unquantized_blocks = memory // ((unquantized_bytes_per_token + draft_unquantized) * cache.block_size)
+    run_blocks, per_request, tails_off = _tail_plan(config, groups.num_groups, num_blocks, unquantized_blocks)
     swaps = config.preemption_mode == "swap" and cache.kv_layout == "paged"
     return PoolPlan(
         num_blocks=num_blocks,
@@ -224,26 +229,51 @@ def plan_kv_pool(config: EngineConfig, model: CausalLM, scheduler_config: Schedu
         kv_cache_dtype=cache.kv_cache_dtype,
         device_type=device.type,
         draft_bytes_per_token=draft_bytes_per_token,
-        tail_run_blocks=tail_run_blocks(dtype) if tails else 0,
-        tails_per_request=tails_per_request(groups.num_groups, cache.block_size, num_spec) if tails else 0,
+        tail_run_blocks=run_blocks,
+        tails_per_request=per_request,
+        tails_off=tails_off,
         kv_groups=groups if groups.is_hybrid else None,
     )
 
 
+def _tail_plan(config: EngineConfig, num_groups: int, num_blocks: int,
+               unquantized_blocks: int) -> tuple[int, int, str]:
+    """``(tail_run_blocks, tails_per_request, tails_off)`` of a pool of
+    ``num_blocks``: tails for a paged int8 pool where they pay (``tails_pay``: a
+    request alone keeps more blocks beside them than ``unquantized_blocks``, what
+    the same memory holds in the model's dtype, both models' with a draft model),
+    else none, with the reason the capacity line gives."""
+    cache = config.cache
+    num_spec = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+    # The contiguous baseline holds no tails: its partial blocks read as int8 (docs/paging.md).
+    if cache.kv_cache_dtype != "int8" or cache.kv_layout != "paged":
+        return 0, 0, ""
+    run = tail_run_blocks(torch_dtype(config.dtype))
+    per_request = tails_per_request(num_groups, cache.block_size, num_spec)
+    tail_blocks = run * per_request
+    if tails_pay(num_blocks, tail_blocks, unquantized_blocks):
+        return run, per_request, ""
+    return 0, 0, (f"no full-precision tails: the pool is too small for them to pay (beside one sequence's "
+                  f"tails, {tail_blocks} blocks, it would hold no more blocks than "
+                  f"a {config.dtype} pool of the same memory, {unquantized_blocks}; they pay from "
+                  f"{unquantized_blocks + tail_blocks + 1} blocks), so still-filling blocks are read as int8")
+
+
 def _num_blocks(config: EngineConfig, model: CausalLM, scheduler_config: SchedulerConfig, device: torch.device,
-                bytes_per_block: int) -> int:
-    """``num_kv_blocks`` exactly, else the most blocks the first memory rule's
-    budget holds; ``ValueError`` when it holds no block."""
+                bytes_per_block: int) -> tuple[int, int]:
+    """``(blocks, bytes)``: ``num_kv_blocks`` exactly, else the most blocks the
+    first memory rule's budget holds, with the bytes they stand for (the budget,
+    or the blocks' own); ``ValueError`` when the budget holds no block."""
     cache = config.cache
     if cache.num_kv_blocks is not None:
-        return cache.num_kv_blocks
+        return cache.num_kv_blocks, cache.num_kv_blocks * bytes_per_block
     budget = _kv_budget_bytes(config, model, scheduler_config, device)
     if budget < bytes_per_block:
         raise ValueError(
             f"the KV budget of {budget} bytes holds no block of {cache.block_size} tokens "
             f"({bytes_per_block} bytes); raise kv_cache_memory or kv_cache_fraction"
         )
-    return budget // bytes_per_block
+    return budget // bytes_per_block, budget
 
 
 def _kv_budget_bytes(config: EngineConfig, model: CausalLM, scheduler_config: SchedulerConfig,

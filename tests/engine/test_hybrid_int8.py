@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from tests.conftest import assert_pool_free
 from tests.engine.test_hybrid_kv_oracle import NEW_TOKENS, PROMPT_LENGTHS, SHARED
 from tests.engine.test_int8_tails import assert_same, assert_tails_free, results
 from tests.engine.test_sliding_window import hf_greedy, prompts
@@ -72,3 +73,24 @@ def test_int8_hybrid_preemption_changes_nothing(tiny_gemma_dir, preemption_mode)
     assert preemption_mode == "recompute" or stats["swap_out_blocks"] > 0
     assert_tails_free(small)
     assert_same(got, results(_llm(folder, True).generate(requests, GREEDY, use_tqdm=False)))
+
+
+@pytest.mark.slow  # ~10 s: two engines
+def test_int8_hybrid_without_tails_in_a_pool_too_small_for_them(tiny_gemma_dir):  # noqa: F811
+    """11 blocks: one request's tails (one per group, 2 groups: 8 blocks) would leave it
+    3 blocks, no more than the fp32 pool of the same memory holds, so the plan keeps none; two
+    20-token requests (5 full-attention blocks and 3 inside the window each) preempt
+    each other, and the tokens are a roomy tail-less hybrid run's."""
+    folder, _ = tiny_gemma_dir("gemma2")
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, logprobs=0)
+    small = _llm(folder, False, num_kv_blocks=11)
+    requests = [{"prompt_token_ids": p} for p in prompts(small.get_tokenizer(), [12, 12])]
+    assert small.llm_engine.pool_plan.tail_run_blocks == 0 and small.llm_engine.runner.tail_slots is None
+    got = results(small.generate(requests, params, use_tqdm=False))
+    assert small.stats()["num_preemptions"] > 0
+    assert_pool_free(small)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("pagedllm.worker.memory.tails_pay", lambda *args: False)
+        roomy = _llm(folder, False)
+    assert_same(got, results(roomy.generate(requests, params, use_tqdm=False)))
+    assert_pool_free(roomy)

@@ -1,7 +1,8 @@
 """The engine with int8 KV and full-precision tails (issue 23): results depend
 on positions only, never on chunking, batching, prefix caching, forks,
 speculation or preemption; the tails (runs of the pool's own blocks, taken as
-a sequence writes: issue 55) all come back. The reading rule
+a sequence writes: issue 55) all come back; a pool too small for tails to pay
+runs without them (issue 55: every key read as int8). The reading rule
 itself is tests/attention/test_kv_tail_reads.py; SmolLM2's agreement with fp32
 KV is tests/differential/test_kv_quant.py.
 
@@ -174,3 +175,59 @@ def test_capacity_line_reports_the_tails(tiny_llama, caplog):
     assert llm.llm_engine.pool_plan.tail_run_blocks == 4
     assert any("; a writing sequence also keeps its still-filling blocks in float32, in tails of 4 of these blocks "
                "(1 per sequence)" in r.getMessage() for r in caplog.records)
+
+
+# The tiny Llama's fp32 block: 16 tokens x 512 bytes = 8 KiB; int8 blocks are 2,560 bytes, so 3 of them.
+ONE_FP32_BLOCK = 8 * 2**10
+# 2 prompts of 13 tokens and 12 generated: 2 blocks each, so at 3 blocks they cannot both finish at once.
+SMALL_PROMPTS = token_prompts(2, 13, offset=5)
+
+
+def short(n: int = 1) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0, n=n)
+
+
+def assert_no_tails(llm: LLM) -> None:
+    """The pool is free, and the engine kept no tails anywhere (plan, KV manager, runner)."""
+    assert_pool_free(llm)
+    engine = llm.llm_engine
+    assert engine.pool_plan.tail_run_blocks == engine.kv_cache_manager.tails.blocks_per_request == 0
+    assert not engine.kv_cache_manager.tails.held and engine.runner.tail_slots is None
+
+
+@pytest.fixture(scope="module")
+def without_tails(tiny_llama):
+    """The oracle for a pool too small for tails: the same int8 engine reading
+    every key as int8, on a roomy pool (600 blocks, both requests at once) whose
+    plan is made to keep no tails."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("pagedllm.worker.memory.tails_pay", lambda *args: False)
+        llm = int8_llm(tiny_llama)
+    out = results(llm.generate(SMALL_PROMPTS, short(), use_tqdm=False))
+    assert_no_tails(llm)
+    return out
+
+
+@pytest.mark.parametrize(("kwargs", "n"), [
+    (dict(), 1),
+    pytest.param(dict(preemption_mode="swap", swap_space=0.001), 1, marks=pytest.mark.slow),
+    pytest.param(dict(speculative_config=NGRAM), 1, marks=pytest.mark.slow),
+    pytest.param(dict(), 2, marks=pytest.mark.slow),
+], ids=["recompute preemption", "swap preemption", "ngram speculation", "n=2 forks"])
+def test_one_fp32_blocks_budget_runs_int8_without_tails(tiny_llama, without_tails, kwargs, n, caplog):
+    """Issue 55: one fp32 block of memory is 3 int8 blocks, too few for a block and
+    its 4-block tail, so the plan keeps no tails (and says so) and int8 still runs
+    (fp32 would hold 16 tokens): the tokens are the roomy tail-less engine's,
+    whatever preemption, speculation or a fork (children read the parent's int8
+    block as stored, no tail to copy) does."""
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        llm = int8_llm(tiny_llama, num_kv_blocks=None, kv_cache_memory=ONE_FP32_BLOCK, **kwargs)
+    assert llm.llm_engine.pool_plan.num_blocks == 3
+    assert any("no full-precision tails: the pool is too small for them to pay" in r.getMessage()
+               for r in caplog.records)
+    out = llm.generate(SMALL_PROMPTS, short(n), use_tqdm=False)
+    for child in range(n):
+        got = [(list(o.outputs[child].token_ids), o.outputs[child].cumulative_logprob) for o in out]
+        assert_same(got, without_tails)
+    assert llm.stats()["num_preemptions"] > 0
+    assert_no_tails(llm)

@@ -158,16 +158,87 @@ def test_smollm2_int8_at_64_mib_and_256_sequences_stays_within_the_budget():
     )
 
 
-@pytest.mark.parametrize("budget", [2 * 737_280, 3 * 737_280, 4 * 2**20, 16 * 2**20, 64 * 2**20, 256 * 2**20])
-def test_int8_holds_more_tokens_than_fp32_in_the_same_budget(budget):
-    """Issue 55, SmolLM2's shape in fp32, 256 sequences: from a budget of two fp32
-    blocks (one sequence of 32 tokens) up, int8 holds more tokens than fp32 even
-    after one sequence's tail, and more than three times as many when many write."""
-    scheduler = SchedulerConfig(max_model_len=2048, max_num_seqs=256)
-    int8, fp32 = (plan_kv_pool(EngineConfig(cache=CacheConfig(kv_cache_memory=budget, kv_cache_dtype=dtype)),
-                               smollm2_shaped_model(), scheduler, CPU) for dtype in ("int8", "auto"))
-    assert (int8.num_blocks - int8.tail_blocks_per_request) * 16 > fp32.num_tokens
-    assert int8.num_tokens > 3 * fp32.num_tokens and int8.pool_bytes <= budget
+SMOLLM2_FP32_BLOCK = 16 * 46_080  # 720 KiB
+
+
+def test_a_pool_too_small_for_tails_to_pay_runs_without_them():
+    """Issue 55, SmolLM2's shape: at one fp32 block (720 KiB) int8 has 3 blocks and at
+    1 MiB 5, no more beside a 4-block tail than fp32's one, so those pools keep no
+    tails (every key read as int8) and hold 3x and 5x fp32's tokens; from two fp32
+    blocks (7 int8 ones) up the tails pay, and the capacity line says which."""
+    model, scheduler = smollm2_shaped_model(), SchedulerConfig(max_model_len=2048, max_num_seqs=256)
+    pools = {budget: plan_kv_pool(EngineConfig(cache=CacheConfig(kv_cache_memory=budget, kv_cache_dtype="int8")),
+                                  model, scheduler, CPU)
+             for budget in (SMOLLM2_FP32_BLOCK, 2**20, 2 * SMOLLM2_FP32_BLOCK)}
+    assert [(p.num_blocks, p.tail_run_blocks, p.tails_per_request) for p in pools.values()] == [
+        (3, 0, 0), (5, 0, 0), (7, 4, 1)]
+    assert pools[2**20].capacity_line() == (
+        "KV cache: 5 blocks x 16 tokens = 80 tokens (12240 bytes/token, 0.9 MiB, int8 KV with per-token scales) on "
+        "cpu; 3.76x the tokens of a float32 pool of the same size; no full-precision tails: the pool is too small "
+        "for them to pay (beside one sequence's tails, 4 blocks, it would hold no more blocks than a float32 pool of "
+        "the same memory, 1; they pay from 6 blocks), so still-filling blocks are read as int8")
+    assert pools[2 * SMOLLM2_FP32_BLOCK].capacity_line().endswith("in tails of 4 of these blocks (1 per sequence)")
+    # num_kv_blocks: the blocks' own bytes are the memory (tiny Llama: 5 or 6 int8 blocks hold 1 fp32 block's).
+    assert [plan(num_kv_blocks=n, kv_cache_dtype="int8").tail_run_blocks for n in (5, 6)] == [0, 4]
+
+
+def _model_and_groups(shape: str) -> tuple[LlamaForCausalLM, KVGroupLayout | None]:
+    """A model of the named KV shape, and its KV cache groups (None: one group)."""
+    if shape == "smollm2":
+        return smollm2_shaped_model(), None
+    from transformers import LlamaConfig
+
+    if shape == "head_dim 128":  # 4 layers x 8 KV heads x 128
+        return LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=64, num_hidden_layers=4,
+                                            num_attention_heads=8, num_key_value_heads=8, head_dim=128,
+                                            vocab_size=256), tp=TensorParallelGroup(0, 1)), None
+    return tiny_model(), HYBRID if shape == "tiny, 2 groups" else None
+
+
+@pytest.mark.parametrize(("shape", "speculative", "tails"), [
+    ("smollm2", None, 1), ("smollm2", {"method": "ngram", "num_speculative_tokens": 20}, 3), ("tiny", None, 1),
+    ("tiny, 2 groups", None, 2), ("head_dim 128", None, 1)])
+def test_int8_holds_more_tokens_than_fp32_in_every_budget(shape, speculative, tails):
+    """Issue 55: from a budget of one fp32 block up, int8 holds more tokens than fp32,
+    after one sequence's tails where the pool keeps them (one per KV group, and
+    more for drafts past a block); and more than three times as many once the
+    budget holds a few dozen fp32 blocks."""
+    model, groups = _model_and_groups(shape)
+    scheduler = SchedulerConfig(max_model_len=64, kv_groups=groups)
+
+    def planned(budget: int, dtype: str) -> memory.PoolPlan:
+        cache = CacheConfig(kv_cache_memory=budget, kv_cache_dtype=dtype)
+        return plan_kv_pool(EngineConfig(cache=cache, speculative_config=speculative), model, scheduler, CPU)
+
+    fp32_block = planned(2**30, "auto").bytes_per_token * 16
+    budgets = [fp32_block + i * fp32_block // 7 for i in range(7 * 40)] + [2**k for k in range(21, 31)]
+    for budget in budgets:
+        int8, fp32 = planned(budget, "int8"), planned(budget, "auto")
+        assert (int8.num_blocks - int8.tail_blocks_per_request) * 16 > fp32.num_tokens, (budget, int8)
+        assert int8.pool_bytes <= budget
+        if budget >= 40 * fp32_block:
+            assert (int8.tail_run_blocks, int8.tails_per_request) == (4, tails)
+            assert int8.num_tokens > 3 * fp32.num_tokens
+
+
+def test_int8_holds_at_least_a_16_bit_pools_tokens():
+    """Against a 16-bit model dtype int8 saves less than half (64 + 4 bytes against
+    128 a vector for SmolLM2): at one bf16 block it ties (1 block each), from two up it
+    holds more, after its tails (2-block runs) once it keeps them."""
+    model, scheduler = smollm2_shaped_model(), SchedulerConfig(max_model_len=64)
+    bf16_block = 16 * 23_040
+
+    def planned(budget: int, dtype: str) -> memory.PoolPlan:
+        config = EngineConfig(dtype="bfloat16", cache=CacheConfig(kv_cache_memory=budget, kv_cache_dtype=dtype))
+        return plan_kv_pool(config, model, scheduler, CPU)
+
+    for i in range(7 * 20):
+        budget = bf16_block + i * bf16_block // 7
+        int8, bf16 = planned(budget, "int8"), planned(budget, "auto")
+        beside = int8.num_blocks - int8.tail_blocks_per_request
+        assert beside > bf16.num_blocks if budget >= 2 * bf16_block else beside >= bf16.num_blocks == 1
+    assert planned(bf16_block, "int8").num_blocks == 1
+    assert planned(20 * bf16_block, "int8").tail_run_blocks == 2
 
 
 def test_the_capacity_line_states_swap_space_and_the_sum():

@@ -48,6 +48,21 @@ def tails_per_request(num_groups: int, block_size: int, num_speculative_tokens: 
     return num_groups * (1 + cdiv(num_speculative_tokens, block_size))
 
 
+def tails_pay(num_blocks: int, tail_blocks: int, unquantized_blocks: int) -> bool:
+    """Whether an int8 pool of ``num_blocks`` blocks keeps full-precision tails
+    of ``tail_blocks`` blocks a writing request, where the same memory holds
+    ``unquantized_blocks`` blocks in the model's dtype: only if a request alone,
+    beside its tails, still has more blocks than that pool would.
+
+    A tail is an accuracy aid, not needed for correctness (every token is also
+    written to the int8 pool, its scale fixed when it is written), so a pool too
+    small for tails to pay runs without them and holds more tokens than the
+    model's dtype would; one that has them keeps more beside a request's tails.
+    The plan decides once per engine (``worker/memory.plan_kv_pool``), never per
+    request, so a request's tokens never depend on how busy the pool is."""
+    return num_blocks - tail_blocks > unquantized_blocks
+
+
 class TailRun:
     """One held tail: the ``BlockOwner`` of its run of blocks."""
 
