@@ -106,9 +106,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         return MoeDecoderModel(config, max_position, tp)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        install_packed_experts(self, state_dict)  # a GGUF's merged expert tensors
-        if self.config.model_type == "gpt_oss":
+        if self.config.model_type == "gpt_oss":  # first: its GGUF biases go with packed experts
             gpt_oss_expert_layout(state_dict)
+        install_packed_experts(self, state_dict)  # a GGUF's merged expert tensors
         stack_expert_weights(state_dict)
         shard_expert_weights(state_dict, self.tp)
         super().load_weights(state_dict)
