@@ -7,6 +7,7 @@
   softmax's denominator (``AttentionBackend.forward``'s ``sinks``).
 - Router: a linear layer with a bias, top-k of its logits, softmax over those k
   (``moe.routers``' ``topk_softmax``).
+- Norms: RMSNorm whose weight multiplies in fp32, before rounding (``GptOssRMSNorm``).
 - Experts: gate|up with biases, the clamped SwiGLU ``(clamp(up) + 1) * g * sigmoid(alpha * g)``
   with g = gate clamped above, down with biases (``moe.experts.clamped_swiglu``).
 
@@ -25,6 +26,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.model.layers import RMSNorm
 from pagedllm.model.llama import Attention
 from pagedllm.model.rotary import RotaryEmbedding
 
@@ -37,6 +39,24 @@ class SinkAttention(Attention):
                  sliding_window: int | None = None) -> None:
         super().__init__(config, rotary, tp, sliding_window)
         self.sinks = nn.Parameter(torch.empty(self.num_heads))
+
+
+class GptOssRMSNorm(RMSNorm):
+    """Hugging Face's ``GptOssRMSNorm``: the weight multiplies the fp32-normalised input before
+    the one rounding to the model's dtype (``weight * x32`` promotes to fp32), where Llama's
+    rounds the input first and multiplies in the model's dtype. In an fp32 model the two are one.
+    (Hugging Face keeps these weights fp32 only in fp16 models, ``_keep_in_fp32_modules``;
+    here they take the model's dtype.)"""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.dtype == torch.float32:
+            return super().forward(x, residual)
+        if residual is not None:
+            residual += x  # the residual add, in the model's dtype as Hugging Face's
+            x = residual
+        x32 = x.float()
+        out = (self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+        return out if residual is None else (out, residual)
 
 
 def check_gpt_oss_config(config: PretrainedConfig) -> None:

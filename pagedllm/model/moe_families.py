@@ -25,7 +25,7 @@ from transformers import PretrainedConfig
 
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
-from pagedllm.model.gpt_oss import SinkAttention, check_gpt_oss_config, gpt_oss_expert_layout
+from pagedllm.model.gpt_oss import GptOssRMSNorm, SinkAttention, check_gpt_oss_config, gpt_oss_expert_layout
 from pagedllm.model.layers import Embedding, RMSNorm
 from pagedllm.model.llama import Attention, DecoderLayer, LlamaForCausalLM, check_silu
 from pagedllm.model.moe.block import SparseMoeBlock, expert_width_of, is_sparse_layer
@@ -67,10 +67,14 @@ class MoeDecoderModel(nn.Module):
         attention = _ATTENTION.get(config.model_type, Attention)
         self.layers = nn.ModuleList(DecoderLayer(config, rotary, tp, attention=attention(config, rotary, tp, window))
                                     for window in sliding_windows_of(config))
+        norm = GptOssRMSNorm if config.model_type == "gpt_oss" else RMSNorm
         for index, layer in enumerate(self.layers):
             if is_sparse_layer(config, index):
                 layer.mlp = SparseMoeBlock(config, tp)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            if norm is not RMSNorm:
+                layer.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+                layer.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm(config.hidden_size, config.rms_norm_eps)
 
 
 def check_moe_config(config: PretrainedConfig, tp: TensorParallelGroup) -> None:

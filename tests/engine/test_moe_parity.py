@@ -5,7 +5,8 @@ Each model has three layers (Qwen3-MoE and Qwen2-MoE with one dense ``mlp_only_l
 layer), 8 experts, top-2, expert width 32, routers scaled 30x so that routing is far from
 uniform (the prompts' prefill sends tokens to every expert of every sparse layer, checked on
 Hugging Face's routers). Fast: one batch of mixed-length prompts per family (gpt-oss's
-window of 8 is shorter than most of them). Slow: 16 prompts
+window of 8 is shorter than most of them), and gpt-oss in bf16 against Hugging Face's bf16
+load (its norms multiply their weights in fp32, before rounding). Slow: 16 prompts
 with 40 new tokens, prefix caching on and a second round served from it; a model whose routers
 are all zero (every token ties on the same two experts), gpt-oss left to the hybrid KV
 oracle; a preemption run in a small pool.
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM
 from pagedllm.kernels.triton_moe import fused_experts
@@ -82,12 +84,15 @@ def _check(llm: LLM, model: torch.nn.Module, batch: list[list[int]], new_tokens:
     assert_pool_free(llm)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_moe_greedy_equals_hugging_face(tmp_path: Path, smollm_tokenizer, family: str) -> None:
+@pytest.mark.parametrize("family,dtype", [*((family, "float32") for family in FAMILIES), ("gpt_oss", "bfloat16")])
+def test_moe_greedy_equals_hugging_face(tmp_path: Path, smollm_tokenizer, family: str, dtype: str) -> None:
     model = _oracle(tmp_path, family, smollm_tokenizer)
     batch = _prompts(smollm_tokenizer, 4)
     assert all(len(experts) == 8 for experts in _experts_hit(model, batch)), "every expert gets tokens"
-    _check(LLM(str(tmp_path), num_kv_blocks=128, debug_invariants=True), model, batch, 8)
+    if dtype == "bfloat16":  # Hugging Face's own bf16 load of the checkpoint
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, attn_implementation="eager",
+                                                     experts_implementation="eager")
+    _check(LLM(str(tmp_path), dtype=dtype, num_kv_blocks=128, debug_invariants=True), model, batch, 8)
 
 
 @pytest.mark.slow
