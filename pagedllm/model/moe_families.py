@@ -14,7 +14,7 @@ each as Hugging Face's modeling file computes it:
   clamped SwiGLU (``gpt_oss``).
 The routing of each is in ``moe.routers``. Tensor parallelism splits every expert's width
 (``moe.sharding``). Refused: OLMoE's ``clip_qkv``, an activation other than SiLU (gpt-oss's
-experts have their own), gpt-oss's MXFP4 safetensors, gpt-oss under tensor parallelism.
+experts have their own), gpt-oss's MXFP4 safetensors.
 """
 
 from __future__ import annotations
@@ -86,9 +86,6 @@ def check_moe_config(config: PretrainedConfig, tp: TensorParallelGroup) -> None:
                          "only checkpoints with clip_qkv=None run")
     if config.model_type == "gpt_oss":
         check_gpt_oss_config(config)
-        if tp.world_size > 1:
-            raise ValueError("gpt-oss does not run under tensor parallelism yet (its attention sinks and expert "
-                             "biases are not split across ranks): use tensor_parallel_size=1")
     else:
         check_silu(config)
 

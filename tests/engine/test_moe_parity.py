@@ -11,7 +11,7 @@ with 40 new tokens, prefix caching on and a second round served from it; a model
 are all zero (every token ties on the same two experts), gpt-oss left to the hybrid KV
 oracle; a preemption run in a small pool.
 Slow too: Qwen3-MoE and Qwen2-MoE (shared expert) on two tensor-parallel ranks, each rank
-holding half of every expert's width; and the engine with its experts on the Triton fused MoE
+holding half of every expert's width, and gpt-oss (sinks and expert biases split) likewise; and the engine with its experts on the Triton fused MoE
 kernel (through Triton's CPU interpreter). The pool is all-free after each engine run. LoRA on a
 mixture of experts is refused; the start-up line counts a packed GGUF's tied head once.
 """
@@ -136,6 +136,18 @@ def test_moe_on_two_ranks_equals_hugging_face_and_one_rank(tmp_path: Path, smoll
             assert_pool_free(tp)
         finally:
             assert_no_workers_left(tp)
+
+
+@pytest.mark.slow
+def test_gpt_oss_on_two_ranks_equals_hugging_face(tmp_path: Path, smollm_tokenizer) -> None:
+    """gpt-oss on two ranks: each holds one KV head, its two query heads and their sinks, half of
+    every expert's width with its gate|up biases; the down biases and o_proj's on rank 0 only."""
+    model = _oracle(tmp_path, "gpt_oss", smollm_tokenizer)
+    llm = LLM(str(tmp_path), num_kv_blocks=128, tensor_parallel_size=2)
+    try:
+        _check(llm, model, _prompts(smollm_tokenizer, 4), 8)
+    finally:
+        assert_no_workers_left(llm)
 
 
 @pytest.mark.slow

@@ -134,8 +134,6 @@ def test_refusals_name_what_to_change() -> None:
             MoeForCausalLM(moe_config("olmoe", 128, clip_qkv=8.0))
         with pytest.raises(ValueError, match="gpt-oss checkpoints quantized with 'mxfp4'"):
             MoeForCausalLM(moe_config("gpt_oss", 128, quantization_config={"quant_method": "mxfp4"}))
-        with pytest.raises(ValueError, match="gpt-oss does not run under tensor parallelism"):
-            MoeForCausalLM(moe_config("gpt_oss", 128), tp=TensorParallelGroup(rank=0, world_size=2))
 
 
 def test_active_parameters_count_top_k_of_each_expert_stack() -> None:
