@@ -2,7 +2,8 @@
 writes them (tests.model.moe_gguf): greedy output equals Hugging Face's free-running
 ``generate`` token for token on a batch of real-text prompts. Experts stored F32 load dense;
 Q8_0 and MXFP4 expert stacks stay packed and run through the grouped kernel, and their oracle
-is the Hugging Face model holding the dequantized experts. Routers are scaled so that the
+is the Hugging Face model holding the dequantized experts. gpt-oss (llama.cpp's ``gpt-oss``
+architecture: sinks, router and expert biases, YaRN) loads from F32 and from MXFP4 experts. Routers are scaled so that the
 prompts reach every expert of every sparse layer; with all-zero routers every token ties on
 the same experts. The start-up line counts packed experts at their dense size. The pool is
 all-free after each engine run.
@@ -54,7 +55,7 @@ _SLOW = pytest.mark.slow
     ("qwen3_moe", T.MXFP4), pytest.param("qwen3_moe", T.F32, marks=_SLOW), pytest.param("qwen3_moe", T.Q8_0, marks=_SLOW),
     pytest.param("qwen2_moe", T.Q8_0, marks=_SLOW), pytest.param("olmoe", T.MXFP4, marks=_SLOW),
     pytest.param("mixtral", T.Q8_0, marks=_SLOW), pytest.param("granitemoe", T.MXFP4, marks=_SLOW),
-    ("gpt_oss", T.MXFP4), ("gpt_oss", T.F32)],
+    pytest.param("gpt_oss", T.MXFP4, marks=_SLOW), pytest.param("gpt_oss", T.F32, marks=_SLOW)],
     ids=lambda v: getattr(v, "name", v))
 def test_gguf_moe_greedy_equals_hugging_face(tmp_path: Path, family: str, expert_type: T) -> None:
     llm, model = _engine_and_oracle(tmp_path, family, expert_type)
