@@ -5,8 +5,8 @@ Each model has three layers (Qwen3-MoE and Qwen2-MoE with one dense ``mlp_only_l
 layer), 8 experts, top-2, expert width 32, routers scaled 30x so that routing is far from
 uniform (the prompts' prefill sends tokens to every expert of every sparse layer, checked on
 Hugging Face's routers). Fast: one batch of mixed-length prompts per family (gpt-oss's
-window of 8 is shorter than most of them), and gpt-oss in bf16 against Hugging Face's bf16
-load (its norms multiply their weights in fp32, before rounding). Slow: 16 prompts
+window of 8 is shorter than most of them); slow, the same for gpt-oss in bf16 (18 tokens)
+against Hugging Face's bf16 load (its norms multiply their weights in fp32, before rounding). Slow: 16 prompts
 with 40 new tokens, prefix caching on and a second round served from it; a model whose routers
 are all zero (every token ties on the same two experts), gpt-oss left to the hybrid KV
 oracle; a preemption run in a small pool.
@@ -84,7 +84,10 @@ def _check(llm: LLM, model: torch.nn.Module, batch: list[list[int]], new_tokens:
     assert_pool_free(llm)
 
 
-@pytest.mark.parametrize("family,dtype", [*((family, "float32") for family in FAMILIES), ("gpt_oss", "bfloat16")])
+# gpt-oss in bf16 runs 18 tokens: with Llama's norm rounding instead of its own, 2 of these 4
+# prompts leave Hugging Face's greedy path within them (at tokens 16 and 17; a third at 31).
+@pytest.mark.parametrize("family,dtype", [*((family, "float32") for family in FAMILIES),
+                                          pytest.param("gpt_oss", "bfloat16", marks=pytest.mark.slow)])
 def test_moe_greedy_equals_hugging_face(tmp_path: Path, smollm_tokenizer, family: str, dtype: str) -> None:
     model = _oracle(tmp_path, family, smollm_tokenizer)
     batch = _prompts(smollm_tokenizer, 4)
@@ -92,7 +95,8 @@ def test_moe_greedy_equals_hugging_face(tmp_path: Path, smollm_tokenizer, family
     if dtype == "bfloat16":  # Hugging Face's own bf16 load of the checkpoint
         model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, attn_implementation="eager",
                                                      experts_implementation="eager")
-    _check(LLM(str(tmp_path), dtype=dtype, num_kv_blocks=128, debug_invariants=True), model, batch, 8)
+    llm = LLM(str(tmp_path), dtype=dtype, num_kv_blocks=128, debug_invariants=True)
+    _check(llm, model, batch, 18 if dtype == "bfloat16" else 8)
 
 
 @pytest.mark.slow
