@@ -3,9 +3,9 @@ writes them (tests.model.moe_gguf): greedy output equals Hugging Face's free-run
 ``generate`` token for token on a batch of real-text prompts. Experts stored F32 load dense;
 Q8_0 and MXFP4 expert stacks stay packed and run through the grouped kernel, and their oracle
 is the Hugging Face model holding the dequantized experts. gpt-oss (llama.cpp's ``gpt-oss``
-architecture: sinks, router and expert biases, YaRN) loads from F32 and from MXFP4 experts. Routers are scaled so that the
-prompts reach every expert of every sparse layer; with all-zero routers every token ties on
-the same experts. The start-up line counts packed experts at their dense size. The pool is
+architecture: sinks, router and expert biases, YaRN) loads from F32 and from MXFP4 experts.
+Routers are scaled so that the prompts reach every expert of every sparse layer; with
+all-zero routers every token ties on the same experts. The start-up line counts packed experts at their dense size. The pool is
 all-free after each engine run.
 """
 

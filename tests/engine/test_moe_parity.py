@@ -11,8 +11,9 @@ with 40 new tokens, prefix caching on and a second round served from it; a model
 are all zero (every token ties on the same two experts), gpt-oss left to the hybrid KV
 oracle; a preemption run in a small pool.
 Slow too: Qwen3-MoE and Qwen2-MoE (shared expert) on two tensor-parallel ranks, each rank
-holding half of every expert's width, and gpt-oss (sinks and expert biases split) likewise; and the engine with its experts on the Triton fused MoE
-kernel (through Triton's CPU interpreter). The pool is all-free after each engine run. LoRA on a
+holding half of every expert's width, and gpt-oss (sinks and expert biases split) likewise;
+and the engine with its experts on the Triton fused MoE kernel (through Triton's CPU
+interpreter). The pool is all-free after each engine run. LoRA on a
 mixture of experts is refused; the start-up line counts a packed GGUF's tied head once.
 """
 

@@ -88,8 +88,9 @@ def test_biased_experts_take_the_grouped_kernel(kernels, dtype, monkeypatch):
     x = torch.randn(24, HIDDEN).to(dtype)
     indices, weights = _routing(24, "all")
     tolerance = 1e-5 if dtype == torch.float32 else 2.0**-7
-    torch.testing.assert_close(dense(x, indices, weights.to(dtype)).float(),
-                               _loop(dense, x, indices, weights.to(dtype)).float(), rtol=tolerance, atol=tolerance * 0.1)
+    weights = weights.to(dtype)
+    torch.testing.assert_close(dense(x, indices, weights).float(), _loop(dense, x, indices, weights).float(),
+                               rtol=tolerance, atol=tolerance * 0.1)
     packed = PackedExperts([_packed_stack(T.MXFP4, WIDTH, HIDDEN, 1), _packed_stack(T.MXFP4, WIDTH, HIDDEN, 2)],
                            _packed_stack(T.MXFP4, HIDDEN, WIDTH, 3), GATED_ACTIVATIONS["silu"], bias=True)
     packed.gate_up_proj_bias = torch.nn.Parameter(torch.randn(EXPERTS, 2 * WIDTH))
