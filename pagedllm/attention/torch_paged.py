@@ -289,7 +289,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     """Masked attention, q [b, heads, n, d] over k/v [b, kv_heads, m, d].
     SDPA has no soft cap and no sinks, so such layers take Hugging Face's eager path:
     scores in the input dtype, capped, masked, each head's sink logit appended as one
-    more column, softmax in fp32, the sink's column dropped, cast back."""
+    more column (and the row's max subtracted), softmax in fp32, the sink's column dropped,
+    cast back."""
     if layer.logits_soft_cap is None and layer.sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]
@@ -302,6 +303,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     if layer.sinks is not None:
         sinks = layer.sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         scores = torch.cat((scores, sinks), dim=-1)
+        # Hugging Face's gpt-oss subtracts each row's max in the scores' dtype (a rounding in
+        # bf16; in fp32 it is the softmax's own subtraction).
+        scores = scores - scores.max(dim=-1, keepdim=True).values
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     if layer.sinks is not None:
         probs = probs[..., :-1]

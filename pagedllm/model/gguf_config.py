@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from pagedllm.model.gguf_moe import MOE_ARCHITECTURES, MOE_TENSORS, moe_model_type, moe_settings
+from pagedllm.model.gguf_moe import GPT_OSS_TENSORS, MOE_ARCHITECTURES, MOE_TENSORS, moe_model_type, moe_settings
 from pagedllm.model.gguf_reader import GGUFArray, GGUFFile
 
 _REQUIRED = object()  # marks a metadata key that has no default
@@ -100,6 +100,8 @@ GGUF_ARCHITECTURES = {
     # Mixtures of experts (gguf_moe): the dense names plus the router, experts and shared expert.
     **{name: GGUFArchitecture({**_SEPARATE_PROJECTIONS, **MOE_TENSORS}, False, _NO_ROPE_TENSORS, False,
                               model_type=model_type) for name, model_type in MOE_ARCHITECTURES.items()},
+    "gpt-oss": GGUFArchitecture({**_SEPARATE_PROJECTIONS, **MOE_TENSORS, **GPT_OSS_TENSORS}, False, _NO_ROPE_TENSORS,
+                                False, model_type="gpt_oss"),
 }
 
 
@@ -157,7 +159,7 @@ def gguf_config(reader: GGUFFile, architecture: str, rope_tensors: dict[str, tor
         "eos_token_id": metadata(reader, "tokenizer.ggml.eos_token_id", None),
         "pad_token_id": metadata(reader, "tokenizer.ggml.padding_token_id", None),
     }
-    if architecture in ("llama", "qwen3", "qwen3moe", "granite", "smollm3", "gemma", "gemma2", "gemma3"):
+    if architecture in ("llama", "qwen3", "qwen3moe", "granite", "smollm3", "gemma", "gemma2", "gemma3", "gpt-oss"):
         # Qwen2Config has neither: head_dim is implied, biases always on
         settings["head_dim"] = head_dim
         settings["attention_bias"] = "blk.0.attn_q.bias" in shapes
@@ -204,11 +206,25 @@ def _rope_settings(arch_key, architecture: str, head_dim: int, settings: dict[st
     if scaling in ("linear", "yarn"):
         out["rope_scaling"] = {"rope_type": scaling, "factor": arch_key("rope.scaling.factor")}
         if scaling == "yarn":
-            out["rope_scaling"]["original_max_position_embeddings"] = arch_key("rope.scaling.original_context_length")
+            out["rope_scaling"].update(_yarn(arch_key, architecture))
+    elif scaling == "none" and architecture == "gpt-oss":  # GptOssConfig's default rope is YaRN
+        out["rope_scaling"] = {"rope_type": "default"}
     elif scaling != "none":
         raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported; supported: linear, yarn")
     if "rope_factors_long" in rope_tensors or "rope_factors_short" in rope_tensors:
         out["rope_scaling"] = _longrope(arch_key, settings, rope_tensors)
+    return out
+
+
+def _yarn(arch_key, architecture: str) -> dict[str, Any]:
+    """YaRN's parameters beyond its factor: the original window, the betas where the file has them,
+    and gpt-oss's ``truncate: false`` (its Hugging Face config's; llama.cpp does not store it)."""
+    out: dict[str, Any] = {"original_max_position_embeddings": arch_key("rope.scaling.original_context_length")}
+    for key in ("beta_fast", "beta_slow"):
+        if (value := arch_key(f"rope.scaling.yarn_{key}", None)) is not None:
+            out[key] = value
+    if architecture == "gpt-oss":
+        out["truncate"] = False
     return out
 
 

@@ -1,4 +1,4 @@
-"""Mixture-of-experts GGUF files (llama.cpp's qwen3moe, qwen2moe, olmoe and granitemoe
+"""Mixture-of-experts GGUF files (llama.cpp's qwen3moe, qwen2moe, olmoe, granitemoe and gpt-oss
 architectures, and Mixtral, which it writes as ``llama`` with ``llama.expert_count``): their
 tensor names and the config fields their metadata gives.
 
@@ -13,6 +13,16 @@ q/k rows are not permuted; Mixtral's and Granite-MoE's are, as every llama and g
 stacks; ``GraniteMoeModel`` splits Granite-MoE's ``input_linear`` into gate and up). Here the merged tensors load under
 ``mlp.experts.{gate,up,down,gate_up}_proj.weight``, then ``moe.packed_experts`` keeps
 quantized ones packed or stacks them densely.
+
+gpt-oss (``GptOssModel``): the router is ``ffn_gate_inp`` with a bias; the experts are
+``ffn_{gate,up,down}_exps`` as above (gate and up de-interleaved from Hugging Face's
+``gate_up_proj``, transposed to [E, I, H]; the hub's MXFP4 blocks are repacked as GGUF MXFP4,
+bf16 ones written as they are) with biases ``ffn_{gate,up}_exps.bias`` [E, I] and
+``ffn_down_exps.bias`` [E, H]; the sinks are ``attn_sinks.weight`` [heads]; the norm before the
+MLP is ``post_attention_norm``; q/k are not permuted. Its metadata has ``attention.sliding_window``
+and ``expert_feed_forward_length``; the alternation (even layers sliding) and the SwiGLU's
+alpha 1.702 and limit 7.0 are hard-coded in llama.cpp, as they are Hugging Face's defaults. Its
+YaRN is Hugging Face's gpt-oss config's (``truncate: false``, which the file does not store).
 
 Routing is what llama.cpp hard-codes per architecture, which matches each Hugging Face
 config's default: qwen3moe renormalises the top-k weights (``norm_topk_prob``), qwen2moe and
@@ -38,6 +48,8 @@ MOE_TENSORS = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# gpt-oss's layer tensors beyond those (its expert biases ride on the names above, ``.bias``).
+GPT_OSS_TENSORS = {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
 MOE_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe"}
 _RENORMALIZES = {"qwen3moe": True, "qwen2moe": False, "olmoe": False}
 
@@ -49,6 +61,10 @@ def moe_settings(arch_key: Callable[..., Any], architecture: str, shapes: dict[s
         # num_local_experts, each intermediate_size (feed_forward_length) wide
         local = {"num_local_experts": arch_key("expert_count"), "num_experts_per_tok": arch_key("expert_used_count")}
         return {**local, "attention_bias": "blk.0.attn_q.bias" in shapes} if architecture == "granitemoe" else local
+    if architecture == "gpt-oss":
+        return {"num_local_experts": arch_key("expert_count"), "num_experts_per_tok": arch_key("expert_used_count"),
+                "intermediate_size": arch_key("expert_feed_forward_length", settings["intermediate_size"]),
+                "sliding_window": arch_key("attention.sliding_window")}
     if architecture not in MOE_ARCHITECTURES:
         return {}
     layers = settings["num_hidden_layers"]

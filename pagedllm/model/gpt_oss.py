@@ -7,6 +7,7 @@
   softmax's denominator (``AttentionBackend.forward``'s ``sinks``).
 - Router: a linear layer with a bias, top-k of its logits, softmax over those k
   (``moe.routers``' ``topk_softmax``).
+- Norms: RMSNorm whose weight multiplies in fp32, before rounding (``GptOssRMSNorm``).
 - Experts: gate|up with biases, the clamped SwiGLU ``(clamp(up) + 1) * g * sigmoid(alpha * g)``
   with g = gate clamped above, down with biases (``moe.experts.clamped_swiglu``).
 
@@ -14,7 +15,8 @@ Its checkpoints store each expert stack as ``x @ W`` multiplies it, transposed f
 families', with gate and up columns interleaved: ``gate_up_proj`` [E, H, 2I] (column 2i is
 gate i, 2i + 1 is up i) and ``down_proj`` [E, I, H]; ``gpt_oss_expert_layout`` turns them into
 the stacked ``[gate rows | up rows]`` layout of ``moe.experts`` at load. The hub's MXFP4
-safetensors (``*_blocks`` / ``*_scales``) are refused: a bf16 or fp32 copy loads.
+safetensors (``*_blocks`` / ``*_scales``) are refused: a bf16 or fp32 copy loads, or a GGUF
+(llama.cpp's ``gpt-oss`` architecture, ``gguf_moe``), whose MXFP4 experts stay packed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.model.layers import RMSNorm
 from pagedllm.model.llama import Attention
 from pagedllm.model.rotary import RotaryEmbedding
 
@@ -38,6 +41,24 @@ class SinkAttention(Attention):
         self.sinks = nn.Parameter(torch.empty(self.num_heads))
 
 
+class GptOssRMSNorm(RMSNorm):
+    """Hugging Face's ``GptOssRMSNorm``: the weight multiplies the fp32-normalised input before
+    the one rounding to the model's dtype (``weight * x32`` promotes to fp32), where Llama's
+    rounds the input first and multiplies in the model's dtype. In an fp32 model the two are one.
+    (Hugging Face keeps these weights fp32 only in fp16 models, ``_keep_in_fp32_modules``;
+    here they take the model's dtype.)"""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.dtype == torch.float32:
+            return super().forward(x, residual)
+        if residual is not None:
+            residual += x  # the residual add, in the model's dtype as Hugging Face's
+            x = residual
+        x32 = x.float()
+        out = (self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
 def check_gpt_oss_config(config: PretrainedConfig) -> None:
     """ValueError for a gpt-oss checkpoint whose experts are MXFP4 (the hub's original files)."""
     quantization = getattr(config, "quantization_config", None) or {}
@@ -47,10 +68,13 @@ def check_gpt_oss_config(config: PretrainedConfig) -> None:
                          "load a bf16 or fp32 copy (dequantized experts)")
 
 
-def gpt_oss_expert_layout(state_dict: dict[str, torch.Tensor]) -> None:
-    """gpt-oss's expert tensors, in place, in the stacked layout of ``moe.experts``:
-    ``gate_up_proj`` [E, H, 2I] interleaved -> [E, 2I, H] (gate rows, then up rows), its bias
-    [E, 2I] likewise, ``down_proj`` [E, I, H] -> [E, H, I]."""
+def gpt_oss_expert_layout(state_dict: dict) -> None:
+    """gpt-oss's tensors, in place, under the names and in the stacked layout of ``moe.experts``.
+    A Hugging Face checkpoint's ``gate_up_proj`` [E, H, 2I] interleaved -> [E, 2I, H] (gate rows,
+    then up rows), its bias [E, 2I] likewise, ``down_proj`` [E, I, H] -> [E, H, I]. A GGUF's
+    (``gguf_moe``) expert weights are left to ``moe.packed_experts``; its gate and up biases
+    [E, I] become one ``gate_up_proj_bias``, and ``self_attn.sinks.weight`` is ``sinks``."""
+    _gguf_names(state_dict)
     for name in [n for n in state_dict if n.endswith(".mlp.experts.gate_up_proj")]:
         prefix = name.removesuffix("gate_up_proj")
         gate_up = state_dict.pop(name)
@@ -59,3 +83,13 @@ def gpt_oss_expert_layout(state_dict: dict[str, torch.Tensor]) -> None:
         state_dict[f"{prefix}gate_up_proj_bias"] = torch.cat((bias[..., ::2], bias[..., 1::2]), dim=-1)
         down = state_dict.pop(f"{prefix}down_proj")
         state_dict[f"{prefix}down_proj"] = down.transpose(1, 2).contiguous()
+
+
+def _gguf_names(state_dict: dict) -> None:
+    for name in [n for n in state_dict if n.endswith(".self_attn.sinks.weight")]:
+        state_dict[name.removesuffix(".weight")] = state_dict.pop(name)
+    for name in [n for n in state_dict if n.endswith(".mlp.experts.gate_proj.bias")]:
+        prefix = name.removesuffix("gate_proj.bias")
+        up = state_dict.pop(f"{prefix}up_proj.bias")
+        state_dict[f"{prefix}gate_up_proj_bias"] = torch.cat((state_dict.pop(name), up), dim=-1)
+        state_dict[f"{prefix}down_proj_bias"] = state_dict.pop(f"{prefix}down_proj.bias")

@@ -14,7 +14,7 @@ each as Hugging Face's modeling file computes it:
   clamped SwiGLU (``gpt_oss``).
 The routing of each is in ``moe.routers``. Tensor parallelism splits every expert's width
 (``moe.sharding``). Refused: OLMoE's ``clip_qkv``, an activation other than SiLU (gpt-oss's
-experts have their own), gpt-oss's MXFP4 safetensors, gpt-oss under tensor parallelism.
+experts have their own), gpt-oss's MXFP4 safetensors.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from transformers import PretrainedConfig
 
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
-from pagedllm.model.gpt_oss import SinkAttention, check_gpt_oss_config, gpt_oss_expert_layout
+from pagedllm.model.gpt_oss import GptOssRMSNorm, SinkAttention, check_gpt_oss_config, gpt_oss_expert_layout
 from pagedllm.model.layers import Embedding, RMSNorm
 from pagedllm.model.llama import Attention, DecoderLayer, LlamaForCausalLM, check_silu
 from pagedllm.model.moe.block import SparseMoeBlock, expert_width_of, is_sparse_layer
@@ -67,10 +67,14 @@ class MoeDecoderModel(nn.Module):
         attention = _ATTENTION.get(config.model_type, Attention)
         self.layers = nn.ModuleList(DecoderLayer(config, rotary, tp, attention=attention(config, rotary, tp, window))
                                     for window in sliding_windows_of(config))
+        norm = GptOssRMSNorm if config.model_type == "gpt_oss" else RMSNorm
         for index, layer in enumerate(self.layers):
             if is_sparse_layer(config, index):
                 layer.mlp = SparseMoeBlock(config, tp)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            if norm is not RMSNorm:
+                layer.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+                layer.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm(config.hidden_size, config.rms_norm_eps)
 
 
 def check_moe_config(config: PretrainedConfig, tp: TensorParallelGroup) -> None:
@@ -82,9 +86,6 @@ def check_moe_config(config: PretrainedConfig, tp: TensorParallelGroup) -> None:
                          "only checkpoints with clip_qkv=None run")
     if config.model_type == "gpt_oss":
         check_gpt_oss_config(config)
-        if tp.world_size > 1:
-            raise ValueError("gpt-oss does not run under tensor parallelism yet (its attention sinks and expert "
-                             "biases are not split across ranks): use tensor_parallel_size=1")
     else:
         check_silu(config)
 
@@ -106,9 +107,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         return MoeDecoderModel(config, max_position, tp)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        install_packed_experts(self, state_dict)  # a GGUF's merged expert tensors
-        if self.config.model_type == "gpt_oss":
+        if self.config.model_type == "gpt_oss":  # first: its GGUF biases go with packed experts
             gpt_oss_expert_layout(state_dict)
+        install_packed_experts(self, state_dict)  # a GGUF's merged expert tensors
         stack_expert_weights(state_dict)
         shard_expert_weights(state_dict, self.tp)
         super().load_weights(state_dict)

@@ -4,7 +4,8 @@ Column-parallel (output rows split, no communication): q/k/v projections by
 KV-head groups (a rank takes whole KV heads and the query heads that read
 them), gate/up by MLP columns. Row-parallel (input columns split, partial sums
 all-reduced after): o_proj and down_proj; their biases are kept on rank 0 only
-so the all-reduce adds them once. Everything else (embeddings, norms, the LM
+so the all-reduce adds them once. gpt-oss's attention sinks (one per query head)
+go with their heads. Everything else (embeddings, norms, the LM
 head) is replicated: the vocabulary matmul runs on rank 0 alone, where
 sampling happens. Splits need not be even: 3 KV heads over 2 ranks are 2 + 1.
 """
@@ -67,6 +68,9 @@ def shard_state_dict(state_dict: dict[str, torch.Tensor], config, tp: TensorPara
             shards[name] = tensor[:, row[part]].clone()
         elif part in row:  # a row-parallel bias: added once, by rank 0
             shards[name] = tensor.clone() if tp.rank == 0 else torch.zeros_like(tensor)
+        elif kind == "sinks":  # gpt-oss's logit per query head goes with its head
+            head_dim = head_dim_of(config)
+            shards[name] = tensor[layout.q_rows.start // head_dim:layout.q_rows.stop // head_dim].clone()
         else:
             shards[name] = tensor
     return shards

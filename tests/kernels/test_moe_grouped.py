@@ -1,7 +1,8 @@
 """The grouped expert kernel (kernels/csrc/moe_grouped.cpp through ``moe.grouped``) against
 the per-expert Python loop, on dense fp32 and bf16 stacks and on packed GGUF stacks
 (Q8_0, Q4_K, MXFP4), for a batch whose pairs hit every expert, one where all tokens go to
-the same experts, and a single token.
+the same experts, and a single token; gpt-oss's expert biases (dense and packed stacks) on
+the grouped path.
 
 Tolerances: the kernel and MKL sum each dot product in different orders, so fp32 outputs
 agree to fp32 rounding of the sums (1e-5 of the outputs' largest magnitude: random packed
@@ -18,7 +19,9 @@ from gguf import GGMLQuantizationType as T
 
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.model.layers import GATED_ACTIVATIONS
+from pagedllm.model.moe import experts as experts_module
 from pagedllm.model.moe import grouped
+from pagedllm.model.moe import packed_experts as packed_module
 from pagedllm.model.moe.experts import Experts
 from pagedllm.model.moe.packed_experts import PackedExperts, PackedExpertWeight
 from tests.model.quantized_blocks import random_blocks
@@ -44,12 +47,15 @@ def _routing(tokens: int, case: str) -> tuple[torch.Tensor, torch.Tensor]:
     return indices, weights / weights.sum(-1, keepdim=True)
 
 
-def _dense_experts(dtype: torch.dtype) -> Experts:
+def _dense_experts(dtype: torch.dtype, bias: bool = False) -> Experts:
     torch.manual_seed(0)
-    experts = Experts(EXPERTS, HIDDEN, WIDTH)
+    experts = Experts(EXPERTS, HIDDEN, WIDTH, bias=bias)
     with torch.no_grad():
         experts.gate_up_proj.normal_(0, 0.05)
         experts.down_proj.normal_(0, 0.05)
+        if bias:
+            experts.gate_up_proj_bias.normal_(0, 0.1)
+            experts.down_proj_bias.normal_(0, 0.1)
     return experts.to(dtype)
 
 
@@ -70,6 +76,26 @@ def test_dense_grouped_equals_the_loop(kernels, dtype, tokens, case):
     assert actual.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2.0**-7
     torch.testing.assert_close(actual.float(), expected.float(), rtol=tolerance, atol=tolerance * 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_biased_experts_take_the_grouped_kernel(kernels, dtype, monkeypatch):
+    """gpt-oss's expert biases, dense and beside packed MXFP4 stacks: the grouped path (the loop
+    refused) adds each row's expert's bias after each projection, as the loop does."""
+    for module in (experts_module, packed_module):
+        monkeypatch.setattr(module, "loop_forward", lambda *args: pytest.fail("the loop ran"))
+    dense = _dense_experts(dtype, bias=True)
+    x = torch.randn(24, HIDDEN).to(dtype)
+    indices, weights = _routing(24, "all")
+    tolerance = 1e-5 if dtype == torch.float32 else 2.0**-7
+    weights = weights.to(dtype)
+    torch.testing.assert_close(dense(x, indices, weights).float(), _loop(dense, x, indices, weights).float(),
+                               rtol=tolerance, atol=tolerance * 0.1)
+    packed = PackedExperts([_packed_stack(T.MXFP4, WIDTH, HIDDEN, 1), _packed_stack(T.MXFP4, WIDTH, HIDDEN, 2)],
+                           _packed_stack(T.MXFP4, HIDDEN, WIDTH, 3), GATED_ACTIVATIONS["silu"], bias=True)
+    packed.gate_up_proj_bias = torch.nn.Parameter(torch.randn(EXPERTS, 2 * WIDTH))
+    packed.down_proj_bias = torch.nn.Parameter(torch.randn(EXPERTS, HIDDEN))
+    _assert_packed_matches_the_loop(packed, 24, "all")
 
 
 def _packed_stack(qtype: T, rows: int, columns: int, seed: int) -> PackedExpertWeight:

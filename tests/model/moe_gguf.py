@@ -1,5 +1,7 @@
 """A tiny Hugging Face mixture of experts written as llama.cpp's converter writes it (merged
-``ffn_{gate,up,down}_exps`` stacks, ``ffn_gate_inp`` routers, Qwen2-MoE's ``*_shexp``, Mixtral as llama and Granite-MoE with permuted q/k), with
+``ffn_{gate,up,down}_exps`` stacks, ``ffn_gate_inp`` routers, Qwen2-MoE's ``*_shexp``, Mixtral as
+llama and Granite-MoE with permuted q/k, gpt-oss's de-interleaved gate/up with their biases,
+``attn_sinks`` and ``post_attention_norm``), with
 its expert stacks quantized to a chosen GGUF type by ``gguf.quants``; the model's expert
 weights are then set to the dequantized values, so it is the oracle of the file."""
 
@@ -15,7 +17,12 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from tests.model.test_loader import _gguf_name, _llama_cpp_permute, _write_gguf, add_decoder_metadata
 
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",
-             "granitemoe": "granitemoe"}
+             "granitemoe": "granitemoe", "gpt_oss": "gpt-oss"}
+# gpt-oss's in-memory names (beyond test_loader's) -> its GGUF layer tensors.
+_GPT_OSS_NAMES = {"self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+                  "mlp.router.bias": "ffn_gate_inp.bias",
+                  "post_attention_layernorm.weight": "post_attention_norm.weight",
+                  "mlp.experts.down_proj_bias": "ffn_down_exps.bias"}
 
 
 def _metadata(writer: GGUFWriter, config) -> None:
@@ -32,6 +39,15 @@ def _metadata(writer: GGUFWriter, config) -> None:
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_residual_scale(config.residual_multiplier)
         writer.add_logit_scale(config.logits_scaling)
+    if config.model_type == "gpt_oss":  # GptOssModel.set_gguf_parameters and its YaRN
+        rope = config.rope_parameters
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
 
 
 def _stack(writer: GGUFWriter, name: str, values: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
@@ -61,6 +77,8 @@ def write_moe_gguf(path: Path, model: torch.nn.Module, expert_type: GGMLQuantiza
     def tensors(writer: GGUFWriter) -> None:
         _metadata(writer, config)
         for name, param in model.named_parameters():
+            if config.model_type == "gpt_oss" and _gpt_oss_tensor(writer, name, param, expert_type):
+                continue
             if name.endswith(".experts.gate_up_proj"):
                 blk = f"blk.{name.split('.')[2]}"
                 gate, up = param.chunk(2, dim=1)
@@ -77,3 +95,30 @@ def write_moe_gguf(path: Path, model: torch.nn.Module, expert_type: GGMLQuantiza
 
     model.generation_config.eos_token_id = 2  # the file's EOS: masked by min_new_tokens in both
     return _write_gguf(path, GGUF_ARCH[config.model_type], extra=tensors)
+
+
+def _gpt_oss_tensor(writer: GGUFWriter, name: str, param: torch.nn.Parameter,
+                    expert_type: GGMLQuantizationType) -> bool:
+    """Write one of gpt-oss's own tensors as ``GptOssModel.modify_tensors`` does (False: a tensor
+    the other families share). ``gate_up_proj`` [E, H, 2I] (columns gate, up, gate, ...) becomes
+    ``ffn_gate_exps`` and ``ffn_up_exps`` [E, I, H], ``down_proj`` [E, I, H] ``ffn_down_exps`` [E, H, I]."""
+    if not name.startswith("model.layers."):
+        return False
+    _, _, layer, part = name.split(".", 3)
+    blk = f"blk.{layer}"
+    if part == "mlp.experts.gate_up_proj":
+        decoded = [_stack(writer, f"{blk}.ffn_{kind}_exps.weight", param[..., start::2].transpose(1, 2).contiguous(),
+                          expert_type) for start, kind in ((0, "gate"), (1, "up"))]
+        param.data = torch.stack(decoded, dim=-1).transpose(1, 2).flatten(2).contiguous()  # re-interleaved
+    elif part == "mlp.experts.down_proj":
+        param.data = _stack(writer, f"{blk}.ffn_down_exps.weight", param.transpose(1, 2).contiguous(),
+                            expert_type).transpose(1, 2)
+    elif part == "mlp.experts.gate_up_proj_bias":
+        for start, kind in ((0, "gate"), (1, "up")):
+            bias = np.ascontiguousarray(param.detach()[..., start::2].numpy())
+            writer.add_tensor(f"{blk}.ffn_{kind}_exps.bias", bias)
+    elif part in _GPT_OSS_NAMES:
+        writer.add_tensor(f"{blk}.{_GPT_OSS_NAMES[part]}", param.detach().numpy())
+    else:
+        return False
+    return True

@@ -3,7 +3,8 @@
 For every family, the router picks the same experts with the same weights (fp32 and bf16),
 and the grouped forward (tokens sorted by expert, one matmul per expert) equals Hugging
 Face's eager experts within 1e-6 in fp32 (bf16: within one rounding); gpt-oss's experts
-(biases, clamped SwiGLU) load from its transposed, interleaved layout. Checkpoint names
+(biases, clamped SwiGLU) load from its transposed, interleaved layout, and its bf16 RMSNorm
+rounds as Hugging Face's. Checkpoint names
 (per-expert, Mixtral's w1/w3/w2, Granite's stacked input/output linears) load into the
 stacked layout; tensor-parallel slices of every expert's width (and of Qwen2-MoE's shared
 expert) add up to the whole block; an expert width the ranks cannot split evenly and OLMoE's
@@ -14,9 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
+from pagedllm.model.gpt_oss import GptOssRMSNorm as OurGptOssRMSNorm
 from pagedllm.model.gpt_oss import gpt_oss_expert_layout
+from pagedllm.model.layers import RMSNorm
 from pagedllm.model.moe.block import SparseMoeBlock, expert_width_of, experts_of
 from pagedllm.model.moe.experts import Experts
 from pagedllm.model.moe.names import stack_expert_weights
@@ -83,6 +87,22 @@ def test_gpt_oss_clamps_bite() -> None:
                                    block.experts(x, indices, weights), rtol=1e-5, atol=1e-5)
 
 
+def test_gpt_oss_norm_rounds_as_hugging_face() -> None:
+    """bf16: gpt-oss's RMSNorm multiplies its weight in fp32 and rounds once, bit for bit as
+    Hugging Face's ``GptOssRMSNorm``; Llama's order (round, then multiply in bf16) differs."""
+    generator = torch.Generator().manual_seed(5)
+    hf = GptOssRMSNorm(64, eps=1e-5).to(torch.bfloat16)
+    ours, llama = OurGptOssRMSNorm(64, 1e-5), RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(64, generator=generator) * 0.3 + 1)
+    ours.weight, llama.weight = (torch.nn.Parameter(hf.weight.detach().clone()) for _ in range(2))
+    x, residual = (torch.randn(37, 64, generator=generator).to(torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        out, summed = ours(x, residual.clone())
+        assert torch.equal(summed, residual + x) and torch.equal(out, hf(residual + x))
+        assert not torch.equal(llama(residual + x), hf(residual + x))
+
+
 def test_checkpoint_names_stack_into_experts() -> None:
     gate, up, down = (torch.randn(3, 8, 4), torch.randn(3, 8, 4), torch.randn(3, 4, 8))
     mixtral = {f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight": t[e]
@@ -114,8 +134,6 @@ def test_refusals_name_what_to_change() -> None:
             MoeForCausalLM(moe_config("olmoe", 128, clip_qkv=8.0))
         with pytest.raises(ValueError, match="gpt-oss checkpoints quantized with 'mxfp4'"):
             MoeForCausalLM(moe_config("gpt_oss", 128, quantization_config={"quant_method": "mxfp4"}))
-        with pytest.raises(ValueError, match="gpt-oss does not run under tensor parallelism"):
-            MoeForCausalLM(moe_config("gpt_oss", 128), tp=TensorParallelGroup(rank=0, world_size=2))
 
 
 def test_active_parameters_count_top_k_of_each_expert_stack() -> None:

@@ -9,9 +9,9 @@ all of them at once (one gate|up and one down matmul per expert per layer, never
 token), and its weighted outputs are added back into their tokens' rows. The experts are
 visited in increasing id and each adds into a zeroed output, as Hugging Face's eager
 experts do, so every token's terms are summed in Hugging Face's order. With the C++ kernels
-built, bias-free experts run as one grouped call per projection (``moe.grouped``); the
-per-expert loop is the fallback. On a GPU with
-Triton, bias-free experts run as two grouped kernel launches (``kernels.triton_moe``).
+built, experts run as one grouped call per projection (``moe.grouped``; gpt-oss's biases are
+added to its outputs); the per-expert loop is the fallback. On a GPU with Triton, bias-free
+experts run as two grouped kernel launches (``kernels.triton_moe``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 
 from pagedllm.kernels.triton_moe import fused_experts, triton_available
 from pagedllm.model.layers import GATED_ACTIVATIONS, linear
-from pagedllm.model.moe.grouped import dense_stack, grouped_forward, grouped_kernels, loop_forward
+from pagedllm.model.moe.grouped import dense_stack, grouped_forward, grouped_kernels, loop_forward, plus_bias_rows
 
 
 def clamped_swiglu(alpha: float, limit: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -59,21 +59,19 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{indices[t, k]}(x[t]) for every token t of x [tokens, H]."""
-        # Neither grouped kernel has a bias term: gpt-oss's biased experts take the loop.
+        # The Triton kernel has no bias term: gpt-oss's biased experts take the C++ grouped
+        # kernel (biases added after each projection) or the loop.
         biased = self.gate_up_proj_bias is not None
         if x.is_cuda and triton_available() and not biased:
             return fused_experts(x, self.gate_up_proj, self.down_proj, indices, weights, self.act_and_mul)
         gate_up, down = [dense_stack(self.gate_up_proj)], [dense_stack(self.down_proj)]
-        kernels = grouped_kernels(x, gate_up, down) if not biased and self.gate_up_proj.dtype == x.dtype else None
+        kernels = grouped_kernels(x, gate_up, down) if self.gate_up_proj.dtype == x.dtype else None
         if kernels is not None:
-            return grouped_forward(kernels, x, indices, weights, gate_up, down, self.act_and_mul)
+            return grouped_forward(kernels, x, indices, weights, gate_up, down, self.act_and_mul,
+                                   (self.gate_up_proj_bias, self.down_proj_bias))
         return loop_forward(x, indices, weights, self.num_experts, self.expert_forward)
 
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``expert``'s MLP over its tokens' rows ``x`` (the per-expert loop's step)."""
-        hidden = self.act_and_mul(linear(x, self.gate_up_proj[expert], _row(self.gate_up_proj_bias, expert)))
-        return linear(hidden, self.down_proj[expert], _row(self.down_proj_bias, expert))
-
-
-def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
-    return None if bias is None else bias[expert]
+        hidden = self.act_and_mul(plus_bias_rows(linear(x, self.gate_up_proj[expert]), self.gate_up_proj_bias, expert))
+        return plus_bias_rows(linear(hidden, self.down_proj[expert]), self.down_proj_bias, expert)

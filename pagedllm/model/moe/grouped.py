@@ -9,7 +9,8 @@ parallel over experts x output tiles; activations and routing weights are applie
 sorted rows in between. Finally each token's k weighted outputs are summed into a zeroed row
 in increasing expert id, the order Hugging Face's eager experts add them in (its loop over
 experts ``index_add_``s each one), rounding to the model dtype after every add as its bf16
-``index_add_`` does.
+``index_add_`` does. gpt-oss's expert biases are added to each projection's rounded output,
+one gathered bias row per sorted (token, expert) row, as Hugging Face's ``x @ W + b`` adds them.
 
 Numerics: each projection multiplies in fp32 (bf16 inputs widened, outputs rounded to the
 model dtype once, as oneDNN's bf16 matmul does), summing in another order than MKL: outputs
@@ -90,15 +91,28 @@ def grouped_kernels(x: torch.Tensor, *projections: list[ExpertStack | None]):
 
 def grouped_forward(kernels, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                     gate_up: list[ExpertStack], down: list[ExpertStack],
-                    act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{indices[t, k]}(x[t]) for x [tokens, H], through the kernel."""
+                    act_and_mul: Callable[[torch.Tensor], torch.Tensor],
+                    biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{indices[t, k]}(x[t]) for x [tokens, H], through the kernel.
+    ``biases``: gpt-oss's per-expert gate|up [E, 2I] and down [E, H] biases (or None)."""
     tokens, top_k = indices.shape
     pairs = sort_pairs(indices, gate_up[0].weights.shape[0])
+    experts = indices.reshape(-1)[pairs.order]  # each sorted row's expert
     rows = x.float().index_select(0, pairs.order // top_k)
-    hidden = act_and_mul(_project(kernels, rows, gate_up, pairs.offsets).to(x.dtype))
+    gate_up_out = plus_bias_rows(_project(kernels, rows, gate_up, pairs.offsets).to(x.dtype), biases[0], experts)
+    hidden = act_and_mul(gate_up_out)
     projected = _project(kernels, hidden.float().contiguous(), down, pairs.offsets).to(x.dtype)
+    projected = plus_bias_rows(projected, biases[1], experts)
     scaled = (projected * weights.reshape(-1)[pairs.order, None]).to(x.dtype)
     return _sum_in_expert_order(scaled, pairs.order, tokens, top_k)
+
+
+def plus_bias_rows(out: torch.Tensor, bias: torch.Tensor | None, experts: torch.Tensor | int) -> torch.Tensor:
+    """``out`` (already rounded to the model dtype) plus each row's expert's bias row: Hugging
+    Face's gpt-oss adds its biases after the matmul (``x @ W + b``), so the matmul rounds first."""
+    if bias is None:
+        return out
+    return out + (bias[experts] if isinstance(experts, int) else bias.index_select(0, experts))
 
 
 def _sum_in_expert_order(scaled: torch.Tensor, order: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch import nn
 
 from pagedllm.model.gguf_reader import GGUFTensor
 from pagedllm.model.layers import replace_submodule
-from pagedllm.model.moe.grouped import ExpertStack, grouped_forward, grouped_kernels, loop_forward
+from pagedllm.model.moe.grouped import ExpertStack, grouped_forward, grouped_kernels, loop_forward, plus_bias_rows
 from pagedllm.model.quantized.modules import packed_matmul
 from pagedllm.model.quantized.packed import PACKED_TYPES, dequantize_rows, row_bytes
 
@@ -65,13 +65,20 @@ class PackedExpertWeight:
 
 class PackedExperts(nn.Module):
     """``experts.Experts``' contract over packed stacks: gate|up as one or two segments (two
-    when the file's gate and up differ in type), down as one."""
+    when the file's gate and up differ in type), down as one. ``bias``: gpt-oss's dense biases,
+    gate|up [E, 2I] and down [E, H] (loaded from the state dict like any parameter), added to
+    each projection's output."""
 
-    def __init__(self, gate_up: list[PackedExpertWeight], down: PackedExpertWeight, act_and_mul) -> None:
+    def __init__(self, gate_up: list[PackedExpertWeight], down: PackedExpertWeight, act_and_mul,
+                 bias: bool = False) -> None:
         super().__init__()
         gate_up = _merge(gate_up)
         self.num_experts = down.shape[0]
         self.act_and_mul = act_and_mul
+        widths = (sum(w.shape[1] for w in gate_up), down.shape[1])
+        # On the meta device: loading assigns the checkpoint's tensors.
+        self.gate_up_proj_bias, self.down_proj_bias = (
+            nn.Parameter(torch.empty(self.num_experts, width, device="meta")) if bias else None for width in widths)
         self.num_gate_up = len(gate_up)
         # (type id, out, in) of each segment; its blocks are the buffer blocks_<index>.
         self.segment_types = [(int(w.qtype), w.shape[1], w.shape[2]) for w in [*gate_up, down]]
@@ -89,12 +96,14 @@ class PackedExperts(nn.Module):
         gate_up, down = self.stacks()
         kernels = grouped_kernels(x, gate_up, down)
         if kernels is not None:
-            return grouped_forward(kernels, x, indices, weights, gate_up, down, self.act_and_mul)
+            return grouped_forward(kernels, x, indices, weights, gate_up, down, self.act_and_mul,
+                                   (self.gate_up_proj_bias, self.down_proj_bias))
         return loop_forward(x, indices, weights, self.num_experts, self.expert_forward)
 
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``expert``'s MLP over its tokens' rows ``x`` (the per-expert loop's step)."""
-        return self.project(expert, 1, self.act_and_mul(self.project(expert, 0, x)))
+        hidden = self.act_and_mul(plus_bias_rows(self.project(expert, 0, x), self.gate_up_proj_bias, expert))
+        return plus_bias_rows(self.project(expert, 1, hidden), self.down_proj_bias, expert)
 
     def project(self, expert: int, which: int, rows: torch.Tensor) -> torch.Tensor:
         """rows @ W^T for one expert's segments: the packed matmul of a ``QuantizedLinear``
@@ -128,7 +137,8 @@ def install_packed_experts(model: nn.Module, state_dict: dict) -> None:
         if packed and not sharded:
             module_name = prefix.removesuffix(".")
             old = model.get_submodule(module_name)
-            replace_submodule(model, module_name, PackedExperts(gate_up, down, old.act_and_mul))
+            biased = getattr(old, "gate_up_proj_bias", None) is not None
+            replace_submodule(model, module_name, PackedExperts(gate_up, down, old.act_and_mul, biased))
             continue
         dense = [w.dequantize() if isinstance(w, PackedExpertWeight) else w for w in [*gate_up, down]]
         state_dict[prefix + "gate_up_proj"] = torch.cat(dense[:-1], dim=1)

@@ -8,6 +8,8 @@ replicated, so every rank picks the same experts with the same weights; each ran
 output is a partial sum over its slice, and the block all-reduces once (``block``).
 Qwen2-MoE's shared expert is split the same way and its sigmoid gate replicated: the gate
 scales every rank's partial output by the same factor, so the one all-reduce covers it too.
+gpt-oss's gate|up biases are split with the width; its down biases ride on rank 0's partial
+sum (each rank's is weighted by the same routing weight, so the sum holds one copy).
 The width must divide evenly: every expert's slice has the same width on a rank (one stacked
 tensor), and the ranks' shapes stay equal.
 """
@@ -50,10 +52,19 @@ def _down_slice(tensor: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
     return tensor.narrow(-1, tp.rank * count, count).contiguous()
 
 
+def _on_rank_zero(tensor: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+    """A bias added after the down projection: rank 0's partial sum carries it, the others' zeros,
+    so the all-reduce adds it once (as the dense row-parallel biases, ``model.sharding``)."""
+    return tensor if tp.rank == 0 else torch.zeros_like(tensor)
+
+
 # Stacked (or fused) name suffix -> how a rank slices it.
 _SLICES = {
     ".mlp.experts.gate_up_proj": lambda t, tp: _gate_up_slice(t, 1, tp),
     ".mlp.experts.down_proj": _down_slice,
+    # gpt-oss's expert biases: gate|up [E, 2I] split with the width, down [E, H] on rank 0
+    ".mlp.experts.gate_up_proj_bias": lambda t, tp: _gate_up_slice(t, 1, tp),
+    ".mlp.experts.down_proj_bias": _on_rank_zero,
     ".mlp.shared_expert.gate_up_proj.weight": lambda t, tp: _gate_up_slice(t, 0, tp),
     ".mlp.shared_expert.down_proj.weight": _down_slice,
 }
