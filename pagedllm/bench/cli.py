@@ -35,6 +35,7 @@ def add_bench_parser(subcommands: argparse._SubParsersAction) -> None:
     _add_hybrid_kv_parser(benches)
     _add_embed_parser(benches)
     _add_kernel_benches(benches)
+    _add_moe_parser(benches)
     _add_decode_benches(benches)
     _add_soak_parser(benches)
     lora = add_bench_command(benches, "lora", "multi-LoRA throughput: requests over 1-256 rank-16 adapters paged "
@@ -198,6 +199,25 @@ def _add_kernel_benches(benches: argparse._SubParsersAction) -> None:
                          "the throughput bench's mixed workload of --num-prompts requests, every step against its "
                          "matmul floor, per phase")
     rf.add_argument("--num-prompts", type=int, default=64, help="requests of --dataset mixed")
+
+
+def _add_moe_parser(benches: argparse._SubParsersAction) -> None:
+    mo = add_bench_command(benches, "moe", "mixture-of-experts decode (Qwen3-30B-A3B layer shapes, random Q4_K "
+                                           "experts): the grouped expert kernel vs the per-expert loop and "
+                                           "llama.cpp's llama-batched-bench on the same GGUF",
+                           commands.cmd_bench_moe, builds_engine=False)
+    mo.add_argument("--layers", type=int, default=4, help="decoder layers of the random model")
+    mo.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="sequences decoded together")
+    mo.add_argument("--prompt-len", type=int, default=32)
+    mo.add_argument("--output-len", type=int, default=64, help="new tokens per sequence (EOS ignored)")
+    mo.add_argument("--threads", type=int, default=None,
+                    help="threads of every decoder (default: the CPUs of this machine)")
+    mo.add_argument("--rounds", type=int, default=1, help="interleaved sweeps; each figure is the best")
+    mo.add_argument("--workdir", default="/tmp/pagedllm-bench-moe",
+                    help="where the random GGUF is written (and reused by later runs)")
+    mo.add_argument("--llama-batched-bench", default=None, metavar="PATH",
+                    help="llama.cpp's llama-batched-bench (default: the one on the PATH; none: no llama.cpp "
+                         "column)")
 
 
 def _add_decode_benches(benches: argparse._SubParsersAction) -> None:

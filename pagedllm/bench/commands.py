@@ -135,6 +135,28 @@ def cmd_bench_quant(args: argparse.Namespace) -> None:
            f"{args.output_len} output tokens (ignore_eos), each run in its own process.")
 
 
+def cmd_bench_moe(args: argparse.Namespace) -> None:
+    import os
+    from pathlib import Path
+
+    from pagedllm.bench import moe
+    from pagedllm.bench.moe_gguf import MoeShape, cached_moe_gguf
+    from pagedllm.bench.moe_llama import find_batched_bench
+    from pagedllm.model.loader import default_model_path
+
+    if args.layers < 1 or args.rounds < 1 or min(args.batch) < 1 or args.output_len < 2:
+        raise ValueError("--layers, --rounds and every --batch must be >= 1, --output-len >= 2 (the first token "
+                         "comes from the prefill: decode is the rest)")
+    shape = MoeShape(layers=args.layers)
+    path = cached_moe_gguf(Path(args.workdir), shape, default_model_path())
+    llama = find_batched_bench(args.llama_batched_bench)
+    threads = args.threads or os.cpu_count() or 1
+    result = moe.run(path, shape, args.batch, args.prompt_len, args.output_len, threads, llama, args.rounds)
+    report(args, moe.format_table(result),
+           moe.describe(result, args.prompt_len, args.output_len, args.rounds)
+           + ("" if llama else " No llama-batched-bench found: no llama.cpp column."))
+
+
 def cmd_bench_roofline(args: argparse.Namespace) -> None:
     from pagedllm.bench import kernels
     from pagedllm.bench.throughput import random_requests

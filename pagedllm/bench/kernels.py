@@ -228,6 +228,12 @@ class ModelMatmuls:
             weight.sum()
 
 
+def read_bandwidth_gbps(matmuls: ModelMatmuls, repeats: int = 3) -> float:
+    """GB/s of reading every weight of ``matmuls`` once, best of ``repeats``: the machine's
+    memory bandwidth as a decode step sees it (the roofline's memory side)."""
+    return matmuls.weight_bytes / best_time_s(matmuls.read_all, repeats) / 1e9
+
+
 def _time_once(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()

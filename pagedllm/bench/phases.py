@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm import SamplingParams
-from pagedllm.bench.kernels import ModelMatmuls, best_time_s
+from pagedllm.bench.kernels import ModelMatmuls, best_time_s, read_bandwidth_gbps
 from pagedllm.bench.tables import markdown_table
 from pagedllm.bench.throughput import BenchRequest
 
@@ -52,8 +52,7 @@ class StepTiming:
 @torch.inference_mode()
 def measure_roof(matmuls: ModelMatmuls, repeats: int = 3) -> Roof:
     pass_s = best_time_s(lambda: matmuls.run(ROOF_ROWS, ROOF_ROWS), repeats)
-    read_s = best_time_s(matmuls.read_all, repeats)
-    return Roof(matmuls.flops(ROOF_ROWS, ROOF_ROWS) / pass_s / 1e9, matmuls.weight_bytes / read_s / 1e9,
+    return Roof(matmuls.flops(ROOF_ROWS, ROOF_ROWS) / pass_s / 1e9, read_bandwidth_gbps(matmuls, repeats),
                 matmuls.weight_bytes)
 
 

@@ -45,4 +45,5 @@ def cpu_description() -> str:
     # The clock the kernel reports: the same model name has come at very different speeds.
     mhz = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("cpu MHz")), None)
     clock = f" at {float(mhz):.0f} MHz" if mhz else ""
-    return f"{model}{clock}, {multiprocessing.cpu_count()} CPUs, flags: {' '.join(wanted) or 'no AVX-512'}"
+    amx = "" if any(f.startswith("amx") for f in wanted) else ", no AMX"
+    return f"{model}{clock}, {multiprocessing.cpu_count()} CPUs, flags: {' '.join(wanted) or 'no AVX-512'}{amx}"

@@ -16,10 +16,15 @@ Numerics: each projection multiplies in fp32 (bf16 inputs widened, outputs round
 model dtype once, as oneDNN's bf16 matmul does), summing in another order than MKL: outputs
 agree with the per-expert loop (``loop_forward``, the fallback where the kernels did not
 build) to fp32 rounding of the sums; the combine is the loop's to the bit.
+
+``PAGEDLLM_MOE_GROUPED=0`` turns the grouped kernel off and every MoE layer takes the
+per-expert loop (each expert's projections through the dense or packed single-matrix kernels):
+the baseline `pagedllm bench moe` measures the grouped kernel against.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -81,7 +86,10 @@ def _project(kernels, rows: torch.Tensor, segments: list[ExpertStack], offsets: 
 
 
 def grouped_kernels(x: torch.Tensor, *projections: list[ExpertStack | None]):
-    """The C++ module when it built and can run these projections on ``x``, else None."""
+    """The C++ module when it built and can run these projections on ``x``, else None (also
+    under ``PAGEDLLM_MOE_GROUPED=0``)."""
+    if os.environ.get("PAGEDLLM_MOE_GROUPED", "1") == "0":
+        return None
     if x.dtype not in _DENSE_TYPE_IDS or x.dim() != 2:
         return None
     if any(segment is None for segments in projections for segment in segments):
