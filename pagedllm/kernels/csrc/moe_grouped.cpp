@@ -15,7 +15,7 @@
 
 #include <vector>
 
-#include "gguf_blocks.h"
+#include "gguf_formats.h"
 #include "ops.h"
 #include "quant_tiles.h"
 
@@ -52,8 +52,8 @@ inline void bf16_registers(const uint8_t* b, __m512& lo, __m512& hi) {
 
 template <typename Body>
 void with_expert_format(int64_t qtype, Body&& body) {
-  if (qtype == kF32) return body(Format<32, 128, decode_f32, f32_registers>{});
-  if (qtype == kBF16) return body(Format<32, 64, decode_bf16, bf16_registers>{});
+  if (qtype == kF32) return body(Format<32, 128, decode_f32, SmallBlock<f32_registers>>{});
+  if (qtype == kBF16) return body(Format<32, 64, decode_bf16, SmallBlock<bf16_registers>>{});
   with_format(qtype, body);
 }
 #else
@@ -72,7 +72,7 @@ void expert_rows(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t n0, int
   for (int64_t n = n0; n < n1; n += kTileRows) {
     const int64_t rows = std::min(kTileRows, N - n);
 #if defined(__AVX512F__)
-    if constexpr (F::registers != nullptr) {
+    if constexpr (F::has_registers) {
       if (M <= kFusedRows) {
         const uint8_t* tile[kTileRows];
         for (int64_t i = 0; i < kTileRows; ++i) tile[i] = w + (n + std::min(i, rows - 1)) * row_bytes;

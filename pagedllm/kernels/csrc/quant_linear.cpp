@@ -17,7 +17,7 @@
 
 #include <vector>
 
-#include "gguf_blocks.h"
+#include "gguf_formats.h"
 #include "ops.h"
 #include "quant_tiles.h"
 
@@ -34,7 +34,7 @@ void few_rows(const torch::Tensor& x, const uint8_t* pp, int64_t row_bytes, int6
   float* yp = out.data_ptr<float>();
   at::parallel_for(0, num_tiles, 4, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
-    if constexpr (F::registers != nullptr) {
+    if constexpr (F::has_registers) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t n = t * kTileRows, rows = std::min(kTileRows, N - n);
         // A partial last tile repeats its last row; only `rows` outputs are written.
