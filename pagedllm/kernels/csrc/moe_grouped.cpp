@@ -4,9 +4,9 @@
 // expert e's rows of x are x[offsets[e] : offsets[e + 1]] and its outputs land in the same rows
 // of out.
 //
-// Weights are a stack [experts, N, K] of fp32 or bf16 values, or of packed GGUF rows (any type
-// of gguf_blocks.h, MXFP4 included); every type is read as 32-weight blocks, so the dense stacks
-// run through the same tiles as the packed ones (their "decoder" widens to fp32). Work items are
+// Weights are a stack [experts, N, K] of fp32 or bf16 values, or of packed GGUF rows (any type of
+// gguf_formats.h); every type is read as runs of 32 weights, so the dense stacks run through the
+// same tiles as the packed ones (their "decoder" widens to fp32). Work items are
 // (expert, 16 output rows) pairs over the experts that have rows, run in parallel; within one,
 // 4 weight rows at a time are decoded into registers (up to kFusedRows rows of x: decode steps)
 // or into an fp32 scratch and multiplied by every row of x. Both sum each dot product in the same
