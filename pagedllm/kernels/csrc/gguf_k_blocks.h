@@ -30,7 +30,8 @@ struct KBlock {
     u[1] = (u[2] & 0x0F0F0F0F) | (((u[0] >> 6) & 0x03030303) << 4);
     u[2] = low_mins;
     u[0] &= 0x3F3F3F3F;
-    const __m512 sixbit = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u))));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+    const __m512 sixbit = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
     const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16_at(b)), _mm512_set1_ps(f16_at(b + 2)));
     _mm512_store_ps(scale, _mm512_mul_ps(d, sixbit));
     if constexpr (kFifthBit) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
@@ -71,7 +72,8 @@ struct Q6KBlock {
   const uint8_t* b;
 
   void load(const uint8_t* block) {
-    const __m512 scales = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192))));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+    const __m512 scales = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
     _mm512_store_ps(scale, _mm512_mul_ps(_mm512_set1_ps(f16_at(block + 208)), scales));
     b = block;
   }
@@ -85,7 +87,8 @@ struct Q6KBlock {
     const __m256i high = _mm256_and_si256(r < 2 ? _mm256_slli_epi16(qh, 4 - 2 * r) : _mm256_srli_epi16(qh, 2 * r - 4),
                                           _mm256_set1_epi8(0x30));
     const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
-    lo = _mm512_mul_ps(_mm512_set1_ps(scale[2 * run]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
+    lo = _mm512_mul_ps(_mm512_set1_ps(scale[2 * run]),
+                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
     hi = _mm512_mul_ps(_mm512_set1_ps(scale[2 * run + 1]),
                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
   }
