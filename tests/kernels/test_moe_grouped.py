@@ -1,6 +1,6 @@
 """The grouped expert kernel (kernels/csrc/moe_grouped.cpp through ``moe.grouped``) against
 the per-expert Python loop, on dense fp32 and bf16 stacks and on packed GGUF stacks
-(Q8_0, Q4_K, MXFP4), for a batch whose pairs hit every expert, one where all tokens go to
+(Q8_0, the K types, MXFP4), for a batch whose pairs hit every expert, one where all tokens go to
 the same experts, and a single token; gpt-oss's expert biases (dense and packed stacks) on
 the grouped path.
 
@@ -112,7 +112,7 @@ def _assert_packed_matches_the_loop(experts: PackedExperts, tokens: int, case: s
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4], ids=lambda t: t.name)
 @pytest.mark.parametrize("tokens,case", [(24, "all"), (24, "same"), (60, "all")])
 def test_packed_grouped_equals_the_loop(kernels, qtype, tokens, case):
     """60 tokens: experts with more than 48 rows decode through the fp32 scratch, not registers."""

@@ -1,6 +1,6 @@
-// llama.cpp's packed GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
-// Q5_K, Q6_K, MXFP4) and their decoders to fp32, for quant_linear.cpp's and
-// moe_grouped.cpp's kernels.
+// llama.cpp's packed GGUF block formats of 32 weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+// MXFP4) and their decoders to fp32, for quant_linear.cpp's and moe_grouped.cpp's
+// kernels; the K types' super-blocks are gguf_k_blocks.h's, gguf_formats.h names them all.
 //
 // Each block decodes exactly as gguf-py's numpy dequantize does (the same
 // products, in the same order), so the dequantized values are that package's
@@ -126,12 +126,28 @@ inline void q8_0_registers(const uint8_t* b, __m512& lo, __m512& hi) {
   hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), d);
 }
 
+// The register form of a packed type, for the fused path and the scratch decoder alike:
+// load(block) once per block, then registers(sub, lo, hi) for each of its sub_blocks runs of 32
+// weights (0-15 in lo, 16-31 in hi). The 32-weight types are one run, decoded from the bytes.
 template <void (*kRegisters)(const uint8_t*, __m512&, __m512&)>
-void store_registers(const uint8_t* b, float* y) {
-  __m512 lo, hi;
-  kRegisters(b, lo, hi);
-  _mm512_storeu_ps(y, lo);
-  _mm512_storeu_ps(y + 16, hi);
+struct SmallBlock {
+  static constexpr int sub_blocks = 1;
+  const uint8_t* block;
+  void load(const uint8_t* b) { block = b; }
+  void registers(int, __m512& lo, __m512& hi) const { kRegisters(block, lo, hi); }
+};
+
+// A block decoded into fp32 through its register form: the scratch path's weights are the fused path's.
+template <typename R>
+void store_block(const uint8_t* b, float* y) {
+  R block;
+  block.load(b);
+  for (int s = 0; s < R::sub_blocks; ++s) {
+    __m512 lo, hi;
+    block.registers(s, lo, hi);
+    _mm512_storeu_ps(y + 32 * s, lo);
+    _mm512_storeu_ps(y + 32 * s + 16, hi);
+  }
 }
 #endif
 
@@ -174,119 +190,5 @@ void decode_q5(const uint8_t* b, float* y) {
   }
 }
 #endif
-
-// The 8 six-bit scales and mins of a Q4_K / Q5_K super-block (llama.cpp's get_scale_min_k4).
-inline void k4_scales(const uint8_t* s, int* sc, int* mn) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 63;
-    mn[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30);
-    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
-  }
-}
-
-// Q4_K / Q5_K: 8 sub-blocks of 32; sub-block 2i + h takes nibble h of qs[32i .. 32i + 31]
-// (and, for Q5_K, bit 2i + h of qh[0 .. 31] as its fifth bit).
-template <bool kFifthBit>
-void decode_k(const uint8_t* b, float* y) {
-  const float d = f16_at(b), dmin = f16_at(b + 2);
-  int sc[8], mn[8];
-  k4_scales(b + 4, sc, mn);
-  const uint8_t* qh = b + 16;
-  const uint8_t* qs = b + (kFifthBit ? 48 : 16);
-  for (int s = 0; s < 8; ++s) {
-    const float ds = d * static_cast<float>(sc[s]), dm = dmin * static_cast<float>(mn[s]);
-    const int shift = 4 * (s & 1);
-    for (int l = 0; l < 32; ++l) {
-      int q = (qs[(s >> 1) * 32 + l] >> shift) & 0x0F;
-      if constexpr (kFifthBit) q |= ((qh[l] >> s) & 1) << 4;
-      y[s * 32 + l] = ds * static_cast<float>(q) - dm;
-    }
-  }
-}
-
-// Q6_K: low nibbles in ql[128], two high bits each in qh[64], an int8 scale per 16 weights.
-// Each half of 128 weights is 4 runs of 32: run r takes nibble r / 2 of ql[64 * half + 32 * (r % 2) + l]
-// and bits 2r, 2r + 1 of qh[32 * half + l]. Loops of fixed shifts, so that they vectorize.
-void decode_q6_k(const uint8_t* b, float* y) {
-  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-  const float d = f16_at(b + 208);
-  for (int half = 0; half < 2; ++half) {
-    const uint8_t* ql = b + 64 * half;
-    const uint8_t* qh = b + 128 + 32 * half;
-    for (int run = 0; run < 4; ++run) {
-      const uint8_t* low = ql + 32 * (run & 1);
-      const int low_shift = 4 * (run >> 1), high_shift = 2 * run;
-      float* out = y + 128 * half + 32 * run;
-      const float d0 = d * static_cast<float>(scales[8 * half + 2 * run]);
-      const float d1 = d * static_cast<float>(scales[8 * half + 2 * run + 1]);
-      for (int l = 0; l < 32; ++l) {
-        const int q = (((low[l] >> low_shift) & 0x0F) | (((qh[l] >> high_shift) & 0x03) << 4)) - 32;
-        out[l] = (l < 16 ? d0 : d1) * static_cast<float>(q);
-      }
-    }
-  }
-}
-
-#if defined(__AVX512F__)
-using BlockRegisters = void (*)(const uint8_t* block, __m512& lo, __m512& hi);
-#else
-using BlockRegisters = void*;  // no register form without AVX-512
-#endif
-
-// One packed type: its block geometry (gguf.GGML_QUANT_SIZES) and decoder, all compile-time
-// constants, so that the decoder inlines into the row loop (an indirect call per block of 32
-// weights would cost more than decoding it). ``kRegisters``: the 32-weight types' block as two
-// registers (what kDecode stores), for the fused few-rows path; null for the K types.
-template <int64_t kBlockSize, int64_t kBlockBytes, BlockDecoder kDecode, BlockRegisters kRegisters = nullptr>
-struct Format {
-  static constexpr int64_t block_size = kBlockSize, block_bytes = kBlockBytes;
-  static constexpr BlockRegisters registers = kRegisters;
-
-  // Rows [begin, end) of the packed weight as fp32, one row of `K` after another into `out`.
-  static void decode_rows(const uint8_t* packed, int64_t row_bytes, int64_t K, int64_t begin, int64_t end,
-                          float* out) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* row = packed + n * row_bytes;
-      float* y = out + (n - begin) * K;
-      for (int64_t blk = 0; blk < K / kBlockSize; ++blk) kDecode(row + blk * kBlockBytes, y + blk * kBlockSize);
-    }
-  }
-};
-
-// body(Format<...>{}) for the format of GGML type id `qtype`.
-template <typename Body>
-void with_format(int64_t qtype, Body&& body) {
-  switch (qtype) {
-#if defined(__AVX512F__)
-    case Q8_0: return body(Format<32, 34, store_registers<q8_0_registers>, q8_0_registers>{});
-    case Q4_0: return body(Format<32, 18, store_registers<q4_registers<false>>, q4_registers<false>>{});
-    case Q4_1: return body(Format<32, 20, store_registers<q4_registers<true>>, q4_registers<true>>{});
-    case Q5_0: return body(Format<32, 22, store_registers<q5_registers<false>>, q5_registers<false>>{});
-    case Q5_1: return body(Format<32, 24, store_registers<q5_registers<true>>, q5_registers<true>>{});
-    case MXFP4: return body(Format<32, 17, store_registers<mxfp4_registers>, mxfp4_registers>{});
-#else
-    case Q8_0: return body(Format<32, 34, decode_q8_0>{});
-    case Q4_0: return body(Format<32, 18, decode_q4<false>>{});
-    case Q4_1: return body(Format<32, 20, decode_q4<true>>{});
-    case Q5_0: return body(Format<32, 22, decode_q5<false>>{});
-    case Q5_1: return body(Format<32, 24, decode_q5<true>>{});
-    case MXFP4: return body(Format<32, 17, decode_mxfp4>{});
-#endif
-    case Q4_K: return body(Format<256, 144, decode_k<false>>{});
-    case Q5_K: return body(Format<256, 176, decode_k<true>>{});
-    case Q6_K: return body(Format<256, 210, decode_q6_k>{});
-    default: TORCH_CHECK(false, "packed GGUF type id ", qtype, " has no CPU kernel");
-  }
-}
-
-// TORCH_CHECKs that ``packed`` is F's packed rows of ``in_features`` weights.
-template <typename F>
-void check_packed_rows(const torch::Tensor& packed, int64_t in_features) {
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kByte && packed.is_contiguous(),
-              "packed weight must be contiguous uint8 [out_features, bytes_per_row]");
-  TORCH_CHECK(in_features % F::block_size == 0 && packed.size(1) == in_features / F::block_size * F::block_bytes,
-              "packed weight rows do not hold in_features=", in_features, " weights of this type");
-}
 
 }  // namespace

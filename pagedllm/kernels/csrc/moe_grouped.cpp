@@ -4,9 +4,9 @@
 // expert e's rows of x are x[offsets[e] : offsets[e + 1]] and its outputs land in the same rows
 // of out.
 //
-// Weights are a stack [experts, N, K] of fp32 or bf16 values, or of packed GGUF rows (any type
-// of gguf_blocks.h, MXFP4 included); every type is read as 32-weight blocks, so the dense stacks
-// run through the same tiles as the packed ones (their "decoder" widens to fp32). Work items are
+// Weights are a stack [experts, N, K] of fp32 or bf16 values, or of packed GGUF rows (any type of
+// gguf_formats.h); every type is read as runs of 32 weights, so the dense stacks run through the
+// same tiles as the packed ones (their "decoder" widens to fp32). Work items are
 // (expert, 16 output rows) pairs over the experts that have rows, run in parallel; within one,
 // 4 weight rows at a time are decoded into registers (up to kFusedRows rows of x: decode steps)
 // or into an fp32 scratch and multiplied by every row of x. Both sum each dot product in the same
@@ -15,7 +15,7 @@
 
 #include <vector>
 
-#include "gguf_blocks.h"
+#include "gguf_formats.h"
 #include "ops.h"
 #include "quant_tiles.h"
 
@@ -52,8 +52,8 @@ inline void bf16_registers(const uint8_t* b, __m512& lo, __m512& hi) {
 
 template <typename Body>
 void with_expert_format(int64_t qtype, Body&& body) {
-  if (qtype == kF32) return body(Format<32, 128, decode_f32, f32_registers>{});
-  if (qtype == kBF16) return body(Format<32, 64, decode_bf16, bf16_registers>{});
+  if (qtype == kF32) return body(Format<32, 128, decode_f32, SmallBlock<f32_registers>>{});
+  if (qtype == kBF16) return body(Format<32, 64, decode_bf16, SmallBlock<bf16_registers>>{});
   with_format(qtype, body);
 }
 #else
@@ -72,7 +72,7 @@ void expert_rows(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t n0, int
   for (int64_t n = n0; n < n1; n += kTileRows) {
     const int64_t rows = std::min(kTileRows, N - n);
 #if defined(__AVX512F__)
-    if constexpr (F::registers != nullptr) {
+    if constexpr (F::has_registers) {
       if (M <= kFusedRows) {
         const uint8_t* tile[kTileRows];
         for (int64_t i = 0; i < kTileRows; ++i) tile[i] = w + (n + std::min(i, rows - 1)) * row_bytes;

@@ -1,10 +1,10 @@
 // y = x @ W^T for a weight W kept in llama.cpp's packed GGUF blocks (Q8_0, Q4_0,
 // Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4), dequantized tile by tile so that the
-// dense fp32 weight never exists as a whole (gguf_blocks.h decodes the blocks).
+// dense fp32 weight never exists as a whole (gguf_formats.h names the decoders).
 //
-// Few rows of x (decode): a task dequantizes 4 weight rows into an fp32
-// scratch that stays in L2, then multiplies every row of x by them, so each
-// weight byte is read from memory and decoded once per call. Many rows
+// Few rows of x (decode): a task decodes 4 weight rows into registers (AVX-512)
+// or an fp32 scratch that stays in L2, then multiplies every row of x by them, so
+// each weight byte is read from memory and decoded once per call. Many rows
 // (prefill): a tile of weight rows is dequantized into fp32 scratch and
 // multiplied by MKL (at::mm), or by the packed fp32 kernel where the caller
 // asks for it (``packed_tiles``: where the engine packs fp32 weights), tile
@@ -17,16 +17,16 @@
 
 #include <vector>
 
-#include "gguf_blocks.h"
+#include "gguf_formats.h"
 #include "ops.h"
 #include "quant_tiles.h"
 
 namespace {
 
-// The few-rows path, 4 weight rows at a time. The types with a register form decode a tile's
+// The few-rows path, 4 weight rows at a time. With AVX-512 every type's register form decodes a tile's
 // blocks into registers and multiply them at once (see fused_group; as fast or faster than the
-// scratch at every row count up to 48 on Zen 4, 2x on the memory-bound LM head); the others
-// decode the tile into an fp32 scratch that stays in L1/L2, then multiply_tile.
+// scratch at every row count up to 48 on Zen 4, 2x on the memory-bound LM head); without it
+// the tile decodes into an fp32 scratch that stays in L1/L2, then multiply_tile.
 template <typename F>
 void few_rows(const torch::Tensor& x, const uint8_t* pp, int64_t row_bytes, int64_t N, torch::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), num_tiles = (N + kTileRows - 1) / kTileRows;
@@ -34,7 +34,7 @@ void few_rows(const torch::Tensor& x, const uint8_t* pp, int64_t row_bytes, int6
   float* yp = out.data_ptr<float>();
   at::parallel_for(0, num_tiles, 4, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
-    if constexpr (F::registers != nullptr) {
+    if constexpr (F::has_registers) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t n = t * kTileRows, rows = std::min(kTileRows, N - n);
         // A partial last tile repeats its last row; only `rows` outputs are written.

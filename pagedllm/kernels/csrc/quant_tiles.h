@@ -6,7 +6,7 @@
 
 #include <algorithm>
 
-#include "gguf_blocks.h"
+#include "gguf_formats.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -50,23 +50,29 @@ void multiply_group(const float* x, int64_t ldx, const float* w, int64_t K, floa
 constexpr int64_t kMaxFusedRows = 5;  // 20 accumulators + 8 weight + 2 input registers of 32
 constexpr int64_t kFusedPrefetchTiles = 2;
 
-template <BlockRegisters kRegisters, int kGroup>
-void fused_group(const uint8_t* const* w, int64_t block_bytes, const uint8_t* ahead, int64_t ahead_bytes,
-                 const float* x, int64_t ldx, int64_t K, float* y, int64_t ldy, int64_t rows) {
+template <typename F, int kGroup>
+void fused_group(const uint8_t* const* w, const uint8_t* ahead, int64_t ahead_bytes, const float* x, int64_t ldx,
+                 int64_t K, float* y, int64_t ldy, int64_t rows) {
+  using Registers = typename F::Registers;
   __m512 acc[4 * kGroup];
   for (auto& a : acc) a = _mm512_setzero_ps();
-  const int64_t blocks = K / 32, lines_per_block = ((ahead_bytes + 63) / 64 + blocks - 1) / blocks;
+  const int64_t blocks = K / F::block_size, lines_per_block = ((ahead_bytes + 63) / 64 + blocks - 1) / blocks;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     for (int64_t line = blk * lines_per_block; line < (blk + 1) * lines_per_block; ++line)
       __builtin_prefetch(ahead + line * 64, 0, 2);  // into L2 (T1): L1 has too few miss buffers
-    __m512 lo[4], hi[4];
-    for (int i = 0; i < 4; ++i) kRegisters(w[i] + blk * block_bytes, lo[i], hi[i]);
-    for (int half = 0; half < 2; ++half) {  // weights 0-15 then 16-31: multiply_group's k order
-      const __m512* wv = half == 0 ? lo : hi;
+    Registers block[4];
+    for (int i = 0; i < 4; ++i) block[i].load(w[i] + blk * F::block_bytes);
+    for (int sub = 0; sub < Registers::sub_blocks; ++sub) {  // runs of 32 weights, in order
+      __m512 lo[4], hi[4];
+      for (int i = 0; i < 4; ++i) block[i].registers(sub, lo[i], hi[i]);
+      const float* xk = x + blk * F::block_size + sub * 32;
+      for (int half = 0; half < 2; ++half) {  // weights 0-15 then 16-31: multiply_group's k order
+        const __m512* wv = half == 0 ? lo : hi;
 #pragma GCC unroll 5
-      for (int m = 0; m < kGroup; ++m) {
-        const __m512 xv = _mm512_loadu_ps(x + m * ldx + blk * 32 + half * 16);
-        for (int i = 0; i < 4; ++i) acc[4 * m + i] = _mm512_fmadd_ps(xv, wv[i], acc[4 * m + i]);
+        for (int m = 0; m < kGroup; ++m) {
+          const __m512 xv = _mm512_loadu_ps(xk + m * ldx + half * 16);
+          for (int i = 0; i < 4; ++i) acc[4 * m + i] = _mm512_fmadd_ps(xv, wv[i], acc[4 * m + i]);
+        }
       }
     }
   }
@@ -87,15 +93,14 @@ void fused_tile(const uint8_t* const* w, const uint8_t* ahead, int64_t ahead_byt
   // less than writing and reading back an fp32 scratch. Only the first group prefetches.
   int64_t m = 0;
   for (; m + kMaxFusedRows <= M; m += kMaxFusedRows, ahead_bytes = 0)
-    fused_group<F::registers, kMaxFusedRows>(w, F::block_bytes, ahead, ahead_bytes, x + m * ldx, ldx, K,
-                                             y + m * ldy, ldy, rows);
+    fused_group<F, kMaxFusedRows>(w, ahead, ahead_bytes, x + m * ldx, ldx, K, y + m * ldy, ldy, rows);
   const float* xm = x + m * ldx;
   float* ym = y + m * ldy;
   switch (M - m) {
-    case 4: return fused_group<F::registers, 4>(w, F::block_bytes, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows);
-    case 3: return fused_group<F::registers, 3>(w, F::block_bytes, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows);
-    case 2: return fused_group<F::registers, 2>(w, F::block_bytes, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows);
-    case 1: return fused_group<F::registers, 1>(w, F::block_bytes, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows);
+    case 4: return fused_group<F, 4>(w, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows);
+    case 3: return fused_group<F, 3>(w, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows);
+    case 2: return fused_group<F, 2>(w, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows);
+    case 1: return fused_group<F, 1>(w, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows);
     default: return;
   }
 }
