@@ -321,7 +321,8 @@ def cmd_bench_embed(args: argparse.Namespace) -> None:
         results.append(embed.run_llama_server(server, gguf, texts, args.llama_threads, args.clients))
     report(args, embed.format_table(results, len(texts)),
            f"Model {folder}; {len(texts)} passages of {args.min_tokens}-{args.max_tokens} tokens (uniform, seed "
-           f"{args.seed}), float32. sentence-transformers: the best of batch sizes {embed.BATCH_SIZES}."
+           f"{args.seed}), pagedllm in {'float32' if args.dtype == 'auto' else args.dtype} (sentence-transformers in "
+           f"float32). sentence-transformers: the best of batch sizes {embed.BATCH_SIZES}."
            + ("" if server is not None else " No llama-server build was given (--llama-server): no llama.cpp row."))
 
 

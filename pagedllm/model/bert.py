@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from pagedllm.model.encoder_linear import linear, linear_add, linear_gelu
+
 
 @dataclass(frozen=True)
 class PackedBatch:
@@ -137,6 +139,8 @@ class BertEncoder:
         self.hidden_size = config.hidden_size
         self.eps = config.layer_norm_eps
         self.act = ACT2FN[config.hidden_act]
+        # BERT's "gelu" is the exact (erf) GELU, which the up projection applies in its epilogue.
+        self.exact_gelu = config.hidden_act == "gelu"
         # RoBERTa numbers positions after its padding index (position 0 is token padding_idx + 1).
         self.position_offset = config.pad_token_id + 1 if roberta else 0
         self.max_len = config.max_position_embeddings - self.position_offset
@@ -170,12 +174,13 @@ class BertEncoder:
         x = F.layer_norm(x, (self.hidden_size,), *self.emb_norm, self.eps)
         head_dim = self.hidden_size // self.heads
         for layer in self.layers:
-            qkv = F.linear(x, layer["qkv_w"], layer["qkv_b"]).view(-1, 3, self.heads, head_dim)
+            qkv = linear(x, layer["qkv_w"], layer["qkv_b"]).view(-1, 3, self.heads, head_dim)
             attn = packed_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], batch.seq_lens)
-            x = F.layer_norm(F.linear(attn, layer["o_w"], layer["o_b"]) + x, (self.hidden_size,),
+            x = F.layer_norm(linear_add(attn, x, layer["o_w"], layer["o_b"]), (self.hidden_size,),
                              layer["ln1_w"], layer["ln1_b"], self.eps)
-            up = self.act(F.linear(x, layer["up_w"], layer["up_b"]))
-            x = F.layer_norm(F.linear(up, layer["down_w"], layer["down_b"]) + x, (self.hidden_size,),
+            up = (linear_gelu(x, layer["up_w"], layer["up_b"]) if self.exact_gelu
+                  else self.act(linear(x, layer["up_w"], layer["up_b"])))
+            x = F.layer_norm(linear_add(up, x, layer["down_w"], layer["down_b"]), (self.hidden_size,),
                              layer["ln2_w"], layer["ln2_b"], self.eps)
         return x
 

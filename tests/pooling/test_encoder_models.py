@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pagedllm.model.bert import packed_attention, padding_groups
+from pagedllm.model.encoder_linear import linear, linear_add, linear_gelu
 from pagedllm.pooling.encoder_runner import EncoderPoolingRunner, PoolingInput, is_encoder_checkpoint
 from pagedllm.pooling_params import PoolingParams
 from tests.pooling.conftest import real_texts, save_tiny
@@ -102,3 +104,18 @@ def test_packed_attention_is_attention_per_sequence(window):
         torch.testing.assert_close(got[start:start + length], expected.transpose(0, 1).reshape(length, -1),
                                    atol=1e-5, rtol=1e-5)
         start += length
+
+
+def test_onednn_linears_match_pytorch():
+    """The encoder's fused oneDNN linears (GELU or residual add in the epilogue) equal the plain
+    PyTorch ops they replace, which run when oneDNN is switched off."""
+    generator = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(37, 64, generator=generator), torch.randn(37, 48, generator=generator)
+    weight, bias = torch.randn(48, 64, generator=generator), torch.randn(48, generator=generator)
+    fused = [linear(x, weight, bias), linear_gelu(x, weight, bias), linear_add(x, residual, weight, bias)]
+    with torch.backends.mkldnn.flags(enabled=False):
+        plain = [linear(x, weight, bias), linear_gelu(x, weight, bias), linear_add(x, residual, weight, bias)]
+    expected = [F.linear(x, weight, bias), F.gelu(F.linear(x, weight, bias)), F.linear(x, weight, bias) + residual]
+    for got in (fused, plain):
+        for tensor, want in zip(got, expected):
+            torch.testing.assert_close(tensor, want, atol=1e-5, rtol=1e-5)
