@@ -94,8 +94,7 @@ class InputProcessor:
         if num_sequences > self.scheduler_config.max_num_seqs:
             raise ValueError(
                 f"{num_sequences} parallel sequences (n / best_of / beam_width) exceed max_num_seqs "
-                f"({self.scheduler_config.max_num_seqs}); lower them or raise max_num_seqs (with int8 KV "
-                "and a byte budget, also the budget: only the sequences its tails hold run at once)"
+                f"({self.scheduler_config.max_num_seqs}); lower them or raise max_num_seqs"
             )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         request = Request(
