@@ -6,10 +6,8 @@ end-to-end tests that compare against Hugging Face.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -178,22 +176,6 @@ def tiny_reasoning_model(tmp_path_factory, tiny_model_dir) -> str:
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
-
-
-@contextlib.contextmanager
-def oracle_threads() -> Iterator[None]:
-    """Run a Hugging Face oracle on one torch thread, then give the engine its threads back.
-
-    HF's decode steps are many tiny ops (one token, a short KV); on two threads each op waits
-    on an OpenMP hand-off, which costs more than the op whenever the other core is busy: the
-    SmolLM2 oracle of test_hf_parity took 7x the CPU time on two threads (same tokens). The
-    oracle's answer is HF's greedy output at any thread count; the engine keeps its own."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def assert_pool_free_once_idle(llm, timeout_s: float = 30) -> None:

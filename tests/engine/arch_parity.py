@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from pagedllm import LLM, SamplingParams
-from tests.conftest import assert_pool_free, oracle_threads
+from tests.conftest import assert_pool_free
 
 
 
@@ -63,9 +63,8 @@ def hf_greedy(hf_model, prompt: list[int], new_tokens: int) -> list[int]:
     if hasattr(rope, "original_inv_freq"):
         rope.register_buffer("inv_freq", rope.original_inv_freq.clone(), persistent=False)
         rope.max_seq_len_cached = rope.original_max_seq_len
-    with oracle_threads():
-        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

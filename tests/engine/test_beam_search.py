@@ -17,7 +17,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine.beam_search import BeamGroup
 from pagedllm.outputs import Logprob, RequestMetrics
-from tests.conftest import assert_pool_free, oracle_threads
+from tests.conftest import assert_pool_free
 
 PROMPTS = [
     "The old lighthouse keeper climbed the stairs",
@@ -27,17 +27,16 @@ PROMPTS = [
 
 
 def hf_beam(hf_model, prompt_ids: list[int], params: BeamSearchParams) -> list[int]:
-    with oracle_threads():
-        out = hf_model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            num_beams=params.beam_width,
-            do_sample=False,
-            max_new_tokens=params.max_tokens,
-            early_stopping=params.early_stopping,
-            length_penalty=params.length_penalty,
-            num_return_sequences=1,
-        )
+    out = hf_model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        num_beams=params.beam_width,
+        do_sample=False,
+        max_new_tokens=params.max_tokens,
+        early_stopping=params.early_stopping,
+        length_penalty=params.length_penalty,
+        num_return_sequences=1,
+    )
     tokens = out[0, len(prompt_ids) :].tolist()
     # HF pads a hypothesis that ended early; ours stops at its EOS.
     eos = hf_model.generation_config.eos_token_id

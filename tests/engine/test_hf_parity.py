@@ -15,7 +15,7 @@ from pagedllm.bench.hf_reference import load_hf_model
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.model.packed_linear import PackedLinear, packing_supported
 from pagedllm_dev.differential.prompts import real_text_prompts
-from tests.conftest import assert_pool_free, oracle_threads
+from tests.conftest import assert_pool_free
 
 TEXT = (
     "The history of computing is a story of layers. Early machines were programmed by rewiring "
@@ -68,7 +68,7 @@ def check_parity(llm: LLM, hf_model) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, prompt_logprobs=3)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_pool_free(llm)
-    with torch.inference_mode(), oracle_threads():
+    with torch.inference_mode():
         for prompt, output in zip(prompts, outputs):
             assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt), f"prompt of {len(prompt)} tokens"
             # Prefill logits: every prompt position's log-probabilities agree with HF's.

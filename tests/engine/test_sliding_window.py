@@ -17,7 +17,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.utils import cdiv
-from tests.conftest import TINY_COMMON, assert_pool_free, oracle_threads
+from tests.conftest import TINY_COMMON, assert_pool_free
 from tests.engine.test_beam_search import hf_beam
 from tests.engine.test_hf_parity import TEXT
 
@@ -51,10 +51,8 @@ def hf_greedy(hf_model, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list
     """Hugging Face's greedy continuation, computed once per model, prompt and length."""
     key = (id(hf_model), tuple(prompt), new_tokens)
     if key not in _HF_OUTPUTS:
-        with oracle_threads():
-            out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                    max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                    pad_token_id=0)
+        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         _HF_OUTPUTS[key] = out[0, len(prompt):].tolist()
     return _HF_OUTPUTS[key]
 
