@@ -105,7 +105,8 @@ def grouped_forward(kernels, x: torch.Tensor, indices: torch.Tensor, weights: to
     ``biases``: gpt-oss's per-expert gate|up [E, 2I] and down [E, H] biases (or None)."""
     tokens, top_k = indices.shape
     pairs = sort_pairs(indices, gate_up[0].weights.shape[0])
-    experts = indices.reshape(-1)[pairs.order]  # each sorted row's expert
+    # each sorted row's expert, gathered only for the bias rows of a model that has them
+    experts = None if biases == (None, None) else indices.reshape(-1)[pairs.order]
     rows = x.float().index_select(0, pairs.order // top_k)
     gate_up_out = plus_bias_rows(_project(kernels, rows, gate_up, pairs.offsets).to(x.dtype), biases[0], experts)
     hidden = act_and_mul(gate_up_out)
@@ -115,7 +116,7 @@ def grouped_forward(kernels, x: torch.Tensor, indices: torch.Tensor, weights: to
     return _sum_in_expert_order(scaled, pairs.order, tokens, top_k)
 
 
-def plus_bias_rows(out: torch.Tensor, bias: torch.Tensor | None, experts: torch.Tensor | int) -> torch.Tensor:
+def plus_bias_rows(out: torch.Tensor, bias: torch.Tensor | None, experts: torch.Tensor | int | None) -> torch.Tensor:
     """``out`` (already rounded to the model dtype) plus each row's expert's bias row: Hugging
     Face's gpt-oss adds its biases after the matmul (``x @ W + b``), so the matmul rounds first."""
     if bias is None:
