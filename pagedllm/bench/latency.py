@@ -134,6 +134,7 @@ class LlamaSide:
     binary: str | None
     gguf: Path | None
     threads: int
+    failures: list[str] = field(default_factory=list)  # a run that failed: its configuration and error
 
     def why_not(self) -> str | None:
         if self.binary is None:
@@ -144,10 +145,17 @@ class LlamaSide:
         return None
 
     def rate(self, config: LatencyConfig) -> float | None:
+        """llama.cpp's decode tok/s; None where it cannot run or failed (noted: the other rows still count)."""
         if self.why_not() is not None:
             return None
-        return llama_decode_rate(self.binary, self.gguf, config.streams, config.prompt_len, config.output_len,
-                                 self.threads)
+        try:
+            return llama_decode_rate(self.binary, self.gguf, config.streams, config.prompt_len, config.output_len,
+                                     self.threads)
+        except RuntimeError as exc:
+            print(exc, flush=True)
+            self.failures.append(f"llama.cpp failed on {config.streams} x ({config.prompt_len} + "
+                                 f"{config.output_len}): {str(exc).splitlines()[0]}")
+            return None
 
 
 @dataclass
@@ -251,7 +259,8 @@ def format_table(result: LatencyResult) -> str:
             cells += [_figure(llama, ".1f"), "-" if not llama else f"{row.tokens_per_s / llama:.2f}x"]
         table.append([*cells, f"{row.load:.1f}"])
     notes = [f"Cold start: the engine built in {result.built_s:.1f} s; its first request, a {COLD_PROMPT_LEN}-token "
-             f"prompt, had its first token {1e3 * result.cold_ttft_s:.0f} ms later.", *result.notes]
+             f"prompt, had its first token {1e3 * result.cold_ttft_s:.0f} ms later.", *result.notes,
+             *(result.llama.failures if result.llama is not None else [])]
     return markdown_table([*header, "load avg"], table) + "\n\n" + "\n".join(notes)
 
 

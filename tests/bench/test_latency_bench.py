@@ -66,7 +66,7 @@ def test_table_with_llama_cpp_and_the_cold_start():
     assert parse_decode_rates(LLAMA_OUTPUT) == {1: 6.81, 2: 6.25}
 
 
-def test_compare_says_why_llama_cpp_did_not_run(tmp_path):
+def test_compare_says_why_llama_cpp_did_not_run(tmp_path, monkeypatch):
     model = tmp_path / "model.Q4_1.gguf"
     args = _parse(["--compare", "llama.cpp", "--gguf-weights", "dequantize"])
     args.llama_batched_bench = None
@@ -77,6 +77,14 @@ def test_compare_says_why_llama_cpp_did_not_run(tmp_path):
     assert "no llama-batched-bench found" in no_build.why_not()
     assert no_build.rate(latency.LatencyConfig(1, 8, 2)) is None
     assert "not a GGUF file" in latency.LlamaSide("bin", None, 2).why_not()
+    failing = latency.LlamaSide(str(tmp_path / "no-such-binary"), model, 2)
+    monkeypatch.setattr(latency, "llama_decode_rate", _failed_run)
+    assert failing.rate(latency.LatencyConfig(8, 1024, 512)) is None
+    assert failing.failures == ["llama.cpp failed on 8 x (1024 + 512): exit 1"]
+
+
+def _failed_run(*_: object) -> float:
+    raise RuntimeError("exit 1\nits output's tail")
 
 
 def test_arguments_and_their_defaults():
