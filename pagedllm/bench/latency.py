@@ -23,10 +23,12 @@ rows, the engine's first request (a 128-token prompt) gives the cold start's TTF
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,6 +37,10 @@ from pagedllm.bench.moe import load_average
 from pagedllm.bench.moe_llama import find_batched_bench, llama_decode_rate
 from pagedllm.bench.tables import markdown_table
 from pagedllm.bench.throughput import random_requests
+
+if TYPE_CHECKING:
+    from pagedllm import LLM
+    from pagedllm.engine.llm_engine import LLMEngine
 
 COLD_PROMPT_LEN = 128  # the issue's short prompt: the engine's first request, its cold TTFT
 
@@ -77,7 +83,7 @@ class StreamTimes:
         return len(later) / (max(later) - everyone_started)
 
 
-def time_streams(engine, prompts: list[list[int]], output_len: int, tag: str) -> StreamTimes:
+def time_streams(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: str) -> StreamTimes:
     """Submit ``prompts`` together (greedy, EOS ignored) and step the engine until all are done."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     arrivals: dict[str, list[float]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
@@ -169,7 +175,7 @@ class LatencyResult:
     notes: list[str] = field(default_factory=list)
 
 
-def measure_rows(engine, configs: list[LatencyConfig], seed: int, llama: LlamaSide | None) -> list[LatencyRow]:
+def measure_rows(engine: LLMEngine, configs: list[LatencyConfig], seed: int, llama: LlamaSide | None) -> list[LatencyRow]:
     """Every configuration on ``engine``, each followed by llama.cpp's run of it (when compared)."""
     rows = []
     for index, config in enumerate(configs):
@@ -186,7 +192,7 @@ def measure_rows(engine, configs: list[LatencyConfig], seed: int, llama: LlamaSi
     return rows
 
 
-def llama_side(args, model: Path, threads: int) -> tuple[LlamaSide | None, list[str]]:
+def llama_side(args: argparse.Namespace, model: Path, threads: int) -> tuple[LlamaSide | None, list[str]]:
     """What ``--compare llama.cpp`` runs (None without it), and the notes the table needs about it."""
     if args.compare != "llama.cpp":
         return None, []
@@ -200,7 +206,7 @@ def llama_side(args, model: Path, threads: int) -> tuple[LlamaSide | None, list[
     return side, notes
 
 
-def measure_floor(llm) -> MemoryFloor:
+def measure_floor(llm: LLM) -> MemoryFloor:
     """The engine's weight and KV bytes, and this machine's read bandwidth as `bench roofline` measures it
     (in float32 whatever the model's dtype: the bandwidth is the machine's, and fp32 reads it fastest)."""
     import torch
@@ -211,7 +217,7 @@ def measure_floor(llm) -> MemoryFloor:
     return MemoryFloor(llm.weight_bytes(), llm.stats()["bytes_per_token"], bandwidth)
 
 
-def run(llm, args, configs: list[LatencyConfig], built_s: float) -> LatencyResult:
+def run(llm: LLM, args: argparse.Namespace, configs: list[LatencyConfig], built_s: float) -> LatencyResult:
     """The cold TTFT, every configuration (with llama.cpp's run of it where compared), then the floor."""
     import torch
 
@@ -232,7 +238,7 @@ def model_path(model: str | None) -> Path:
     return Path(model or default_model_path())
 
 
-def cold_ttft_s(engine, seed: int) -> float:
+def cold_ttft_s(engine: LLMEngine, seed: int) -> float:
     """TTFT of the engine's first request, a ``COLD_PROMPT_LEN``-token prompt (it warms the engine up too)."""
     prompt = random_requests(1, COLD_PROMPT_LEN, 2, engine.vocab_size, seed - 1)[0].prompt_token_ids
     return time_streams(engine, [prompt], 2, "latency-cold").ttfts_s()[0]
