@@ -227,7 +227,7 @@ def run(llm: LLM, args: argparse.Namespace, configs: list[LatencyConfig], built_
     llama, notes = llama_side(args, model, threads)
     rows = measure_rows(engine, configs, args.seed, llama)
     weights = f", {args.gguf_weights} GGUF weights" if model.suffix == ".gguf" else ""
-    setup = f"{model.name}{weights}, {engine.config.dtype}, {threads} threads"
+    setup = f"{model.name}{weights}, {engine.config.dtype}, {threads} thread{'s' if threads > 1 else ''}"
     return LatencyResult(setup, rows, measure_floor(llm), built_s, cold, llama, notes)
 
 
