@@ -14,6 +14,7 @@ import importlib
 from collections.abc import Callable
 
 from pagedllm.bench import commands
+from pagedllm.bench.arg_types import positive_int
 from pagedllm.bench.fleet import cli as fleet_cli
 from pagedllm.bench.fragmentation import cli as fragmentation_cli
 from pagedllm.bench.lora import cli as lora_cli
@@ -37,6 +38,7 @@ def add_bench_parser(subcommands: argparse._SubParsersAction) -> None:
     _add_kernel_benches(benches)
     _add_moe_parser(benches)
     _add_decode_benches(benches)
+    _add_latency_parser(benches)
     _add_soak_parser(benches)
     lora = add_bench_command(benches, "lora", "multi-LoRA throughput: requests over 1-256 rank-16 adapters paged "
                                               "into a fixed-slot design's memory vs the base model",
@@ -216,8 +218,8 @@ def _add_moe_parser(benches: argparse._SubParsersAction) -> None:
     mo.add_argument("--workdir", default="/tmp/pagedllm-bench-moe",
                     help="where the random GGUF is written (and reused by later runs)")
     mo.add_argument("--llama-batched-bench", default=None, metavar="PATH",
-                    help="llama.cpp's llama-batched-bench (default: the one on the PATH; none: no llama.cpp "
-                         "column)")
+                    help="llama.cpp's llama-batched-bench (default: the one on the PATH, else /tmp/llamacpp/bin's; "
+                         "none: no llama.cpp column)")
 
 
 def _add_decode_benches(benches: argparse._SubParsersAction) -> None:
@@ -236,6 +238,25 @@ def _add_decode_benches(benches: argparse._SubParsersAction) -> None:
     sp.add_argument("--output-len", type=int, default=256, help="most tokens per repetitive-workload answer")
     sp.add_argument("--num-mixed", type=int, default=16, help="requests of the mixed batch")
     sp.add_argument("--rounds", type=int, default=1, help="times each workload runs on each engine")
+
+
+def _add_latency_parser(benches: argparse._SubParsersAction) -> None:
+    la = add_bench_command(benches, "latency", "one user at a time: ms per token (p50, p90), tok/s and TTFT of 1-8 "
+                                               "streams against the step's memory floor, and llama.cpp's "
+                                               "llama-batched-bench on the same GGUF", commands.cmd_bench_latency)
+    la.add_argument("--streams", type=positive_int, nargs="+", default=[1, 2, 4, 8],
+                    help="streams submitted together (default: %(default)s)")
+    la.add_argument("--prompt-len", type=positive_int, nargs="+", default=[128, 1024],
+                    help="prompt tokens of every stream (default: %(default)s)")
+    la.add_argument("--output-len", type=positive_int, nargs="+", default=[128, 512],
+                    help="new tokens of every stream, EOS ignored; 2 or more (default: %(default)s)")
+    la.add_argument("--compare", choices=["llama.cpp"], default=None,
+                    help="also run llama.cpp's llama-batched-bench -npp P -ntg N -npl S after each row")
+    la.add_argument("--llama-batched-bench", default=None, metavar="PATH",
+                    help="its binary (default: the one on the PATH, else /tmp/llamacpp/bin's)")
+    la.add_argument("--llama-gguf", default=None, metavar="PATH",
+                    help="the GGUF llama.cpp runs (default: the model's own file; with --gguf-weights dequantize, "
+                         "its F32 / BF16 conversion compares the same weights)")
 
 
 def _add_soak_parser(benches: argparse._SubParsersAction) -> None:

@@ -201,6 +201,22 @@ def _bench_workload_roofline(args: argparse.Namespace, engine) -> None:
            f"rows through the vocabulary one) at that rate and its weight bytes at that bandwidth.")
 
 
+def cmd_bench_latency(args: argparse.Namespace) -> None:
+    import time
+
+    from pagedllm.bench import latency
+
+    configs = latency.latency_configs(args.streams, args.prompt_len, args.output_len)  # refused before loading
+    start = time.perf_counter()
+    llm = make_llm(args, enable_prefix_caching=False)  # every stream prefills its own prompt
+    built_s = time.perf_counter() - start
+    args.dtype = llm.llm_engine.config.dtype  # "auto" resolved, for the notes
+    result = latency.run(llm, args, configs, built_s)
+    device = llm.llm_engine.device
+    llm.shutdown()
+    report(args, latency.format_table(result), latency.describe(result), device)
+
+
 def cmd_bench_soak(args: argparse.Namespace) -> None:
     from pagedllm.bench import soak
 

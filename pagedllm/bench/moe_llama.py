@@ -12,18 +12,19 @@ import subprocess
 from pathlib import Path
 
 BINARY = "llama-batched-bench"
+SCRIPT_BUILD = Path("/tmp/llamacpp/bin") / BINARY  # where scripts/llamacpp_compare.sh builds it by default
 _DECODE_COLUMN = "S_TG t/s"
 
 
 def find_batched_bench(explicit: str | None) -> str | None:
-    """The binary given, else the one on the PATH; None where neither exists (the llama.cpp
-    column is then left empty)."""
+    """The binary given, else the one on the PATH, else scripts/llamacpp_compare.sh's build; None
+    where none exists (the llama.cpp column is then left empty)."""
     if explicit is not None:
         if not Path(explicit).is_file():
             raise ValueError(f"--llama-batched-bench {explicit!r} is not a file: give the path of a "
                              f"llama.cpp build's bin/{BINARY}")
         return explicit
-    return shutil.which(BINARY)
+    return shutil.which(BINARY) or (str(SCRIPT_BUILD) if SCRIPT_BUILD.is_file() else None)
 
 
 def batched_bench_command(binary: str, model: Path, batch: int, prompt_len: int, output_len: int,

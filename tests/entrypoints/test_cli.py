@@ -30,7 +30,7 @@ from tests.conftest import assert_pool_free
 ENGINE_COMMANDS = [
     ["run"], ["generate", "Hello"], ["serve"],
     *(["bench", name] for name in ("throughput", "sharing", "prefix", "rerank", "preemption", "roofline", "soak",
-                                   "spec")),
+                                   "spec", "latency")),
 ]
 
 
