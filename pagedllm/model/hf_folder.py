@@ -40,7 +40,8 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
     elif config.tie_word_embeddings:
         # Some checkpoints store the tied copy anyway; transformers ignores it, and so do we.
         state_dict.pop("lm_head.weight", None)
-    elif "lm_head.weight" not in state_dict:
+    elif not any(name in state_dict for name in ("lm_head.weight", "language_model.lm_head.weight")):
+        # (The second: LLaVA's saved layout, renamed by its family class on loading.)
         raise ValueError(f"{str(folder)!r} has no lm_head.weight and its config does not tie word embeddings")
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return Checkpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, path=str(folder))

@@ -20,6 +20,7 @@ from pagedllm.model.gemma import GemmaForCausalLM
 from pagedllm.model.idefics3 import Idefics3ForConditionalGeneration
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.llama4 import Llama4ForCausalLM
+from pagedllm.model.llava import LlavaForConditionalGeneration
 from pagedllm.model.moe_families import MoeForCausalLM
 from pagedllm.model.packed_linear import pack_linears
 
@@ -35,6 +36,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(MoeForCausalLM.model_types, MoeForCausalLM),
     # Vision-language families, by the whole checkpoint's model_type (their decoder's config has its own).
     **dict.fromkeys(Idefics3ForConditionalGeneration.vision_language_types, Idefics3ForConditionalGeneration),
+    **dict.fromkeys(LlavaForConditionalGeneration.vision_language_types, LlavaForConditionalGeneration),
 }
 SUPPORTED_ARCHITECTURES = tuple(_CLASSES)
 

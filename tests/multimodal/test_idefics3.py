@@ -10,7 +10,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.conftest import assert_pool_free
-from tests.multimodal.tiny_idefics3 import drawn_image, make_tiny_idefics3
+from tests.multimodal.tiny_models import drawn_image, make_tiny_idefics3
 
 pytestmark = pytest.mark.slow  # ~40 s on a 2-core CPU: the tiny model, its processor and Hugging Face's outputs
 
