@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from pagedllm.model.checkpoint import WHAT_TO_PASS, Checkpoint, check_architecture
+from pagedllm.model.registry import model_class_for
 from pagedllm.model.safetensors_reader import read_safetensors
 from pagedllm.model.shapes import classifier_labels_of
 from pagedllm.model.vision.config import decoder_config_of
@@ -30,6 +31,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
         raise ValueError(f"{str(folder)!r} has no tokenizer files (one of {', '.join(_TOKENIZER_FILES)})")
 
     config = decoder_config_of(AutoConfig.from_pretrained(folder, local_files_only=True))
+    model_class_for(config)  # a vision-language checkpoint's decoder too, before any tensor is read
     state_dict: dict[str, torch.Tensor] = {}
     for shard in shards:
         # Old checkpoints saved the rotary frequencies; they are recomputed from the config.

@@ -42,13 +42,18 @@ SUPPORTED_ARCHITECTURES = tuple(_CLASSES)
 
 
 def model_class_for(config: Any) -> type[LlamaForCausalLM]:
-    """The model class for a transformers config; ValueError naming the supported architectures."""
+    """The model class for a transformers config; ValueError naming the supported architectures
+    (for a vision-language checkpoint, also its decoder's: ``text_config``)."""
     model_type = getattr(getattr(config, "vision_language_config", config), "model_type", None)
     if model_type not in _CLASSES:
         raise ValueError(
             f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    return _CLASSES[model_type]
+    family = _CLASSES[model_type]
+    if hasattr(config, "vision_language_config") and config.model_type not in family.model_types:
+        raise ValueError(f"a {model_type} checkpoint with a {config.model_type!r} decoder is not supported; "
+                         f"its text_config may be one of: {', '.join(family.model_types)}")
+    return family
 
 
 def build_model(checkpoint: Checkpoint, max_model_len: int, device: torch.device, dtype: torch.dtype,

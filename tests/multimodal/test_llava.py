@@ -2,7 +2,7 @@
 greedy output equals Hugging Face's ``generate`` token for token (one image, two images,
 a text-only prompt, in one batch); a repeated image+prompt hits the prefix cache; the
 tower's feature selection (``vision_feature_layer`` / ``vision_feature_select_strategy``)
-equals Hugging Face's ``get_image_features``."""
+equals Hugging Face's ``get_image_features``; an unsupported LLaVA is refused by name."""
 
 from __future__ import annotations
 
@@ -65,13 +65,10 @@ def test_greedy_equals_hugging_face_and_a_repeated_image_hits(llava):
     assert_pool_free(llm)
 
 
-@pytest.mark.parametrize("config", [
-    dict(vision_feature_select_strategy="default", vision_feature_layer=-2),
-    dict(vision_feature_select_strategy="full", vision_feature_layer=[-1, 0, 1], projector_hidden_act="quick_gelu",
-         multimodal_projector_bias=False),
-], ids=["default-second-to-last", "full-three-layers"])
-def test_image_features_equal_hugging_face(config):
-    """Hugging Face 5's in-memory names load too (the checkpoint test reads the saved layout)."""
+@pytest.mark.slow  # Hugging Face's LLaVA modules take ~2 s to import: with the test above in the slow tier
+def test_image_features_equal_hugging_face():
+    """The "full" strategy over three hidden states (the input and both ends), quick-GELU projector
+    without biases; Hugging Face 5's in-memory names load too (the test above reads the saved layout)."""
     from transformers import LlavaConfig
     from transformers import LlavaForConditionalGeneration as HFLlava
 
@@ -81,7 +78,9 @@ def test_image_features_equal_hugging_face(config):
 
     whole = LlavaConfig(text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, vocab_size=64),
-                        vision_config=dict(VISION, num_hidden_layers=3), image_token_id=63, **config)
+                        vision_config=dict(VISION, num_hidden_layers=3), image_token_id=63,
+                        vision_feature_select_strategy="full", vision_feature_layer=[-1, 0, 1],
+                        projector_hidden_act="quick_gelu", multimodal_projector_bias=False)
     torch.manual_seed(0)
     reference = HFLlava(whole).eval()
     model = LlavaForConditionalGeneration(decoder_config_of(whole))
@@ -90,5 +89,22 @@ def test_image_features_equal_hugging_face(config):
     with torch.no_grad():
         expected = torch.cat(reference.model.get_image_features(pixel_values=pixels).pooler_output)
         got = torch.cat([model.embed_image({"pixel_values": image}) for image in pixels])
-    assert got.shape == (2 * (16 + (config["vision_feature_select_strategy"] == "full")), 32)
+    assert got.shape == (2 * (16 + 1), 32)  # a row per patch and the class row
     torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    (dict(text_config={"model_type": "gemma"}), "a llava checkpoint with a 'gemma' decoder is not supported"),
+    (dict(vision_config={"model_type": "siglip_vision_model"}), "'siglip_vision_model' vision tower is not supported"),
+    (dict(vision_feature_layer=25), "vision_feature_layer 25 is outside the tower's 25 hidden states"),
+])
+def test_an_unsupported_llava_is_refused_by_name(config, message):
+    """Before a tensor is read: the loader asks ``model_class_for``, then builds on the meta device."""
+    from transformers import LlavaConfig
+
+    from pagedllm.model.registry import model_class_for
+    from pagedllm.model.vision.config import decoder_config_of
+
+    decoder = decoder_config_of(LlavaConfig(**config))
+    with pytest.raises(ValueError, match=message), torch.device("meta"):
+        model_class_for(decoder)(decoder)

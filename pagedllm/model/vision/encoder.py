@@ -5,6 +5,8 @@ on loading by ``llama.fuse_projections``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,14 +19,14 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 # Hugging Face's ``hidden_act`` names the towers use -> the function.
-ACTIVATIONS = {
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "quick_gelu": quick_gelu,
 }
 
 
-def activation(name: str):
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The function ``hidden_act`` names; ValueError naming the supported ones."""
     if name not in ACTIVATIONS:
         raise ValueError(f"unsupported vision activation {name!r}; supported: {', '.join(ACTIVATIONS)}")
