@@ -71,14 +71,19 @@ class LlavaForConditionalGeneration(VisionLanguageCausalLM):
         self.vision_tower = CLIPVisionTransformer(whole.vision_config, max(self.feature_layers))
         self.multi_modal_projector = LlavaMultiModalProjector(whole, len(self.feature_layers))
 
-    def embed_image(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One image's decoder-width rows: a row per patch in raster order (after the class row under "full")."""
+    def tile_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[tiles, 3, H, W] -> [tiles, rows, decoder width]: the selected hidden states of each
+        tile (concatenated), its class row dropped under "default", through the projector."""
         weight = self.multi_modal_projector.linear_1.weight
-        pixels = data["pixel_values"].to(weight.device, weight.dtype)
+        pixels = pixel_values.to(weight.device, weight.dtype)
         features = torch.cat(self.vision_tower(pixels.reshape(-1, *pixels.shape[-3:]), self.feature_layers), dim=-1)
         if self.drop_class_row:
             features = features[:, 1:]
-        features = self.multi_modal_projector(features)
+        return self.multi_modal_projector(features)
+
+    def embed_image(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One image's decoder-width rows: a row per patch in raster order (after the class row under "full")."""
+        features = self.tile_features(data["pixel_values"])
         return features.reshape(-1, features.shape[-1])
 
     def unused_weight(self, name: str) -> bool:

@@ -21,12 +21,14 @@ from pagedllm.model.idefics3 import Idefics3ForConditionalGeneration
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.llama4 import Llama4ForCausalLM
 from pagedllm.model.llava import LlavaForConditionalGeneration
+from pagedllm.model.llava_next import LlavaNextForConditionalGeneration
 from pagedllm.model.moe_families import MoeForCausalLM
 from pagedllm.model.packed_linear import pack_linears
 
 if TYPE_CHECKING:
     from pagedllm.model.checkpoint import Checkpoint
 
+_VISION_LANGUAGE = (Idefics3ForConditionalGeneration, LlavaForConditionalGeneration, LlavaNextForConditionalGeneration)
 # model_type -> the class that runs it (each family lists its own types).
 _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(LlamaForCausalLM.model_types, LlamaForCausalLM),
@@ -35,10 +37,11 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(Llama4ForCausalLM.model_types, Llama4ForCausalLM),
     **dict.fromkeys(MoeForCausalLM.model_types, MoeForCausalLM),
     # Vision-language families, by the whole checkpoint's model_type (their decoder's config has its own).
-    **dict.fromkeys(Idefics3ForConditionalGeneration.vision_language_types, Idefics3ForConditionalGeneration),
-    **dict.fromkeys(LlavaForConditionalGeneration.vision_language_types, LlavaForConditionalGeneration),
+    **{kind: family for family in _VISION_LANGUAGE for kind in family.vision_language_types},
 }
 SUPPORTED_ARCHITECTURES = tuple(_CLASSES)
+# The vision-language ones: their decoder is one of the others (``text_config``).
+VISION_LANGUAGE_ARCHITECTURES = tuple(kind for family in _VISION_LANGUAGE for kind in family.vision_language_types)
 
 
 def model_class_for(config: Any) -> type[LlamaForCausalLM]:

@@ -27,7 +27,7 @@ class ImagePromptProcessor:
     """Turns ``(text, images)`` into prompt token ids and one ``MultiModalFeature`` per image."""
 
     # The processor's outputs an encoder reads (those a family's processor gives).
-    TENSORS = ("pixel_values", "pixel_attention_mask")
+    TENSORS = ("pixel_values", "pixel_attention_mask", "image_sizes")
 
     def __init__(self, hf_processor: Any, image_token_id: int) -> None:
         self.hf = hf_processor

@@ -29,6 +29,7 @@ from transformers import (
     Llama4TextConfig,
     LlamaConfig,
     LlavaConfig,
+    LlavaNextConfig,
     MistralConfig,
     MixtralConfig,
     OlmoeConfig,
@@ -43,9 +44,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from pagedllm.core.kv_groups import kv_group_layout
 from pagedllm.core.kv_managers.chunked_local import ChunkedLocal
-from pagedllm.model.registry import SUPPORTED_ARCHITECTURES
+from pagedllm.model.registry import SUPPORTED_ARCHITECTURES, VISION_LANGUAGE_ARCHITECTURES
 from pagedllm.model.shapes import layer_attention_of, sliding_windows_of
-from pagedllm.model.vision.family import VisionLanguageCausalLM
 
 WINDOW = 4
 SEQUENCE = 11  # longer than the window
@@ -157,11 +157,10 @@ def test_every_supported_family_is_checked():
     """A vision-language family is checked through its decoder: the engine reads the layers'
     windows from its ``text_config`` (``model/vision/config.py``), a family of its own here."""
     checked = {CASES[case]().model_type for case in CASES}
-    vision_language = {kind for family in VisionLanguageCausalLM.__subclasses__()
-                       for kind in family.vision_language_types}
-    assert vision_language == {"idefics3", "llava"}
-    assert checked == set(SUPPORTED_ARCHITECTURES) - vision_language
-    assert {Idefics3Config().text_config.model_type, LlavaConfig().text_config.model_type} <= checked
+    assert checked == set(SUPPORTED_ARCHITECTURES) - set(VISION_LANGUAGE_ARCHITECTURES)
+    vision_language = [Idefics3Config(), LlavaConfig(), LlavaNextConfig()]
+    assert {config.model_type for config in vision_language} == set(VISION_LANGUAGE_ARCHITECTURES)
+    assert {config.text_config.model_type for config in vision_language} <= checked
 
 
 @pytest.mark.parametrize("case, expected", [

@@ -11,44 +11,32 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.conftest import assert_pool_free
-from tests.multimodal.tiny_models import drawn_image, make_tiny_llava
+from tests.multimodal.tiny_models import hf_greedy, images_of, make_tiny_llava
 
 MAX_TOKENS = 8
 PREAMBLE = "You are a careful assistant who looks at pictures and answers in one short sentence. "
 CASES = [
     ("USER: <image>\nDescribe it briefly. ASSISTANT:", [1]),
-    ("First <image> and then <image>: which is brighter?", [2, 3]),
+    ("First <image> and then <image>: which is brighter?", [2, (3, (20, 40))]),  # LLaVA-NeXT: a 2x2, a 1x2 grid
     ("A text-only prompt between the others.", []),
     (PREAMBLE + "What is in <image>?", [4]),
 ]
 
 
-def _prompt(text: str, seeds: list[int]) -> dict | str:
-    return {"prompt": text, "multi_modal_data": {"image": [drawn_image(seed) for seed in seeds]}} if seeds else text
+def _prompt(text: str, spec: list) -> dict | str:
+    return {"prompt": text, "multi_modal_data": {"image": images_of(spec)}} if spec else text
 
 
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory, tiny_llama) -> str:
-    return make_tiny_llava(tmp_path_factory.mktemp("tiny-llava"), tiny_llama)
-
-
-@pytest.mark.slow  # ~10 s on a 2-core CPU: the tiny model, its processor, Hugging Face's outputs, an engine
-def test_greedy_equals_hugging_face_and_a_repeated_image_hits(llava):
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    processor = AutoProcessor.from_pretrained(llava)
-    model = LlavaForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval()
-    expected = []
-    for text, seeds in CASES:
-        images = [drawn_image(seed) for seed in seeds]
-        inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
-        with torch.no_grad():
-            generated = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        expected.append(generated[0, inputs["input_ids"].shape[1]:].tolist())
+@pytest.mark.slow  # ~10 s each on a 2-core CPU: the tiny model, its processor, Hugging Face's outputs, an engine
+@pytest.mark.parametrize("family", ["llava", "llava_next"])
+def test_greedy_equals_hugging_face_and_a_repeated_image_hits(tmp_path, tiny_llama, family):
+    llava = make_tiny_llava(tmp_path, tiny_llama, family)
+    hf_class = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration"}[family]
+    expected = hf_greedy(llava, hf_class, CASES, MAX_TOKENS)
 
     llm = LLM(llava, num_kv_blocks=64, block_size=16)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    outputs = llm.generate([_prompt(text, seeds) for text, seeds in CASES], params, use_tqdm=False)
+    outputs = llm.generate([_prompt(text, spec) for text, spec in CASES], params, use_tqdm=False)
     assert [list(out.outputs[0].token_ids) for out in outputs] == expected
 
     # (assert_pool_free empties the prefix cache: it comes last.) The same image and text again: every full block hits, the encoder is not run again.

@@ -7,7 +7,9 @@ tokenizer, and drawn test images.
   pixel-shuffled by 2).
 - LLaVA: a ``CLIPImageProcessor`` that resizes and crops to 32x32, a 3-layer CLIP tower
   with 8-pixel patches: 16 image tokens an image (the class row dropped), read from the
-  tower's second-to-last hidden state (llava-1.5's ``vision_feature_layer`` -2)."""
+  tower's second-to-last hidden state (llava-1.5's ``vision_feature_layer`` -2).
+- LLaVA-NeXT: the same tower over "anyres" tiles (up to 2x2 of 32 pixels at the best of
+  ``GRID_PINPOINTS``, plus the whole view), its grid rows cropped and ended by ``image_newline``."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from PIL import Image, ImageDraw
 
 IDEFICS3_IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>"]
+GRID_PINPOINTS = [[32, 64], [64, 32], [64, 64]]
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
               image_size=32, patch_size=8, initializer_range=0.2)
 
@@ -62,19 +65,25 @@ def make_tiny_idefics3(folder: Path, tokenizer_folder: str) -> str:
     return _save(Idefics3ForConditionalGeneration, config, processor, folder)
 
 
-def make_tiny_llava(folder: Path, tokenizer_folder: str, **config: Any) -> str:
-    """Write the checkpoint (``config`` overrides ``LlavaConfig``'s fields) and its processor
-    to ``folder``; returns its path."""
-    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+def make_tiny_llava(folder: Path, tokenizer_folder: str, family: str = "llava", **config: Any) -> str:
+    """Write the checkpoint of ``family`` ("llava" or "llava_next"; ``config`` overrides its
+    config's fields) and its processor to ``folder``; returns its path."""
+    import transformers
 
+    names = {"llava": "Llava", "llava_next": "LlavaNext"}[family]
     tokenizer = _tokenizer(tokenizer_folder, ["<image>"])
-    strategy = config.get("vision_feature_select_strategy", "default")
-    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
-                               vision_feature_select_strategy=strategy, num_additional_image_tokens=1)
-    llava = LlavaConfig(text_config=_text_config(tokenizer), vision_config=dict(VISION, num_hidden_layers=3),
-                        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), **config)
-    return _save(LlavaForConditionalGeneration, llava, processor, folder)
+    sizes = dict(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    if family == "llava_next":  # a grid of up to 2x2 tiles of 32 pixels, and the whole view
+        sizes["image_grid_pinpoints"] = config["image_grid_pinpoints"] = GRID_PINPOINTS
+    image_processor = getattr(transformers, "CLIPImageProcessor" if family == "llava" else "LlavaNextImageProcessor")
+    processor = getattr(transformers, f"{names}Processor")(
+        image_processor=image_processor(**sizes), tokenizer=tokenizer, patch_size=8,
+        vision_feature_select_strategy=config.get("vision_feature_select_strategy", "default"),
+        num_additional_image_tokens=1)
+    whole = getattr(transformers, f"{names}Config")(
+        text_config=_text_config(tokenizer), vision_config=dict(VISION, num_hidden_layers=3),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), **config)
+    return _save(getattr(transformers, f"{names}ForConditionalGeneration"), whole, processor, folder)
 
 
 def drawn_image(seed: int, size: tuple[int, int] = (48, 36)) -> Image.Image:
@@ -86,3 +95,25 @@ def drawn_image(seed: int, size: tuple[int, int] = (48, 36)) -> Image.Image:
     draw.ellipse((2, 2, size[0] // 2, size[1] // 2), fill=colour())
     draw.rectangle((size[0] // 3, size[1] - 10, size[0] - 2, size[1] - 2), fill=colour())
     return image
+
+
+def images_of(spec: list) -> list[Image.Image]:
+    """Drawn images from a test case's spec: a seed, or (seed, (width, height))."""
+    return [drawn_image(*item) if isinstance(item, tuple) else drawn_image(item) for item in spec]
+
+
+def hf_greedy(folder: str, model_class: str, cases: list[tuple[str, list]], max_tokens: int) -> list[list[int]]:
+    """Hugging Face's free-running greedy tokens for each ``(text, image spec)`` case, by the
+    checkpoint's own processor and ``transformers.<model_class>``."""
+    import transformers
+
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    model = getattr(transformers, model_class).from_pretrained(folder, dtype=torch.float32).eval()
+    outputs = []
+    for text, spec in cases:
+        images = images_of(spec)
+        inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
+        with torch.no_grad():
+            generated = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+        outputs.append(generated[0, inputs["input_ids"].shape[1]:].tolist())
+    return outputs
