@@ -1,8 +1,9 @@
-"""Images in the prompt on a tiny random LLaVA (CLIP tower, MLP projector, the tiny Llama):
-greedy output equals Hugging Face's ``generate`` token for token (one image, two images,
-a text-only prompt, in one batch); a repeated image+prompt hits the prefix cache; the
-tower's feature selection (``vision_feature_layer`` / ``vision_feature_select_strategy``)
-equals Hugging Face's ``get_image_features``; an unsupported LLaVA is refused by name."""
+"""Images in the prompt on a tiny random LLaVA (CLIP tower, MLP projector, the tiny Llama) and
+LLaVA-NeXT (the same over anyres tiles): greedy output equals Hugging Face's ``generate``
+token for token (one image, two images of different shapes, a text-only prompt, in one
+batch); a repeated image+prompt hits the prefix cache; the tower's feature selection
+(``vision_feature_layer`` / ``vision_feature_select_strategy``) equals Hugging Face's
+``get_image_features``; an unsupported LLaVA is refused by name."""
 
 from __future__ import annotations
 
