@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from pagedllm.model.checkpoint import WHAT_TO_PASS, Checkpoint, check_architecture
+from pagedllm.model.registry import model_class_for
 from pagedllm.model.safetensors_reader import read_safetensors
 from pagedllm.model.shapes import classifier_labels_of
 from pagedllm.model.vision.config import decoder_config_of
@@ -30,6 +31,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
         raise ValueError(f"{str(folder)!r} has no tokenizer files (one of {', '.join(_TOKENIZER_FILES)})")
 
     config = decoder_config_of(AutoConfig.from_pretrained(folder, local_files_only=True))
+    model_class_for(config)  # a vision-language checkpoint's decoder too, before any tensor is read
     state_dict: dict[str, torch.Tensor] = {}
     for shard in shards:
         # Old checkpoints saved the rotary frequencies; they are recomputed from the config.
@@ -40,7 +42,8 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
     elif config.tie_word_embeddings:
         # Some checkpoints store the tied copy anyway; transformers ignores it, and so do we.
         state_dict.pop("lm_head.weight", None)
-    elif "lm_head.weight" not in state_dict:
+    elif not any(name in state_dict for name in ("lm_head.weight", "language_model.lm_head.weight")):
+        # (The second: LLaVA's saved layout, renamed by its family class on loading.)
         raise ValueError(f"{str(folder)!r} has no lm_head.weight and its config does not tie word embeddings")
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return Checkpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, path=str(folder))

@@ -1,12 +1,8 @@
 """Idefics3 (and SmolVLM, whose checkpoints are Idefics3's): a SigLIP vision tower,
-a pixel-shuffle connector into the decoder's width, and a Llama decoder.
-
-The decoder is ``LlamaForCausalLM`` over the checkpoint's ``text_config`` (the
-loader hands that over, with the whole config as ``vision_language_config``:
-``model/vision/config.py``). ``embed_image`` runs the tower and the connector on
-one image's tiles; the runner puts its rows at the image's placeholder tokens
-(``LlamaForCausalLM.forward``'s ``multimodal_embeds``), as Hugging Face's
-``inputs_merger`` does."""
+a pixel-shuffle connector into the decoder's width, and a Llama decoder
+(``model/vision/family.py``). ``embed_image`` runs the tower and the connector on
+one image's tiles; the runner puts its rows at the image's placeholder tokens, as
+Hugging Face's ``inputs_merger`` does."""
 
 from __future__ import annotations
 
@@ -15,12 +11,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
-from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.vision.family import VisionLanguageCausalLM
 from pagedllm.model.vision.siglip import SiglipVisionTransformer
-
-# Hugging Face prefixes -> this module's.
-_RENAMES = (("model.text_model.", "model."), ("model.vision_model.", "vision_model."),
-            ("model.connector.", "connector."))
 
 
 class ModalityProjection(nn.Module):
@@ -48,15 +40,15 @@ class Idefics3Connector(nn.Module):
         return self.modality_projection.proj(x.reshape(tiles, patches // scale**2, width * scale**2))
 
 
-class Idefics3ForConditionalGeneration(LlamaForCausalLM):
+class Idefics3ForConditionalGeneration(VisionLanguageCausalLM):
     """The Llama decoder (``model``, ``lm_head``) plus ``vision_model`` and ``connector``."""
 
     vision_language_types = ("idefics3",)
+    renames = (("model.text_model.", "model."), ("model.vision_model.", "vision_model."),
+               ("model.connector.", "connector."))
 
     def __init__(self, config: PretrainedConfig, max_position: int | None = None,
                  tp: TensorParallelGroup = SINGLE) -> None:
-        if tp.world_size > 1:
-            raise ValueError("vision-language models run on one rank for now; set tensor_parallel_size=1")
         super().__init__(config, max_position, tp)
         whole = config.vision_language_config
         self.vision_model = SiglipVisionTransformer(whole.vision_config)
@@ -69,13 +61,3 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         mask = data["pixel_attention_mask"].to(weight.device, torch.bool)
         features = self.connector(self.vision_model(pixels, mask))
         return features.reshape(-1, features.shape[-1])
-
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Hugging Face's names, renamed to this module's, then ``LlamaForCausalLM``'s loading
-        (which also fuses the tower's q/k/v)."""
-        for name in list(state_dict):
-            for source, target in _RENAMES:
-                if name.startswith(source):
-                    state_dict[target + name[len(source):]] = state_dict.pop(name)
-                    break
-        super().load_weights(state_dict)

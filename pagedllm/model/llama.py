@@ -239,11 +239,13 @@ class LlamaForCausalLM(nn.Module):
         multimodal_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Final hidden states of the step's tokens. ``multimodal_embeds`` (rows, embeddings):
-        an image's encoder rows replace its placeholder tokens' embeddings (``model/idefics3.py``)."""
-        hidden = _times(self.model.embed_tokens(input_ids), self.embedding_multiplier)
+        an image's encoder rows replace its placeholder tokens' embeddings (``model/vision/family.py``)."""
+        hidden = self.model.embed_tokens(input_ids)
         if multimodal_embeds is not None:
             rows, embeds = multimodal_embeds
             hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
+        # After the image rows: Hugging Face's Granite scales whatever embeddings its decoder is given.
+        hidden = _times(hidden, self.embedding_multiplier)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, backend)

@@ -20,12 +20,15 @@ from pagedllm.model.gemma import GemmaForCausalLM
 from pagedllm.model.idefics3 import Idefics3ForConditionalGeneration
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.llama4 import Llama4ForCausalLM
+from pagedllm.model.llava import LlavaForConditionalGeneration
+from pagedllm.model.llava_next import LlavaNextForConditionalGeneration
 from pagedllm.model.moe_families import MoeForCausalLM
 from pagedllm.model.packed_linear import pack_linears
 
 if TYPE_CHECKING:
     from pagedllm.model.checkpoint import Checkpoint
 
+_VISION_LANGUAGE = (Idefics3ForConditionalGeneration, LlavaForConditionalGeneration, LlavaNextForConditionalGeneration)
 # model_type -> the class that runs it (each family lists its own types).
 _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(LlamaForCausalLM.model_types, LlamaForCausalLM),
@@ -34,19 +37,26 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(Llama4ForCausalLM.model_types, Llama4ForCausalLM),
     **dict.fromkeys(MoeForCausalLM.model_types, MoeForCausalLM),
     # Vision-language families, by the whole checkpoint's model_type (their decoder's config has its own).
-    **dict.fromkeys(Idefics3ForConditionalGeneration.vision_language_types, Idefics3ForConditionalGeneration),
+    **{kind: family for family in _VISION_LANGUAGE for kind in family.vision_language_types},
 }
 SUPPORTED_ARCHITECTURES = tuple(_CLASSES)
+# The vision-language ones: their decoder is one of the others (``text_config``).
+VISION_LANGUAGE_ARCHITECTURES = tuple(kind for family in _VISION_LANGUAGE for kind in family.vision_language_types)
 
 
 def model_class_for(config: Any) -> type[LlamaForCausalLM]:
-    """The model class for a transformers config; ValueError naming the supported architectures."""
+    """The model class for a transformers config; ValueError naming the supported architectures
+    (for a vision-language checkpoint, also its decoder's: ``text_config``)."""
     model_type = getattr(getattr(config, "vision_language_config", config), "model_type", None)
     if model_type not in _CLASSES:
         raise ValueError(
             f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    return _CLASSES[model_type]
+    family = _CLASSES[model_type]
+    if hasattr(config, "vision_language_config") and config.model_type not in family.model_types:
+        raise ValueError(f"a {model_type} checkpoint with a {config.model_type!r} decoder is not supported; "
+                         f"its text_config may be one of: {', '.join(family.model_types)}")
+    return family
 
 
 def build_model(checkpoint: Checkpoint, max_model_len: int, device: torch.device, dtype: torch.dtype,

@@ -3,9 +3,12 @@ processor (``AutoProcessor``), so resizing, tiling, normalisation and the expans
 of each image placeholder into its tokens are exactly the model's.
 
 The prompt's text names each image where it goes with the processor's image token
-(``<image>`` for Idefics3 / SmolVLM), as the chat template writes it. The processor
-expands the text; each image is also processed alone, so its tensors (what the
-encoder reads and the encoder cache keys by content) depend on that image only.
+(``<image>`` for Idefics3 / SmolVLM and LLaVA), as the chat template writes it. The
+processor expands the text; each image is also processed alone (one placeholder and
+that image), so its tensors (what the encoder reads and the encoder cache keys by
+content) depend on that image only, and the image tokens that placeholder became are
+how many of the prompt's image tokens, in prompt order, the image fills: the
+family's rule, as its own processor writes it.
 """
 
 from __future__ import annotations
@@ -21,18 +24,15 @@ from pagedllm.multimodal.inputs import MultiModalFeature, PlaceholderRange
 
 
 class ImagePromptProcessor:
-    """Turns ``(text, images)`` into prompt token ids and one ``MultiModalFeature`` per image.
+    """Turns ``(text, images)`` into prompt token ids and one ``MultiModalFeature`` per image."""
 
-    Idefics3's rule for how many encoder rows an image gives: ``image_seq_len`` per
-    tile (the processor's split tiles plus the global view), which is how many
-    image tokens the processor wrote for it; they are assigned to the images in
-    prompt order."""
+    # The processor's outputs an encoder reads (those a family's processor gives).
+    TENSORS = ("pixel_values", "pixel_attention_mask", "image_sizes")
 
     def __init__(self, hf_processor: Any, image_token_id: int) -> None:
         self.hf = hf_processor
         self.image_token = hf_processor.image_token
         self.image_token_id = image_token_id
-        self.tokens_per_tile = int(hf_processor.image_seq_len)
 
     @classmethod
     def for_checkpoint(cls, path: str, image_token_id: int) -> ImagePromptProcessor:
@@ -60,12 +60,12 @@ class ImagePromptProcessor:
         positions = np.flatnonzero(np.asarray(token_ids) == self.image_token_id)
         features, used = [], 0
         for image in rgb:
-            data = {name: value[0] for name, value in self.hf.image_processor([image], return_tensors="pt").items()
-                    if name in ("pixel_values", "pixel_attention_mask")}
-            count = data["pixel_values"].shape[0] * self.tokens_per_tile
+            alone = self.hf(text=[self.image_token], images=[[image]], return_tensors="pt")
+            data = {name: value[0] for name, value in alone.items() if name in self.TENSORS}
+            count = int((alone["input_ids"][0] == self.image_token_id).sum())
             mine = positions[used:used + count]
             if len(mine) != count:
-                raise ValueError(f"the processor wrote {len(positions)} image tokens, fewer than the images' tiles need")
+                raise ValueError(f"the processor wrote {len(positions)} image tokens, fewer than the images need")
             used += count
             placeholder = PlaceholderRange(int(mine[0]), int(mine[-1]) + 1 - int(mine[0]))
             features.append(MultiModalFeature("image", image_content_hash(image), placeholder, self.image_token_id,

@@ -24,10 +24,12 @@ from transformers import (
     GemmaConfig,
     GptOssConfig,
     GraniteConfig,
-    Idefics3Config,
     GraniteMoeConfig,
+    Idefics3Config,
     Llama4TextConfig,
     LlamaConfig,
+    LlavaConfig,
+    LlavaNextConfig,
     MistralConfig,
     MixtralConfig,
     OlmoeConfig,
@@ -42,8 +44,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from pagedllm.core.kv_groups import kv_group_layout
 from pagedllm.core.kv_managers.chunked_local import ChunkedLocal
-from pagedllm.model.idefics3 import Idefics3ForConditionalGeneration
-from pagedllm.model.registry import SUPPORTED_ARCHITECTURES
+from pagedllm.model.registry import SUPPORTED_ARCHITECTURES, VISION_LANGUAGE_ARCHITECTURES
 from pagedllm.model.shapes import layer_attention_of, sliding_windows_of
 
 WINDOW = 4
@@ -156,9 +157,10 @@ def test_every_supported_family_is_checked():
     """A vision-language family is checked through its decoder: the engine reads the layers'
     windows from its ``text_config`` (``model/vision/config.py``), a family of its own here."""
     checked = {CASES[case]().model_type for case in CASES}
-    vision_language = set(Idefics3ForConditionalGeneration.vision_language_types)
-    assert checked == set(SUPPORTED_ARCHITECTURES) - vision_language
-    assert Idefics3Config().text_config.model_type in checked
+    assert checked == set(SUPPORTED_ARCHITECTURES) - set(VISION_LANGUAGE_ARCHITECTURES)
+    vision_language = [Idefics3Config(), LlavaConfig(), LlavaNextConfig()]
+    assert {config.model_type for config in vision_language} == set(VISION_LANGUAGE_ARCHITECTURES)
+    assert {config.text_config.model_type for config in vision_language} <= checked
 
 
 @pytest.mark.parametrize("case, expected", [

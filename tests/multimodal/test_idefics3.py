@@ -6,11 +6,10 @@ content while the encoder cache serves a repeated image."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.conftest import assert_pool_free
-from tests.multimodal.tiny_idefics3 import drawn_image, make_tiny_idefics3
+from tests.multimodal.tiny_models import drawn_image, hf_greedy, images_of, make_tiny_idefics3
 
 pytestmark = pytest.mark.slow  # ~40 s on a 2-core CPU: the tiny model, its processor and Hugging Face's outputs
 
@@ -24,10 +23,6 @@ CASES = [
 ]
 
 
-def _images(spec: list) -> list:
-    return [drawn_image(*item) if isinstance(item, tuple) else drawn_image(item) for item in spec]
-
-
 @pytest.fixture(scope="module")
 def idefics3(tmp_path_factory, tiny_llama) -> str:
     return make_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3"), tiny_llama)
@@ -36,18 +31,7 @@ def idefics3(tmp_path_factory, tiny_llama) -> str:
 @pytest.fixture(scope="module")
 def hf_outputs(idefics3) -> list[list[int]]:
     """Hugging Face's free-running greedy tokens for each case."""
-    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
-
-    processor = AutoProcessor.from_pretrained(idefics3)
-    model = Idefics3ForConditionalGeneration.from_pretrained(idefics3, dtype=torch.float32).eval()
-    outputs = []
-    for text, spec in CASES:
-        images = _images(spec)
-        inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
-        with torch.no_grad():
-            generated = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        outputs.append(generated[0, inputs["input_ids"].shape[1]:].tolist())
-    return outputs
+    return hf_greedy(idefics3, "Idefics3ForConditionalGeneration", CASES, MAX_TOKENS)
 
 
 @pytest.mark.parametrize(("max_num_batched_tokens", "num_kv_blocks"), [(2048, 128), (24, 12)],
@@ -56,7 +40,7 @@ def test_greedy_equals_hugging_face(idefics3, hf_outputs, max_num_batched_tokens
     """A 24-token budget splits every image's placeholder run across prefill chunks, and a
     12-block pool preempts requests (recompute), which embed their images again."""
     llm = LLM(idefics3, num_kv_blocks=num_kv_blocks, block_size=16, max_num_batched_tokens=max_num_batched_tokens)
-    prompts = [{"prompt": text, "multi_modal_data": {"image": _images(spec)}} if spec else text
+    prompts = [{"prompt": text, "multi_modal_data": {"image": images_of(spec)}} if spec else text
                for text, spec in CASES]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert [list(out.outputs[0].token_ids) for out in outputs] == hf_outputs

@@ -6,9 +6,10 @@ Parameter names match Hugging Face's ``model.vision_model``."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
+
+from pagedllm.model.vision.encoder import VisionEncoder
 
 
 class VisionEmbeddings(nn.Module):
@@ -40,55 +41,6 @@ class VisionEmbeddings(nn.Module):
         return embeddings + self.position_embedding(ids)
 
 
-class VisionAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        dim = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        # Hugging Face's q/k/v_proj, fused on loading (``llama.fuse_projections``): one matmul.
-        self.qkv_proj = nn.Linear(dim, 3 * dim)
-        self.out_proj = nn.Linear(dim, dim)
-
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        batch, length, dim = hidden.shape
-        q, k, v = (part.view(batch, length, self.num_heads, -1).transpose(1, 2)
-                   for part in self.qkv_proj(hidden).split(dim, dim=-1))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.out_proj(out.transpose(1, 2).reshape(batch, length, dim))
-
-
-class VisionMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        if config.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
-            raise ValueError(f"unsupported vision hidden_act {config.hidden_act!r}; gelu_pytorch_tanh or gelu")
-        self.approximate = "tanh" if config.hidden_act == "gelu_pytorch_tanh" else "none"
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(hidden), approximate=self.approximate))
-
-
-class VisionEncoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.self_attn = VisionAttention(config)
-        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = VisionMLP(config)
-
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.layer_norm1(hidden), mask)
-        return hidden + self.mlp(self.layer_norm2(hidden))
-
-
-class VisionEncoder(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(VisionEncoderLayer(config) for _ in range(config.num_hidden_layers))
-
-
 class SiglipVisionTransformer(nn.Module):
     """Tiles of one image in, one hidden state per patch out (after the final LayerNorm)."""
 
@@ -105,7 +57,5 @@ class SiglipVisionTransformer(nn.Module):
         size = self.patch_size
         patch_mask = pixel_mask.unfold(1, size, size).unfold(2, size, size).sum(dim=(-1, -2)) > 0
         hidden = self.embeddings(pixel_values, patch_mask)
-        keys = patch_mask.reshape(patch_mask.shape[0], 1, 1, -1)
-        for layer in self.encoder.layers:
-            hidden = layer(hidden, keys)
+        hidden, _ = self.encoder(hidden, patch_mask.reshape(patch_mask.shape[0], 1, 1, -1))
         return self.post_layernorm(hidden)

@@ -1,0 +1,119 @@
+"""Tiny random vision-language checkpoints (a tiny vision tower + the tiny Llama decoder
+of the other tests) with their Hugging Face processors, made offline from SmolLM2's
+tokenizer, and drawn test images.
+
+- Idefics3: an ``Idefics3ImageProcessor`` with 32-pixel tiles, so an image becomes up to
+  4 tiles plus its global view, 4 image tokens each (4x4 patches of 8 pixels,
+  pixel-shuffled by 2).
+- LLaVA: a ``CLIPImageProcessor`` that resizes and crops to 32x32, a 3-layer CLIP tower
+  with 8-pixel patches: 16 image tokens an image (the class row dropped), read from the
+  tower's second-to-last hidden state (llava-1.5's ``vision_feature_layer`` -2).
+- LLaVA-NeXT: the same tower over "anyres" tiles (up to 2x2 of 32 pixels at the best of
+  ``GRID_PINPOINTS``, plus the whole view), its grid rows cropped and ended by ``image_newline``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image, ImageDraw
+
+IDEFICS3_IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>"]
+GRID_PINPOINTS = [[32, 64], [64, 32], [64, 64]]
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+              image_size=32, patch_size=8, initializer_range=0.2)
+
+
+def _tokenizer(tokenizer_folder: str, image_tokens: list[str]) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": image_tokens})
+    return tokenizer
+
+
+def _text_config(tokenizer: Any) -> dict:
+    return dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+                vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
+                initializer_range=0.2)
+
+
+def _save(model_class: type, config: Any, processor: Any, folder: Path) -> str:
+    """A random ``model_class(config)`` and ``processor`` saved to ``folder``; returns its path."""
+    torch.manual_seed(5678)
+    model = model_class(config).eval()
+    with torch.no_grad():  # well-separated logits: greedy ties are not decided by float noise
+        for name, parameter in model.named_parameters():
+            if "norm" not in name:
+                parameter.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return str(folder)
+
+
+def make_tiny_idefics3(folder: Path, tokenizer_folder: str) -> str:
+    """Write the checkpoint and its processor to ``folder``; returns its path."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor, Idefics3Processor
+
+    tokenizer = _tokenizer(tokenizer_folder, IDEFICS3_IMAGE_TOKENS)
+    image_processor = Idefics3ImageProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4)
+    config = Idefics3Config(text_config=_text_config(tokenizer), vision_config=VISION, scale_factor=2,
+                            tie_word_embeddings=False, image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
+    return _save(Idefics3ForConditionalGeneration, config, processor, folder)
+
+
+def make_tiny_llava(folder: Path, tokenizer_folder: str, family: str = "llava", **config: Any) -> str:
+    """Write the checkpoint of ``family`` ("llava" or "llava_next"; ``config`` overrides its
+    config's fields) and its processor to ``folder``; returns its path."""
+    import transformers
+
+    names = {"llava": "Llava", "llava_next": "LlavaNext"}[family]
+    tokenizer = _tokenizer(tokenizer_folder, ["<image>"])
+    sizes = dict(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    if family == "llava_next":  # a grid of up to 2x2 tiles of 32 pixels, and the whole view
+        sizes["image_grid_pinpoints"] = config["image_grid_pinpoints"] = GRID_PINPOINTS
+    image_processor = getattr(transformers, "CLIPImageProcessor" if family == "llava" else "LlavaNextImageProcessor")
+    processor = getattr(transformers, f"{names}Processor")(
+        image_processor=image_processor(**sizes), tokenizer=tokenizer, patch_size=8,
+        vision_feature_select_strategy=config.get("vision_feature_select_strategy", "default"),
+        num_additional_image_tokens=1)
+    whole = getattr(transformers, f"{names}Config")(
+        text_config=_text_config(tokenizer), vision_config=dict(VISION, num_hidden_layers=3),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), **config)
+    return _save(getattr(transformers, f"{names}ForConditionalGeneration"), whole, processor, folder)
+
+
+def drawn_image(seed: int, size: tuple[int, int] = (48, 36)) -> Image.Image:
+    """A small RGB drawing (background, ellipse, bar) that differs with ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    colour = lambda: tuple(int(v) for v in torch.randint(0, 256, (3,), generator=generator))  # noqa: E731
+    image = Image.new("RGB", size, colour())
+    draw = ImageDraw.Draw(image)
+    draw.ellipse((2, 2, size[0] // 2, size[1] // 2), fill=colour())
+    draw.rectangle((size[0] // 3, size[1] - 10, size[0] - 2, size[1] - 2), fill=colour())
+    return image
+
+
+def images_of(spec: list) -> list[Image.Image]:
+    """Drawn images from a test case's spec: a seed, or (seed, (width, height))."""
+    return [drawn_image(*item) if isinstance(item, tuple) else drawn_image(item) for item in spec]
+
+
+def hf_greedy(folder: str, model_class: str, cases: list[tuple[str, list]], max_tokens: int) -> list[list[int]]:
+    """Hugging Face's free-running greedy tokens for each ``(text, image spec)`` case, by the
+    checkpoint's own processor and ``transformers.<model_class>``."""
+    import transformers
+
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    model = getattr(transformers, model_class).from_pretrained(folder, dtype=torch.float32).eval()
+    outputs = []
+    for text, spec in cases:
+        images = images_of(spec)
+        inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
+        with torch.no_grad():
+            generated = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+        outputs.append(generated[0, inputs["input_ids"].shape[1]:].tolist())
+    return outputs
