@@ -46,8 +46,8 @@ def test_a_requests_images_key_its_blocks_and_follow_its_forks():
     assert request.fork("r::1", 1, 0).mm_spans == request.mm_spans
 
 
-def test_images_are_refused_on_the_way_to_an_engine_core_process():
+def test_images_for_a_text_only_model_are_refused_on_the_way_to_an_engine_core_process():
     from pagedllm.core.prompt_tokens import tokenized
 
-    with pytest.raises(ValueError, match="engine_process=False"):
+    with pytest.raises(ValueError, match="takes text only"):
         tokenized(None, {"prompt": "<image>", "multi_modal_data": {"image": [object()]}})

@@ -13,6 +13,12 @@ import torch
 from PIL import Image, ImageDraw
 
 IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>"]
+# SmolVLM's chat template: it loops over each message's content parts and writes <image> for an image part.
+CHAT_TEMPLATE = ("<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+                 "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+                 "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+                 "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+                 "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
 
 
 def make_tiny_idefics3(folder: Path, tokenizer_folder: str) -> str:
@@ -23,7 +29,8 @@ def make_tiny_idefics3(folder: Path, tokenizer_folder: str) -> str:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
     tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
     image_processor = Idefics3ImageProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
-    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4)
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4,
+                                  chat_template=CHAT_TEMPLATE)
     text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
                 vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
