@@ -10,7 +10,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.conftest import assert_pool_free
-from tests.multimodal.tiny_idefics3 import drawn_image, make_tiny_idefics3
+from tests.multimodal.tiny_idefics3 import drawn_image
 
 pytestmark = pytest.mark.slow  # ~40 s on a 2-core CPU: the tiny model, its processor and Hugging Face's outputs
 
@@ -26,11 +26,6 @@ CASES = [
 
 def _images(spec: list) -> list:
     return [drawn_image(*item) if isinstance(item, tuple) else drawn_image(item) for item in spec]
-
-
-@pytest.fixture(scope="module")
-def idefics3(tmp_path_factory, tiny_llama) -> str:
-    return make_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3"), tiny_llama)
 
 
 @pytest.fixture(scope="module")
@@ -110,4 +105,24 @@ def test_blocks_are_keyed_by_image_content(idefics3_llm):
 def test_a_bad_image_prompt_is_refused_by_name(idefics3_llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):
         idefics3_llm.generate(prompt, SamplingParams(max_tokens=1, **params), use_tqdm=False)
+    assert_pool_free(idefics3_llm)
+
+
+def test_an_engine_core_process_runs_images_processed_in_front(idefics3, idefics3_llm):
+    """The API process runs the processor (its copy, pickled in the core's facts, limits included)
+    and sends the tensors as bytes: the core's greedy tokens equal the in-process engine's."""
+    prompt = {"prompt": PREAMBLE + "What is in <image>?", "multi_modal_data": {"image": drawn_image(12)}}
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    expected = idefics3_llm.generate(prompt, params, use_tqdm=False)[0]
+    llm = LLM(idefics3, engine_process=True, num_kv_blocks=128, block_size=16, limit_mm_per_prompt={"image": 1})
+    try:
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert out.prompt_token_ids == expected.prompt_token_ids
+        assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert llm.stats()["mm_images_processed"] == 1
+        with pytest.raises(ValueError, match="over limit_mm_per_prompt's 1"):
+            llm.generate({"prompt": "<image><image>", "multi_modal_data": {"image": [drawn_image(1)] * 2}}, params)
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()
     assert_pool_free(idefics3_llm)
