@@ -66,11 +66,12 @@ def test_local_files_only_under_the_allowed_path(tmp_path):
 
 
 class _Pictures(http.server.BaseHTTPRequestHandler):
-    """/cat.png: a picture; /slow.png: answers after 2 s; /hop.png: a redirect to /cat.png."""
+    """/cat.png: a picture; /slow.png: no answer for 2 s; /hop.png: a redirect to /cat.png."""
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         if self.path == "/slow.png":
-            time.sleep(2)
+            time.sleep(2)  # then nothing: the client has given up
+            return
         if self.path == "/hop.png":
             self.send_response(302)
             self.send_header("Location", "/cat.png")
@@ -117,6 +118,22 @@ def test_processed_images_cross_the_wire_as_bytes():
         ("image", "abc", PlaceholderRange(5, 9), 7, 8)
     for name, tensor in data.items():
         assert back.data[name].dtype == tensor.dtype and torch.equal(back.data[name], tensor)
+
+
+def test_the_command_line_takes_vllms_multimodal_flags():
+    import argparse
+
+    from pagedllm.config.engine import EngineConfig
+    from pagedllm.entrypoints.engine_args import add_engine_args, engine_flags_from_args, engine_options_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--limit-mm-per-prompt", '{"image": 2}', "--allowed-local-media-path", "/srv/media",
+                              "--allowed-media-domains", "cdn.example.com"])
+    config = EngineConfig.from_options(**{**engine_options_from_args(args), "model": "m"}).multimodal
+    assert (config.limit("image"), config.allowed_local_media_path, config.media_domains) == \
+        (2, "/srv/media", frozenset({"cdn.example.com"}))
+    assert engine_flags_from_args(args)[:2] == ["--limit-mm-per-prompt", '{"image": 2}']  # to a child server
 
 
 @pytest.mark.parametrize(("options", "says"), [

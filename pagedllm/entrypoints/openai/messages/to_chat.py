@@ -97,7 +97,14 @@ def _user_turn(message: UserMessage) -> list[dict[str, Any]]:
             turns[-1]["content"].append(part)
         else:
             turns.append({"role": "user", "content": [part]})
-    return turns or [{"role": "user", "content": ""}]
+    return [{**turn, "content": _joined(turn["content"])} for turn in turns] or [{"role": "user", "content": ""}]
+
+
+def _joined(content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A user turn's parts as one text when they are all text (a text model's plain content)."""
+    if isinstance(content, str) or any(part["type"] != "text" for part in content):
+        return content
+    return "".join(part["text"] for part in content)
 
 
 def _assistant_turn(message: AssistantMessage) -> dict[str, Any]:
