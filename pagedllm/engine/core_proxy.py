@@ -180,6 +180,9 @@ class EngineCoreProxy:
     def get_tokenizer(self):
         return self.info.tokenizer
 
+    def get_image_processor(self):
+        return self.info.multimodal
+
     @property
     def pooler_spec(self) -> PoolerSpec | None:  # what the core's engine pools (None: it generates)
         return self.info.pooler_spec

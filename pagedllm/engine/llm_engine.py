@@ -186,6 +186,9 @@ class LLMEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_image_processor(self):  # the model's ImagePromptProcessor (None: text only)
+        return self.input_processor.multimodal
+
     def metrics_registry(self):  # the Prometheus registry the stats reporter fills
         return self.stats_reporter.prometheus.registry
 

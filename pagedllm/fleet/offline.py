@@ -105,7 +105,7 @@ class OfflineFleet:
                     lora_request: LoRARequest | None = None) -> None:
         """Route the request to a replica and queue it there (its ``ValueError`` if it refuses)."""
         # text is encoded (and images processed) once, here
-        prepared = tokenized(self.get_tokenizer(), prompt, self.replicas[0].info.multimodal)
+        prepared = tokenized(self.get_tokenizer(), prompt, self.get_image_processor())
         replica = self._route(prepared, cache_salt)
         self.replicas[replica].add_request(request_id, prepared, params, priority=priority, cache_salt=cache_salt,
                                            lora_request=lora_request)
@@ -141,6 +141,9 @@ class OfflineFleet:
 
     def get_tokenizer(self):
         return self.replicas[0].get_tokenizer()
+
+    def get_image_processor(self):
+        return self.replicas[0].get_image_processor()
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.replicas[0].get_default_sampling_params()

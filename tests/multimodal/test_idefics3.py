@@ -110,13 +110,21 @@ def test_a_bad_image_prompt_is_refused_by_name(idefics3_llm, prompt, params, mes
 
 def test_an_engine_core_process_runs_images_processed_in_front(idefics3, idefics3_llm):
     """The API process runs the processor (its copy, pickled in the core's facts, limits included)
-    and sends the tensors as bytes: the core's greedy tokens equal the in-process engine's."""
-    prompt = {"prompt": PREAMBLE + "What is in <image>?", "multi_modal_data": {"image": drawn_image(12)}}
+    and sends the tensors as bytes: ``LLM.chat`` with an ``image_url`` part on the core gives the
+    in-process engine's greedy tokens for Hugging Face's rendering of the same conversation."""
+    from tests.multimodal.test_media import data_url
+
+    picture, question = drawn_image(12), PREAMBLE + "What is in it?"
+    hf_text = idefics3_llm.llm_engine.get_image_processor().hf.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
+        add_generation_prompt=True)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    expected = idefics3_llm.generate(prompt, params, use_tqdm=False)[0]
+    expected = idefics3_llm.generate({"prompt": hf_text, "multi_modal_data": {"image": picture}}, params,
+                                     use_tqdm=False)[0]
     llm = LLM(idefics3, engine_process=True, num_kv_blocks=128, block_size=16, limit_mm_per_prompt={"image": 1})
     try:
-        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        out = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(picture)}},
+                                                     {"type": "text", "text": question}]}], params)[0]
         assert out.prompt_token_ids == expected.prompt_token_ids
         assert out.outputs[0].token_ids == expected.outputs[0].token_ids
         assert llm.stats()["mm_images_processed"] == 1
