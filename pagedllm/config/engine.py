@@ -17,6 +17,7 @@ from pagedllm.config.cache import CacheConfig, check_choice
 from pagedllm.config.kv_events import KVEventsConfig
 from pagedllm.config.lora import LoRAConfig
 from pagedllm.config.pooling import PoolingConfig
+from pagedllm.config.multimodal import MultiModalConfig
 from pagedllm.config.kv_offload import KVOffloadConfig
 from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.config.hybrid_kv import refuse_what_hybrid_groups_cannot_run
@@ -162,6 +163,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     pooling: PoolingConfig = field(default_factory=PoolingConfig)
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
     debug_invariants: bool = field(
         default=False, metadata={"help": "check every block-manager invariant after every step (slow)"}
     )
@@ -390,4 +392,4 @@ def engine_option_fields() -> dict[str, Field]:
 
 
 # Option groups kept in their own dataclass, whose fields are flat engine options.
-NESTED_CONFIGS = {"cache": CacheConfig, "lora": LoRAConfig, "pooling": PoolingConfig}
+NESTED_CONFIGS = {"cache": CacheConfig, "lora": LoRAConfig, "pooling": PoolingConfig, "multimodal": MultiModalConfig}

@@ -76,10 +76,17 @@ def extend_block_hashes(
     for index in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[index - 1] if index else ROOT_HASH
         start, end = index * block_size, (index + 1) * block_size
-        keys = extra_keys + tuple(["mm", identifier] for offset, length, identifier in mm_spans
-                                  if offset < end and start < offset + length)
+        keys = extra_keys + block_image_keys(index, block_size, mm_spans)
         hashes.append(hash_block(parent, token_ids[start:end], keys))
     return hashes
+
+
+def block_image_keys(index: int, block_size: int, mm_spans: Sequence[MultiModalSpan]) -> tuple:
+    """The ``["mm", content hash]`` keys of block ``index``: one per image whose placeholder
+    run it covers any position of, in prompt order (its hash's extra keys, its events' too)."""
+    start, end = index * block_size, (index + 1) * block_size
+    return tuple(["mm", identifier] for offset, length, identifier in mm_spans
+                 if offset < end and start < offset + length)
 
 
 def external_block_hash(block_hash: BlockHash) -> int:

@@ -243,10 +243,10 @@ class BlockPool:
         return self.cached_blocks.get((group, block_hash))
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, parent: BlockHash | None = None,
-                    token_ids: Sequence[int] = (), group: int = 0) -> bool:
+                    token_ids: Sequence[int] = (), group: int = 0, image_keys: tuple = ()) -> bool:
         """Register a full, in-use block of KV cache group ``group`` under its hash
-        (``parent``: the previous block's hash, ``token_ids``: its tokens, for the
-        events). If another block already holds that content it stays the cached
+        (``parent``: the previous block's hash, ``token_ids``: its tokens, ``image_keys``:
+        the images it covers, for the events). If another block already holds that content it stays the cached
         one; this block stays unhashed. Returns whether this block became the cached one."""
         if block.block_hash is not None or (group, block_hash) in self.cached_blocks:
             return False
@@ -254,7 +254,8 @@ class BlockPool:
         self.cached_blocks[(group, block_hash)] = block
         if self.events is not None and group == 0:
             block.origin = (parent, tuple(token_ids))
-            self.events.append(BlockStored([block_hash], parent, list(token_ids), len(token_ids), MEDIUM_POOL))
+            self.events.append(BlockStored([block_hash], parent, list(token_ids), len(token_ids), MEDIUM_POOL,
+                                           image_keys))
         return True
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

@@ -33,6 +33,7 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     medium: str
+    image_keys: tuple = ()  # the ["mm", content hash] keys of a pool block over images (``block_image_keys``)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedllm.core.block_hash import BlockHash, extend_block_hashes
+from pagedllm.core.block_hash import BlockHash, block_image_keys, extend_block_hashes
 from pagedllm.core.block_moves import BlockMovePlan
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.block_table import BlockTableRecord
@@ -194,7 +194,9 @@ class PrefixCache:
             parent = hashes[index - 1] if index else None
             block_tokens = tokens[index * size:(index + 1) * size] if described else ()
             block = record.entries[index]
-            if self.block_pool.cache_block(block, hashes[index], parent, block_tokens, group) and self.tiers is not None:
+            images = block_image_keys(index, size, request.mm_spans) if described else ()
+            if self.block_pool.cache_block(block, hashes[index], parent, block_tokens, group, images) \
+                    and self.tiers is not None:
                 self.tiers.persist(block.block_id, hashes[index], parent, block_tokens or None, group)
         record.num_registered = num_full
 

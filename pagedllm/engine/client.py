@@ -66,6 +66,9 @@ class EngineClient(Protocol):
 
     def get_tokenizer(self) -> Any: ...
 
+    def get_image_processor(self) -> Any:
+        """A vision-language model's ``ImagePromptProcessor`` (``multimodal/processing.py``); None: text only."""
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request without params runs with (the checkpoint's generation config)."""
 

@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from pagedllm.core.prompt_tokens import tokenized
+from pagedllm.multimodal.wire import features_to_wire
 from pagedllm.engine.async_engine import EngineDeadError, RequestStream, end_requests
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.core_messages import (AbortRequests, AddRequest, AddResult, EngineFacts, EngineFailed, Hello,
@@ -50,18 +51,24 @@ def info_of(facts: EngineFacts, tokenizer: Any) -> EngineInfo:
         eos_token_ids=tuple(facts.eos_token_ids), max_num_seqs=facts.max_num_seqs, max_logprobs=facts.max_logprobs,
         scheduling_policy=facts.scheduling_policy,
         default_sampling_params=MappingProxyType(dict(facts.default_sampling_params)), pooler_spec=facts.pooler_spec,
+        multimodal=None if facts.multimodal_pickle is None else pickle.loads(facts.multimodal_pickle),
     )
 
 
-def add_message(tokenizer: Any, request_id: str, prompt: Any, params: SamplingParams | BeamSearchParams | PoolingParams,
+def add_message(info: EngineInfo, request_id: str, prompt: Any, params: SamplingParams | BeamSearchParams | PoolingParams,
                 priority: int, cache_salt: str | None, lora_request: LoRARequest | None) -> AddRequest:
-    """The message that adds a request to the core: its prompt tokenized here, a beam
-    search's params in ``beam``, a pooling request's in ``pooling`` (the core's engine
-    refuses what it cannot run)."""
+    """The message that adds a request to the core: its prompt tokenized (and its images
+    processed: tensors as bytes) here, a beam search's params in ``beam``, a pooling
+    request's in ``pooling`` (the core's engine refuses what it cannot run)."""
     beam = params if isinstance(params, BeamSearchParams) else None
     pooling = params if isinstance(params, PoolingParams) else None
-    return AddRequest(request_id, tokenized(tokenizer, prompt), None if beam or pooling else params, beam=beam,
-                      priority=priority, cache_salt=cache_salt, lora_request=lora_request, pooling=pooling)
+    prompt = tokenized(info.tokenizer, prompt, info.multimodal)
+    features = prompt.get("mm_features") if isinstance(prompt, dict) else None
+    if features is not None:  # the tensors travel as bytes beside the prompt (``multimodal/wire.py``)
+        prompt = {key: value for key, value in prompt.items() if key != "mm_features"}
+    return AddRequest(request_id, prompt, None if beam or pooling else params, beam=beam, priority=priority,
+                      cache_salt=cache_salt, lora_request=lora_request, pooling=pooling,
+                      mm_features=None if features is None else features_to_wire(list(features)))
 
 
 def request_error(error: RequestError) -> ValueError:
@@ -185,7 +192,7 @@ class AsyncEngineCoreClient:
                           lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request in the core (raises ``ValueError`` as ``LLMEngine.add_request``
         does, once the core has checked it) and return the stream of its outputs."""
-        message = add_message(self.info.tokenizer, request_id, prompt, params, priority, cache_salt, lora_request)
+        message = add_message(self.info, request_id, prompt, params, priority, cache_salt, lora_request)
         return RequestStream(request_id, await self._add(message), self.abort)
 
     async def _add(self, message: AddRequest) -> asyncio.Queue:

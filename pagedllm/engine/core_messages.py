@@ -31,6 +31,7 @@ from pagedllm.config.pooling import PoolerSpec
 from pagedllm.core.runner_output import PooledOutput
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.wire import WireFeature
 from pagedllm.outputs import Logprob
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -49,6 +50,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
     pooling: PoolingParams | None = None  # a pooling request instead of sampling
+    mm_features: list[WireFeature] | None = None  # the prompt's processed images (the API process ran the processor)
 
     def __post_init__(self) -> None:
         # A JSON schema (a request's, or a tool's parameters) travels as its JSON text: msgpack
@@ -87,6 +89,7 @@ class EngineFacts(msgspec.Struct, array_like=True):
     default_sampling_params: dict[str, Any]
     capacity_line: str
     pooler_spec: PoolerSpec | None = None  # a pooling engine's tasks
+    multimodal_pickle: bytes | None = None  # a vision-language model's ImagePromptProcessor, pickled
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

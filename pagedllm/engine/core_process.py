@@ -36,6 +36,7 @@ from typing import Any
 
 import zmq
 
+from pagedllm.multimodal.wire import features_from_wire
 from pagedllm.engine.core_messages import (AbortRequests, AddRequest, AddResult, EngineFacts, EngineFailed, Hello,
                                            OutputBatch, OutputDelta, Ready, RequestError, RequestsDropped, UtilityCall,
                                            UtilityResult, input_codec, output_codec)
@@ -120,6 +121,7 @@ def engine_facts(engine) -> EngineFacts:
         max_logprobs=info.max_logprobs, scheduling_policy=info.scheduling_policy,
         default_sampling_params=dict(info.default_sampling_params), capacity_line=engine.capacity_line(),
         pooler_spec=info.pooler_spec,
+        multimodal_pickle=None if info.multimodal is None else pickle.dumps(info.multimodal),
     )
 
 
@@ -179,7 +181,9 @@ class EngineCore:
 
         try:
             params = message.beam or message.pooling or message.params
-            self.engine.add_request(message.request_id, message.prompt, params,
+            prompt = message.prompt if message.mm_features is None else \
+                {**message.prompt, "mm_features": features_from_wire(message.mm_features)}
+            self.engine.add_request(message.request_id, prompt, params,
                                     priority=message.priority, cache_salt=message.cache_salt,
                                     lora_request=message.lora_request)
         except StructuredOutputError as exc:

@@ -133,7 +133,7 @@ class EngineCoreProxy:
                     params: SamplingParams | BeamSearchParams | PoolingParams | None = None, *,
                     priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> None:
         params = params or self.get_default_sampling_params()
-        self._add(add_message(self.info.tokenizer, request_id, prompt, params, priority, cache_salt, lora_request))
+        self._add(add_message(self.info, request_id, prompt, params, priority, cache_salt, lora_request))
 
     def _add(self, message: AddRequest) -> None:
         self._send(message)
@@ -179,6 +179,9 @@ class EngineCoreProxy:
 
     def get_tokenizer(self):
         return self.info.tokenizer
+
+    def get_image_processor(self):
+        return self.info.multimodal
 
     @property
     def pooler_spec(self) -> PoolerSpec | None:  # what the core's engine pools (None: it generates)

@@ -111,8 +111,13 @@ def engine_stats(engine: LLMEngine) -> dict[str, int | float | str]:
         **engine.runner.speculation_stats(),
         **(engine.kv_tiers.stats() if engine.kv_tiers is not None else {}),
         **_lora_stats(engine),
-        **(engine.runner.embedder.cache.stats() if engine.runner.embedder is not None else {}),
+        **(_encoder_stats(engine) if engine.runner.embedder is not None else {}),
     }
+
+
+def _encoder_stats(engine: LLMEngine) -> dict[str, int | float]:
+    """A vision-language engine's encoder cache, and the images its accepted requests held."""
+    return {**engine.runner.embedder.cache.stats(), "mm_images_processed": engine.input_processor.num_images}
 
 
 def _lora_stats(engine: LLMEngine) -> dict[str, int | float]:

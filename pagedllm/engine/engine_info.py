@@ -33,6 +33,8 @@ class EngineInfo:
     # What a request leaves unset runs with (generation_config.json and --override-generation-config).
     default_sampling_params: Mapping[str, Any]
     pooler_spec: PoolerSpec | None = None  # what a pooling engine pools (None: it generates)
+    # A vision-language model's ImagePromptProcessor (None: text only): images are processed in front of the engine.
+    multimodal: Any = None
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
@@ -46,4 +48,5 @@ class EngineInfo:
             scheduling_policy=engine.scheduler_config.scheduling_policy,
             default_sampling_params=MappingProxyType(dict(engine.default_sampling_params)),
             pooler_spec=engine.pooler_spec,
+            multimodal=engine.input_processor.multimodal,
         )

@@ -45,6 +45,7 @@ class InputProcessor:
     ) -> None:
         self.tokenizer = tokenizer
         self.multimodal = multimodal  # a vision-language model's prompt processor (None: text only)
+        self.num_images = 0  # images in the prompts of the requests built (stats' mm_images_processed)
         self.adapters = adapters
         self.max_logprobs = max_logprobs
         self.vocab_size = vocab_size
@@ -112,6 +113,7 @@ class InputProcessor:
             lora=lora,
             mm_features=mm_features,
         )
+        self.num_images += len(mm_features)
         return request, prompt_text
 
     def _adapter(self, lora_request: LoRARequest | None) -> AdapterSpec | None:
@@ -124,19 +126,18 @@ class InputProcessor:
 
     def _prompt_inputs(self, prompt: PromptType) -> tuple[str | None, list[int], list[MultiModalFeature]]:
         """Text, token ids and images of a prompt: a dict with ``multi_modal_data``
-        (``{"image": PIL image or list}``, vLLM's shape) goes through the checkpoint's processor."""
-        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
-        if not data:
+        (``{"image": PIL image or list}``, vLLM's shape) goes through the checkpoint's processor;
+        one with ``mm_features`` was processed already (by the API process, ``processed``)."""
+        images = isinstance(prompt, dict) and bool(prompt.get("multi_modal_data") or prompt.get("mm_features"))
+        if not images:
             return (*self._tokenize(prompt), [])
         if self.multimodal is None:
             raise ValueError("this model takes text only; drop multi_modal_data or load a vision-language "
                              "checkpoint (Idefics3 / SmolVLM)")
-        if set(data) != {"image"}:
-            raise ValueError(f"multi_modal_data takes 'image' only, got {sorted(data)}")
-        if not isinstance(prompt.get("prompt"), str):
-            raise ValueError("a prompt with multi_modal_data needs its text as 'prompt', with one image "
-                             f"placeholder ({self.multimodal.image_token!r}) where each image goes")
-        return (prompt["prompt"], *self.multimodal.process(prompt["prompt"], data["image"]))
+        if prompt.get("multi_modal_data"):
+            prompt = self.multimodal.processed(prompt)
+        token_ids = self._token_list(prompt.get("prompt_token_ids") or [])
+        return prompt.get("prompt"), token_ids, self.multimodal.check_features(token_ids, prompt["mm_features"])
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -102,7 +102,8 @@ class LLMEngine:
                                               self.scheduler_config, config.cache, plan.num_blocks, config.seed,
                                               max_logprobs=config.max_logprobs, adapters=self.adapter_registry,
                                               tail_blocks=plan.tail_blocks_per_request,
-                                              multimodal=image_prompt_processor_for(self.model_config, self.model_path))
+                                              multimodal=image_prompt_processor_for(self.model_config, self.model_path,
+                                                                                         config.multimodal))
         self.output_processor = OutputProcessor(self.tokenizer)
         # Grammar state of guided sequences; the driver alone samples, so it lives here.
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -184,6 +185,9 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_image_processor(self):  # the model's ImagePromptProcessor (None: text only)
+        return self.input_processor.multimodal
 
     def metrics_registry(self):  # the Prometheus registry the stats reporter fills
         return self.stats_reporter.prometheus.registry

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -117,20 +118,30 @@ def conversation_for_template(messages: list[dict[str, Any]]) -> list[dict[str, 
     return conversation
 
 
-def _text_content(content: Any, where: str) -> str:
+def _text_content(content: Any, where: str) -> str | list[dict[str, Any]]:
     """Plain content, or the text parts of a content list joined; None is ""
-    (an assistant turn that only calls tools), which every template can print."""
+    (an assistant turn that only calls tools), which every template can print.
+    Content with images stays a list of parts: text, and ``{"type": "image", "url"}``."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
-        raise ValueError(f"{where} must be a string or a list of text parts")
-    parts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"{where}: only text content parts are supported, got type {kind!r}")
-        parts.append(str(part.get("text", "")))
-    return "".join(parts)
+        raise ValueError(f"{where} must be a string or a list of text and image_url parts")
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind == "text":
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind == "image_url":
+            image_url = part.get("image_url")
+            url = image_url.get("url") if isinstance(image_url, dict) else image_url
+            if not isinstance(url, str):
+                raise ValueError(f"{where}[{j}].image_url must be {{\"url\": \"data:image/...\"}}")
+            parts.append({"type": "image", "url": url})
+        else:
+            raise ValueError(f"{where}[{j}]: only text and image_url content parts are supported, got type {kind!r}")
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
 
 
 def _template_tool_call(call: Any, where: str) -> dict[str, Any]:
@@ -146,12 +157,15 @@ def _template_tool_call(call: Any, where: str) -> dict[str, Any]:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatRenderOptions) -> dict[str, Any]:
-    """The prompt dict (text and token ids) for one conversation. Raises
-    ``ValueError`` naming the field to change: no template, tools the template
-    ignores, unused or reserved ``chat_template_kwargs``, ``continue_final_message``
-    without a final assistant message or together with ``add_generation_prompt``."""
-    template = options.chat_template or tokenizer.chat_template
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatRenderOptions,
+                images: Any = None) -> dict[str, Any]:
+    """The prompt dict (text and token ids) for one conversation; with ``image_url``
+    parts, also its processed images (``images``: the model's ``ImagePromptProcessor``,
+    None for a text-only model). Raises ``ValueError`` naming the field to change: no
+    template, tools the template ignores, unused or reserved ``chat_template_kwargs``,
+    ``continue_final_message`` without a final assistant message or together with
+    ``add_generation_prompt``, an image a text-only model is sent or that cannot be read."""
+    template = options.chat_template or getattr(images, "chat_template", None) or tokenizer.chat_template
     if not template:
         raise ValueError("this model has no chat template; pass chat_template (--chat-template on the server)")
     variables = template_variables(template)
@@ -176,6 +190,9 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatRen
         if conversation[-1]["role"] != "assistant":
             raise ValueError("continue_final_message needs the last message to be the assistant's, "
                              f"got role {conversation[-1]['role']!r}")
+    pictures = chat_images(conversation, images)
+    if images is not None:
+        conversation = image_content_format(conversation, template, images.image_token)
     try:
         text = tokenizer.apply_chat_template(
             conversation, tools=options.tools, chat_template=template, tokenize=False,
@@ -184,4 +201,51 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatRen
         )
     except jinja2.TemplateError as exc:  # the template's own checks (raise_exception) and render errors
         raise ValueError(f"messages: the chat template refused this conversation: {exc}") from exc
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    if not pictures:
+        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    if text.count(images.image_token) != len(pictures):
+        raise ValueError(f"messages: the chat template wrote {text.count(images.image_token)} image placeholders "
+                         f"for {len(pictures)} images; use a template that renders {{\"type\": \"image\"}} parts")
+    return images.processed({"prompt": text, "multi_modal_data": {"image": pictures}})
+
+
+def chat_images(conversation: list[dict[str, Any]], images: Any) -> list[Any]:
+    """The images of a conversation's ``image_url`` parts, loaded in order by ``images``
+    (``ValueError`` naming the part: a text-only model, too many images, an unreadable one)."""
+    where = [(f"messages[{i}].content[{j}]", part["url"]) for i, turn in enumerate(conversation)
+             if isinstance(turn["content"], list) for j, part in enumerate(turn["content"]) if part["type"] == "image"]
+    if not where:
+        return []
+    if images is None:
+        raise ValueError(f"{where[0][0]}: this model takes text only; send text content or serve a "
+                         "vision-language model")
+    try:
+        images.check_count(len(where))
+    except ValueError as exc:
+        raise ValueError(f"messages: {exc}") from exc
+    pictures = []
+    for name, url in where:
+        try:
+            pictures.append(images.load(url))
+        except ValueError as exc:
+            raise ValueError(f"{name}.image_url: {exc}") from exc
+    return pictures
+
+
+_ITERATES_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content)")
+
+
+def image_content_format(conversation: list[dict[str, Any]], template: str, image_token: str) -> list[dict[str, Any]]:
+    """A vision-language model's conversation as its template reads it (vLLM's content
+    formats): a template that loops over ``message['content']`` gets lists of parts
+    (``{"type": "text", "text"}``, ``{"type": "image"}``, Hugging Face's shape); any other gets
+    strings with the processor's image token where each image goes."""
+    loops = bool(_ITERATES_CONTENT.search(template))
+    turns = []
+    for turn in conversation:
+        content = turn["content"]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else \
+            [part if part["type"] == "text" else {"type": "image"} for part in content]
+        flat = "".join(part["text"] if part["type"] == "text" else image_token for part in parts)
+        turns.append({**turn, "content": parts if loops else flat})
+    return turns

@@ -17,6 +17,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from pagedllm.config.engine import NESTED_CONFIGS, CacheConfig, EngineConfig, engine_option_fields
 from pagedllm.config.lora import LoRAConfig
+from pagedllm.config.multimodal import MultiModalConfig
 from pagedllm.config.pooling import PoolingConfig
 from pagedllm.entrypoints.llm import LLM
 
@@ -29,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per engine option: ``--x/--no-x`` for a boolean, the allowed
     words as choices for a ``Literal``, a typed value otherwise."""
     for title, config_class in (("engine", EngineConfig), ("KV cache", CacheConfig), ("LoRA", LoRAConfig),
-                                 ("pooling", PoolingConfig)):
+                                 ("pooling", PoolingConfig), ("multimodal", MultiModalConfig)):
         group = parser.add_argument_group(title)
         annotations = get_type_hints(config_class)
         for option in fields(config_class):

@@ -191,8 +191,9 @@ class LLM(PoolingMethods):
         Messages are OpenAI's (assistant ``tool_calls``, ``role: "tool"`` results
         with ``tool_call_id``). ``tools`` (OpenAI's ``{"type": "function", ...}``)
         and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``) go to the
-        template, which must read them; ``continue_final_message`` continues the
-        final assistant message instead of opening a new one (set
+        template, which must read them; ``image_url`` content parts (data URLs, or by the
+        engine's media options) go to a vision-language model's processor;
+        ``continue_final_message`` continues the final assistant message instead of opening a new one (set
         ``add_generation_prompt=False`` with it). ``chat_template`` overrides the
         model's: a file path, inline Jinja or ``"hermes"`` (the shipped tool
         template). The output is not parsed for tool calls: use
@@ -207,7 +208,7 @@ class LLM(PoolingMethods):
         )
         prompts: list[PromptType] = []
         for conversation in conversations:
-            prompt = render_chat(tokenizer, list(conversation), options)
+            prompt = render_chat(tokenizer, list(conversation), options, self.llm_engine.get_image_processor())
             if cache_salt is not None:
                 prompt["cache_salt"] = cache_salt
             prompts.append(prompt)

@@ -104,7 +104,8 @@ class OfflineFleet:
                     *, priority: int = 0, cache_salt: str | None = None,
                     lora_request: LoRARequest | None = None) -> None:
         """Route the request to a replica and queue it there (its ``ValueError`` if it refuses)."""
-        prepared = tokenized(self.get_tokenizer(), prompt)  # text is encoded once, here
+        # text is encoded (and images processed) once, here
+        prepared = tokenized(self.get_tokenizer(), prompt, self.get_image_processor())
         replica = self._route(prepared, cache_salt)
         self.replicas[replica].add_request(request_id, prepared, params, priority=priority, cache_salt=cache_salt,
                                            lora_request=lora_request)
@@ -115,7 +116,8 @@ class OfflineFleet:
             self._policy, self._loads, self.last_assignment = RoutingPolicy("prefix"), [0] * self.size, []
         ids = _token_ids(prompt)
         self._policy.balance = BalanceRule(balance_abs_threshold=(sum(self._loads) + len(ids)) / self.size / 2)
-        hashes = hash_request_tokens(ids, self.block_size, cache_salt or _cache_salt(prompt))
+        spans = [feature.span for feature in prompt.get("mm_features") or ()] if isinstance(prompt, dict) else []
+        hashes = hash_request_tokens(ids, self.block_size, cache_salt or _cache_salt(prompt), mm_spans=spans)
         loads = [ReplicaLoad(r, self._loads[r]) for r in range(self.size)]
         replica = self._policy.choose(loads, hashes, self.index, time.monotonic()).replica
         self._loads[replica] += len(ids)
@@ -139,6 +141,9 @@ class OfflineFleet:
 
     def get_tokenizer(self):
         return self.replicas[0].get_tokenizer()
+
+    def get_image_processor(self):
+        return self.replicas[0].get_image_processor()
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.replicas[0].get_default_sampling_params()

@@ -43,6 +43,9 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None = None
+    # Per block, the extra keys its hash has beyond the tokens that a subscriber may see: the
+    # ["mm", content hash] of each image it covers (vLLM's field; the cache salt is never sent).
+    extra_keys: list[list[Any] | None] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -64,8 +67,9 @@ def to_wire(events: list[core.KVEvent]) -> list[KVCacheEvent]:
     for event in events:
         if isinstance(event, core.BlockStored):
             parent = None if event.parent_block_hash is None else external_block_hash(event.parent_block_hash)
+            extra = [[list(key) for key in event.image_keys]] if event.image_keys else None
             wire.append(BlockStored([external_block_hash(h) for h in event.block_hashes], parent,
-                                    list(event.token_ids), event.block_size, None, event.medium))
+                                    list(event.token_ids), event.block_size, None, event.medium, extra_keys=extra))
         elif isinstance(event, core.BlockRemoved):
             wire.append(BlockRemoved([external_block_hash(h) for h in event.block_hashes], event.medium))
         elif isinstance(event, core.AllBlocksCleared):

@@ -68,6 +68,12 @@ TIER_COUNTERS = {
                              "Seconds spent reading a tier (host: copies into the pool, on the step; disk: "
                              "reads and checks, on the reader thread)"),
 }
+# A vision-language engine's (present when it has an encoder cache): name -> (stats key, help).
+ENCODER_COUNTERS = {
+    "encoder_cache_hits": ("encoder_cache_hits", "Image encoder outputs found in the encoder cache"),
+    "encoder_cache_misses": ("encoder_cache_misses", "Images run through the vision encoder (not in the cache)"),
+    "mm_images_processed": ("mm_images_processed", "Images in the prompts of accepted requests"),
+}
 TIER_GAUGES = {"kv_tier_usage_bytes": ({MEDIUM_HOST: "host_tier_bytes", MEDIUM_DISK: "disk_tier_bytes"},
                                        "Bytes a tier holds now")}
 BAD_FILE_REASONS = ("truncated", "corrupt", "foreign", "stale")
@@ -111,6 +117,7 @@ class PrometheusStatLogger:
                      list(context.cache_config), registry=self.registry)
         info.labels(**context.cache_config).set(1)
         self._tier_metrics: dict[str, Any] | None = None  # made on the first stats that show tiers
+        self._encoder_metrics: dict[str, Any] | None = None  # made on the first stats that show an encoder cache
 
     def name(self, suffix: str) -> str:
         return f"{self.namespace}:{suffix}"
@@ -184,6 +191,19 @@ class PrometheusStatLogger:
         for stat, counter in self.cumulative.values():
             self._advance(counter, stat, stats[stat])
         self._record_tiers(stats)
+        self._record_encoder(stats)
+
+    def _record_encoder(self, stats: Mapping[str, Any]) -> None:
+        if "encoder_cache_hits" not in stats:
+            return
+        if self._encoder_metrics is None:
+            self._encoder_metrics = {name: self._labelled(Counter, name, text)
+                                     for name, (_, text) in ENCODER_COUNTERS.items()}
+            self._encoder_metrics["encoder_cache_usage_bytes"] = self._labelled(
+                Gauge, "encoder_cache_usage_bytes", "Bytes of encoder outputs the encoder cache holds")
+        for name, (key, _) in ENCODER_COUNTERS.items():
+            self._advance(self._encoder_metrics[name], key, stats[key])
+        self._encoder_metrics["encoder_cache_usage_bytes"].set(stats["encoder_cache_bytes"])
 
     def _record_tiers(self, stats: Mapping[str, Any]) -> None:
         """Per-medium tier counters and gauges, and vLLM's external_prefix_cache_hits (tokens)."""

@@ -46,8 +46,28 @@ def test_a_requests_images_key_its_blocks_and_follow_its_forks():
     assert request.fork("r::1", 1, 0).mm_spans == request.mm_spans
 
 
-def test_images_are_refused_on_the_way_to_an_engine_core_process():
+def test_images_for_a_text_only_model_are_refused_on_the_way_to_an_engine_core_process():
     from pagedllm.core.prompt_tokens import tokenized
 
-    with pytest.raises(ValueError, match="engine_process=False"):
+    with pytest.raises(ValueError, match="takes text only"):
         tokenized(None, {"prompt": "<image>", "multi_modal_data": {"image": [object()]}})
+
+
+def test_a_pool_blocks_event_carries_the_images_it_covers_as_extra_keys():
+    """vLLM's ``extra_keys`` per block: ["mm", content hash] for a block over an image, none otherwise
+    (and never the cache salt)."""
+    from pagedllm.core.kv_cache_manager import KVCacheManager
+    from pagedllm.core.kv_events import BlockStored, KVEventLog
+    from pagedllm.kv_tiers.event_wire import to_wire
+
+    events = KVEventLog()
+    kv = KVCacheManager(8, 16, events=events)
+    feature = MultiModalFeature("image", "image-a", PlaceholderRange(20, 20), embed_token_id=7, num_embeds=16)
+    request = Request("r", TOKENS, SamplingParams(), eos_token_ids=[], max_tokens=1, cache_salt="salt",
+                      mm_features=[feature])
+    assert kv.allocate_slots("r", 0, len(TOKENS)) is not None
+    kv.cache_full_blocks(request, len(TOKENS))
+    wire = to_wire([event for event in events.take() if isinstance(event, BlockStored)])
+    assert [event.extra_keys for event in wire] == [None, [[["mm", "image-a"]]], [[["mm", "image-a"]]], None]
+    assert [event.block_hashes[0] for event in wire] == hash_request_tokens(TOKENS, 16, "salt", mm_spans=[feature.span])
+    kv.free("r")

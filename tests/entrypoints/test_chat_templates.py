@@ -78,7 +78,12 @@ def test_chat_template_kwargs_reach_the_template(smollm_tokenizer):
     (ChatRenderOptions(chat_template=ECHO_TEMPLATE), [{"role": "user", "tool_calls": [CALL]}],
      "only allowed on assistant messages"),
     (ChatRenderOptions(chat_template=ECHO_TEMPLATE), [{"role": "user", "content": [{"type": "image_url"}]}],
-     "only text content parts"),
+     r"messages\[0\].content\[0\].image_url must be"),
+    (ChatRenderOptions(chat_template=ECHO_TEMPLATE), [{"role": "user", "content": [{"type": "audio_url"}]}],
+     "only text and image_url content parts"),
+    (ChatRenderOptions(chat_template=ECHO_TEMPLATE),
+     [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": "x"}}]}],
+     r"messages\[0\].content\[1\]: this model takes text only"),
     (ChatRenderOptions(chat_template="{{ raise_exception('roles must alternate') }}"), CONVERSATION[:1],
      "refused this conversation: roles must alternate"),
 ])

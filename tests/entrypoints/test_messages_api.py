@@ -217,8 +217,9 @@ def test_a_final_assistant_turn_is_continued(server):
 
 @pytest.mark.parametrize("body, status, kind, says", [
     ({"messages": ASK}, 400, "invalid_request_error", "max_tokens: Field required"),
-    ({"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
-     "invalid_request_error", "image blocks are not supported"),
+    ({"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]}, 400,
+     "invalid_request_error", "messages[0].content[0]: this model takes text only"),
     ({"max_tokens": 2, "messages": ASK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400,
      "invalid_request_error", "Anthropic's server tools"),
     ({"max_tokens": 2, "messages": ASK, "container": "c"}, 400, "invalid_request_error", "container is not implemented"),

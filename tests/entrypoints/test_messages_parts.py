@@ -91,7 +91,7 @@ def test_thinking_prefill_streaming_and_output_format():
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image blocks are not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "document blocks are not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
         {"type": "document", "source": {}}]}]}]}, "content[0].content[0]: document blocks"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "Anthropic's server tools"),

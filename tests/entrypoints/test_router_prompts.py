@@ -36,3 +36,11 @@ def test_the_three_front_doors_hash_one_conversation_alike(tokenizer, template):
 def test_a_body_the_replica_refuses_is_routed_by_load_alone(tokenizer):
     assert routing_token_ids(MESSAGES_PATH, {"messages": [{"role": "user", "content": "hi"}]}, tokenizer, None) == []
     assert routing_token_ids(RESPONSES_PATH, {"input": 5}, tokenizer, None) == []
+
+
+def test_a_body_with_an_image_is_routed_by_load_alone(tokenizer):
+    """The router has no image processor: it cannot hash the image's blocks (keyed by its content),
+    so it claims no prefix at all rather than a text-only match past the image."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION}, image]}]}
+    assert routing_token_ids(CHAT_PATH, body, tokenizer, load_chat_template("hermes")) == []

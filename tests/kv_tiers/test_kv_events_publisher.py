@@ -167,7 +167,7 @@ def test_the_payload_is_vllms_msgpack_array_layout():
     ts, events, rank = msgspec.msgpack.decode(msgspec.msgpack.encode(batch))
     h0, h1, h4 = (external_block_hash(DIGESTS[i]) for i in (0, 3, 4))
     assert (ts, rank) == (1.5, 0)
-    assert events == [["BlockStored", [h1, h4], None, list(range(3, 35)), 16, None, "GPU", None],
+    assert events == [["BlockStored", [h1, h4], None, list(range(3, 35)), 16, None, "GPU", None, None],
                       ["BlockRemoved", [h4], "GPU"], ["AllBlocksCleared"]]
     assert h0 == int.from_bytes(DIGESTS[0][-8:], "big")
     # Array-like structs carry every field, defaults included, as vLLM's do.

@@ -9,7 +9,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from tests.conftest import assert_pool_free
-from tests.multimodal.tiny_models import drawn_image, hf_greedy, images_of, make_tiny_idefics3
+from tests.multimodal.tiny_models import drawn_image, hf_greedy, images_of
 
 pytestmark = pytest.mark.slow  # ~40 s on a 2-core CPU: the tiny model, its processor and Hugging Face's outputs
 
@@ -21,11 +21,6 @@ CASES = [
     ("A text-only prompt between the others.", []),
     (PREAMBLE + "What is in <image>?", [(4, (60, 30))]),
 ]
-
-
-@pytest.fixture(scope="module")
-def idefics3(tmp_path_factory, tiny_llama) -> str:
-    return make_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3"), tiny_llama)
 
 
 @pytest.fixture(scope="module")
@@ -94,4 +89,32 @@ def test_blocks_are_keyed_by_image_content(idefics3_llm):
 def test_a_bad_image_prompt_is_refused_by_name(idefics3_llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):
         idefics3_llm.generate(prompt, SamplingParams(max_tokens=1, **params), use_tqdm=False)
+    assert_pool_free(idefics3_llm)
+
+
+def test_an_engine_core_process_runs_images_processed_in_front(idefics3, idefics3_llm):
+    """The API process runs the processor (its copy, pickled in the core's facts, limits included)
+    and sends the tensors as bytes: ``LLM.chat`` with an ``image_url`` part on the core gives the
+    in-process engine's greedy tokens for Hugging Face's rendering of the same conversation."""
+    from tests.multimodal.test_media import data_url
+
+    picture, question = drawn_image(12), PREAMBLE + "What is in it?"
+    hf_text = idefics3_llm.llm_engine.get_image_processor().hf.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
+        add_generation_prompt=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    expected = idefics3_llm.generate({"prompt": hf_text, "multi_modal_data": {"image": picture}}, params,
+                                     use_tqdm=False)[0]
+    llm = LLM(idefics3, engine_process=True, num_kv_blocks=128, block_size=16, limit_mm_per_prompt={"image": 1})
+    try:
+        out = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(picture)}},
+                                                     {"type": "text", "text": question}]}], params)[0]
+        assert out.prompt_token_ids == expected.prompt_token_ids
+        assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert llm.stats()["mm_images_processed"] == 1
+        with pytest.raises(ValueError, match="over limit_mm_per_prompt's 1"):
+            llm.generate({"prompt": "<image><image>", "multi_modal_data": {"image": [drawn_image(1)] * 2}}, params)
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()
     assert_pool_free(idefics3_llm)

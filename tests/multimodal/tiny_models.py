@@ -21,6 +21,13 @@ from PIL import Image, ImageDraw
 
 IDEFICS3_IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>"]
 GRID_PINPOINTS = [[32, 64], [64, 32], [64, 64]]
+# SmolVLM's chat template: it loops over each message's content parts and writes <image> for an image part.
+IDEFICS3_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
               image_size=32, patch_size=8, initializer_range=0.2)
 
@@ -59,7 +66,8 @@ def make_tiny_idefics3(folder: Path, tokenizer_folder: str) -> str:
 
     tokenizer = _tokenizer(tokenizer_folder, IDEFICS3_IMAGE_TOKENS)
     image_processor = Idefics3ImageProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
-    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4)
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4,
+                                  chat_template=IDEFICS3_CHAT_TEMPLATE)
     config = Idefics3Config(text_config=_text_config(tokenizer), vision_config=VISION, scale_factor=2,
                             tie_word_embeddings=False, image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
     return _save(Idefics3ForConditionalGeneration, config, processor, folder)

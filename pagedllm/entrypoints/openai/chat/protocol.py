@@ -25,10 +25,23 @@ class ToolCall(StrictModel):
 
 
 class TextPart(StrictModel):
-    """The one kind of content part a text model reads."""
-
     type: Literal["text"]
     text: str
+
+
+class ImageURL(StrictModel):
+    url: str  # data:image/...;base64,..., file:// (--allowed-local-media-path) or http(s) (--allowed-media-domains)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted as OpenAI's; the processor decides the size
+
+
+class ImagePart(StrictModel):
+    """An image for a vision-language model (a text-only model answers 400)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class _Message(StrictModel):
@@ -38,7 +51,7 @@ class _Message(StrictModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
 

@@ -155,6 +155,6 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeReques
                             "--trust-request-chat-template, or use its own (--chat-template)", param="chat_template")
     conversation, options = render_inputs(body, state.chat.chat_template)
     try:
-        return render_chat(state.engine_info.tokenizer, conversation, options)
+        return render_chat(state.engine_info.tokenizer, conversation, options, state.engine_info.multimodal)
     except ValueError as exc:
         raise bad_request(exc, ChatCompletionRequest.model_fields) from exc

@@ -30,7 +30,7 @@ MESSAGES_UNIMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 # Content block types a text model cannot read (a 400 names the block instead of dropping it).
 UNSUPPORTED_BLOCK_TYPES = frozenset({
-    "image", "document", "search_result", "container_upload", "server_tool_use", "web_search_tool_result",
+    "document", "search_result", "container_upload", "server_tool_use", "web_search_tool_result",
     "web_fetch_tool_result", "code_execution_tool_result", "bash_code_execution_tool_result",
     "text_editor_code_execution_tool_result", "tool_search_tool_result", "mcp_tool_use", "mcp_tool_result",
 })
@@ -88,7 +88,31 @@ class RedactedThinkingBlock(StrictModel):
     data: str
 
 
-UserBlock = Annotated[TextBlock | ToolResultBlock, Field(discriminator="type")]
+class Base64Source(StrictModel):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class URLSource(StrictModel):
+    type: Literal["url"]
+    url: str  # fetched by the server's media rules (--allowed-media-domains, --allowed-local-media-path)
+
+
+class ImageBlock(StrictModel):
+    """An image for a vision-language model (a text-only model answers 400)."""
+
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+    cache_control: CacheControl | None = None
+
+    @property
+    def url(self) -> str:
+        source = self.source
+        return source.url if isinstance(source, URLSource) else f"data:{source.media_type};base64,{source.data}"
+
+
+UserBlock = Annotated[TextBlock | ImageBlock | ToolResultBlock, Field(discriminator="type")]
 AssistantBlock = Annotated[TextBlock | ToolUseBlock | ThinkingBlock | RedactedThinkingBlock,
                            Field(discriminator="type")]
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from pagedllm.entrypoints.openai.common.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.messages.protocol import (
-    AssistantMessage, MessagesCountTokensRequest, MessagesRequest, TextBlock, ThinkingDisabled, ToolChoiceAny,
+    AssistantMessage, ImageBlock, MessagesCountTokensRequest, MessagesRequest, TextBlock, ThinkingDisabled, ToolChoiceAny,
     ToolChoiceAuto, ToolChoiceTool, ToolResultBlock, ToolUseBlock, UserMessage,
 )
 
@@ -81,7 +81,7 @@ def _system(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
 
 
 def _user_turn(message: UserMessage) -> list[dict[str, Any]]:
-    """Text blocks in a row make one user message; each tool result is a tool message."""
+    """Text and image blocks in a row make one user message; each tool result is a tool message."""
     if isinstance(message.content, str):
         return [{"role": "user", "content": message.content}]
     turns: list[dict[str, Any]] = []
@@ -90,11 +90,21 @@ def _user_turn(message: UserMessage) -> list[dict[str, Any]]:
             text = _text(block.content)
             turns.append({"role": "tool", "tool_call_id": block.tool_use_id,
                           "content": f"Error: {text}" if block.is_error else text})
-        elif turns and turns[-1]["role"] == "user":
-            turns[-1]["content"] += block.text
+            continue
+        part = {"type": "image_url", "image_url": {"url": block.url}} if isinstance(block, ImageBlock) \
+            else {"type": "text", "text": block.text}
+        if turns and turns[-1]["role"] == "user":
+            turns[-1]["content"].append(part)
         else:
-            turns.append({"role": "user", "content": block.text})
-    return turns or [{"role": "user", "content": ""}]
+            turns.append({"role": "user", "content": [part]})
+    return [{**turn, "content": _joined(turn["content"])} for turn in turns] or [{"role": "user", "content": ""}]
+
+
+def _joined(content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A user turn's parts as one text when they are all text (a text model's plain content)."""
+    if isinstance(content, str) or any(part["type"] != "text" for part in content):
+        return content
+    return "".join(part["text"] for part in content)
 
 
 def _assistant_turn(message: AssistantMessage) -> dict[str, Any]:

@@ -20,7 +20,8 @@ from pydantic import TypeAdapter
 
 from pagedllm.entrypoints.openai.common.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.responses.protocol import (
-    FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, InputItem, MessageItem, Refusal, ResponsesRequest,
+    FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, InputImage, InputItem, MessageItem, Refusal,
+    ResponsesRequest,
     TextFormatJsonObject, TextFormatJsonSchema,
 )
 
@@ -80,7 +81,7 @@ def items_to_messages(items: list[Any]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for item in items:
         if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": _text(item.content)})
+            messages.append({"role": item.role, "content": _content(item.content)})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": _json_text(item.arguments)}}
@@ -103,6 +104,14 @@ def _json_text(arguments: str) -> str:
     except json.JSONDecodeError:
         return json.dumps(arguments)
     return arguments
+
+
+def _content(content: str | list[Any]) -> str | list[dict[str, Any]]:
+    """A message's content as chat content: text, or (with images) text and image_url parts."""
+    if isinstance(content, str) or not any(isinstance(part, InputImage) for part in content):
+        return _text(content)
+    return [{"type": "image_url", "image_url": {"url": part.image_url}} if isinstance(part, InputImage)
+            else {"type": "text", "text": _text([part])} for part in content]
 
 
 def _text(content: str | list[Any]) -> str:

@@ -55,7 +55,15 @@ class Refusal(StrictModel):
     refusal: str
 
 
-ContentPart = Annotated[InputText | OutputText | Refusal, Field(discriminator="type")]
+class InputImage(StrictModel):
+    """An image for a vision-language model, by URL (a data URL, or one the server's media rules allow)."""
+
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted as OpenAI's; the processor decides the size
+
+
+ContentPart = Annotated[InputText | OutputText | Refusal | InputImage, Field(discriminator="type")]
 ToolOutputPart = Annotated[InputText | OutputText, Field(discriminator="type")]
 
 
