@@ -47,28 +47,37 @@ SHAPES = {
 }
 
 
-def cached_vision_model(workdir: Path, shape_name: str) -> str:
+def cached_vision_model(workdir: Path, shape_name: str, tokenizer=None) -> str:
     """The checkpoint folder of ``shape_name`` under ``workdir``, written on the first call
-    (a folder whose recorded shape differs is written again)."""
+    (a folder whose recorded shape differs is written again). ``tokenizer``: SmolLM2's, when the
+    caller has it loaded already (else read from the GGUF, a few seconds)."""
     shape = SHAPES[shape_name]
     folder = workdir / f"random-idefics3-{shape_name}"
     marker = folder / "bench_shape.json"
     if marker.exists() and json.loads(marker.read_text()) == asdict(shape):
         return str(folder)
-    _write_model(folder, shape)
+    _write_model(folder, shape, tokenizer or _smollm2_tokenizer())
     marker.write_text(json.dumps(asdict(shape)))
     return str(folder)
 
 
-def _write_model(folder: Path, shape: VisionShape) -> None:
-    import torch
-    from transformers import (AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration,
-                              Idefics3ImageProcessor, Idefics3Processor)
+def _smollm2_tokenizer():
+    from transformers import AutoTokenizer
 
     from pagedllm.model.loader import default_model_path
 
-    gguf_folder, gguf_name = Path(default_model_path()).parent, Path(default_model_path()).name
-    tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=gguf_name)
+    gguf = Path(default_model_path())
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def _write_model(folder: Path, shape: VisionShape, smollm2_tokenizer) -> None:
+    import copy
+
+    import torch
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor,
+                              Idefics3Processor)
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)  # the caller's stays without the added tokens
     tokenizer.add_special_tokens({"additional_special_tokens": ADDED_TOKENS})
     tile = {"longest_edge": shape.image_size}
     image_processor = Idefics3ImageProcessor(size=tile, max_image_size=tile)
