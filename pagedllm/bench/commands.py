@@ -361,4 +361,4 @@ def cmd_bench_vision(args: argparse.Namespace) -> None:
     runs.insert(0, vision.run_hugging_face(folder, requests, args.output_len, args.hf_batch_size,
                                            torch_dtype("float32")))
     report(args, vision.format_table(runs, requests),
-           f"CPU: {cpu_description()}. " + vision.describe(requests, args.output_len, args.shape, args.ttft_pairs))
+           vision.describe(requests, args.output_len, args.shape, args.ttft_pairs))
