@@ -37,6 +37,7 @@ def add_bench_parser(subcommands: argparse._SubParsersAction) -> None:
     _add_embed_parser(benches)
     _add_kernel_benches(benches)
     _add_moe_parser(benches)
+    _add_vision_parser(benches)
     _add_decode_benches(benches)
     _add_latency_parser(benches)
     _add_soak_parser(benches)
@@ -220,6 +221,21 @@ def _add_moe_parser(benches: argparse._SubParsersAction) -> None:
     mo.add_argument("--llama-batched-bench", default=None, metavar="PATH",
                     help="llama.cpp's llama-batched-bench (default: the one on the PATH, else /tmp/llamacpp/bin's; "
                          "none: no llama.cpp column)")
+
+
+def _add_vision_parser(benches: argparse._SubParsersAction) -> None:
+    vi = add_bench_command(benches, "vision", "chat requests with one image each, half of the images asked about "
+                                              "again, on a random SmolVLM-shaped Idefics3: the encoder cache on "
+                                              "and off vs Hugging Face generate", commands.cmd_bench_vision)
+    vi.add_argument("--num-requests", type=int, default=64, help="requests; the later half repeat an image")
+    vi.add_argument("--output-len", type=int, default=32, help="most greedy tokens per request")
+    vi.add_argument("--shape", choices=["smolvlm-256m", "tiny"], default="smolvlm-256m",
+                    help="SmolVLM-256M-Instruct's sizes, or a 2-layer model for a quick check")
+    vi.add_argument("--hf-batch-size", type=int, default=8, help="Hugging Face generate's batch size")
+    vi.add_argument("--ttft-pairs", type=int, default=8,
+                    help="new images (each followed by a follow-up question) sent alone for TTFT")
+    vi.add_argument("--workdir", default="/tmp/pagedllm-bench-vision",
+                    help="where the random checkpoint is written (and reused by later runs)")
 
 
 def _add_decode_benches(benches: argparse._SubParsersAction) -> None:

@@ -355,3 +355,26 @@ def cmd_bench_rerank(args: argparse.Namespace) -> None:
            f"(Qwen3-Reranker's template and recipe), {args.dtype}: LLM.score of 1 query x {args.num_documents} "
            f"documents of {args.min_words}-{args.max_words} words (seed {args.seed}), each engine's best of "
            f"{args.rounds} alternating rounds, its prefix cache emptied before each.")
+
+
+def cmd_bench_vision(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from pagedllm.bench import vision
+    from pagedllm.bench.vision_model import cached_vision_model
+
+    if args.num_requests < 2 or args.output_len < 1 or args.hf_batch_size < 1 or args.ttft_pairs < 1:
+        raise ValueError("--num-requests must be >= 2 (half of them repeat an image); --output-len, "
+                         "--hf-batch-size and --ttft-pairs >= 1")
+    folder = cached_vision_model(Path(args.workdir), args.shape)
+    requests = vision.workload(args.num_requests, args.seed)
+    runs = []
+    for label, budget in (("pagedllm, encoder cache on", args.encoder_cache_bytes or 256 << 20),
+                          ("pagedllm, encoder cache off", 0)):
+        llm = make_llm(args, model=folder, dtype="float32", encoder_cache_bytes=budget)
+        runs.append(vision.run_pagedllm(llm, label, requests, args.output_len, args.ttft_pairs))
+        llm.shutdown()  # one model in memory at a time
+    runs.insert(0, vision.run_hugging_face(folder, requests, args.output_len, args.hf_batch_size,
+                                           torch_dtype("float32")))
+    report(args, vision.format_table(runs, requests),
+           vision.describe(requests, args.output_len, args.shape, args.ttft_pairs))

@@ -16,8 +16,11 @@ def _fill(cache: EncoderCache, key: str) -> torch.Tensor:
 def test_a_hit_returns_the_stored_output_without_computing():
     cache = EncoderCache(1024)
     first = _fill(cache, "a")
+    encoder_seconds = cache.stats()["encoder_seconds"]
+    assert encoder_seconds > 0  # the miss ran the encoder; the hit adds no encoder time
     assert cache.get_or_compute("a", lambda: (_ for _ in ()).throw(AssertionError("computed again"))) is first
     assert cache.stats()["encoder_cache_hits"] == 1 and cache.stats()["encoder_cache_misses"] == 1
+    assert cache.stats()["encoder_seconds"] == encoder_seconds
 
 
 def test_the_least_recently_used_goes_when_the_budget_is_passed():
