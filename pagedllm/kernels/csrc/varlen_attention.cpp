@@ -8,9 +8,9 @@
 // attention itself (docs/pooling.md, "Speed").
 //
 // One work item is one (sequence, head): its keys are packed once into tiles of
-// 32 keys ([tile][dim][32], fp32), then 8 query rows at a time take every
-// score into a small buffer, an exact softmax over it (max, exp, sum), and P . V
-// with the values read from their rows. Items go longest first to whichever
+// 32 keys ([tile][dim][32], fp32) and its values into rows, then 8 query rows at
+// a time take every score into a small buffer, an exact softmax over it (max,
+// exp, sum), and P . V. Items go longest first to whichever
 // thread is free, since sequence costs differ by the square of their lengths.
 #include "ops.h"
 
@@ -42,40 +42,52 @@ struct Head {
   float scale;
 };
 
-// packed[t][d][j] = key (t * kKeys + j), dim d; keys past the end are zeros.
+// One (sequence, head) in fp32: keys[t][d][j] = key t * kKeys + j, dim d (keys past the end
+// are zeros), values[j][d] = value j, dim d. Packed values also keep P . V off the fused QKV
+// rows, whose stride (3 * hidden floats) maps one head's values onto few L1 sets.
 template <typename scalar_t>
-void pack_keys(const Head<scalar_t>& h, float* packed) {
+void pack_head(const Head<scalar_t>& h, float* keys, float* values) {
   const int64_t tiles = (h.len + kKeys - 1) / kKeys;
-  std::memset(packed, 0, sizeof(float) * tiles * h.dim * kKeys);
+  std::memset(keys, 0, sizeof(float) * tiles * h.dim * kKeys);
   for (int64_t j = 0; j < h.len; ++j) {
-    float* out = packed + (j / kKeys) * h.dim * kKeys + j % kKeys;
+    float* out = keys + (j / kKeys) * h.dim * kKeys + j % kKeys;
     for (int64_t d = 0; d < h.dim; ++d) out[d * kKeys] = load(h.k[j * h.k_stride + d]);
+    for (int64_t d = 0; d < h.dim; d += 16) _mm512_storeu_ps(values + j * h.dim + d, load16(h.v + j * h.v_stride + d));
   }
 }
 
-// out rows += P . V over keys [first_key, last_key], for the dims [d, d + 16 * kVecs).
-template <typename scalar_t, int kVecs>
-void weighted_values(const Head<scalar_t>& h, const float* probs, int64_t width, int64_t first_key,
-                     int64_t last_key, int64_t d, __m512 (&o)[kRows][2]) {
+// Dims [d, d + 16 * kVecs) of the ``count`` output rows: P . V over keys [first_key, last_key],
+// times each row's 1 / sum. The sums stay in local registers (an accumulator array passed by
+// reference was stored back on every key).
+template <int kVecs, typename scalar_t>
+void weighted_values(const float* values, int64_t dim, const float* probs, int64_t width, int64_t first_key,
+                     int64_t last_key, int64_t d, const float* inverse, scalar_t* out, int64_t out_stride,
+                     int64_t count) {
+  __m512 o[kRows][kVecs];
   for (int64_t r = 0; r < kRows; ++r)
     for (int i = 0; i < kVecs; ++i) o[r][i] = _mm512_setzero_ps();
   for (int64_t j = first_key; j <= last_key; ++j) {
     __m512 v[kVecs];
-    for (int i = 0; i < kVecs; ++i) v[i] = load16(h.v + j * h.v_stride + d + 16 * i);
+    for (int i = 0; i < kVecs; ++i) v[i] = _mm512_loadu_ps(values + j * dim + d + 16 * i);
     const float* p = probs + (j - first_key);
     for (int64_t r = 0; r < kRows; ++r) {
       const __m512 pr = _mm512_set1_ps(p[r * width]);
       for (int i = 0; i < kVecs; ++i) o[r][i] = _mm512_fmadd_ps(pr, v[i], o[r][i]);
     }
   }
+  for (int64_t r = 0; r < count; ++r)
+    for (int i = 0; i < kVecs; ++i)
+      store16(out + r * out_stride + d + 16 * i, _mm512_mul_ps(_mm512_set1_ps(inverse[r]), o[r][i]));
 }
 
-// scores[r][c] = scale * q_r . k_(first_tile * kKeys + c) for the keys in [lo[r], hi[r]], -inf for the rest.
+// scores[r][c] = q_r . k_(first_tile * kKeys + c) (q pre-scaled) for the keys in [lo[r], hi[r]],
+// -inf for the rest; top[r] gets lanes whose max is the row's.
 void tile_scores(const float* keys, const float* q, int64_t dim, const int64_t* lo, const int64_t* hi,
-                 int64_t first_tile, int64_t last_tile, float scale_value, float* scores) {
+                 int64_t first_tile, int64_t last_tile, float* scores, __m512* top) {
   const int64_t width = (last_tile - first_tile + 1) * kKeys;
-  const __m512 scale = _mm512_set1_ps(scale_value), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t r = 0; r < kRows; ++r) top[r] = minus_inf;
   for (int64_t t = first_tile; t <= last_tile; ++t) {
     __m512 s0[kRows], s1[kRows];
     for (int64_t r = 0; r < kRows; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
@@ -94,22 +106,22 @@ void tile_scores(const float* keys, const float* q, int64_t dim, const int64_t* 
       const __m512i l = _mm512_set1_epi32(static_cast<int>(lo[r])), u = _mm512_set1_epi32(static_cast<int>(hi[r]));
       const __mmask16 m0 = _mm512_cmpge_epi32_mask(key0, l) & _mm512_cmple_epi32_mask(key0, u);
       const __mmask16 m1 = _mm512_cmpge_epi32_mask(key1, l) & _mm512_cmple_epi32_mask(key1, u);
+      const __m512 x0 = _mm512_mask_mov_ps(minus_inf, m0, s0[r]), x1 = _mm512_mask_mov_ps(minus_inf, m1, s1[r]);
       float* row = scores + r * width + (t - first_tile) * kKeys;
-      _mm512_storeu_ps(row, _mm512_mask_mul_ps(minus_inf, m0, s0[r], scale));
-      _mm512_storeu_ps(row + 16, _mm512_mask_mul_ps(minus_inf, m1, s1[r], scale));
+      _mm512_storeu_ps(row, x0);
+      _mm512_storeu_ps(row + 16, x1);
+      top[r] = _mm512_max_ps(top[r], _mm512_max_ps(x0, x1));
     }
   }
 }
 
 // Each row of scores [kRows][width] becomes exp(score - the row's max) (0 where -inf), in
 // place: the exact softmax's numerators; inverse[r] gets 1 / their sum.
-void softmax_numerators(float* scores, int64_t width, float* inverse) {
+void softmax_numerators(float* scores, int64_t width, const __m512* top, float* inverse) {
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t r = 0; r < kRows; ++r) {
     float* row = scores + r * width;
-    __m512 top = minus_inf;
-    for (int64_t c = 0; c < width; c += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + c));
-    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top[r]));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t c = 0; c < width; c += 16) {
       const __m512 x = _mm512_loadu_ps(row + c);
@@ -121,33 +133,33 @@ void softmax_numerators(float* scores, int64_t width, float* inverse) {
   }
 }
 
-// Query rows [first, first + count) (count <= kRows) of one head. ``scratch`` holds
-// kRows * (dim + padded keys) floats.
+// Query rows [first, first + count) (count <= kRows) of one head, over its packed keys and
+// values. ``scratch`` holds kRows * (dim + padded keys) floats.
 template <typename scalar_t>
-void attend_rows(const Head<scalar_t>& h, const float* keys, int64_t first, int64_t count, float* scratch) {
-  float* q = scratch;  // [kRows][dim], the rows past count repeat the first
+void attend_rows(const Head<scalar_t>& h, const float* keys, const float* values, int64_t first, int64_t count,
+                 float* scratch) {
+  float* q = scratch;  // [kRows][dim], scaled; the rows past count repeat the first
   int64_t lo[kRows], hi[kRows];  // each row's visible keys: the window, or the whole sequence
   for (int64_t r = 0; r < kRows; ++r) {
     const int64_t row = first + (r < count ? r : 0);
     lo[r] = h.window < 0 ? 0 : std::max<int64_t>(0, row - h.window);
     hi[r] = h.window < 0 ? h.len - 1 : std::min(h.len - 1, row + h.window);
-    for (int64_t d = 0; d < h.dim; ++d) q[r * h.dim + d] = load(h.q[row * h.q_stride + d]);
+    for (int64_t d = 0; d < h.dim; ++d) q[r * h.dim + d] = h.scale * load(h.q[row * h.q_stride + d]);
   }
   const int64_t first_tile = lo[0] / kKeys, last_tile = hi[count - 1] / kKeys;
   const int64_t width = (last_tile - first_tile + 1) * kKeys, first_key = lo[0], last_key = hi[count - 1];
   float* scores = scratch + kRows * h.dim;  // [kRows][width]
-  tile_scores(keys, q, h.dim, lo, hi, first_tile, last_tile, h.scale, scores);
+  __m512 top[kRows];
   float inverse[kRows];
-  softmax_numerators(scores, width, inverse);
+  tile_scores(keys, q, h.dim, lo, hi, first_tile, last_tile, scores, top);
+  softmax_numerators(scores, width, top, inverse);
   const float* probs = scores + (first_key - first_tile * kKeys);
+  scalar_t* out = h.out + first * h.out_stride;
   for (int64_t d = 0; d < h.dim; d += 32) {
-    __m512 o[kRows][2];
-    const int vecs = h.dim - d >= 32 ? 2 : 1;
-    if (vecs == 2) weighted_values<scalar_t, 2>(h, probs, width, first_key, last_key, d, o);
-    else weighted_values<scalar_t, 1>(h, probs, width, first_key, last_key, d, o);
-    for (int64_t r = 0; r < count; ++r)
-      for (int i = 0; i < vecs; ++i)
-        store16(h.out + (first + r) * h.out_stride + d + 16 * i, _mm512_mul_ps(_mm512_set1_ps(inverse[r]), o[r][i]));
+    if (h.dim - d >= 32)
+      weighted_values<2>(values, h.dim, probs, width, first_key, last_key, d, inverse, out, h.out_stride, count);
+    else
+      weighted_values<1>(values, h.dim, probs, width, first_key, last_key, d, inverse, out, h.out_stride, count);
   }
 }
 
@@ -170,7 +182,7 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
   std::atomic<int64_t> next{0};
   const int64_t items = seqs * heads, threads = std::min<int64_t>(at::get_num_threads(), items);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> keys(padded * dim), scratch(kRows * (dim + padded));
+    std::vector<float> keys(padded * dim), values(padded * dim), scratch(kRows * (dim + padded));
     for (int64_t item = next++; item < items; item = next++) {
       const int64_t s = order[item / heads], head = item % heads, start = starts[s];
       const Head<scalar_t> h{qp + start * query.stride(0) + head * query.stride(1),
@@ -179,9 +191,9 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
                              query.stride(0), key.stride(0), value.stride(0),
                              op + start * heads * dim + head * dim, heads * dim,
                              starts[s + 1] - start, dim, window, static_cast<float>(scale)};
-      pack_keys(h, keys.data());
+      pack_head(h, keys.data(), values.data());
       for (int64_t first = 0; first < h.len; first += kRows)
-        attend_rows(h, keys.data(), first, std::min(kRows, h.len - first), scratch.data());
+        attend_rows(h, keys.data(), values.data(), first, std::min(kRows, h.len - first), scratch.data());
     }
   });
 }
