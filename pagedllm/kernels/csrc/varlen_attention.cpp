@@ -3,15 +3,15 @@
 // cu_seqlens[s] .. cu_seqlens[s + 1]. q, k and v are read in place from the
 // fused QKV output (strided views) and each head's output is written straight
 // into its columns of the packed [tokens, heads * dim] result, so nothing is
-// padded or copied: PyTorch's SDPA needs every sequence of a call padded to the
-// longest, and the copies in and out cost the encoder about as much as the
-// attention itself (docs/pooling.md, "Speed").
+// padded: PyTorch's SDPA needs every sequence of a call padded to the longest,
+// and the copies in and out cost the encoder nearly as much as the attention
+// itself (12% and 15% of its time in a two-thread profile, docs/pooling.md "Speed").
 //
 // One work item is one (sequence, head): its keys are packed once into tiles of
 // 32 keys ([tile][dim][32], fp32) and its values into rows, then 8 query rows at
 // a time take every score into a small buffer, an exact softmax over it (max,
-// exp, sum), and P . V. Items go longest first to whichever
-// thread is free, since sequence costs differ by the square of their lengths.
+// exp, sum), and P . V. Items go longest first to whichever thread is free,
+// since sequence costs differ by the square of their lengths.
 #include "ops.h"
 
 #if defined(__AVX512F__)
