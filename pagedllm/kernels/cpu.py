@@ -10,7 +10,7 @@ compiler, no ninja) the engine logs a warning and every caller keeps its
 pure-PyTorch path; ``PAGEDLLM_CPU_KERNEL=0`` turns the kernels off.
 
 The module provides: ``paged_decode_attention`` (paged_decode.cpp), ``prefill_attention``
-(prefill_attention.cpp),
+(prefill_attention.cpp), ``varlen_attention`` and ``varlen_attention_available`` (varlen_attention.cpp),
 ``rms_norm``, ``rotary_embedding``, ``silu_and_mul`` (layer_ops.cpp), ``write_kv_cache`` (kv_write.cpp),
 ``linear_small_batch`` (small_batch_linear.cpp), ``packed_linear`` and
 ``packed_linear_available`` (packed_linear.cpp), ``quant_linear`` and
@@ -37,7 +37,7 @@ logger = init_logger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "paged_decode.cpp", "layer_ops.cpp", "kv_write.cpp", "small_batch_linear.cpp",
             "sampling_ops.cpp", "quant_linear.cpp", "prefill_attention.cpp", "packed_linear.cpp",
-            "lora_ops.cpp", "moe_grouped.cpp"]
+            "lora_ops.cpp", "moe_grouped.cpp", "varlen_attention.cpp"]
 
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]

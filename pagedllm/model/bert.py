@@ -2,11 +2,9 @@
 
 A packed batch is the concatenation of its sequences' tokens: no padding, so every
 linear layer runs on exactly the real tokens. Attention is bidirectional and stays
-inside each sequence (block-diagonal): ``packed_attention`` pads only the attention
-inputs, per run of sequences of similar length, for one PyTorch
-``scaled_dot_product_attention`` call per run. On CPU that is faster than one call per
-sequence (per-call overhead) and than one call with a block-diagonal mask over the whole
-batch (cost grows with the square of the batch's tokens).
+inside each sequence (block-diagonal): ``packed_attention`` runs it over the packed rows
+in a C++ kernel where one is built, else pads only the attention inputs, per run of
+sequences of similar length, for one PyTorch ``scaled_dot_product_attention`` call per run.
 
 Weights are the Hugging Face parameter names of ``BertModel`` /
 ``XLMRobertaModel`` (optionally under ``bert.`` / ``roberta.``) and of their
@@ -15,6 +13,7 @@ Weights are the Hugging Face parameter names of ``BertModel`` /
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from pagedllm.kernels.cpu import cpu_kernels_for
 from pagedllm.model.encoder_linear import linear, linear_add, linear_gelu
 
 
@@ -94,14 +94,22 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
                      window: int | None = None) -> torch.Tensor:
     """Bidirectional attention within each sequence of a packed batch.
 
-    ``q``, ``k``, ``v``: ``[T, heads, head_dim]``; returns ``[T, heads * head_dim]``.
-    ``window``: a token sees only tokens at most ``window`` positions away (ModernBERT's
-    local layers); None: the whole sequence. Sequences of similar length share one SDPA call,
-    padded to the longest (``padding_groups``): on CPU that costs about 3.5x less than one
-    call per sequence (measured on runner-sized batches of 10-256 tokens), whose per-call
-    overhead dominates at these lengths. Only attention pads: the linear layers do not.
+    ``q``, ``k``, ``v``: ``[T, heads, head_dim]`` (views of a fused QKV output will do);
+    returns ``[T, heads * head_dim]``. ``window``: a token sees only tokens at most ``window``
+    positions away (ModernBERT's local layers); None: the whole sequence.
+
+    On an AVX-512 CPU the C++ kernel (``varlen_attention``) reads the packed rows in place
+    and writes the packed output: no padding, no copies. Elsewhere sequences of similar length
+    share one SDPA call, padded to the longest (``padding_groups``): on CPU that costs about
+    3.5x less than one call per sequence (measured on runner-sized batches of 10-256 tokens),
+    whose per-call overhead dominates at these lengths.
     """
     total, heads, head_dim = q.shape
+    kernels = cpu_kernels_for(q)
+    if (kernels is not None and head_dim % 16 == 0 and kernels.varlen_attention_available(q.dtype)
+            and all(x.stride(2) == 1 for x in (q, k, v))):
+        offsets = torch.tensor((0, *itertools.accumulate(seq_lens)), dtype=torch.long)
+        return kernels.varlen_attention(q, k, v, offsets, head_dim ** -0.5, -1 if window is None else window)
     out = torch.empty(total, heads * head_dim, dtype=q.dtype)
     start = 0
     for group in padding_groups(seq_lens):

@@ -89,20 +89,25 @@ def test_padding_groups_bound_the_padding():
 
 
 @pytest.mark.parametrize("window", (None, 4))
-def test_packed_attention_is_attention_per_sequence(window):
-    """Unsorted lengths (several padding groups), with and without a local window."""
+@pytest.mark.parametrize("head_dim, dtype", ((8, torch.float32), (48, torch.float32), (32, torch.bfloat16)))
+def test_packed_attention_is_attention_per_sequence(window, head_dim, dtype):
+    """Unsorted lengths (several padding groups, sequences across key tiles), with and without a
+    local window, q/k/v as views of one fused QKV output. Head size 8 takes the padded SDPA path;
+    48 and 32 the C++ kernel where it is built (48: a half-width last column block)."""
     torch.manual_seed(0)
     lens = (3, 40, 1, 37, 12, 90)
-    q, k, v = (torch.randn(sum(lens), 4, 8) for _ in range(3))
+    qkv = torch.randn(sum(lens), 3, 4, head_dim).to(dtype)
+    q, k, v = qkv.unbind(1)
     got = packed_attention(q, k, v, lens, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     start = 0
     for length in lens:
         pos = torch.arange(length)
         mask = None if window is None else (pos[:, None] - pos[None, :]).abs() <= window
-        q_i, k_i, v_i = (x[start:start + length].transpose(0, 1) for x in (q, k, v))
+        q_i, k_i, v_i = (x[start:start + length].transpose(0, 1).float() for x in (q, k, v))
         expected = torch.nn.functional.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=mask)
-        torch.testing.assert_close(got[start:start + length], expected.transpose(0, 1).reshape(length, -1),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[start:start + length].float(), expected.transpose(0, 1).reshape(length, -1),
+                                   atol=tolerance, rtol=tolerance)
         start += length
 
 

@@ -9,6 +9,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention,
         "Causal attention of query [queries, heads, dim] over key/value [keys, kv_heads, dim] (CPU)",
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("scale"), py::arg("query_offset"));
+  m.def("varlen_attention", &varlen_attention,
+        "Bidirectional attention within each sequence of packed [tokens, heads, dim] q/k/v (CPU, AVX-512)",
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("cu_seqlens"), py::arg("scale"),
+        py::arg("window"));
+  m.def("varlen_attention_available", &varlen_attention_available,
+        "Whether varlen_attention was built for this dtype (fp32 and bf16 on AVX-512)", py::arg("dtype"));
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding the residual in place first (CPU)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [rows, 2 * width] gate|up output (CPU)");

@@ -26,6 +26,14 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scale,
                                 int64_t query_offset);
 
+// varlen_attention.cpp: bidirectional attention within each sequence of a packed batch (an
+// encoder's): query/key/value [tokens, heads, dim] (strided views allowed), sequence s owning rows
+// cu_seqlens[s] .. cu_seqlens[s + 1]; window >= 0: a token sees keys at most window positions away.
+// Returns [tokens, heads * dim]. fp32 or bf16 on AVX-512: varlen_attention_available(dtype) says.
+torch::Tensor varlen_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor cu_seqlens,
+                               double scale, int64_t window);
+bool varlen_attention_available(at::ScalarType dtype);
+
 // kv_write.cpp: a step's new K/V rows into their pool slots.
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
                     torch::Tensor slot_mapping);
