@@ -37,7 +37,7 @@ logger = init_logger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "paged_decode.cpp", "layer_ops.cpp", "kv_write.cpp", "small_batch_linear.cpp",
             "sampling_ops.cpp", "quant_linear.cpp", "prefill_attention.cpp", "packed_linear.cpp",
-            "lora_ops.cpp", "moe_grouped.cpp"]
+            "lora_ops.cpp", "moe_grouped.cpp", "decode_stack.cpp"]
 
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
