@@ -22,7 +22,7 @@ PROMPTS = [[[5, 9, 2, 7, 3, 11, 4]], [[5, 9, 2, 7, 3, 11, 4, 8], [5, 9, 2, 7, 3,
 def _runs(llm: LLM, monkeypatch) -> list:
     """Fused and per-op from an empty prefix cache, then per-op and fused over the cache they left
     (a prefill over cached blocks rounds unlike one over fresh K/V: compare like with like)."""
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
     results = []
     for switch, cold in (("1", True), ("0", True), ("0", False), ("1", False)):
         monkeypatch.setenv(SWITCH, switch)
