@@ -2,8 +2,8 @@
 
 At batch 1 on SmolLM2-135M (30 layers) the per-operation overhead of the decoder
 (a Python module call, tensor views and a pybind crossing per op, about ten ops a
-layer) cost about as much CPU time as the kernels' work (docs/cpu_kernels.md,
-"Fused decode step"). ``DecodeStack`` (kernels/csrc/decode_stack.cpp) holds each
+layer) cost ~4.3 ms of CPU a token, over a quarter of a Q4_1 token on one thread
+(docs/architecture.md, "Fused decode step"). ``DecodeStack`` (kernels/csrc/decode_stack.cpp) holds each
 layer's weights and KV pool and runs all the layers, then the final norm, calling
 the same C++ functions the per-op path reaches through Python, on the same tensors
 in the same order: results are bit for bit the per-op path's.
