@@ -15,7 +15,8 @@ The module provides: ``paged_decode_attention`` (paged_decode.cpp), ``prefill_at
 ``linear_small_batch`` (small_batch_linear.cpp), ``packed_linear`` and
 ``packed_linear_available`` (packed_linear.cpp), ``quant_linear`` and
 ``quant_dequantize`` (quant_linear.cpp), ``moe_grouped_linear`` (moe_grouped.cpp), ``lora_bgmv`` (lora_ops.cpp) and
-``argmax_logsumexp`` (sampling_ops.cpp).
+``argmax_logsumexp`` (sampling_ops.cpp), ``DecodeStack`` and ``fused_linear`` (decode_stack.cpp: a Llama
+stack's decode step in one call, ``model/fused_decode.py``).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ logger = init_logger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "paged_decode.cpp", "layer_ops.cpp", "kv_write.cpp", "small_batch_linear.cpp",
             "sampling_ops.cpp", "quant_linear.cpp", "prefill_attention.cpp", "packed_linear.cpp",
-            "lora_ops.cpp", "moe_grouped.cpp", "varlen_attention.cpp"]
+            "lora_ops.cpp", "moe_grouped.cpp", "varlen_attention.cpp", "decode_stack.cpp"]
 
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]

@@ -17,6 +17,7 @@ from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.model.sharding import shard_layout, shard_state_dict
 from pagedllm.model.shapes import classifier_labels_of, head_dim_of, num_kv_heads_of, sliding_windows_of
+from pagedllm.model.fused_decode import FusedDecode
 from pagedllm.model.layers import Embedding, GatedMLP, Linear, RMSNorm, linear
 from pagedllm.model.quantized import install_packed_weights
 from pagedllm.model.rotary import RotaryEmbedding, context_window_of
@@ -217,6 +218,7 @@ class LlamaForCausalLM(nn.Module):
         # Granite scales the embeddings and divides the logits; other models have neither.
         self.embedding_multiplier = getattr(config, "embedding_multiplier", None)
         self.logits_scaling = getattr(config, "logits_scaling", None)
+        self.fused_decode = FusedDecode()
 
     @property
     def rope_depends_on_length(self) -> bool:
@@ -246,6 +248,11 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
         # After the image rows: Hugging Face's Granite scales whatever embeddings its decoder is given.
         hidden = _times(hidden, self.embedding_multiplier)
+        if multimodal_embeds is None:
+            # A few sequences' decode step in one C++ call where the stack allows (``fused_decode``).
+            fused = self.fused_decode.forward(self, hidden, positions, kv_caches, metadata, backend)
+            if fused is not None:
+                return fused
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, backend)

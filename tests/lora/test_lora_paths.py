@@ -31,6 +31,8 @@ def test_a_gguf_lora_file_runs_as_its_peft_folder(tiny_llama, smollm_tokenizer, 
     llm = LLM(tiny_llama, enable_lora=True, max_lora_rank=8, num_kv_blocks=64)
     from_gguf = _greedy(llm, prompts, LoRARequest("gguf", 1, gguf_path), 12)
     assert from_gguf == peft_greedy(tiny_llama, peft_dir, prompts, 12)
+    fused = llm.llm_engine.runner.model.fused_decode  # LoRA projections: decode steps run op by op
+    assert fused.checked and not fused.active
     assert_pool_free(llm)
 
 

@@ -1,3 +1,4 @@
+#include "decode_stack.h"
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -37,4 +38,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("x"), py::arg("a_pool"), py::arg("b_pool"), py::arg("a_offsets"), py::arg("b_offsets"),
         py::arg("ranks"), py::arg("out_col"), py::arg("out_size"));
   m.def("argmax_logsumexp", &argmax_logsumexp, "Per-row first argmax and fp32 logsumexp of fp32 or bf16 logits (CPU)");
+  py::class_<FusedLinear>(m, "FusedLinear", "One projection of a DecodeStack layer (decode_stack.h)");
+  m.def("fused_linear", &make_linear, "kind 0 dense, 1 packed fp32/bf16, 2 GGUF segments (decode_stack.h)",
+        py::arg("kind"), py::arg("tensors"), py::arg("qtypes"), py::arg("starts"), py::arg("stops"),
+        py::arg("out_features"), py::arg("bias"), py::arg("packed_tiles"));
+  py::class_<DecodeStack>(m, "DecodeStack", "A Llama stack's decode step for a few sequences in one call")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor, torch::Tensor>(),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"),
+           py::arg("cos_cache"), py::arg("sin_cache"), py::arg("final_norm"))
+      .def("add_layer",
+           [](DecodeStack& self, torch::Tensor input_norm, torch::Tensor post_norm, FusedLinear qkv, FusedLinear o_proj,
+              FusedLinear gate_up_proj, FusedLinear down_proj, torch::Tensor key_cache, torch::Tensor value_cache) {
+             self.add_layer(FusedLayer{input_norm, post_norm, qkv, o_proj, gate_up_proj, down_proj, key_cache,
+                                       value_cache});
+           })
+      .def("forward", &DecodeStack::forward, py::arg("hidden"), py::arg("positions"), py::arg("slot_mapping"),
+           py::arg("block_tables"), py::arg("context_lens"));
 }
