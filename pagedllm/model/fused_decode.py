@@ -31,7 +31,7 @@ from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.attention.kv_cache import LayerKVCache
 from pagedllm.attention.selector import cpu_decode
 from pagedllm.kernels.cpu import load_cpu_kernels
-from pagedllm.model.layers import Linear, RMSNorm, silu_and_mul
+from pagedllm.model.layers import GatedMLP, Linear, RMSNorm, silu_and_mul
 from pagedllm.model.packed_linear import PackedLinear
 from pagedllm.model.quantized.modules import QuantizedLinear
 
@@ -77,7 +77,8 @@ def _linear_spec(kernels: Any, module: nn.Module, dtype: torch.dtype):
 
 
 def _plain_layer(layer: nn.Module, eps: float) -> bool:
-    """Whether a decoder layer is exactly the plain Llama layer the C++ stack runs."""
+    """Whether a decoder layer is exactly the plain Llama layer the C++ stack runs (a mixture of
+    experts' layer is a ``DecoderLayer`` with another ``mlp``: not one)."""
     from pagedllm.model.llama import Attention, DecoderLayer  # llama imports this module
 
     attn = getattr(layer, "self_attn", None)
@@ -88,7 +89,7 @@ def _plain_layer(layer: nn.Module, eps: float) -> bool:
     return attn.tp.world_size == 1 and attn.q_norm is None and attn.sliding_window is None \
         and attn.logits_soft_cap is None and attn.attention_chunk is None and attn.sinks is None \
         and rotary is not None and rotary.threshold is None and not rotary.interleaved \
-        and layer.mlp.act_and_mul is silu_and_mul and layer.mlp.tp.world_size == 1 \
+        and type(layer.mlp) is GatedMLP and layer.mlp.act_and_mul is silu_and_mul and layer.mlp.tp.world_size == 1 \
         and all(type(norm) is RMSNorm and norm.eps == eps for norm in norms)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
 
 from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.model.llava import LlavaForConditionalGeneration
@@ -36,6 +35,10 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
     def embed_image(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """One image's rows: its whole view's, then its grid's (cropped, a newline row after each
         feature row). The processor always gives the whole view and at least one grid tile."""
+        # Imported here: transformers' modeling module pulls in optional GPU libraries (triton),
+        # which a text-only CPU engine must never import (tests/engine/test_cpu_engine_imports.py).
+        from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
+
         features = self.tile_features(data["pixel_values"])
         newline = self.image_newline.to(features.dtype)
         size = data["image_sizes"]  # (height, width) of the image as given

@@ -68,6 +68,8 @@ RULES_JSON_SCHEMA_CANNOT_STATE = {
     # Relations between array items.
     "two tools of one name": r"^tools: two tools have the same function name",
     "a named tool choice that names no tool": r"^tool_choice names the function .* which is not in tools",
+    # What the served model takes (its architecture, not the JSON): an image part sent to a text-only model.
+    "an image for a text-only model": r"this model takes text only",
     # Jinja: the chat template's own checks (raise_exception), e.g. roles that must alternate.
     "the chat template's own checks": r"^messages: the chat template refused this conversation",
 }
