@@ -28,6 +28,10 @@ class PrefillSpan:
     # With full-precision tails (``kv_cache``): the tail slot holding the tokens of
     # the span's first block before the span (-1: none, or the span starts a block).
     tail_slot: int = -1
+    # Sequence positions [start, end) of runs of image tokens that attend to each other both
+    # ways (Gemma 3), of the images the span's queries touch; the scheduler keeps each whole
+    # in one chunk, so every key such a query reads is in the pool or the span.
+    image_groups: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

@@ -180,7 +180,10 @@ class TorchPagedAttention:
         its own, else None."""
         # Query i sits at position first + i and sees keys up to it (and in the window or chunk).
         first = span.context_len - span.query_len
-        if self.prefill_kernel is not None and layer.is_plain and full is None:
+        if full is not None and span.image_groups:
+            raise ValueError("an int8 KV pool with full-precision tails does not take images the model attends both "
+                             "ways (Gemma 3); use kv_cache_dtype='auto' for this model")
+        if self.prefill_kernel is not None and layer.is_plain and full is None and not span.image_groups:
             if first:  # earlier tokens: the span's keys are the pool's, from position 0
                 gathered = kv_cache.gather(span.block_table.unsqueeze(0), query.dtype)
                 key, value = (t[0, :, : span.context_len].transpose(0, 1) for t in gathered)
@@ -197,12 +200,12 @@ class TorchPagedAttention:
             k, v = k[:, :, : span.context_len - key_start], v[:, :, : span.context_len - key_start]
         if full is not None:
             out = _attend_with_tails(q, k, v, key_start, full, kv_cache.key.shape[1], span, layer)
-        elif span.context_len == span.query_len and layer.is_plain:
+        elif span.context_len == span.query_len and layer.is_plain and not span.image_groups:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale, enable_gqa=True)
         else:
             q_pos = torch.arange(first, span.context_len, device=query.device)[:, None]
             k_pos = torch.arange(key_start, span.context_len, device=query.device)[None, :]
-            out = _attend(q, k, v, _visible(q_pos, k_pos, layer), layer)
+            out = _attend(q, k, v, _visible(q_pos, k_pos, layer, span.image_groups), layer)
         return out.squeeze(0).transpose(0, 1)
 
 
@@ -235,9 +238,13 @@ class _LayerOptions:
         return position * 0
 
 
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, layer: _LayerOptions) -> torch.Tensor:
-    """[queries, keys]: causal, and within the layer's window or chunk."""
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, layer: _LayerOptions,
+             image_groups: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+    """[queries, keys]: causal or inside one of ``image_groups`` both ways, and within the
+    layer's window or chunk (Hugging Face's Gemma 3 mask: AND(window, OR(causal, same image)))."""
     mask = k_pos <= q_pos
+    for start, end in image_groups:
+        mask = mask | ((q_pos >= start) & (q_pos < end) & (k_pos >= start) & (k_pos < end))
     if layer.reach is not None:
         mask &= k_pos >= layer.first_read(q_pos)
     return mask

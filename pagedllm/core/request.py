@@ -131,6 +131,12 @@ class Request:
         return tuple(feature.span for feature in self.mm_features)
 
     @property
+    def whole_spans(self) -> tuple[tuple[int, int], ...]:
+        """[start, end) of each image whose tokens the model attends both ways: a prefill
+        chunk must not end inside one (its earlier tokens read its later ones)."""
+        return tuple((f.placeholder.offset, f.placeholder.end) for f in self.mm_features if f.attends_both_ways)
+
+    @property
     def needs_every_prompt_position(self) -> bool:
         """Whether every prompt token's output is read (prompt logprobs, encode):
         such a request computes its whole prompt, with no prefix-cache hit."""

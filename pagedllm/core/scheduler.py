@@ -130,11 +130,21 @@ class Scheduler(StepUpdates):
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def _chunk(self, num_tokens: int, budget: int) -> int:
-        """Tokens of a pending span that fit in this step."""
+    def _chunk(self, request: Request, start: int, num_tokens: int, budget: int) -> int:
+        """Tokens of the pending span from position ``start`` that fit in this step. A chunk
+        never ends inside an image the model attends both ways (``Request.whole_spans``):
+        it stops before the image, or, starting at or inside it, takes the rest of it
+        whole when the budget holds that (past ``long_prefill_token_threshold`` if need
+        be), else nothing this step."""
         threshold = self.config.long_prefill_token_threshold
         capped = min(num_tokens, threshold) if threshold is not None and num_tokens > 1 else num_tokens
-        return min(capped, budget)
+        end = start + min(capped, budget)
+        for image_start, image_end in request.whole_spans:
+            if image_start < end < image_end:
+                if image_start > start:
+                    return image_start - start
+                return image_end - start if image_end - start <= budget else 0
+        return end - start
 
     # -------------------------------------------------------------- schedule
 
@@ -164,7 +174,8 @@ class Scheduler(StepUpdates):
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_pending = request.num_tokens - request.num_computed_tokens
-            num_new = self._chunk(num_pending + len(request.draft_token_ids), budget)
+            num_new = self._chunk(request, request.num_computed_tokens, num_pending + len(request.draft_token_ids),
+                                  budget)
             # Drafts the budget cuts off are dropped, not deferred.
             del request.draft_token_ids[max(0, num_new - num_pending) :]
             if num_new == 0:
@@ -213,8 +224,9 @@ class Scheduler(StepUpdates):
                        budget: int) -> tuple[int, list[BlockCopy]] | None:
         """Bring a swapped request's blocks (and adapter) back and allocate its next
         tokens, or None if they do not fit."""
-        num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
-        resumed = self.kv_cache_manager.admit_swapped(request, num_new)
+        num_new = self._chunk(request, request.num_computed_tokens, request.num_tokens - request.num_computed_tokens,
+                              budget)
+        resumed = self.kv_cache_manager.admit_swapped(request, num_new) if num_new else None
         if resumed is None:
             return None
         moves, copies = resumed
@@ -229,7 +241,7 @@ class Scheduler(StepUpdates):
             remaining = request.num_tokens - num_cached
             if remaining > budget and not self.config.enable_chunked_prefill:
                 return None
-            return self._chunk(remaining, budget)
+            return self._chunk(request, num_cached, remaining, budget) or None  # 0: an image does not fit yet
 
         admitted = self.kv_cache_manager.admit(request, first_chunk)
         if admitted is None:
@@ -273,7 +285,8 @@ class Scheduler(StepUpdates):
             if head is None or head.priority >= worst.priority:
                 return
             no_seat = self.num_seats_in_use + head.num_pending_samples > self.config.max_num_seqs
-            first_chunk = self._chunk(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)
+            first_chunk = self._chunk(head, head.num_computed_tokens, head.num_tokens - head.num_computed_tokens,
+                                      self.config.max_num_batched_tokens)
             no_room = kv.num_blocks_to_start(head.num_computed_tokens + first_chunk) > kv.num_free_blocks
             if not (no_seat or no_room):
                 return

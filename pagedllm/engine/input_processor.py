@@ -83,6 +83,10 @@ class InputProcessor:
         if mm_features and params.truncate_prompt_tokens is not None:
             raise ValueError("truncate_prompt_tokens would cut images out of the prompt; drop it for prompts "
                              "with multi_modal_data")
+        budget = self.scheduler_config.max_num_batched_tokens
+        if any(f.attends_both_ways and f.placeholder.length > budget for f in mm_features):
+            raise ValueError(f"an image spans more than max_num_batched_tokens ({budget}) tokens, and this model's "
+                             "prefill chunks keep each image whole; raise max_num_batched_tokens")
         prompt_text, token_ids = self._truncate(prompt_text, token_ids, params.truncate_prompt_tokens)
         max_tokens = self._validate(token_ids, params, 0 if lora is None else lora.num_pages)
         params = self._with_token_rules(params)

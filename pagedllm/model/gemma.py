@@ -155,9 +155,16 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return GemmaModel(config, max_position, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
-                metadata: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                metadata: AttentionMetadata, backend: AttentionBackend,
+                multimodal_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``multimodal_embeds`` (rows, embeddings): Gemma 3's image rows replace their tokens'
+        embeddings after the sqrt(hidden) scaling, as Hugging Face's ``masked_scatter`` after
+        its scaled embedding does (``model/gemma3_vision.py``)."""
         hidden = self.model.embed_tokens(input_ids)
         hidden *= self.model.embed_scale.to(hidden.dtype)
+        if multimodal_embeds is not None:
+            rows, embeds = multimodal_embeds
+            hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden = layer(positions, hidden, kv_cache, metadata, backend)
         return self.model.norm(hidden)

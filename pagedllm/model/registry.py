@@ -17,6 +17,7 @@ from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.model.base import CausalLM
 from pagedllm.model.cohere2 import Cohere2ForCausalLM
 from pagedllm.model.gemma import GemmaForCausalLM
+from pagedllm.model.gemma3_vision import Gemma3ForConditionalGeneration
 from pagedllm.model.idefics3 import Idefics3ForConditionalGeneration
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.llama4 import Llama4ForCausalLM
@@ -28,7 +29,8 @@ from pagedllm.model.packed_linear import pack_linears
 if TYPE_CHECKING:
     from pagedllm.model.checkpoint import Checkpoint
 
-_VISION_LANGUAGE = (Idefics3ForConditionalGeneration, LlavaForConditionalGeneration, LlavaNextForConditionalGeneration)
+_VISION_LANGUAGE = (Idefics3ForConditionalGeneration, LlavaForConditionalGeneration, LlavaNextForConditionalGeneration,
+                    Gemma3ForConditionalGeneration)
 # model_type -> the class that runs it (each family lists its own types).
 _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(LlamaForCausalLM.model_types, LlamaForCausalLM),

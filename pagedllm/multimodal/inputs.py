@@ -31,7 +31,9 @@ class MultiModalFeature:
     order, to the positions of ``placeholder`` whose token is ``embed_token_id``
     (``num_embeds`` of them); the other tokens there (tile markers) keep their own
     embeddings. ``data`` is the processor's output for this image alone (the
-    family's model reads it in ``embed_image``)."""
+    family's model reads it in ``embed_image``). ``attends_both_ways``: the model
+    attends both ways over each run of the image's tokens (Gemma 3), so a prefill
+    chunk never ends inside its placeholder range (``Request.whole_spans``)."""
 
     modality: str
     identifier: str
@@ -39,6 +41,7 @@ class MultiModalFeature:
     embed_token_id: int
     num_embeds: int
     data: Any = None
+    attends_both_ways: bool = False
 
     @property
     def span(self) -> tuple[int, int, str]:

@@ -36,8 +36,11 @@ class ImagePromptProcessor:
     # The processor's outputs an encoder reads (those a family's processor gives).
     TENSORS = ("pixel_values", "pixel_attention_mask", "image_sizes")
 
-    def __init__(self, hf_processor: Any, image_token_id: int, config: MultiModalConfig | None = None) -> None:
+    def __init__(self, hf_processor: Any, image_token_id: int, config: MultiModalConfig | None = None,
+                 attends_both_ways: bool = False) -> None:
         self.hf = hf_processor
+        # The model attends both ways over each image's tokens (Gemma 3): its features say so.
+        self.attends_both_ways = attends_both_ways
         self.image_token = hf_processor.image_token
         self.image_token_id = image_token_id
         self.config = config or MultiModalConfig()
@@ -87,14 +90,14 @@ class ImagePromptProcessor:
                              "(--limit-mm-per-prompt); send fewer images")
 
     @classmethod
-    def for_checkpoint(cls, path: str, image_token_id: int,
-                       config: MultiModalConfig | None = None) -> ImagePromptProcessor:
+    def for_checkpoint(cls, path: str, image_token_id: int, config: MultiModalConfig | None = None,
+                       attends_both_ways: bool = False) -> ImagePromptProcessor:
         from transformers import AutoProcessor
 
         if not any((Path(path) / name).is_file() for name in ("processor_config.json", "preprocessor_config.json")):
             raise ValueError(f"{path!r} is a vision-language checkpoint without processor_config.json: "
                              "its images cannot be processed as the model expects; add the processor's files")
-        return cls(AutoProcessor.from_pretrained(path, local_files_only=True), image_token_id, config)
+        return cls(AutoProcessor.from_pretrained(path, local_files_only=True), image_token_id, config, attends_both_ways)
 
     def process(self, text: str, images: Any) -> tuple[list[int], list[MultiModalFeature]]:
         """Token ids of ``text`` with each image token expanded, and the images' features.
@@ -119,6 +122,9 @@ class ImagePromptProcessor:
         features, used = [], 0
         for image in rgb:
             alone = self.hf(text=[self.image_token], images=[[image]], return_tensors="pt")
+            if len(alone["pixel_values"]) != 1:  # e.g. Gemma 3's pan and scan: crops beside the image
+                raise ValueError(f"the processor made {len(alone['pixel_values'])} entries of one image (pan and scan?), "
+                                 "which is not supported; turn that option off in the processor's config")
             data = {name: value[0] for name, value in alone.items() if name in self.TENSORS}
             count = int((alone["input_ids"][0] == self.image_token_id).sum())
             mine = positions[used:used + count]
@@ -127,7 +133,7 @@ class ImagePromptProcessor:
             used += count
             placeholder = PlaceholderRange(int(mine[0]), int(mine[-1]) + 1 - int(mine[0]))
             features.append(MultiModalFeature("image", image_content_hash(image), placeholder, self.image_token_id,
-                                              count, data))
+                                              count, data, self.attends_both_ways))
         if used != len(positions):
             raise ValueError(f"the prompt has {len(positions) - used} image tokens no image fills; "
                              "write images only through multi_modal_data and the image placeholder")
@@ -138,5 +144,10 @@ def image_prompt_processor_for(model_config: Any, path: str,
                                config: MultiModalConfig | None = None) -> ImagePromptProcessor | None:
     """The processor of a vision-language checkpoint (its decoder config carries the whole
     config: ``model/vision/config.py``); None for a text-only model."""
+    from pagedllm.model.registry import model_class_for
+
     whole = getattr(model_config, "vision_language_config", None)
-    return None if whole is None else ImagePromptProcessor.for_checkpoint(path, whole.image_token_id, config)
+    if whole is None:
+        return None
+    both_ways = getattr(model_class_for(model_config), "attends_images_both_ways", False)
+    return ImagePromptProcessor.for_checkpoint(path, whole.image_token_id, config, both_ways)

@@ -29,19 +29,22 @@ class WireFeature(msgspec.Struct, array_like=True):
     embed_token_id: int
     num_embeds: int
     tensors: dict[str, WireTensor]
+    attends_both_ways: bool = False
 
 
 def features_to_wire(features: list[MultiModalFeature]) -> list[WireFeature]:
     if not all(isinstance(f, MultiModalFeature) for f in features):
         raise ValueError("mm_features must be a list of MultiModalFeature (from ImagePromptProcessor.processed)")
     return [WireFeature(f.modality, f.identifier, f.placeholder.offset, f.placeholder.length, f.embed_token_id,
-                        f.num_embeds, {name: _tensor_to_wire(value) for name, value in (f.data or {}).items()})
+                        f.num_embeds, {name: _tensor_to_wire(value) for name, value in (f.data or {}).items()},
+                        f.attends_both_ways)
             for f in features]
 
 
 def features_from_wire(wire: list[WireFeature]) -> list[MultiModalFeature]:
     return [MultiModalFeature(w.modality, w.identifier, PlaceholderRange(w.offset, w.length), w.embed_token_id,
-                              w.num_embeds, {name: _tensor_from_wire(value) for name, value in w.tensors.items()})
+                              w.num_embeds, {name: _tensor_from_wire(value) for name, value in w.tensors.items()},
+                              w.attends_both_ways)
             for w in wire]
 
 

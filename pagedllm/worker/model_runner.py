@@ -30,7 +30,7 @@ from pagedllm.worker.block_moves import allocate_caches, layer_caches
 from pagedllm.worker.cuda_graphs import DecodeGraphs, why_no_graphs
 from pagedllm.worker.input_batch import CachedSequence, InputBatch, StepArrays
 from pagedllm.worker.lora_adapters import RunnerAdapters
-from pagedllm.worker.multimodal_embeds import multimodal_embedder_for
+from pagedllm.worker.multimodal_embeds import image_groups, multimodal_embedder_for
 from pagedllm.config.pooling import PoolerSpec
 from pagedllm.worker.pooler import DecoderPooler
 from pagedllm.worker.runner_spec import RunnerSpec
@@ -263,18 +263,22 @@ class ModelRunner:
         decode_context_lens = arrays.positions[:num_decodes] + 1
         width = -(-int(decode_context_lens.max(initial=0)) // self.block_size)
         decode_rows = np.repeat(rows[:num_decode_spans], counts[:num_decode_spans])
+        # Each prefill span's images whose tokens attend both ways (Gemma 3; none for other models).
+        groups = [image_groups(self.sequences[s.sequence_id].mm_features, self.sequences[s.sequence_id].prompt_token_ids,
+                               s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens)
+                  for s in order[num_decode_spans:]]
         metadata = AttentionMetadata(
             slot_mapping=self._tensor(arrays.slot_mapping),
             num_decodes=num_decodes,
             decode_block_tables=self._tensor(self.batch.decode_tables(decode_rows, width)),
             decode_context_lens=self._tensor(decode_context_lens),
-            prefills=self._prefill_spans(arrays, rows, counts, num_decode_spans),
+            prefills=self._prefill_spans(arrays, rows, counts, num_decode_spans, groups),
         )
         if self.num_kv_groups > 1:
             metadata.group_views = [metadata] + [
                 replace(metadata, slot_mapping=self._tensor(arrays.slot_mappings[group]),
                         decode_block_tables=self._tensor(self.batch.decode_tables(decode_rows, width, group)),
-                        prefills=self._prefill_spans(arrays, rows, counts, num_decode_spans, group))
+                        prefills=self._prefill_spans(arrays, rows, counts, num_decode_spans, groups, group))
                 for group in range(1, self.num_kv_groups)
             ]
         return _Batch(
@@ -288,14 +292,16 @@ class ModelRunner:
         )
 
     def _prefill_spans(self, arrays: StepArrays, rows: np.ndarray, counts: np.ndarray, first: int,
-                       group: int = 0) -> list[PrefillSpan]:
-        """Spans ``first..`` of the step (the prefill chunks), reading ``group``'s tables."""
+                       image_runs: list[tuple[tuple[int, int], ...]], group: int = 0) -> list[PrefillSpan]:
+        """Spans ``first..`` of the step (the prefill chunks), reading ``group``'s tables;
+        ``image_runs``: each one's ``PrefillSpan.image_groups``."""
         return [
             PrefillSpan(
                 query_start=int(arrays.last_rows[i] - counts[i] + 1),
                 query_len=int(counts[i]),
                 context_len=int(arrays.context_lens[i]),
                 block_table=self._tensor(self.batch.block_table[group, rows[i], : arrays.num_blocks[i]].copy()),
+                image_groups=image_runs[i - first],
             )
             for i in range(first, len(rows))
         ]

@@ -60,6 +60,19 @@ class MultimodalEmbedder:
         return embeds
 
 
+def image_groups(features: Sequence[MultiModalFeature], prompt: list[int], start: int,
+                 end: int) -> tuple[tuple[int, int], ...]:
+    """[first, last + 1) of each run of consecutive image tokens of the images the model attends
+    both ways (``MultiModalFeature.attends_both_ways``) whose placeholder overlaps [start, end)."""
+    runs: list[tuple[int, int]] = []
+    for feature in features:
+        if feature.attends_both_ways and feature.placeholder.offset < end and start < feature.placeholder.end:
+            positions = MultimodalEmbedder._embed_positions(feature, prompt)
+            for run in np.split(positions, np.flatnonzero(np.diff(positions) > 1) + 1):
+                runs.append((int(run[0]), int(run[-1]) + 1))
+    return tuple(runs)
+
+
 def multimodal_embedder_for(model: object, encoder_cache_bytes: int, device: torch.device) -> MultimodalEmbedder | None:
     """A vision-language model's (one with ``embed_image``) embedder over a fresh encoder
     cache; None for a text-only model. Only the driver runs it: the step carries its rows."""

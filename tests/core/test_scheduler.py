@@ -149,6 +149,24 @@ def test_long_prefill_threshold_caps_each_chunk():
     assert [(s.sequence_id, s.num_scheduled_tokens) for s in out.scheduled] == [("long", 30), ("short", 10)]
 
 
+def test_a_chunk_never_ends_inside_an_image_the_model_attends_both_ways():
+    """Gemma 3's rule (``Request.whole_spans``): a chunk stops before such an image, or takes it
+    whole (past the long-prefill threshold) once the step's budget holds it; another model's image splits."""
+    from pagedllm.multimodal.inputs import MultiModalFeature, PlaceholderRange
+
+    def image_request(rid, both_ways):
+        request = make_request(rid, 40, max_tokens=1)
+        request.mm_features = (MultiModalFeature("image", rid, PlaceholderRange(8, 20), 7, 20, None, both_ways),)
+        return request
+
+    scheduler, _ = make_scheduler(max_num_batched_tokens=24, long_prefill_token_threshold=12)
+    scheduler.add_request(image_request("gemma", True))
+    scheduler.add_request(image_request("llava", False))
+    chunks = [[(s.sequence_id, s.num_scheduled_tokens) for s in run_step(scheduler).scheduled] for _ in range(3)]
+    # gemma: up to the image, then the image whole (20 > 12), then the rest; llava: what the budget leaves
+    assert chunks == [[("gemma", 8), ("llava", 12)], [("gemma", 20), ("llava", 4)], [("gemma", 12), ("llava", 12)]]
+
+
 def test_swap_mode_moves_private_blocks_to_host_and_back():
     kv = KVCacheManager(8, 4, num_swap_blocks=8)
     scheduler = Scheduler(SchedulerConfig(max_model_len=256, preemption_mode="swap"), kv)

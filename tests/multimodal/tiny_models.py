@@ -9,7 +9,11 @@ tokenizer, and drawn test images.
   with 8-pixel patches: 16 image tokens an image (the class row dropped), read from the
   tower's second-to-last hidden state (llava-1.5's ``vision_feature_layer`` -2).
 - LLaVA-NeXT: the same tower over "anyres" tiles (up to 2x2 of 32 pixels at the best of
-  ``GRID_PINPOINTS``, plus the whole view), its grid rows cropped and ended by ``image_newline``."""
+  ``GRID_PINPOINTS``, plus the whole view), its grid rows cropped and ended by ``image_newline``.
+- Gemma 3: a ``Gemma3ImageProcessor`` that resizes to 64x64, a SigLIP tower with 8-pixel
+  patches (an 8x8 grid) pooled to 16 image tokens, and a two-layer Gemma 3 decoder (a
+  sliding layer whose 8-token window is shorter than an image, and a full one); the
+  tokenizer names its image tokens as Gemma's does (``boi_token``, ``eoi_token``, ``image_token``)."""
 
 from __future__ import annotations
 
@@ -28,6 +32,15 @@ IDEFICS3_CHAT_TEMPLATE = (
     "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
     "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
     "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+# Gemma's chat template, cut down: it loops over each message's content parts and writes
+# <start_of_image> for an image part (the processor expands it).
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>{{ message['role'] }}\n"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<start_of_image>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+STD_GEMMA3 = 0.05  # larger and the tiny Gemma 3 repeats one token
+GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
               image_size=32, patch_size=8, initializer_range=0.2)
 
@@ -47,14 +60,14 @@ def _text_config(tokenizer: Any) -> dict:
                 initializer_range=0.2)
 
 
-def _save(model_class: type, config: Any, processor: Any, folder: Path) -> str:
+def _save(model_class: type, config: Any, processor: Any, folder: Path, std: float = 0.2) -> str:
     """A random ``model_class(config)`` and ``processor`` saved to ``folder``; returns its path."""
     torch.manual_seed(5678)
     model = model_class(config).eval()
     with torch.no_grad():  # well-separated logits: greedy ties are not decided by float noise
         for name, parameter in model.named_parameters():
             if "norm" not in name:
-                parameter.normal_(0, 0.2)
+                parameter.normal_(0, std)
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return str(folder)
@@ -92,6 +105,24 @@ def make_tiny_llava(folder: Path, tokenizer_folder: str, family: str = "llava", 
         text_config=_text_config(tokenizer), vision_config=dict(VISION, num_hidden_layers=3),
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"), **config)
     return _save(getattr(transformers, f"{names}ForConditionalGeneration"), whole, processor, folder)
+
+
+def make_tiny_gemma3(folder: Path, tokenizer_folder: str) -> str:
+    """Write the checkpoint and its processor to ``folder``; returns its path."""
+    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor
+    from transformers import Gemma3Processor
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder, extra_special_tokens=GEMMA3_IMAGE_TOKENS)
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 64, "width": 64}),
+                                tokenizer=tokenizer, image_seq_length=16, chat_template=GEMMA3_CHAT_TEMPLATE)
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, num_hidden_layers=2, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24, rms_norm_eps=1e-6,
+                max_position_embeddings=2048, eos_token_id=tokenizer.eos_token_id)
+    config = Gemma3Config(text_config=text, vision_config=dict(VISION, image_size=64, vision_use_head=False),
+                          mm_tokens_per_image=16, boi_token_index=tokenizer.boi_token_id,
+                          eoi_token_index=tokenizer.eoi_token_id, image_token_index=tokenizer.image_token_id)
+    return _save(Gemma3ForConditionalGeneration, config, processor, folder, STD_GEMMA3)
 
 
 def drawn_image(seed: int, size: tuple[int, int] = (48, 36)) -> Image.Image:

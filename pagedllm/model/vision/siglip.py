@@ -1,7 +1,8 @@
-"""The SigLIP vision transformer as Idefics3 / SmolVLM use it: patches of images of
+"""The SigLIP vision transformer: as Idefics3 / SmolVLM use it, patches of images of
 variable size, each patch's position embedding bucketed from its fractional place in
-the image (NaViT's "patch n' pack"), bidirectional attention over the real patches.
-Parameter names match Hugging Face's ``model.vision_model``."""
+the image (NaViT's "patch n' pack"), bidirectional attention over the real patches;
+as Gemma 3 uses it (Hugging Face's ``SiglipVisionModel``), whole images of the tower's
+size, patch i at position i. Parameter names match Hugging Face's ``model.vision_model``."""
 
 from __future__ import annotations
 
@@ -21,12 +22,18 @@ class VisionEmbeddings(nn.Module):
         self.num_patches_per_side = config.image_size // config.patch_size
         self.position_embedding = nn.Embedding(self.num_patches_per_side**2, config.hidden_size)
 
-    def forward(self, pixel_values: torch.Tensor, patch_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, patch_mask: torch.Tensor | None) -> torch.Tensor:
         """Patch embeddings plus positions: a real patch at fraction (h, w) of its
         image's real patches takes the position of the bucket that fraction falls in
-        (Hugging Face's arithmetic, in float32); padding patches take position 0."""
+        (Hugging Face's arithmetic, in float32); padding patches take position 0.
+        Without a ``patch_mask`` every patch is real and patch i takes position i."""
         batch = pixel_values.shape[0]
         embeddings = self.patch_embedding(pixel_values).flatten(2).transpose(1, 2)
+        if patch_mask is None:
+            if embeddings.shape[1] != self.position_embedding.num_embeddings:
+                raise ValueError(f"the SigLIP tower takes images of {self.num_patches_per_side * self.patch_size} "
+                                 f"pixels a side, got {tuple(pixel_values.shape[-2:])}")
+            return embeddings + self.position_embedding.weight
         side = self.num_patches_per_side
         boundaries = torch.arange(1 / side, 1.0, 1 / side, device=pixel_values.device)
         rows, cols = patch_mask.shape[1:]
@@ -51,9 +58,13 @@ class SiglipVisionTransformer(nn.Module):
         self.encoder = VisionEncoder(config)
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, pixel_values: torch.Tensor, pixel_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, pixel_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``pixel_values`` [tiles, 3, H, W]; ``pixel_mask`` [tiles, H, W], true on real
-        pixels: a patch is real when any of its pixels is; attention reads only real patches."""
+        pixels: a patch is real when any of its pixels is; attention reads only real patches
+        (None: every pixel is real)."""
+        if pixel_mask is None:
+            hidden, _ = self.encoder(self.embeddings(pixel_values, None))
+            return self.post_layernorm(hidden)
         size = self.patch_size
         patch_mask = pixel_mask.unfold(1, size, size).unfold(2, size, size).sum(dim=(-1, -2)) > 0
         hidden = self.embeddings(pixel_values, patch_mask)
