@@ -80,13 +80,7 @@ class InputProcessor:
             raise ValueError("priority is only honoured with scheduling_policy='priority'; set it or drop priority")
         lora = self._adapter(lora_request)
         prompt_text, token_ids, mm_features = self._prompt_inputs(prompt)
-        if mm_features and params.truncate_prompt_tokens is not None:
-            raise ValueError("truncate_prompt_tokens would cut images out of the prompt; drop it for prompts "
-                             "with multi_modal_data")
-        budget = self.scheduler_config.max_num_batched_tokens
-        if any(f.attends_both_ways and f.placeholder.length > budget for f in mm_features):
-            raise ValueError(f"an image spans more than max_num_batched_tokens ({budget}) tokens, and this model's "
-                             "prefill chunks keep each image whole; raise max_num_batched_tokens")
+        self._check_images(mm_features, params)
         prompt_text, token_ids = self._truncate(prompt_text, token_ids, params.truncate_prompt_tokens)
         max_tokens = self._validate(token_ids, params, 0 if lora is None else lora.num_pages)
         params = self._with_token_rules(params)
@@ -119,6 +113,15 @@ class InputProcessor:
         )
         self.num_images += len(mm_features)
         return request, prompt_text
+
+    def _check_images(self, mm_features: list[MultiModalFeature], params: SamplingParams) -> None:
+        if mm_features and params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens would cut images out of the prompt; drop it for prompts "
+                             "with multi_modal_data")
+        budget = self.scheduler_config.max_num_batched_tokens
+        if any(f.attends_both_ways and f.placeholder.length > budget for f in mm_features):
+            raise ValueError(f"an image spans more than max_num_batched_tokens ({budget}) tokens, and this model's "
+                             "prefill chunks keep each image whole; raise max_num_batched_tokens")
 
     def _adapter(self, lora_request: LoRARequest | None) -> AdapterSpec | None:
         if lora_request is None:

@@ -65,12 +65,8 @@ class Gemma3ForConditionalGeneration(VisionLanguageCausalLM, GemmaForCausalLM):
     def __init__(self, config: PretrainedConfig, max_position: int | None = None,
                  tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__(config, max_position, tp)
-        whole = config.vision_language_config
-        if whole.vision_config.model_type != "siglip_vision_model":
-            raise ValueError(f"Gemma 3 with a {whole.vision_config.model_type!r} vision tower is not supported; "
-                             "a SigLIP tower (siglip_vision_model) is")
-        self.vision_tower = SiglipVisionTransformer(whole.vision_config)
-        self.multi_modal_projector = Gemma3MultiModalProjector(whole)
+        self.vision_tower = SiglipVisionTransformer(self.tower_config(config, "siglip_vision_model", "Gemma 3"))
+        self.multi_modal_projector = Gemma3MultiModalProjector(config.vision_language_config)
 
     def embed_image(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """One image's ``mm_tokens_per_image`` decoder-width rows, in raster order of the pooled grid."""

@@ -60,15 +60,13 @@ class LlavaForConditionalGeneration(VisionLanguageCausalLM):
                  tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__(config, max_position, tp)
         whole = config.vision_language_config
-        if whole.vision_config.model_type != "clip_vision_model":
-            raise ValueError(f"LLaVA with a {whole.vision_config.model_type!r} vision tower is not supported; "
-                             "a CLIP tower (clip_vision_model) is")
+        vision = self.tower_config(config, "clip_vision_model", "LLaVA")
         if whole.vision_feature_select_strategy not in _STRATEGIES:
             raise ValueError(f"unsupported vision_feature_select_strategy {whole.vision_feature_select_strategy!r}; "
                              f"supported: {', '.join(_STRATEGIES)}")
         self.feature_layers = feature_layers_of(whole)
         self.drop_class_row = whole.vision_feature_select_strategy == "default"
-        self.vision_tower = CLIPVisionTransformer(whole.vision_config, max(self.feature_layers))
+        self.vision_tower = CLIPVisionTransformer(vision, max(self.feature_layers))
         self.multi_modal_projector = LlavaMultiModalProjector(whole, len(self.feature_layers))
 
     def tile_features(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,15 @@ class VisionLanguageCausalLM(LlamaForCausalLM):
             raise ValueError("vision-language models run on one rank for now; set tensor_parallel_size=1")
         super().__init__(config, max_position, tp)
 
+    @staticmethod
+    def tower_config(config: PretrainedConfig, tower: str, family: str) -> PretrainedConfig:
+        """The whole checkpoint's ``vision_config``; ValueError unless its ``model_type`` is ``tower``."""
+        vision = config.vision_language_config.vision_config
+        if vision.model_type != tower:
+            raise ValueError(f"{family} with a {vision.model_type!r} vision tower is not supported; "
+                             f"a {tower} tower is")
+        return vision
+
     def unused_weight(self, name: str) -> bool:
         """Whether a checkpoint tensor (by this module's name) is one the family never reads."""
         return False
