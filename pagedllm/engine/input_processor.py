@@ -118,8 +118,12 @@ class InputProcessor:
         if mm_features and params.truncate_prompt_tokens is not None:
             raise ValueError("truncate_prompt_tokens would cut images out of the prompt; drop it for prompts "
                              "with multi_modal_data")
+        both_ways = [f for f in mm_features if f.attends_both_ways]
+        if both_ways and self.tail_blocks:  # (``torch_paged``'s tail rule attends in query chunks)
+            raise ValueError("this model's images attend both ways, which an int8 KV pool with full-precision tails "
+                             "does not take; start the engine with kv_cache_dtype='auto'")
         budget = self.scheduler_config.max_num_batched_tokens
-        if any(f.attends_both_ways and f.placeholder.length > budget for f in mm_features):
+        if any(f.placeholder.length > budget for f in both_ways):
             raise ValueError(f"an image spans more than max_num_batched_tokens ({budget}) tokens, and this model's "
                              "prefill chunks keep each image whole; raise max_num_batched_tokens")
 
