@@ -45,34 +45,38 @@ def hf_outputs(gemma3) -> list[list[int]]:
     return hf_greedy(gemma3, "Gemma3ForConditionalGeneration", [*CASES, (chat, [12])], MAX_TOKENS)
 
 
+@pytest.fixture(scope="module")
+def gemma3_llm(gemma3) -> LLM:
+    return LLM(gemma3, num_kv_blocks=64, block_size=16)
+
+
 def _prompt(text: str, spec: list) -> dict | str:
     return {"prompt": text, "multi_modal_data": {"image": images_of(spec)}} if spec else text
 
 
-@pytest.mark.parametrize(("max_num_batched_tokens", "num_kv_blocks"), [(2048, 64), (20, 10)],
-                         ids=["whole", "chunked-preempted"])
-def test_greedy_equals_hugging_face(gemma3, hf_outputs, max_num_batched_tokens, num_kv_blocks):
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked-preempted"])
+def test_greedy_equals_hugging_face(gemma3, gemma3_llm, hf_outputs, chunked):
     """A 20-token budget would end chunks inside every image (16 tokens and its markers):
     they stop before it and take it whole instead; a 10-block pool preempts requests
     (recompute), which restart from their cached blocks, inside an image or not."""
     from tests.multimodal.test_media import data_url
 
-    llm = LLM(gemma3, num_kv_blocks=num_kv_blocks, block_size=16, max_num_batched_tokens=max_num_batched_tokens)
+    llm = LLM(gemma3, num_kv_blocks=10, block_size=16, max_num_batched_tokens=20) if chunked else gemma3_llm
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     outputs = llm.generate([_prompt(text, spec) for text, spec in CASES], params, use_tqdm=False)
     assert [list(out.outputs[0].token_ids) for out in outputs] == hf_outputs[:len(CASES)]
-    assert (llm.stats()["num_preemptions"] > 0) == (num_kv_blocks == 10)
+    assert (llm.stats()["num_preemptions"] > 0) == chunked
     chat = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(drawn_image(12))}},
                                                   {"type": "text", "text": QUESTION}]}], params)[0]
     assert list(chat.outputs[0].token_ids) == hf_outputs[-1]
     assert_pool_free(llm)
 
 
-def test_blocks_are_keyed_by_image_content(gemma3):
+def test_blocks_are_keyed_by_image_content(gemma3_llm):
     """The same image and text again: every full block hits (a hit ending inside the image too:
     its blocks were computed with the whole image), the encoder is not run again, the tokens are
     the same. The same text with another image: only the text blocks before the image hit."""
-    llm = LLM(gemma3, num_kv_blocks=64, block_size=16)
+    llm = gemma3_llm
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     image_token_id = llm.llm_engine.model_config.vision_language_config.image_token_id
     for text, spec in (CASES[0], CASES[3]):
