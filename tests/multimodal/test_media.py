@@ -111,11 +111,11 @@ def test_downloads_from_allowed_hosts_within_the_time_and_size_limits(picture_se
 def test_processed_images_cross_the_wire_as_bytes():
     data = {"pixel_values": torch.randn(2, 3, 4, 4), "pixel_attention_mask": torch.rand(2, 4, 4) > 0.5,
             "half": torch.randn(3).to(torch.bfloat16)}
-    feature = MultiModalFeature("image", "abc", PlaceholderRange(5, 9), 7, 8, data)
+    feature = MultiModalFeature("image", "abc", PlaceholderRange(5, 9), 7, 8, data, attends_both_ways=True)
     encoded = msgspec.msgpack.encode(features_to_wire([feature]))
     back, = features_from_wire(msgspec.msgpack.decode(encoded, type=list[WireFeature]))
-    assert (back.modality, back.identifier, back.placeholder, back.embed_token_id, back.num_embeds) == \
-        ("image", "abc", PlaceholderRange(5, 9), 7, 8)
+    assert (back.modality, back.identifier, back.placeholder, back.embed_token_id, back.num_embeds,
+            back.attends_both_ways) == ("image", "abc", PlaceholderRange(5, 9), 7, 8, True)
     for name, tensor in data.items():
         assert back.data[name].dtype == tensor.dtype and torch.equal(back.data[name], tensor)
 
