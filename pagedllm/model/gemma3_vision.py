@@ -65,7 +65,7 @@ class Gemma3ForConditionalGeneration(VisionLanguageCausalLM, GemmaForCausalLM):
     def __init__(self, config: PretrainedConfig, max_position: int | None = None,
                  tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__(config, max_position, tp)
-        self.vision_tower = SiglipVisionTransformer(self.tower_config(config, "siglip_vision_model", "Gemma 3"))
+        self.vision_tower = SiglipVisionTransformer(self.tower_config(config, ("siglip_vision_model",), "Gemma 3"))
         self.multi_modal_projector = Gemma3MultiModalProjector(config.vision_language_config)
 
     def embed_image(self, data: dict[str, torch.Tensor]) -> torch.Tensor:

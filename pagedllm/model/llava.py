@@ -1,5 +1,6 @@
-"""LLaVA (``LlavaForConditionalGeneration``, llava-1.5's layout): a CLIP vision tower, a
-two-layer MLP projector into the decoder's width, and a Llama-family decoder
+"""LLaVA (``LlavaForConditionalGeneration``, llava-1.5's layout): a CLIP or SigLIP vision
+tower read at ``vision_feature_layer``, a two-layer MLP projector into the decoder's width,
+and a Llama-family decoder
 (``model/vision/family.py``). The processor writes one image token per row the model
 gives (``LlavaProcessor``: a row per patch, plus the class row under the "full"
 strategy), so ``embed_image``'s rows replace those tokens one for one, as Hugging
@@ -15,8 +16,11 @@ from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.model.vision.clip import CLIPVisionTransformer
 from pagedllm.model.vision.encoder import activation
 from pagedllm.model.vision.family import VisionLanguageCausalLM
+from pagedllm.model.vision.siglip import SiglipHiddenStates
 
 _STRATEGIES = ("default", "full")  # "default" drops the class row, "full" keeps it
+# vision_config.model_type -> the tower (both read hidden states up to the last layer read).
+_TOWERS = {"clip_vision_model": CLIPVisionTransformer, "siglip_vision_model": SiglipHiddenStates}
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -47,7 +51,8 @@ def feature_layers_of(config: PretrainedConfig) -> list[int]:
 
 class LlavaForConditionalGeneration(VisionLanguageCausalLM):
     """The decoder (``model``, ``lm_head``) plus ``vision_tower`` (only the layers up to the
-    last one read) and ``multi_modal_projector``."""
+    last one read) and ``multi_modal_projector``. SigLIP has no class row: "default" drops the
+    first patch's row all the same, as Hugging Face does (SigLIP LLaVAs run "full")."""
 
     vision_language_types = ("llava",)
     # Hugging Face 5's names, then the hub's (transformers 4) llava-1.5 layout.
@@ -60,13 +65,13 @@ class LlavaForConditionalGeneration(VisionLanguageCausalLM):
                  tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__(config, max_position, tp)
         whole = config.vision_language_config
-        vision = self.tower_config(config, "clip_vision_model", "LLaVA")
+        vision = self.tower_config(config, tuple(_TOWERS), "LLaVA")
         if whole.vision_feature_select_strategy not in _STRATEGIES:
             raise ValueError(f"unsupported vision_feature_select_strategy {whole.vision_feature_select_strategy!r}; "
                              f"supported: {', '.join(_STRATEGIES)}")
         self.feature_layers = feature_layers_of(whole)
         self.drop_class_row = whole.vision_feature_select_strategy == "default"
-        self.vision_tower = CLIPVisionTransformer(vision, max(self.feature_layers))
+        self.vision_tower = _TOWERS[vision.model_type](vision, max(self.feature_layers))
         self.multi_modal_projector = LlavaMultiModalProjector(whole, len(self.feature_layers))
 
     def tile_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -85,9 +90,11 @@ class LlavaForConditionalGeneration(VisionLanguageCausalLM):
         return features.reshape(-1, features.shape[-1])
 
     def unused_weight(self, name: str) -> bool:
-        """The tower's layers after the last one read, its pooled head's norm, and an old
-        checkpoint's ``position_ids`` buffer: dropped on loading, never held."""
+        """The tower's layers after the last one read, its pooled head (CLIP's norm, SigLIP's
+        final norm and attention-pooling head), and an old checkpoint's ``position_ids`` buffer:
+        dropped on loading, never held."""
         parts = name.split(".")
-        return (parts[:2] == ["vision_tower", "post_layernorm"] or name == "vision_tower.embeddings.position_ids"
+        return (parts[:2] in (["vision_tower", "post_layernorm"], ["vision_tower", "head"])
+                or name == "vision_tower.embeddings.position_ids"
                 or (parts[:3] == ["vision_tower", "encoder", "layers"]
                     and int(parts[3]) >= len(self.vision_tower.encoder.layers)))

@@ -29,9 +29,11 @@ def _prompt(text: str, spec: list) -> dict | str:
 
 
 @pytest.mark.slow  # ~10 s each on a 2-core CPU: the tiny model, its processor, Hugging Face's outputs, an engine
-@pytest.mark.parametrize("family", ["llava", "llava_next"])
-def test_greedy_equals_hugging_face_and_a_repeated_image_hits(tmp_path, tiny_llama, family):
-    llava = make_tiny_llava(tmp_path, tiny_llama, family)
+@pytest.mark.parametrize(("family", "tower"), [("llava", "clip"), ("llava_next", "clip"), ("llava", "siglip")])
+def test_greedy_equals_hugging_face_and_a_repeated_image_hits(tmp_path, tiny_llama, family, tower):
+    """SigLIP under "full" (a row per patch, as SigLIP LLaVAs run), CLIP under "default"."""
+    config = {"vision_feature_select_strategy": "full"} if tower == "siglip" else {}
+    llava = make_tiny_llava(tmp_path, tiny_llama, family, tower, **config)
     hf_class = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration"}[family]
     expected = hf_greedy(llava, hf_class, CASES, MAX_TOKENS)
 
@@ -55,7 +57,8 @@ def test_greedy_equals_hugging_face_and_a_repeated_image_hits(tmp_path, tiny_lla
 
 
 @pytest.mark.slow  # Hugging Face's LLaVA modules take ~2 s to import: with the test above in the slow tier
-def test_image_features_equal_hugging_face():
+@pytest.mark.parametrize("tower", ["clip_vision_model", "siglip_vision_model"])
+def test_image_features_equal_hugging_face(tower):
     """The "full" strategy over three hidden states (the input and both ends), quick-GELU projector
     without biases; Hugging Face 5's in-memory names load too (the test above reads the saved layout)."""
     from transformers import LlavaConfig
@@ -67,7 +70,7 @@ def test_image_features_equal_hugging_face():
 
     whole = LlavaConfig(text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, vocab_size=64),
-                        vision_config=dict(VISION, num_hidden_layers=3), image_token_id=63,
+                        vision_config=dict(VISION, num_hidden_layers=3, model_type=tower), image_token_id=63,
                         vision_feature_select_strategy="full", vision_feature_layer=[-1, 0, 1],
                         projector_hidden_act="quick_gelu", multimodal_projector_bias=False)
     torch.manual_seed(0)
@@ -78,13 +81,13 @@ def test_image_features_equal_hugging_face():
     with torch.no_grad():
         expected = torch.cat(reference.model.get_image_features(pixel_values=pixels).pooler_output)
         got = torch.cat([model.embed_image({"pixel_values": image}) for image in pixels])
-    assert got.shape == (2 * (16 + 1), 32)  # a row per patch and the class row
+    assert got.shape == (2 * (16 + (tower == "clip_vision_model")), 32)  # a row per patch (and CLIP's class row)
     torch.testing.assert_close(got, expected)
 
 
 @pytest.mark.parametrize(("config", "message"), [
     (dict(text_config={"model_type": "gemma"}), "a llava checkpoint with a 'gemma' decoder is not supported"),
-    (dict(vision_config={"model_type": "siglip_vision_model"}), "'siglip_vision_model' vision tower is not supported"),
+    (dict(vision_config={"model_type": "pixtral"}), "'pixtral' vision tower is not supported"),
     (dict(vision_feature_layer=25), "vision_feature_layer 25 is outside the tower's 25 hidden states"),
 ])
 def test_an_unsupported_llava_is_refused_by_name(config, message):

@@ -86,9 +86,11 @@ def make_tiny_idefics3(folder: Path, tokenizer_folder: str) -> str:
     return _save(Idefics3ForConditionalGeneration, config, processor, folder)
 
 
-def make_tiny_llava(folder: Path, tokenizer_folder: str, family: str = "llava", **config: Any) -> str:
+def make_tiny_llava(folder: Path, tokenizer_folder: str, family: str = "llava", tower: str = "clip",
+                    **config: Any) -> str:
     """Write the checkpoint of ``family`` ("llava" or "llava_next"; ``config`` overrides its
-    config's fields) and its processor to ``folder``; returns its path."""
+    config's fields) and its processor to ``folder``; returns its path. ``tower`` "siglip" (with
+    "llava"): a SigLIP tower (its pooling head saved, never read) behind a ``SiglipImageProcessor``."""
     import transformers
 
     names = {"llava": "Llava", "llava_next": "LlavaNext"}[family]
@@ -97,12 +99,16 @@ def make_tiny_llava(folder: Path, tokenizer_folder: str, family: str = "llava", 
     if family == "llava_next":  # a grid of up to 2x2 tiles of 32 pixels, and the whole view
         sizes["image_grid_pinpoints"] = config["image_grid_pinpoints"] = GRID_PINPOINTS
     image_processor = getattr(transformers, "CLIPImageProcessor" if family == "llava" else "LlavaNextImageProcessor")
+    vision = dict(VISION, num_hidden_layers=3)
+    if tower == "siglip":  # no class row: no additional image token
+        image_processor, sizes = transformers.SiglipImageProcessor, dict(size={"height": 32, "width": 32})
+        vision["model_type"] = "siglip_vision_model"
     processor = getattr(transformers, f"{names}Processor")(
         image_processor=image_processor(**sizes), tokenizer=tokenizer, patch_size=8,
         vision_feature_select_strategy=config.get("vision_feature_select_strategy", "default"),
-        num_additional_image_tokens=1)
+        num_additional_image_tokens=int(tower == "clip"))
     whole = getattr(transformers, f"{names}Config")(
-        text_config=_text_config(tokenizer), vision_config=dict(VISION, num_hidden_layers=3),
+        text_config=_text_config(tokenizer), vision_config=vision,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"), **config)
     return _save(getattr(transformers, f"{names}ForConditionalGeneration"), whole, processor, folder)
 

@@ -30,12 +30,12 @@ class VisionLanguageCausalLM(LlamaForCausalLM):
         super().__init__(config, max_position, tp)
 
     @staticmethod
-    def tower_config(config: PretrainedConfig, tower: str, family: str) -> PretrainedConfig:
-        """The whole checkpoint's ``vision_config``; ValueError unless its ``model_type`` is ``tower``."""
+    def tower_config(config: PretrainedConfig, towers: tuple[str, ...], family: str) -> PretrainedConfig:
+        """The whole checkpoint's ``vision_config``; ValueError unless its ``model_type`` is one of ``towers``."""
         vision = config.vision_language_config.vision_config
-        if vision.model_type != tower:
+        if vision.model_type not in towers:
             raise ValueError(f"{family} with a {vision.model_type!r} vision tower is not supported; "
-                             f"a {tower} tower is")
+                             f"supported towers: {', '.join(towers)}")
         return vision
 
     def unused_weight(self, name: str) -> bool:

@@ -70,3 +70,18 @@ class SiglipVisionTransformer(nn.Module):
         hidden = self.embeddings(pixel_values, patch_mask)
         hidden, _ = self.encoder(hidden, patch_mask.reshape(patch_mask.shape[0], 1, 1, -1))
         return self.post_layernorm(hidden)
+
+
+class SiglipHiddenStates(nn.Module):
+    """The embeddings and the first ``num_layers`` encoder layers of a SigLIP tower over whole
+    images (LLaVA's reading of it: hidden states, never the final LayerNorm)."""
+
+    def __init__(self, config: PretrainedConfig, num_layers: int) -> None:
+        super().__init__()
+        self.embeddings = VisionEmbeddings(config)
+        self.encoder = VisionEncoder(config, num_layers)
+
+    def forward(self, pixel_values: torch.Tensor, layers: list[int]) -> list[torch.Tensor]:
+        """The hidden states numbered ``layers`` (Hugging Face's ``hidden_states``), in that order."""
+        _, kept = self.encoder(self.embeddings(pixel_values, None), keep=frozenset(layers))
+        return [kept[layer] for layer in layers]
