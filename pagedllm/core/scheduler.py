@@ -179,8 +179,9 @@ class Scheduler(StepUpdates):
             # Drafts the budget cuts off are dropped, not deferred.
             del request.draft_token_ids[max(0, num_new - num_pending) :]
             if num_new == 0:
-                # Its policy holds the last sampled token back until the rest of
-                # its group catches up: nothing to compute this step.
+                # Nothing to compute this step: its policy holds the last sampled token back
+                # until the rest of its group catches up, or its next chunk is an image the
+                # budget left does not hold whole.
                 index += 1
                 continue
             copies = kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
