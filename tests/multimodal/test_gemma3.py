@@ -94,3 +94,19 @@ def test_blocks_are_keyed_by_image_content(gemma3_llm):
     start = short.prompt_token_ids.index(image_token_id)
     assert start < short.num_cached_tokens == 16 < start + 16
     assert_pool_free(llm)
+
+
+@pytest.mark.parametrize("engine_args, names", [
+    ({"max_num_batched_tokens": 12}, "max_num_batched_tokens"),
+    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype='auto'"),
+], ids=["image-over-budget", "int8-tails"])
+def test_an_image_the_engine_cannot_attend_both_ways_is_refused_by_name(gemma3, engine_args, names):
+    """An image longer than a step's budget could never be scheduled whole, and an int8 pool's
+    full-precision tails attend in query chunks: each such prompt is a ValueError naming the
+    setting to change; the engine then serves a text prompt and leaks no block."""
+    llm = LLM(gemma3, num_kv_blocks=16, block_size=16, **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=2)
+    with pytest.raises(ValueError, match=names):
+        llm.generate(_prompt(*CASES[0]), params, use_tqdm=False)
+    assert len(llm.generate(CASES[2][0], params, use_tqdm=False)[0].outputs[0].token_ids) == 2
+    assert_pool_free(llm)
