@@ -21,6 +21,7 @@ from PIL import Image
 
 from pagedllm.config.multimodal import MultiModalConfig
 from pagedllm.multimodal.hashing import image_content_hash
+from pagedllm.multimodal.grid_processor import GRID_PROCESSOR_TYPES, GridImageProcessor
 from pagedllm.multimodal.inputs import MultiModalFeature, PlaceholderRange
 from pagedllm.multimodal.media import load_image
 
@@ -34,7 +35,7 @@ class ImagePromptProcessor:
     """
 
     # The processor's outputs an encoder reads (those a family's processor gives).
-    TENSORS = ("pixel_values", "pixel_attention_mask", "image_sizes")
+    TENSORS = ("pixel_values", "pixel_attention_mask", "image_sizes", "image_grid_thw")
 
     def __init__(self, hf_processor: Any, image_token_id: int, config: MultiModalConfig | None = None) -> None:
         self.hf = hf_processor
@@ -87,13 +88,15 @@ class ImagePromptProcessor:
                              "(--limit-mm-per-prompt); send fewer images")
 
     @classmethod
-    def for_checkpoint(cls, path: str, image_token_id: int,
-                       config: MultiModalConfig | None = None) -> ImagePromptProcessor:
+    def for_checkpoint(cls, path: str, image_token_id: int, config: MultiModalConfig | None = None,
+                       model_type: str | None = None) -> ImagePromptProcessor:
         from transformers import AutoProcessor
 
         if not any((Path(path) / name).is_file() for name in ("processor_config.json", "preprocessor_config.json")):
             raise ValueError(f"{path!r} is a vision-language checkpoint without processor_config.json: "
                              "its images cannot be processed as the model expects; add the processor's files")
+        if model_type in GRID_PROCESSOR_TYPES:
+            return cls(GridImageProcessor.from_pretrained(path), image_token_id, config)
         return cls(AutoProcessor.from_pretrained(path, local_files_only=True), image_token_id, config)
 
     def process(self, text: str, images: Any) -> tuple[list[int], list[MultiModalFeature]]:
@@ -119,7 +122,11 @@ class ImagePromptProcessor:
         features, used = [], 0
         for image in rgb:
             alone = self.hf(text=[self.image_token], images=[[image]], return_tensors="pt")
-            data = {name: value[0] for name, value in alone.items() if name in self.TENSORS}
+            # A processor that flattens the patches of its images (Qwen2-VL's: [patches, values]
+            # beside ``image_grid_thw``) gives one image's pixel_values without a batch dimension.
+            flat = "image_grid_thw" in alone
+            data = {name: value if flat and name == "pixel_values" else value[0]
+                    for name, value in alone.items() if name in self.TENSORS}
             count = int((alone["input_ids"][0] == self.image_token_id).sum())
             mine = positions[used:used + count]
             if len(mine) != count:
@@ -139,4 +146,5 @@ def image_prompt_processor_for(model_config: Any, path: str,
     """The processor of a vision-language checkpoint (its decoder config carries the whole
     config: ``model/vision/config.py``); None for a text-only model."""
     whole = getattr(model_config, "vision_language_config", None)
-    return None if whole is None else ImagePromptProcessor.for_checkpoint(path, whole.image_token_id, config)
+    return None if whole is None else ImagePromptProcessor.for_checkpoint(path, whole.image_token_id, config,
+                                                                          whole.model_type)

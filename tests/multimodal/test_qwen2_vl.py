@@ -1,0 +1,111 @@
+"""Images in the prompt on a tiny random Qwen2-VL (its vision transformer at each image's own
+resolution, the Qwen2 decoder with multimodal rotary positions): greedy output equals Hugging
+Face's ``generate`` token for token with one image, two images of different sizes between
+text, and a text-only prompt in one batch, whole and in prefill chunks that split the images;
+the same image and text again hits the prefix and encoder caches; the prompt's M-RoPE
+positions equal Hugging Face's ``get_rope_index``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from tests.conftest import assert_pool_free
+from tests.multimodal.tiny_models import images_of, make_tiny_qwen2_vl
+
+MAX_TOKENS = 8
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+CASES = [
+    (f"<|im_start|>user\n{IMAGE}Describe it briefly.<|im_end|>\n<|im_start|>assistant\n", [1]),
+    (f"First {IMAGE} and then {IMAGE}: which one is brighter, and why?", [2, (3, (20, 60))]),
+    ("A text-only prompt between the others.", []),
+    (f"You are a careful assistant who looks at pictures and answers in one short sentence. What is in {IMAGE}?",
+     [(4, (64, 30))]),
+]
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory, tiny_llama) -> str:
+    return make_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"), tiny_llama)
+
+
+def hf_inputs(folder: str, text: str, spec: list) -> dict:
+    """Hugging Face's model inputs, as ``Qwen2VLProcessor`` builds them: the image processor's
+    tensors, each <|image_pad|> repeated for its image's merged patches, the token types."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    images = images_of(spec)
+    inputs = dict(AutoImageProcessor.from_pretrained(folder)(images=images, return_tensors="pt")) if images else {}
+    for grid in inputs.get("image_grid_thw", []):
+        text = text.replace("<|image_pad|>", "<|placeholder|>" * int(grid.prod() // 4), 1)
+    inputs.update(AutoTokenizer.from_pretrained(folder)([text.replace("<|placeholder|>", "<|image_pad|>")],
+                                                        return_tensors="pt"))
+    inputs.pop("token_type_ids", None)
+    if images:
+        image_token = AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids("<|image_pad|>")
+        inputs["mm_token_type_ids"] = (inputs["input_ids"] == image_token).int()
+    return inputs
+
+
+def hf_greedy(folder: str) -> list[list[int]]:
+    from transformers import Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    outputs = []
+    for text, spec in CASES:
+        inputs = hf_inputs(folder, text, spec)
+        with torch.no_grad():
+            generated = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+        outputs.append(generated[0, inputs["input_ids"].shape[1]:].tolist())
+    return outputs
+
+
+def _prompt(text: str, spec: list) -> dict | str:
+    return {"prompt": text, "multi_modal_data": {"image": images_of(spec)}} if spec else text
+
+
+@pytest.mark.slow  # ~10 s on a 2-core CPU: the tiny model, Hugging Face's outputs, two engines
+def test_greedy_equals_hugging_face_and_a_repeated_image_hits(qwen2_vl):
+    expected = hf_greedy(qwen2_vl)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    prompts = [_prompt(text, spec) for text, spec in CASES]
+    # Whole prefill; then chunks of 16 tokens, so images are split between chunks.
+    for options in ({}, {"enable_chunked_prefill": True, "max_num_batched_tokens": 16}):
+        llm = LLM(qwen2_vl, num_kv_blocks=64, block_size=16, **options)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [list(out.outputs[0].token_ids) for out in outputs] == expected
+        assert_pool_free(llm)
+    # (assert_pool_free emptied the prefix cache.) The same image and text twice: the second hits
+    # every full block, from the middle of the image on, and the encoder cache.
+    first = llm.generate(prompts[3], params, use_tqdm=False)[0]
+    hits = llm.stats()["encoder_cache_hits"]
+    again = llm.generate(prompts[3], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == (len(first.prompt_token_ids) - 1) // 16 * 16 > 0
+    assert list(again.outputs[0].token_ids) == expected[3]
+    assert llm.stats()["encoder_cache_hits"] == hits + 1
+    assert_pool_free(llm)
+
+
+def test_prompt_positions_equal_hugging_face_rope_index(qwen2_vl):
+    """Pure data: the runner's positions of a prompt with two images equal ``get_rope_index``'s."""
+    from transformers import Qwen2VLConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
+
+    from pagedllm.multimodal.processing import ImagePromptProcessor
+
+    text, spec = CASES[1]
+    config = Qwen2VLConfig.from_pretrained(qwen2_vl)
+    processor = ImagePromptProcessor.for_checkpoint(qwen2_vl, config.image_token_id, model_type="qwen2_vl")
+    token_ids, features = processor.process(text, images_of(spec))
+    inputs = hf_inputs(qwen2_vl, text, spec)
+    assert token_ids == inputs["input_ids"][0].tolist()
+    reference = Qwen2VLModel.get_rope_index(
+        type("M", (), {"config": config, "get_vision_position_ids": Qwen2VLModel.get_vision_position_ids})(),
+        inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"])
+
+    from pagedllm.model.qwen2_vl import Qwen2VLForConditionalGeneration
+    positions, delta = Qwen2VLForConditionalGeneration.mrope_prompt_positions(
+        type("M", (), {"merge": 2})(), len(token_ids), features)
+    assert positions.tolist() == reference[0][:, 0].tolist()
+    assert delta == int(reference[1]) < 0
