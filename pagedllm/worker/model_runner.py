@@ -94,9 +94,8 @@ class ModelRunner:
         """A runner of ``model`` over a pool of ``spec``'s shape on ``device``;
         every rank builds one from the same ``spec``. The rest is the driver's
         (rank 0, which samples): ``eos_token_ids`` for the sampler;
-        ``broadcast_step``, on a tensor-parallel driver, sends each step's
-        inputs to the other ranks before this rank runs it (they run the same
-        forward, whose all-reduces need every rank); with ``speculative_config``
+        ``broadcast_step``, on a tensor-parallel driver, sends each step's inputs to the other ranks
+        before this rank runs it (they run the same forward, whose all-reduces need every rank); with ``speculative_config``
         it verifies and proposes drafts (``draft_model``: the loaded draft of a ``draft_model``
         config); with ``pooler`` it pools the pooling sequences (``worker/pooler.py``).
         ``spec.cuda_graphs`` captures decode steps where the device and model allow

@@ -1,7 +1,7 @@
-"""Images in the prompt on a tiny random Qwen2-VL (its vision transformer at each image's own
-resolution, the Qwen2 decoder with multimodal rotary positions): greedy output equals Hugging
+"""Images in the prompt on a tiny random Qwen2-VL and Qwen2.5-VL (their vision transformers at
+each image's own resolution, the Qwen2 decoder with multimodal rotary positions): greedy output equals Hugging
 Face's ``generate`` token for token with one image, two images of different sizes between
-text, and a text-only prompt in one batch, whole and in prefill chunks that split the images;
+text, and a text-only prompt in one batch, in prefill chunks that split the images;
 the same image and text again hits the prefix and encoder caches; the prompt's M-RoPE
 positions equal Hugging Face's ``get_rope_index``."""
 
@@ -25,9 +25,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def qwen2_vl(tmp_path_factory, tiny_llama) -> str:
-    return make_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"), tiny_llama)
+HF_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
 def hf_inputs(folder: str, text: str, spec: list) -> dict:
@@ -48,10 +46,10 @@ def hf_inputs(folder: str, text: str, spec: list) -> dict:
     return inputs
 
 
-def hf_greedy(folder: str) -> list[list[int]]:
-    from transformers import Qwen2VLForConditionalGeneration
+def hf_greedy(folder: str, family: str) -> list[list[int]]:
+    import transformers
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    model = getattr(transformers, HF_CLASSES[family]).from_pretrained(folder, dtype=torch.float32).eval()
     outputs = []
     for text, spec in CASES:
         inputs = hf_inputs(folder, text, spec)
@@ -65,47 +63,49 @@ def _prompt(text: str, spec: list) -> dict | str:
     return {"prompt": text, "multi_modal_data": {"image": images_of(spec)}} if spec else text
 
 
-@pytest.mark.slow  # ~10 s on a 2-core CPU: the tiny model, Hugging Face's outputs, two engines
-def test_greedy_equals_hugging_face_and_a_repeated_image_hits(qwen2_vl):
-    expected = hf_greedy(qwen2_vl)
+@pytest.mark.slow  # ~10 s each on a 2-core CPU: the tiny model, Hugging Face's outputs, an engine
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_greedy_equals_hugging_face_and_a_repeated_image_hits(tmp_path, tiny_llama, family):
+    qwen2_vl = make_tiny_qwen2_vl(tmp_path, tiny_llama, family)
+    expected = hf_greedy(qwen2_vl, family)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     prompts = [_prompt(text, spec) for text, spec in CASES]
-    # Whole prefill; then chunks of 16 tokens, so images are split between chunks.
-    for options in ({}, {"enable_chunked_prefill": True, "max_num_batched_tokens": 16}):
-        llm = LLM(qwen2_vl, num_kv_blocks=64, block_size=16, **options)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        assert [list(out.outputs[0].token_ids) for out in outputs] == expected
-        assert_pool_free(llm)
-    # (assert_pool_free emptied the prefix cache.) The same image and text twice: the second hits
-    # every full block, from the middle of the image on, and the encoder cache.
-    first = llm.generate(prompts[3], params, use_tqdm=False)[0]
+    # Prefill chunks of 16 tokens: images are split between chunks (and the decodes of the
+    # sequences admitted first run beside the later ones' prefill chunks).
+    llm = LLM(qwen2_vl, num_kv_blocks=64, block_size=16, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [list(out.outputs[0].token_ids) for out in outputs] == expected
+    # The same image and text again: every full block hits (the cached prefix ends inside the
+    # image: the rest of its positions are sliced from the same precomputed table), and the encoder cache.
     hits = llm.stats()["encoder_cache_hits"]
     again = llm.generate(prompts[3], params, use_tqdm=False)[0]
-    assert again.num_cached_tokens == (len(first.prompt_token_ids) - 1) // 16 * 16 > 0
+    assert again.num_cached_tokens == (len(outputs[3].prompt_token_ids) - 1) // 16 * 16 > 0
     assert list(again.outputs[0].token_ids) == expected[3]
     assert llm.stats()["encoder_cache_hits"] == hits + 1
     assert_pool_free(llm)
+    if family == "qwen2_vl":  # (Qwen2.5-VL's image positions are the same rule)
+        _check_prompt_positions(qwen2_vl)
 
 
-def test_prompt_positions_equal_hugging_face_rope_index(qwen2_vl):
-    """Pure data: the runner's positions of a prompt with two images equal ``get_rope_index``'s."""
+def _check_prompt_positions(folder: str) -> None:
+    """Pure data: the positions the runner slices for a prompt with two images equal
+    Hugging Face's ``get_rope_index`` (with the test above: it imports Hugging Face's model)."""
     from transformers import Qwen2VLConfig
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 
+    from pagedllm.model.qwen2_vl import Qwen2VLForConditionalGeneration
     from pagedllm.multimodal.processing import ImagePromptProcessor
 
     text, spec = CASES[1]
-    config = Qwen2VLConfig.from_pretrained(qwen2_vl)
-    processor = ImagePromptProcessor.for_checkpoint(qwen2_vl, config.image_token_id, model_type="qwen2_vl")
+    config = Qwen2VLConfig.from_pretrained(folder)
+    processor = ImagePromptProcessor.for_checkpoint(folder, config.image_token_id, model_type="qwen2_vl")
     token_ids, features = processor.process(text, images_of(spec))
-    inputs = hf_inputs(qwen2_vl, text, spec)
+    inputs = hf_inputs(folder, text, spec)
     assert token_ids == inputs["input_ids"][0].tolist()
-    reference = Qwen2VLModel.get_rope_index(
-        type("M", (), {"config": config, "get_vision_position_ids": Qwen2VLModel.get_vision_position_ids})(),
-        inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"])
-
-    from pagedllm.model.qwen2_vl import Qwen2VLForConditionalGeneration
+    model = type("Model", (), {"config": config, "get_vision_position_ids": Qwen2VLModel.get_vision_position_ids})()
+    reference, reference_delta = Qwen2VLModel.get_rope_index(model, inputs["input_ids"], inputs["mm_token_type_ids"],
+                                                             image_grid_thw=inputs["image_grid_thw"])
     positions, delta = Qwen2VLForConditionalGeneration.mrope_prompt_positions(
-        type("M", (), {"merge": 2})(), len(token_ids), features)
-    assert positions.tolist() == reference[0][:, 0].tolist()
-    assert delta == int(reference[1]) < 0
+        type("Model", (), {"merge": 2})(), len(token_ids), features)
+    assert positions.tolist() == reference[:, 0].tolist()
+    assert delta == int(reference_delta) < 0
