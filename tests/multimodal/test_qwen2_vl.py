@@ -2,7 +2,8 @@
 each image's own resolution, the Qwen2 decoder with multimodal rotary positions): greedy output equals Hugging
 Face's ``generate`` token for token with one image, two images of different sizes between
 text, and a text-only prompt in one batch, in prefill chunks that split the images;
-the same image and text again hits the prefix and encoder caches; the prompt's M-RoPE
+the same image and text again hits the prefix and encoder caches; a chat ``image_url`` part
+goes where the processor's chat template puts it; the prompt's M-RoPE
 positions equal Hugging Face's ``get_rope_index``."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.conftest import assert_pool_free
+from tests.multimodal.test_media import data_url
 from tests.multimodal.tiny_models import images_of, make_tiny_qwen2_vl
 
 MAX_TOKENS = 8
@@ -82,6 +84,10 @@ def test_greedy_equals_hugging_face_and_a_repeated_image_hits(tmp_path, tiny_lla
     assert again.num_cached_tokens == (len(outputs[3].prompt_token_ids) - 1) // 16 * 16 > 0
     assert list(again.outputs[0].token_ids) == expected[3]
     assert llm.stats()["encoder_cache_hits"] == hits + 1
+    # The first case as a chat: the processor's chat template writes the vision markers around the image.
+    chat = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(images_of([1])[0])}},
+                                                  {"type": "text", "text": "Describe it briefly."}]}], params, use_tqdm=False)
+    assert list(chat[0].outputs[0].token_ids) == expected[0]
     assert_pool_free(llm)
     if family == "qwen2_vl":  # (Qwen2.5-VL's image positions are the same rule)
         _check_prompt_positions(qwen2_vl)
