@@ -228,7 +228,7 @@ class RotaryEmbedding(nn.Module):
         if self.mrope_section is None:
             raise ValueError("[3, tokens] positions need the config's rope_parameters mrope_section (M-RoPE)")
         channels = self.mrope_channels
-        by_channel = positions[channels].T  # [tokens, rot_dim]
+        by_channel = positions[channels].T.contiguous()  # [tokens, rot_dim] (so the rows gathered are contiguous)
         arange = torch.arange(channels.numel(), device=positions.device)
         return (torch.arange(positions.shape[1], device=positions.device), self.cos_cache[by_channel, arange],
                 self.sin_cache[by_channel, arange])
