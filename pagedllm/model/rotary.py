@@ -202,7 +202,7 @@ class RotaryEmbedding(nn.Module):
     def _rows(self, positions: torch.Tensor, metadata: AttentionMetadata | None) -> StepRows:
         """Each token's row and the tables for this step. Length-dependent ropes work them out
         once per step (the first layer) and reuse them while ``metadata`` is the same object."""
-        if positions.dim() == 1 and self.threshold is None:
+        if self.threshold is None and (self.mrope_section is None or positions.dim() == 1):
             return positions, self.cos_cache, self.sin_cache
         if self._step is not None and metadata is not None and self._step[0]() is metadata:
             return self._step[1]

@@ -117,3 +117,40 @@ def _check_prompt_positions(folder: str) -> None:
         type("Model", (), {"merge": 2})(), len(token_ids), features)
     assert positions.tolist() == reference[:, 0].tolist()
     assert delta == int(reference_delta) < 0
+
+
+def test_step_positions_slice_the_prompt_table_and_add_the_delta_past_it():
+    """The runner's seam, pure data: any span of a prompt (a chunk, the rest after a prefix hit)
+    takes its columns of the table computed once; tokens past the prompt take index + delta;
+    a step whose tokens' three positions agree gets [tokens]; other sequences keep their indices."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from pagedllm.multimodal.mrope import mrope_prompt_positions
+    from pagedllm.worker.mrope import MRopePositions
+
+    table, delta = mrope_prompt_positions(10, [(2, 1, 2, 3)])  # text 0-1, a 2x3 image at 2-7, text 8-9
+    assert table.tolist() == [[0, 1, 2, 2, 2, 2, 2, 2, 5, 6], [0, 1, 2, 2, 2, 3, 3, 3, 5, 6],
+                              [0, 1, 2, 3, 4, 2, 3, 4, 5, 6]] and delta == -3
+    seam = MRopePositions(lambda num_tokens, features: (table, delta))
+    image = SimpleNamespace(prompt_token_ids=[0] * 10, mm_features=["an image"], mrope=None)
+    text = SimpleNamespace(prompt_token_ids=[0] * 4, mm_features=[], mrope=None)
+    for sequence in (image, text):
+        seam.learn(sequence)
+    sequences = {"image": image, "text": text}
+
+    def step(*spans: tuple[str, int, int]) -> np.ndarray:
+        order = [SimpleNamespace(sequence_id=name, num_computed_tokens=start, num_scheduled_tokens=count)
+                 for name, start, count in spans]
+        indices = np.concatenate([np.arange(start, start + count) for _, start, count in spans])
+        return seam.step_positions(order, sequences, indices)
+
+    # A decode of each (past the prompt: index + delta) and a chunk from inside the image to past the prompt.
+    got = step(("text", 6, 1), ("image", 12, 1), ("image", 4, 8))
+    assert got.tolist() == [[6, 9, 2, 2, 2, 2, 5, 6, 7, 8], [6, 9, 2, 3, 3, 3, 5, 6, 7, 8],
+                            [6, 9, 4, 2, 3, 4, 5, 6, 7, 8]]
+    assert step(("text", 6, 1), ("image", 12, 1)).tolist() == [6, 9]  # all three agree: [tokens]
+    assert step(("image", 8, 2)).tolist() == [5, 6]  # the text after the image, from the table
+    with pytest.raises(ValueError, match="overlap"):
+        mrope_prompt_positions(10, [(2, 1, 2, 3), (6, 1, 1, 2)])
