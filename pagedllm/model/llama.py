@@ -23,6 +23,8 @@ from pagedllm.model.quantized import install_packed_weights
 from pagedllm.model.rotary import RotaryEmbedding, context_window_of
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
+# Qwen2's decoder, and the same decoder as Qwen2-VL's and Qwen2.5-VL's ``text_config`` names it.
+QWEN2_DECODER_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 
 
 class Attention(nn.Module):
@@ -47,9 +49,9 @@ class Attention(nn.Module):
         self.scale = getattr(config, "attention_multiplier", None) or self.head_dim**-0.5
         hidden = config.hidden_size
         # Qwen2 always has q/k/v biases, Qwen2-MoE per `qkv_bias`; Llama and Qwen3 follow `attention_bias`.
-        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "qkv_bias", False)) \
+        qkv_bias = config.model_type in QWEN2_DECODER_TYPES or bool(getattr(config, "qkv_bias", False)) \
             or bool(getattr(config, "attention_bias", False))
-        o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
+        o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type not in QWEN2_DECODER_TYPES
         # q, k and v in one matmul: one pass over the activations instead of three.
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -248,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
         # After the image rows: Hugging Face's Granite scales whatever embeddings its decoder is given.
         hidden = _times(hidden, self.embedding_multiplier)
-        if multimodal_embeds is None:
+        if multimodal_embeds is None and positions.dim() == 1:  # (M-RoPE's [3, tokens] runs per op)
             # A few sequences' decode step in one C++ call where the stack allows (``fused_decode``).
             fused = self.fused_decode.forward(self, hidden, positions, kv_caches, metadata, backend)
             if fused is not None:

@@ -25,12 +25,14 @@ from pagedllm.model.llava import LlavaForConditionalGeneration
 from pagedllm.model.llava_next import LlavaNextForConditionalGeneration
 from pagedllm.model.moe_families import MoeForCausalLM
 from pagedllm.model.packed_linear import pack_linears
+from pagedllm.model.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
 if TYPE_CHECKING:
     from pagedllm.model.checkpoint import Checkpoint
 
 _VISION_LANGUAGE = (Idefics3ForConditionalGeneration, LlavaForConditionalGeneration, LlavaNextForConditionalGeneration,
-                    Gemma3ForConditionalGeneration)
+                    Gemma3ForConditionalGeneration,
+                    Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration)
 # model_type -> the class that runs it (each family lists its own types).
 _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(LlamaForCausalLM.model_types, LlamaForCausalLM),

@@ -19,6 +19,11 @@ the fused C++ rotation; only tokens beyond it take the length-dependent
 frequencies. Keys already in the pool keep the rotation they were written
 with, as in Hugging Face's KV cache.
 
+Multimodal rotary positions (M-RoPE, Qwen2-VL's ``mrope_section``): a step's ``positions``
+may be [3, tokens] (time, height, width); frequency j of the rotation then turns by the
+position of the section j falls in, as Hugging Face's ``recomposition_frequencies`` picks
+it. Each token's row is gathered from the one table, per channel, once per step.
+
 GGUF files carry Llama 3.1+'s scaling as per-dimension divisors of the
 inverse frequencies (llama.cpp's ``rope_factors``); the GGUF loader sets them
 as ``config.gguf_rope_factors`` and they divide whatever the config computes.
@@ -150,7 +155,8 @@ class RotaryEmbedding(nn.Module):
         self.rope_type = rope_type_of(config)
         self.threshold = length_threshold(config)
         self.max_position = max_position
-        # Length-dependent rows of the step being run, shared by all layers: (that step's metadata, rows).
+        self.mrope_section: list[int] | None = rope_parameters_of(config).get("mrope_section")
+        # Length-dependent (or M-RoPE) rows of the step being run, shared by all layers: (that step's metadata, rows).
         self._step: tuple[weakref.ref, StepRows] | None = None
         # Models are built on the meta device and get their weights by assignment;
         # these tables are not weights, so they are computed on the CPU (moved with the model).
@@ -170,10 +176,14 @@ class RotaryEmbedding(nn.Module):
             cos, sin = torch.cat((cos, long_cos)), torch.cat((sin, long_sin))
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
+        if self.mrope_section is not None:  # each channel's section: t, h or w (both halves alike)
+            sections = torch.repeat_interleave(torch.arange(3), torch.tensor(self.mrope_section))
+            self.register_buffer("mrope_channels", torch.cat((sections, sections)), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 metadata: AttentionMetadata | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]; positions: [tokens].
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]; positions: [tokens]
+        (or M-RoPE's [3, tokens]).
         ``metadata`` gives each token's sequence length (see ``token_lengths``).
 
         The C++ path rotates q and k in place (they may be views of the fused
@@ -192,10 +202,15 @@ class RotaryEmbedding(nn.Module):
     def _rows(self, positions: torch.Tensor, metadata: AttentionMetadata | None) -> StepRows:
         """Each token's row and the tables for this step. Length-dependent ropes work them out
         once per step (the first layer) and reuse them while ``metadata`` is the same object."""
-        if self.threshold is None:
+        if self.threshold is None and (self.mrope_section is None or positions.dim() == 1):
             return positions, self.cos_cache, self.sin_cache
         if self._step is not None and metadata is not None and self._step[0]() is metadata:
             return self._step[1]
+        if positions.dim() == 2:
+            rows = self._mrope_rows(positions)
+            if metadata is not None:
+                self._step = (weakref.ref(metadata), rows)
+            return rows
         lengths = token_lengths(positions, metadata)
         beyond = lengths > self.threshold
         if not bool(beyond.any()):
@@ -207,6 +222,16 @@ class RotaryEmbedding(nn.Module):
         if metadata is not None:
             self._step = (weakref.ref(metadata), rows)
         return rows
+
+    def _mrope_rows(self, positions: torch.Tensor) -> StepRows:
+        """One cos/sin row per token: channel j read at the token's position of its section."""
+        if self.mrope_section is None:
+            raise ValueError("[3, tokens] positions need the config's rope_parameters mrope_section (M-RoPE)")
+        channels = self.mrope_channels
+        by_channel = positions[channels].T.contiguous()  # [tokens, rot_dim] (so the rows gathered are contiguous)
+        arange = torch.arange(channels.numel(), device=positions.device)
+        return (torch.arange(positions.shape[1], device=positions.device), self.cos_cache[by_channel, arange],
+                self.sin_cache[by_channel, arange])
 
     def _dynamic_rows(self, positions: torch.Tensor, lengths: torch.Tensor, beyond: torch.Tensor) -> StepRows:
         """One cos/sin row per token: the table's within the window, and beyond

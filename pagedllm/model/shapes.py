@@ -37,7 +37,7 @@ _NO_WINDOW_TYPES = frozenset({"llama", "granite", "gemma", "olmoe", "granitemoe"
 # one window on every layer: one mask for the whole model, ``layer_types`` is not read;
 _EVERY_LAYER_TYPES = frozenset({"mistral", "phi3", "mixtral", "qwen3_moe"})
 # a window only with ``use_sliding_window`` on: their configs carry one regardless (Qwen2.5's 32k).
-_OPT_IN_TYPES = frozenset({"qwen2", "qwen3", "smollm3", "qwen2_moe"})
+_OPT_IN_TYPES = frozenset({"qwen2", "qwen3", "smollm3", "qwen2_moe", "qwen2_vl_text", "qwen2_5_vl_text"})
 
 
 def sliding_windows_of(config: Any) -> list[int | None]:

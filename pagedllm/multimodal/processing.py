@@ -21,6 +21,7 @@ from PIL import Image
 
 from pagedllm.config.multimodal import MultiModalConfig
 from pagedllm.multimodal.hashing import image_content_hash
+from pagedllm.multimodal.grid_processor import GRID_PROCESSOR_TYPES, GridImageProcessor
 from pagedllm.multimodal.inputs import MultiModalFeature, PlaceholderRange
 from pagedllm.multimodal.media import load_image
 
@@ -34,7 +35,7 @@ class ImagePromptProcessor:
     """
 
     # The processor's outputs an encoder reads (those a family's processor gives).
-    TENSORS = ("pixel_values", "pixel_attention_mask", "image_sizes")
+    TENSORS = ("pixel_values", "pixel_attention_mask", "image_sizes", "image_grid_thw")
 
     def __init__(self, hf_processor: Any, image_token_id: int, config: MultiModalConfig | None = None,
                  attends_both_ways: bool = False) -> None:
@@ -91,12 +92,14 @@ class ImagePromptProcessor:
 
     @classmethod
     def for_checkpoint(cls, path: str, image_token_id: int, config: MultiModalConfig | None = None,
-                       attends_both_ways: bool = False) -> ImagePromptProcessor:
+                       attends_both_ways: bool = False, model_type: str | None = None) -> ImagePromptProcessor:
         from transformers import AutoProcessor
 
         if not any((Path(path) / name).is_file() for name in ("processor_config.json", "preprocessor_config.json")):
             raise ValueError(f"{path!r} is a vision-language checkpoint without processor_config.json: "
                              "its images cannot be processed as the model expects; add the processor's files")
+        if model_type in GRID_PROCESSOR_TYPES:
+            return cls(GridImageProcessor.from_pretrained(path), image_token_id, config, attends_both_ways)
         return cls(AutoProcessor.from_pretrained(path, local_files_only=True), image_token_id, config, attends_both_ways)
 
     def process(self, text: str, images: Any) -> tuple[list[int], list[MultiModalFeature]]:
@@ -122,10 +125,14 @@ class ImagePromptProcessor:
         features, used = [], 0
         for image in rgb:
             alone = self.hf(text=[self.image_token], images=[[image]], return_tensors="pt")
-            if len(alone["pixel_values"]) != 1:  # e.g. Gemma 3's pan and scan: crops beside the image
+            # A processor that flattens the patches of its images (Qwen2-VL's: [patches, values]
+            # beside ``image_grid_thw``) gives one image's pixel_values without a batch dimension.
+            flat = "image_grid_thw" in alone
+            if not flat and len(alone["pixel_values"]) != 1:  # e.g. Gemma 3's pan and scan: crops beside the image
                 raise ValueError(f"the processor made {len(alone['pixel_values'])} entries of one image (pan and scan?), "
                                  "which is not supported; turn that option off in the processor's config")
-            data = {name: value[0] for name, value in alone.items() if name in self.TENSORS}
+            data = {name: value if flat and name == "pixel_values" else value[0]
+                    for name, value in alone.items() if name in self.TENSORS}
             count = int((alone["input_ids"][0] == self.image_token_id).sum())
             mine = positions[used:used + count]
             if len(mine) != count:
@@ -150,4 +157,5 @@ def image_prompt_processor_for(model_config: Any, path: str,
     if whole is None:
         return None
     both_ways = getattr(model_class_for(model_config), "attends_images_both_ways", False)
-    return ImagePromptProcessor.for_checkpoint(path, whole.image_token_id, config, both_ways)
+    return ImagePromptProcessor.for_checkpoint(path, whole.image_token_id, config, both_ways,
+                                              whole.model_type)

@@ -36,7 +36,8 @@ class CachedSequence:
     the whole vectorized gather)."""
 
     __slots__ = ("prompt_token_ids", "output_token_ids", "sampling_params", "row", "num_tokens", "num_blocks",
-                 "num_computed", "num_written", "lora_name", "pooling_params", "prompt_states", "mm_features")
+                 "num_computed", "num_written", "lora_name", "pooling_params", "prompt_states", "mm_features",
+                 "mrope")
 
     def __init__(self, data: NewSequenceData, row: int) -> None:
         # The lists are the runner's own (NewSequenceData's safety rule): no copy.
@@ -45,6 +46,7 @@ class CachedSequence:
         self.sampling_params: SamplingParams = data.sampling_params
         self.lora_name = data.lora_name  # its LoRA adapter (None: the base)
         self.mm_features = data.mm_features  # images in its prompt (``worker/multimodal_embeds.py``)
+        self.mrope = None  # an M-RoPE model's prompt positions and delta (``worker/mrope.py``)
         # A pooling sequence: what it returns, and (encode) its prompt chunks' final
         # hidden states so far, dropped with the sequence when it is released.
         self.pooling_params = data.pooling_params

@@ -30,6 +30,7 @@ from pagedllm.worker.block_moves import allocate_caches, layer_caches
 from pagedllm.worker.cuda_graphs import DecodeGraphs, why_no_graphs
 from pagedllm.worker.input_batch import CachedSequence, InputBatch, StepArrays
 from pagedllm.worker.lora_adapters import RunnerAdapters
+from pagedllm.worker.mrope import MRopePositions
 from pagedllm.worker.multimodal_embeds import image_groups, multimodal_embedder_for
 from pagedllm.config.pooling import PoolerSpec
 from pagedllm.worker.pooler import DecoderPooler
@@ -93,9 +94,8 @@ class ModelRunner:
         """A runner of ``model`` over a pool of ``spec``'s shape on ``device``;
         every rank builds one from the same ``spec``. The rest is the driver's
         (rank 0, which samples): ``eos_token_ids`` for the sampler;
-        ``broadcast_step``, on a tensor-parallel driver, sends each step's
-        inputs to the other ranks before this rank runs it (they run the same
-        forward, whose all-reduces need every rank); with ``speculative_config``
+        ``broadcast_step``, on a tensor-parallel driver, sends each step's inputs to the other ranks
+        before this rank runs it (they run the same forward, whose all-reduces need every rank); with ``speculative_config``
         it verifies and proposes drafts (``draft_model``: the loaded draft of a ``draft_model``
         config); with ``pooler`` it pools the pooling sequences (``worker/pooler.py``).
         ``spec.cuda_graphs`` captures decode steps where the device and model allow
@@ -138,6 +138,7 @@ class ModelRunner:
             model, model.config, self.layer_caches, spec.dtype, spec.max_lora_rank, device, self.adapter_page_elems)
         self.mover.adapters = self.adapters
         self.embedder = multimodal_embedder_for(model, spec.encoder_cache_bytes, device)  # images (None: text only)
+        self.mrope = MRopePositions.for_model(model)  # [3, tokens] rotary positions (None: the indices)
 
     @torch.inference_mode()
     def _capture_graphs(self, max_num_seqs: int, max_model_len: int, pad_block: int) -> DecodeGraphs | None:
@@ -163,7 +164,9 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.forget(scheduler_output.released_sequence_ids)
         for data in scheduler_output.new_sequences:
-            self.batch.add(data)
+            sequence = self.batch.add(data)
+            if self.mrope is not None:
+                self.mrope.learn(sequence)
         self.batch.apply(scheduler_output.scheduled)
 
     def speculation_stats(self) -> dict[str, int | float]:
@@ -233,7 +236,7 @@ class ModelRunner:
             self.adapters.set_step(step.adapter_runs, 0 if step.input_ids is None else step.input_ids.shape[0])
         if step.input_ids is None:
             return None
-        if step.multimodal_embeds is not None:  # (a graph replays token embeddings only)
+        if step.multimodal_embeds is not None or step.positions.dim() > 1:  # (a graph replays 1-D text steps only)
             return self.model(step.input_ids, step.positions, self.layer_caches, step.metadata, self.attention,
                               multimodal_embeds=step.multimodal_embeds)
         if self.decode_graphs is not None and self.decode_graphs.fits(step.input_ids.shape[0], step.metadata):
@@ -283,7 +286,8 @@ class ModelRunner:
             ]
         return _Batch(
             input_ids=self._tensor(arrays.input_ids),
-            positions=self._tensor(arrays.positions),
+            positions=self._tensor(arrays.positions if self.mrope is None
+                                   else self.mrope.step_positions(order, self.sequences, arrays.positions)),
             metadata=metadata,
             order=order,
             last_rows=arrays.last_rows.tolist(),

@@ -162,3 +162,46 @@ def hf_greedy(folder: str, model_class: str, cases: list[tuple[str, list]], max_
             generated = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
         outputs.append(generated[0, inputs["input_ids"].shape[1]:].tolist())
     return outputs
+
+
+
+QWEN2_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# Qwen2-VL's chat template, shortened: an image part is its vision markers around one <|image_pad|>.
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_tiny_qwen2_vl(folder: Path, tokenizer_folder: str, family: str = "qwen2_vl") -> str:
+    """Qwen2-VL (``family`` "qwen2_vl") or Qwen2.5-VL ("qwen2_5_vl"): a ``Qwen2VLImageProcessor``
+    with 8-pixel patches merged 2x2 and 8..64 merged patches' worth of pixels (an image keeps its
+    aspect ratio: dynamic resolution), a 2-block vision tower (Qwen2.5-VL's: windows of 2x2
+    merged patches in block 0, full attention in block 1), and a Qwen2 decoder whose M-RoPE
+    sections split its 8 frequencies 2/3/3. ``Qwen2VLProcessor`` itself needs torchvision (its
+    video processor): the folder holds what it would save of it for images (the image
+    processor, the tokenizer, the chat template)."""
+    import transformers
+
+    names = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[family]
+    tokenizer = _tokenizer(tokenizer_folder, QWEN2_VL_TOKENS)
+    image_processor = transformers.Qwen2VLImageProcessor(patch_size=8, merge_size=2, temporal_patch_size=2,
+                                                         min_pixels=8 * 16 * 16, max_pixels=64 * 16 * 16)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
+           zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), QWEN2_VL_TOKENS)}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = dict(_text_config(tokenizer), bos_token_id=None, rope_parameters=rope, **ids)
+    vision = dict(depth=2, num_heads=2, patch_size=8, spatial_merge_size=2, temporal_patch_size=2,
+                  initializer_range=0.2)
+    if family == "qwen2_vl":
+        vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
+    else:
+        vision.update(hidden_size=32, out_hidden_size=64, intermediate_size=48, window_size=32,
+                      fullatt_block_indexes=[1])
+    config = getattr(transformers, f"{names}Config")(text_config=text, vision_config=vision,
+                                                     tie_word_embeddings=False, **ids)
+    _save(getattr(transformers, f"{names}ForConditionalGeneration"), config, image_processor, folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE)
+    return str(folder)
