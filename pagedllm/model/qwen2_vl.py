@@ -18,7 +18,7 @@ from pagedllm.distributed.group import SINGLE, TensorParallelGroup
 from pagedllm.model.llama import QWEN2_DECODER_TYPES
 from pagedllm.model.vision.family import VisionLanguageCausalLM
 from pagedllm.model.vision.qwen2_vl import Qwen25VisionTransformer, Qwen2VisionTransformer
-from pagedllm.multimodal.mrope import mrope_prompt_positions
+from pagedllm.model.mrope import mrope_prompt_positions
 
 
 class Qwen2VLForConditionalGeneration(VisionLanguageCausalLM):

@@ -127,7 +127,7 @@ def test_step_positions_slice_the_prompt_table_and_add_the_delta_past_it():
 
     import numpy as np
 
-    from pagedllm.multimodal.mrope import mrope_prompt_positions
+    from pagedllm.model.mrope import mrope_prompt_positions
     from pagedllm.worker.mrope import MRopePositions
 
     table, delta = mrope_prompt_positions(10, [(2, 1, 2, 3)])  # text 0-1, a 2x3 image at 2-7, text 8-9
