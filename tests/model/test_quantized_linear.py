@@ -57,7 +57,8 @@ def test_decoding_matches_gguf(qtype, path):
 
 
 @pytest.mark.parametrize("qtype", PACKED, ids=lambda t: t.name)
-# decode-sized (5: one full fused group of rows, 11: two and a partial one), the threshold, prefill-sized
+# decode-sized (5: all 4 weight rows at once, 8: pairs of weight rows, 11: a pairs group of 6 and one
+# of 5), the threshold, prefill-sized
 @pytest.mark.parametrize("rows", [1, 3, 5, 8, 11, 48, 49, 130])
 def test_matmul_matches_the_dequantized_weight(qtype, rows, path):
     weight, dense = random_packed(qtype, OUT_FEATURES, IN_FEATURES, seed=rows)

@@ -67,11 +67,34 @@ void decode_q8_0(const uint8_t* b, float* y) {
 // (+ m), so those are computed once, 16 lanes at a time, and each weight is a lane permute of
 // its nibble (VPERMPS reads an index's low 4 bits, VPERMT2PS its low 5): a third of the
 // instructions of converting every weight, and the same products as the scalar decoders.
+//
+// A block's fp16 scales: one 32-bit load, one 128-bit VCVTPH2PS (the conversion f16_at makes,
+// exact) and a broadcast per scale, not a 16-bit insert, conversion and broadcast per scale
+// (a 512-bit conversion of broadcast pairs was slower on Zen 4). f16_lanes reads the two bytes
+// after the scale too: only for blocks where they are the block's own (not Q6_K, whose d ends it).
+inline __m128 f16_pair(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));  // p's two fp16 in lanes 0, 1
+}
+
+inline __m512 f16_lanes(const uint8_t* p) { return _mm512_broadcastss_ps(f16_pair(p)); }
+
+// The fp16 pair (d, m) at p: d in every lane of d, m in every lane of m.
+inline void f16_pair_lanes(const uint8_t* p, __m512& d, __m512& m) {
+  const __m128 pair = f16_pair(p);
+  d = _mm512_broadcastss_ps(pair);
+  m = _mm512_broadcastss_ps(_mm_movehdup_ps(pair));
+}
+
 template <bool kHasMin>
 inline __m512 table_of(const uint8_t* b, __m512 levels) {
-  const __m512 d = _mm512_set1_ps(f16_at(b));
-  if constexpr (kHasMin) return _mm512_fmadd_ps(d, levels, _mm512_set1_ps(f16_at(b + 2)));
-  return _mm512_mul_ps(d, levels);
+  if constexpr (kHasMin) {
+    __m512 d, m;
+    f16_pair_lanes(b, d, m);
+    return _mm512_fmadd_ps(d, levels, m);
+  }
+  return _mm512_mul_ps(f16_lanes(b), levels);
 }
 
 inline __m512 levels_from(float first) {
@@ -119,11 +142,11 @@ inline void mxfp4_registers(const uint8_t* b, __m512& lo, __m512& hi) {
   hi = _mm512_permutexvar_ps(_mm512_srli_epi32(lanes, 4), table);
 }
 
+// Each half widened straight from memory (a 256-bit load and an extract cost one more instruction).
 inline void q8_0_registers(const uint8_t* b, __m512& lo, __m512& hi) {
-  const __m512 d = _mm512_set1_ps(f16_at(b));
-  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-  lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), d);
-  hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), d);
+  const __m512 d = f16_lanes(b);
+  lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))), d);
+  hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))), d);
 }
 
 // The register form of a packed type, for the fused path and the scratch decoder alike:

@@ -32,7 +32,9 @@ struct KBlock {
     u[0] &= 0x3F3F3F3F;
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
     const __m512 sixbit = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
-    const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16_at(b)), _mm512_set1_ps(f16_at(b + 2)));
+    __m512 d_lanes, dmin_lanes;
+    f16_pair_lanes(b, d_lanes, dmin_lanes);
+    const __m512 d = _mm512_mask_blend_ps(0xFF00, d_lanes, dmin_lanes);
     _mm512_store_ps(scale, _mm512_mul_ps(d, sixbit));
     if constexpr (kFifthBit) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
     qs = b + (kFifthBit ? 48 : 16);

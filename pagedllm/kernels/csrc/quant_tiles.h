@@ -44,64 +44,88 @@ void multiply_group(const float* x, int64_t ldx, const float* w, int64_t K, floa
     for (int64_t i = 0; i < rows; ++i) y[m * ldy + i] = sums[4 * m + i];
 }
 
-// The fused path: up to kMaxFusedRows rows of x against a tile of 4 weight rows whose blocks are
-// decoded into registers and multiplied at once (no fp32 scratch written and read back). The
-// decoded values and the order of the sums are multiply_group's, so the outputs are the same.
-constexpr int64_t kMaxFusedRows = 5;  // 20 accumulators + 8 weight + 2 input registers of 32
+// The fused path: rows of x against weight rows whose blocks are decoded into registers and
+// multiplied at once (no fp32 scratch written and read back). The decoded values and each
+// output's order of sums are multiply_group's (one accumulator per output, its lanes summed by
+// sum_lanes_of_16's fixed tree), so the outputs do not depend on how the rows are grouped.
+//
+// Up to kMaxFusedRows rows of x take all 4 weight rows of a tile at once (20 accumulators). More
+// rows take the tile as two pairs of weight rows against up to kMaxPairRows rows of x: each
+// block is then decoded once per pair of groups of up to 10 rows, not once per 5 rows (at 8 rows
+// of x, once instead of twice; at 32, 4 times instead of 7), for the same multiplies.
+constexpr int64_t kMaxFusedRows = 5;   // 20 accumulators + 8 weight + 2 input registers of 32
+constexpr int64_t kMaxPairRows = 10;   // 20 accumulators + 4 weight registers + decode temporaries
 constexpr int64_t kFusedPrefetchTiles = 2;
 
-template <typename F, int kGroup>
+// kWeightRows (4 or 2) weight rows at w[0..] x kGroup rows of x; `rows` of the weight rows are real.
+template <typename F, int kGroup, int kWeightRows = 4>
 void fused_group(const uint8_t* const* w, const uint8_t* ahead, int64_t ahead_bytes, const float* x, int64_t ldx,
                  int64_t K, float* y, int64_t ldy, int64_t rows) {
   using Registers = typename F::Registers;
-  __m512 acc[4 * kGroup];
+  constexpr int kAccumulators = kWeightRows * kGroup;  // accumulator kWeightRows * m + i: output (m, i)
+  __m512 acc[kAccumulators];
   for (auto& a : acc) a = _mm512_setzero_ps();
   const int64_t blocks = K / F::block_size, lines_per_block = ((ahead_bytes + 63) / 64 + blocks - 1) / blocks;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     for (int64_t line = blk * lines_per_block; line < (blk + 1) * lines_per_block; ++line)
       __builtin_prefetch(ahead + line * 64, 0, 2);  // into L2 (T1): L1 has too few miss buffers
-    Registers block[4];
-    for (int i = 0; i < 4; ++i) block[i].load(w[i] + blk * F::block_bytes);
+    Registers block[kWeightRows];
+    for (int i = 0; i < kWeightRows; ++i) block[i].load(w[i] + blk * F::block_bytes);
     for (int sub = 0; sub < Registers::sub_blocks; ++sub) {  // runs of 32 weights, in order
-      __m512 lo[4], hi[4];
-      for (int i = 0; i < 4; ++i) block[i].registers(sub, lo[i], hi[i]);
+      __m512 lo[kWeightRows], hi[kWeightRows];
+      for (int i = 0; i < kWeightRows; ++i) block[i].registers(sub, lo[i], hi[i]);
       const float* xk = x + blk * F::block_size + sub * 32;
       for (int half = 0; half < 2; ++half) {  // weights 0-15 then 16-31: multiply_group's k order
         const __m512* wv = half == 0 ? lo : hi;
-#pragma GCC unroll 5
+#pragma GCC unroll 10
         for (int m = 0; m < kGroup; ++m) {
           const __m512 xv = _mm512_loadu_ps(xk + m * ldx + half * 16);
-          for (int i = 0; i < 4; ++i) acc[4 * m + i] = _mm512_fmadd_ps(xv, wv[i], acc[4 * m + i]);
+          for (int i = 0; i < kWeightRows; ++i)
+            acc[kWeightRows * m + i] = _mm512_fmadd_ps(xv, wv[i], acc[kWeightRows * m + i]);
         }
       }
     }
   }
-  for (int first = 0; first < kGroup; first += 4) {  // 16 accumulators (4 input rows) per reduction
+  for (int first = 0; first < kAccumulators; first += 16) {  // 16 outputs per reduction
     __m512 part[16];
-    for (int j = 0; j < 16; ++j) part[j] = 4 * first + j < 4 * kGroup ? acc[4 * first + j] : _mm512_setzero_ps();
+    for (int j = 0; j < 16; ++j) part[j] = first + j < kAccumulators ? acc[first + j] : _mm512_setzero_ps();
     alignas(64) float sums[16];
     _mm512_store_ps(sums, sum_lanes_of_16(part));
-    for (int m = first; m < std::min(kGroup, first + 4); ++m)
-      for (int64_t i = 0; i < rows; ++i) y[m * ldy + i] = sums[4 * (m - first) + i];
+    for (int j = 0; j < 16 && first + j < kAccumulators; ++j) {
+      const int m = (first + j) / kWeightRows, i = (first + j) % kWeightRows;
+      if (i < rows) y[m * ldy + i] = sums[j];
+    }
   }
+}
+
+// kGroup (6 to kMaxPairRows) rows of x against the tile as two pairs of weight rows.
+template <typename F, int kGroup>
+void fused_pairs(const uint8_t* const* w, const uint8_t* ahead, int64_t ahead_bytes, const float* x, int64_t ldx,
+                 int64_t K, float* y, int64_t ldy, int64_t rows) {
+  fused_group<F, kGroup, 2>(w, ahead, ahead_bytes, x, ldx, K, y, ldy, rows);
+  if (rows > 2) fused_group<F, kGroup, 2>(w + 2, nullptr, 0, x, ldx, K, y + 2, ldy, rows - 2);
 }
 
 template <typename F>
 void fused_tile(const uint8_t* const* w, const uint8_t* ahead, int64_t ahead_bytes, const float* x, int64_t ldx,
                 int64_t M, int64_t K, float* y, int64_t ldy, int64_t rows) {
-  // Groups of kMaxFusedRows rows of x; later groups decode the tile again from L1, which costs
-  // less than writing and reading back an fp32 scratch. Only the first group prefetches.
-  int64_t m = 0;
-  for (; m + kMaxFusedRows <= M; m += kMaxFusedRows, ahead_bytes = 0)
-    fused_group<F, kMaxFusedRows>(w, ahead, ahead_bytes, x + m * ldx, ldx, K, y + m * ldy, ldy, rows);
-  const float* xm = x + m * ldx;
-  float* ym = y + m * ldy;
-  switch (M - m) {
-    case 4: return fused_group<F, 4>(w, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows);
-    case 3: return fused_group<F, 3>(w, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows);
-    case 2: return fused_group<F, 2>(w, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows);
-    case 1: return fused_group<F, 1>(w, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows);
-    default: return;
+  // Groups of equal size up to kMaxPairRows (the last one smaller); only the first prefetches.
+  const int64_t groups = (M + kMaxPairRows - 1) / kMaxPairRows, size = (M + groups - 1) / groups;
+  for (int64_t m = 0; m < M; m += size, ahead_bytes = 0) {
+    const float* xm = x + m * ldx;
+    float* ym = y + m * ldy;
+    switch (std::min(size, M - m)) {
+      case 10: fused_pairs<F, 10>(w, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows); break;
+      case 9: fused_pairs<F, 9>(w, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows); break;
+      case 8: fused_pairs<F, 8>(w, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows); break;
+      case 7: fused_pairs<F, 7>(w, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows); break;
+      case 6: fused_pairs<F, 6>(w, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows); break;
+      case 5: fused_group<F, 5>(w, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows); break;
+      case 4: fused_group<F, 4>(w, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows); break;
+      case 3: fused_group<F, 3>(w, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows); break;
+      case 2: fused_group<F, 2>(w, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows); break;
+      default: fused_group<F, 1>(w, ahead, ahead_bytes, xm, ldx, K, ym, ldy, rows); break;
+    }
   }
 }
 #endif
