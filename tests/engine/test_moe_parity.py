@@ -95,14 +95,19 @@ def _attention_in_fp32(module, query, key, value, attention_mask, scaling, dropo
     key, value = key.repeat_interleave(group, dim=1).float(), value.repeat_interleave(group, dim=1).float()
     scores = query.float() @ key.transpose(2, 3) * scaling
     queries, keys = scores.shape[-2:]
-    if attention_mask is None:  # the causal mask Hugging Face leaves to is_causal
+    if attention_mask is None:  # the causal (and sliding) mask Hugging Face leaves to the function
         attention_mask = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
+        if kwargs.get("sliding_window"):
+            attention_mask &= ~attention_mask.tril(keys - queries - kwargs["sliding_window"])
     attention_mask = attention_mask[..., :keys]
     if attention_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attention_mask, float("-inf"))
     else:
         scores = scores + attention_mask.float()
-    out = torch.softmax(scores, dim=-1) @ value
+    sinks = getattr(module, "sinks", None)  # gpt-oss's: a column that joins the softmax, then dropped
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)), dim=-1)
+    out = torch.softmax(scores, dim=-1)[..., :keys] @ value
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
@@ -131,7 +136,7 @@ def test_moe_greedy_equals_hugging_face(tmp_path: Path, smollm_tokenizer, family
     batch = _prompts(smollm_tokenizer, 4)
     assert all(len(experts) == 8 for experts in _experts_hit(model, batch)), "every expert gets tokens"
     if dtype == "bfloat16":  # Hugging Face's own bf16 load of the checkpoint
-        attention = "eager" if family == "gpt_oss" else "fp32_rounded_once"
+        attention = "fp32_rounded_once"
         model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, attn_implementation=attention,
                                                      experts_implementation="eager")
     llm = LLM(str(tmp_path), dtype=dtype, num_kv_blocks=128, debug_invariants=True)
