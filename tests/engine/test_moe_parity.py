@@ -5,8 +5,9 @@ Each model has three layers (Qwen3-MoE and Qwen2-MoE with one dense ``mlp_only_l
 layer), 8 experts, top-2, expert width 32, routers scaled 30x so that routing is far from
 uniform (the prompts' prefill sends tokens to every expert of every sparse layer, checked on
 Hugging Face's routers). Fast: one batch of mixed-length prompts per family (gpt-oss's
-window of 8 is shorter than most of them); slow, the same for gpt-oss in bf16 (18 tokens)
-against Hugging Face's bf16 load (its norms multiply their weights in fp32, before rounding). Slow: 16 prompts
+window of 8 is shorter than most of them); slow, the same for gpt-oss and OLMoE in bf16 (18
+tokens) against Hugging Face's bf16 load with its attention in fp32, rounded once, as the
+engine's (gpt-oss's norms multiply their weights in fp32, before rounding). Slow: 16 prompts
 with 40 new tokens, prefix caching on and a second round served from it; a model whose routers
 are all zero (every token ties on the same two experts), gpt-oss left to the hybrid KV
 oracle; a preemption run in a small pool.
@@ -123,10 +124,10 @@ def _cpp_bf16_attention() -> bool:
 
 # gpt-oss in bf16 runs 18 tokens: with Llama's norm rounding instead of its own, 2 of these 4
 # prompts leave Hugging Face's greedy path within them (at tokens 16 and 17; a third at 31).
-# Its sinks take the engine's eager attention, Hugging Face's rounding; the others' attention
-# is the C++ kernels' (fp32, rounded once), so their bf16 oracle computes attention that way:
-# with eager attention, 6 of 16 OLMoE prompts leave its path within 40 tokens (the router, the
-# experts, the norms and the residual stream are otherwise bit for bit Hugging Face's).
+# The engine's bf16 attention is fp32, rounded once (the C++ kernels, gpt-oss's sink path), so
+# the bf16 oracle computes attention that way: against eager attention, 6 of 16 OLMoE prompts
+# leave its path within 40 tokens (the routers, the experts, the norms and the residual stream
+# are otherwise bit for bit Hugging Face's).
 @pytest.mark.parametrize("family,dtype", [*((family, "float32") for family in FAMILIES),
                                           pytest.param("olmoe", "bfloat16", marks=[pytest.mark.slow, pytest.mark.skipif(
                                               not _cpp_bf16_attention(), reason="bf16 attention not in C++ here")]),
