@@ -290,8 +290,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     """Masked attention, q [b, heads, n, d] over k/v [b, kv_heads, m, d].
     SDPA has no soft cap and no sinks, so such layers take Hugging Face's eager path:
     scores in the input dtype, capped, masked, each head's sink logit appended as one
-    more column (and the row's max subtracted), softmax in fp32, the sink's column dropped,
-    cast back."""
+    more column, softmax in fp32, the sink's column dropped, cast back. A layer with sinks
+    computes all of it in fp32 and rounds once, as the C++ decode kernel does."""
     if layer.logits_soft_cap is None and layer.sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]
