@@ -6,10 +6,11 @@ when Triton is installed and the block size is a power of two, for the same
 storage types, except an int8 pool with full-precision tails (``kv_cache``),
 which the Triton kernel does not read (the C++ kernel does). Both kernels mask
 by sliding window, not by chunk: a chunked local layer's decodes (Llama 4) take
-PyTorch's gather path whatever the kernel (``TorchPagedAttention._decode``). Neither
-has attention sinks: a layer with sinks (gpt-oss, every layer) decodes through the same
-gather path, and its prefill spans attend eagerly in PyTorch, never through the C++
-prefill kernel (``TorchPagedAttention`` checks the layer's options, not the selector). Anything else
+PyTorch's gather path whatever the kernel (``TorchPagedAttention._decode``). Attention
+sinks (gpt-oss, every layer): the C++ decode kernel reads them; the Triton one does not,
+so on CUDA such a layer decodes through the same gather path. Its prefill spans attend
+eagerly in PyTorch, never through the C++ prefill kernel (``TorchPagedAttention`` checks
+the layer's options, not the selector). Anything else
 (fp8 pools, ``PAGEDLLM_CPU_KERNEL=0`` on CPU, no Triton): None, and the
 backend gathers through PyTorch, which runs on any device and storage type.
 
@@ -47,12 +48,14 @@ def paged_decode_kernel_for(device: torch.device, block_size: int, kv_cache_dtyp
 
 def cpu_decode(query, kv_cache: LayerKVCache, block_tables, context_lens, scale,
                sliding_window: int | None = None, logits_soft_cap: float | None = None,
-               tail_slots: torch.Tensor | None = None):
-    """The C++ kernel over a layer cache (it must have built: see ``load_cpu_kernels``)."""
+               tail_slots: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
+    """The C++ kernel over a layer cache (it must have built: see ``load_cpu_kernels``);
+    ``sinks`` [heads] in any float dtype (the kernel reads them as fp32)."""
     tails = (kv_cache.tail_key, kv_cache.tail_value, tail_slots) if tail_slots is not None else (None, None, None)
     return load_cpu_kernels().paged_decode_attention(query, kv_cache.key, kv_cache.value, kv_cache.key_scale,
                                                      kv_cache.value_scale, block_tables, context_lens, scale,
-                                                     sliding_window or 0, logits_soft_cap or 0.0, *tails)
+                                                     sliding_window or 0, logits_soft_cap or 0.0, *tails,
+                                                     sinks=None if sinks is None else sinks.float().contiguous())
 
 
 def triton_decode(query, kv_cache: LayerKVCache, block_tables, context_lens, scale,
@@ -83,5 +86,6 @@ def cpu_prefill(query, key, value, scale: float, query_offset: int):
 def attention_backend_for(device: torch.device, block_size: int, kv_cache_dtype: str = "auto",
                           tails: bool = False, dtype: torch.dtype | None = None) -> TorchPagedAttention:
     """``dtype``: the model's activations, which pick the prefill kernel."""
-    return TorchPagedAttention(paged_decode_kernel_for(device, block_size, kv_cache_dtype, tails),
-                               prefill_kernel_for(device, dtype))
+    decode_kernel = paged_decode_kernel_for(device, block_size, kv_cache_dtype, tails)
+    return TorchPagedAttention(decode_kernel, prefill_kernel_for(device, dtype),
+                               decode_reads_sinks=decode_kernel is cpu_decode)

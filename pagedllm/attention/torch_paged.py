@@ -6,8 +6,8 @@ spans run one sequence at a time; a span with no earlier context attends to
 its own fresh K/V directly and never touches the pool on the read side.
 A windowed or chunked layer's reads start at the first block of its queries' window
 or chunk: the table entries before it may have been released (``core/kv_managers/``).
-The decode kernels mask by window only and have no attention sinks: a chunked layer's
-decodes, and a layer with sinks (gpt-oss), gather here.
+The decode kernels mask by window only, and only the C++ one reads attention sinks: a
+chunked layer's decodes, and a layer with sinks (gpt-oss) on the Triton kernel, gather here.
 """
 
 from __future__ import annotations
@@ -21,11 +21,9 @@ import torch.nn.functional as F
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.attention.kv_cache import LayerKVCache
 
-# (query, layer cache, block_tables, context_lens, scale, sliding_window, logits_soft_cap, tail_slots) -> output
-DecodeKernel = Callable[
-    [torch.Tensor, LayerKVCache, torch.Tensor, torch.Tensor, float, int | None, float | None, torch.Tensor | None],
-    torch.Tensor,
-]
+# (query, layer cache, block_tables, context_lens, scale, sliding_window, logits_soft_cap, tail_slots[, sinks])
+# -> output; sinks only to a kernel that reads them (``TorchPagedAttention``'s decode_reads_sinks).
+DecodeKernel = Callable[..., torch.Tensor]
 
 # (query [queries, heads, dim], key, value [keys, kv_heads, dim], scale, query_offset) -> [queries, heads, dim]:
 # causal attention where query i sees keys j <= i + query_offset.
@@ -62,9 +60,10 @@ class TorchPagedAttention:
     """
 
     def __init__(self, decode_kernel: DecodeKernel | None = None,
-                 prefill_kernel: PrefillKernel | None = None) -> None:
+                 prefill_kernel: PrefillKernel | None = None, decode_reads_sinks: bool = False) -> None:
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
+        self.decode_reads_sinks = decode_reads_sinks
 
     def forward(
         self,
@@ -128,12 +127,14 @@ class TorchPagedAttention:
 
     def _decode(self, query, kv_cache: LayerKVCache, metadata: AttentionMetadata, layer: _LayerOptions,
                 tail_slots: torch.Tensor | None = None) -> torch.Tensor:
-        if self.decode_kernel is not None and layer.attention_chunk is None and layer.sinks is None:
+        if self.decode_kernel is not None and layer.attention_chunk is None and \
+                (layer.sinks is None or self.decode_reads_sinks):
             # A quantized pool stores K/V rotated (see ``kv_cache``; its tails too):
             # the kernel reads them as stored, given the query in that basis.
+            sinks = () if layer.sinks is None else (layer.sinks,)
             out = self.decode_kernel(kv_cache.in_storage_basis(query), kv_cache, metadata.decode_block_tables,
                                      metadata.decode_context_lens, layer.scale, layer.sliding_window,
-                                     layer.logits_soft_cap, tail_slots)
+                                     layer.logits_soft_cap, tail_slots, *sinks)
             return kv_cache.in_storage_basis(out)
         return self._gather_decode(query, kv_cache, metadata, layer, tail_slots)
 
@@ -296,12 +297,17 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     """Masked attention, q [b, heads, n, d] over k/v [b, kv_heads, m, d].
     SDPA has no soft cap and no sinks, so such layers take Hugging Face's eager path:
     scores in the input dtype, capped, masked, each head's sink logit appended as one
-    more column (and the row's max subtracted), softmax in fp32, the sink's column dropped,
-    cast back."""
+    more column, softmax in fp32, the sink's column dropped, cast back. A layer with sinks
+    computes all of it in fp32 and rounds once, as the C++ decode kernel does."""
     if layer.logits_soft_cap is None and layer.sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    dtype = q.dtype
+    if layer.sinks is not None:
+        # The C++ decode kernel's precision (fp32, rounded once), so that a sequence's
+        # prefill and decodes agree in bf16 too.
+        q, k, v = q.float(), k.float(), v.float()
     scores = q @ k.transpose(-1, -2) * layer.scale
     cap = layer.logits_soft_cap
     if cap is not None:
@@ -310,10 +316,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     if layer.sinks is not None:
         sinks = layer.sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         scores = torch.cat((scores, sinks), dim=-1)
-        # Hugging Face's gpt-oss subtracts each row's max in the scores' dtype (a rounding in
-        # bf16; in fp32 it is the softmax's own subtraction).
-        scores = scores - scores.max(dim=-1, keepdim=True).values
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     if layer.sinks is not None:
         probs = probs[..., :-1]
-    return probs.to(q.dtype) @ v
+    return (probs.to(q.dtype) @ v).to(dtype)

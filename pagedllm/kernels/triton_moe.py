@@ -4,8 +4,8 @@ A step's (token, expert) pairs are sorted by expert and each expert's run is pad
 multiple of ``BLOCK_M`` (``align_pairs``, vLLM's ``moe_align_block_size``); then one kernel
 launch multiplies every block of pairs by its expert's gate|up weights, and a second by its
 down weights (``triton_moe_jit.grouped_matmul_kernel``): an expert without tokens is never
-read, and no per-expert loop runs on the host. Between the two, the activation
-(``act(gate) * up``) runs in PyTorch; after them, each pair's output is scaled by its
+read, and no per-expert loop runs on the host. Between the two, gpt-oss's expert biases are
+added (one gather per projection) and the activation (``act(gate) * up``) runs in PyTorch; after them, each pair's output is scaled by its
 routing weight and each token's k terms are summed in increasing expert id, the order (and
 the roundings) of the Python loop in ``model/moe/experts.py`` and of Hugging Face's eager
 experts.
@@ -71,10 +71,19 @@ def _grouped_matmul(a: torch.Tensor, weights: torch.Tensor, routing: tuple[torch
     return out
 
 
+def _plus_bias(out: torch.Tensor, bias: torch.Tensor | None, experts: torch.Tensor) -> torch.Tensor:
+    """Each pair's row (rounded to the model's dtype by the kernel) plus its expert's bias row:
+    gpt-oss's ``x @ W + b``, the matmul rounding first, as the CPU paths add it."""
+    return out if bias is None else out + bias.index_select(0, experts)
+
+
 def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, indices: torch.Tensor,
-                  weights: torch.Tensor, act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                  weights: torch.Tensor, act_and_mul: Callable[[torch.Tensor], torch.Tensor],
+                  biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{indices[t, k]}(x[t]) for x [tokens, H]: ``Experts.forward``
-    with the stacked ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] in two launches."""
+    with the stacked ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] in two launches;
+    ``biases``: gpt-oss's per-expert ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, H]
+    (or None), each added after its projection."""
     if not triton_available():
         raise RuntimeError("Triton is not installed; use the Python expert loop")
     tokens, top_k = indices.shape
@@ -83,8 +92,11 @@ def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
     x, gate_up_proj, down_proj = x.contiguous(), gate_up_proj.contiguous(), down_proj.contiguous()
     routing = align_pairs(indices, gate_up_proj.shape[0])
     num_pairs = tokens * top_k
-    hidden = act_and_mul(_grouped_matmul(x, gate_up_proj, routing, num_pairs, top_k)).contiguous()
-    terms = (_grouped_matmul(hidden, down_proj, routing, num_pairs, 1) * weights.reshape(-1, 1)).to(x.dtype)
+    experts = indices.reshape(-1)  # pair p's expert
+    gate_up = _plus_bias(_grouped_matmul(x, gate_up_proj, routing, num_pairs, top_k), biases[0], experts)
+    hidden = act_and_mul(gate_up).contiguous()
+    down = _plus_bias(_grouped_matmul(hidden, down_proj, routing, num_pairs, 1), biases[1], experts)
+    terms = (down * weights.reshape(-1, 1)).to(x.dtype)
     # Each token's terms in increasing expert id, added into zeros one at a time (the loop's order).
     terms = terms.view(tokens, top_k, -1).take_along_dim(indices.argsort(dim=1)[:, :, None], dim=1)
     out = torch.zeros_like(x)

@@ -21,6 +21,8 @@ safetensors (``*_blocks`` / ``*_scales``) are refused: a bf16 or fp32 copy loads
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -45,8 +47,7 @@ class GptOssRMSNorm(RMSNorm):
     """Hugging Face's ``GptOssRMSNorm``: the weight multiplies the fp32-normalised input before
     the one rounding to the model's dtype (``weight * x32`` promotes to fp32), where Llama's
     rounds the input first and multiplies in the model's dtype. In an fp32 model the two are one.
-    (Hugging Face keeps these weights fp32 only in fp16 models, ``_keep_in_fp32_modules``;
-    here they take the model's dtype.)"""
+    In an fp16 model the weight is fp32, as Hugging Face keeps it (``fp32_norm_weights``)."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.dtype == torch.float32:
@@ -57,6 +58,17 @@ class GptOssRMSNorm(RMSNorm):
         x32 = x.float()
         out = (self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+def fp32_norm_weights(config: PretrainedConfig, dtype: torch.dtype) -> Callable[[str], bool]:
+    """The checkpoint names loaded in fp32 whatever ``dtype``: Hugging Face's gpt-oss keeps its
+    RMSNorm weights fp32 in fp16 models (``_keep_in_fp32_modules``: ``input_layernorm``,
+    ``post_attention_layernorm``, ``norm``; bf16 and fp32 models take their dtype), and
+    ``GptOssRMSNorm`` then multiplies the fp32-normalised input by the fp32 weight."""
+    if config.model_type != "gpt_oss" or dtype != torch.float16:
+        return lambda name: False
+    return lambda name: name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")) \
+        or name.endswith("model.norm.weight")
 
 
 def check_gpt_oss_config(config: PretrainedConfig) -> None:

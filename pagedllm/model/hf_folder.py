@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from pagedllm.model.checkpoint import WHAT_TO_PASS, Checkpoint, check_architecture
+from pagedllm.model.gpt_oss import fp32_norm_weights
 from pagedllm.model.registry import model_class_for
 from pagedllm.model.safetensors_reader import read_safetensors
 from pagedllm.model.shapes import classifier_labels_of
@@ -35,7 +36,8 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
     state_dict: dict[str, torch.Tensor] = {}
     for shard in shards:
         # Old checkpoints saved the rotary frequencies; they are recomputed from the config.
-        state_dict.update(read_safetensors(shard, dtype, skip=lambda name: name.endswith("rotary_emb.inv_freq")))
+        state_dict.update(read_safetensors(shard, dtype, skip=lambda name: name.endswith("rotary_emb.inv_freq"),
+                                           keep_fp32=fp32_norm_weights(config, dtype)))
     if classifier_labels_of(config) is not None:
         if "score.weight" not in state_dict:
             raise ValueError(f"{str(folder)!r} is a sequence classifier without score.weight")

@@ -18,6 +18,7 @@ from pagedllm.model.base import CausalLM
 from pagedllm.model.cohere2 import Cohere2ForCausalLM
 from pagedllm.model.gemma import GemmaForCausalLM
 from pagedllm.model.gemma3_vision import Gemma3ForConditionalGeneration
+from pagedllm.model.gpt_oss import fp32_norm_weights
 from pagedllm.model.idefics3 import Idefics3ForConditionalGeneration
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.llama4 import Llama4ForCausalLM
@@ -76,6 +77,11 @@ def build_model(checkpoint: Checkpoint, max_model_len: int, device: torch.device
     with torch.device("meta"):
         model = model_class_for(checkpoint.config)(checkpoint.config, max_position=max_model_len, tp=tp)
     model.load_weights(checkpoint.state_dict)
-    model = model.to(device=device, dtype=dtype).eval()
+    # gpt-oss's norm weights stay fp32 in an fp16 model, as Hugging Face keeps them.
+    keep_fp32 = fp32_norm_weights(checkpoint.config, dtype)
+    kept = {name: param.detach() for name, param in model.named_parameters() if keep_fp32(name)}
+    model = model.to(device=device, dtype=dtype).eval()  # (converts each parameter's data in place)
+    for name, tensor in kept.items():
+        model.get_parameter(name).data = tensor.to(device)
     pack_linears(model)
     return model

@@ -23,11 +23,12 @@ _DTYPES = {
 }
 
 
-def read_safetensors(path: Path, dtype: torch.dtype,
-                     skip: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, torch.Tensor]]:
+def read_safetensors(path: Path, dtype: torch.dtype, skip: Callable[[str], bool] = lambda name: False,
+                     keep_fp32: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of the file that ``skip`` keeps,
     in file order; floating-point tensors are cast to ``dtype`` (no copy when
-    they are stored in it). A malformed file or a dtype not listed above is a ValueError."""
+    they are stored in it), those ``keep_fp32`` names to fp32. A malformed file or a dtype
+    not listed above is a ValueError."""
     with open(path, "rb", buffering=0) as file:
         header_len = int.from_bytes(file.read(8), "little")
         try:
@@ -40,7 +41,9 @@ def read_safetensors(path: Path, dtype: torch.dtype,
             if skip(name):
                 continue
             tensor = _read_tensor(file, data_start, name, info, path)
-            yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+            if tensor.is_floating_point():
+                tensor = tensor.to(torch.float32 if keep_fp32(name) else dtype)
+            yield name, tensor
 
 
 def _read_tensor(file, data_start: int, name: str, info: dict, path: Path) -> torch.Tensor:

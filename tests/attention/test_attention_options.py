@@ -10,8 +10,9 @@ import torch
 
 from pagedllm.attention.backend import AttentionMetadata, PrefillSpan
 from pagedllm.attention.kv_cache import LayerKVCache
+from pagedllm.attention.selector import cpu_decode
 from tests.attention.test_torch_paged import (
-    HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, SCALE, backend, decode_only_metadata, prefill_step, random_tables, slots_of,
+    HEAD_DIM, KERNEL, NUM_HEADS, NUM_KV_HEADS, SCALE, backend, decode_only_metadata, prefill_step, random_tables, slots_of,
 )
 
 __all__ = ["backend"]  # the fixture, imported for its parametrisation over backends
@@ -133,3 +134,40 @@ def test_windowed_reads_never_touch_released_entries(backend, option, window, bl
     q, k, v = (t[first:] for t in seqs[0])
     out = backend.forward(q, k, v, cache, meta, SCALE, **options)
     torch.testing.assert_close(out, expected[0][first:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpp_decode_kernel_reads_sinks(dtype, threads):
+    """The C++ kernel's sinks, against the float64 reference, both where a sequence is one task
+    (two sequences on one thread) and where its blocks are split across tasks and combined
+    (one sequence): sinks above every score, far below, and one in a sliding window."""
+    if KERNEL is None:
+        pytest.fail("the C++ decode kernel did not build on this machine")
+    torch.manual_seed(threads)
+    lens, block_size = [45, 9], 4
+    tables, num_blocks = random_tables(lens, block_size, random.Random(threads))
+    cache = LayerKVCache(torch.full((num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM), float("nan"), dtype=dtype),
+                         torch.full((num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM), float("nan"), dtype=dtype))
+    seqs = [tuple(torch.randn(n, heads, HEAD_DIM).to(dtype) for heads in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+            for n in lens]
+    for table, (_, k, v), n in zip(tables, seqs, lens):
+        slots = torch.tensor(slots_of(table, range(n), block_size))
+        cache.key.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = k
+        cache.value.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = v
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for window, sinks in ((None, torch.linspace(-30.0, 8.0, NUM_HEADS)), (6, torch.linspace(2.0, -1.0, NUM_HEADS))):
+            batch = range(len(lens)) if threads == 1 else range(1)
+            meta = decode_only_metadata([tables[i] for i in batch], [lens[i] for i in batch])
+            q = torch.stack([seqs[i][0][-1] for i in batch])
+            out = cpu_decode(q, cache, meta.decode_block_tables, meta.decode_context_lens, SCALE, window,
+                             tail_slots=None, sinks=sinks.to(dtype))
+            for i in batch:
+                expected = dense_reference(*(t.float() for t in seqs[i]), sliding_window=window,
+                                           sinks=sinks.to(dtype))[-1]
+                torch.testing.assert_close(out[i].float(), expected, atol=tolerance, rtol=tolerance)
+    finally:
+        torch.set_num_threads(before)

@@ -19,7 +19,7 @@ KERNEL = load_cpu_kernels()
 # interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before any import).
 BACKENDS = {
     "pytorch": TorchPagedAttention(),
-    "cpp": TorchPagedAttention(cpu_decode),
+    "cpp": TorchPagedAttention(cpu_decode, decode_reads_sinks=True),
     "triton": TorchPagedAttention(triton_decode),
 }
 

@@ -6,7 +6,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key_cache"), py::arg("value_cache"), py::arg("key_scale"), py::arg("value_scale"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("sliding_window"),
         py::arg("logits_soft_cap"), py::arg("tail_key") = py::none(), py::arg("tail_value") = py::none(),
-        py::arg("tail_slots") = py::none());
+        py::arg("tail_slots") = py::none(), py::arg("sinks") = py::none());
   m.def("prefill_attention", &prefill_attention,
         "Causal attention of query [queries, heads, dim] over key/value [keys, kv_heads, dim] (CPU)",
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("scale"), py::arg("query_offset"));

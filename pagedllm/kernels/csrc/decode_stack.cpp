@@ -67,7 +67,7 @@ torch::Tensor DecodeStack::attention(const FusedLayer& layer, const torch::Tenso
   write_kv_cache(k, v, layer.key_cache, layer.value_cache, step.slot_mapping);
   const torch::Tensor out = paged_decode_attention(q, layer.key_cache, layer.value_cache, std::nullopt, std::nullopt,
                                                    step.block_tables, step.context_lens, scale_, 0, 0.0, std::nullopt,
-                                                   std::nullopt, std::nullopt);
+                                                   std::nullopt, std::nullopt, std::nullopt);
   return layer.o_proj(out.reshape({tokens, q_size}));
 }
 

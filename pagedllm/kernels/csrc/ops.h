@@ -7,13 +7,14 @@
 
 // paged_decode.cpp: decode attention read straight through the block tables
 // (sliding_window / logits_soft_cap: 0 for none; tail_slots: an int8 pool's
-// full-precision tail slot per row, -1 for none, or none at all).
+// full-precision tail slot per row, -1 for none, or none at all; sinks: fp32 [heads], a
+// logit per query head in the softmax's denominator, or none).
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      std::optional<torch::Tensor> key_scale, std::optional<torch::Tensor> value_scale,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                                      int64_t sliding_window, double logits_soft_cap,
                                      std::optional<torch::Tensor> tail_key, std::optional<torch::Tensor> tail_value,
-                                     std::optional<torch::Tensor> tail_slots);
+                                     std::optional<torch::Tensor> tail_slots, std::optional<torch::Tensor> sinks);
 
 // layer_ops.cpp: the elementwise parts of a decoder layer, fused.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, std::optional<torch::Tensor> residual);

@@ -14,7 +14,9 @@
 // only the last W tokens (from max(0, context_len - W); earlier blocks are
 // never touched, their table entries may be released), and logits_soft_cap
 // c > 0 turns each score into c * tanh(score / c). Both cost per block, not
-// per token, when unset, so plain layers run the same per-token work.
+// per token, when unset, so plain layers run the same per-token work. sinks
+// [H] fp32 (gpt-oss's attention sinks): head h's softmax sum gains exp(sinks[h]),
+// a logit that weighs no value, added once per head when the output is normalised.
 //
 // One pass per task with an online softmax (as flash-decoding does): for each
 // block, score its tokens for every query head, rescale the running sums to
@@ -30,6 +32,7 @@
 #include "paged_decode_grouped.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -133,11 +136,18 @@ void decode_task(const scalar_t* query, const cache_t* key_cache, const cache_t*
   }
 }
 
-// A sequence with one partition: its output is the weighted value sum over the softmax sum.
+// exp(sink - max): a head's sink term in a softmax sum taken relative to ``max`` (0 without
+// sinks). Past exp's range it is inf and the head's output 0, the limit the true value has.
+inline float sink_term(const float* sinks, int64_t r, float max) {
+  return sinks != nullptr ? std::exp(sinks[r] - max) : 0.0f;
+}
+
+// A sequence with one partition: its output is the weighted value sum over the softmax sum
+// (with ``sinks``, one logit per query head that joins the sum and weighs no value).
 template <typename scalar_t>
-void normalize(const Partial& part, int64_t rows, int64_t head_dim, scalar_t* out) {
+void normalize(const Partial& part, const float* sinks, int64_t rows, int64_t head_dim, scalar_t* out) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float inv = 1.0f / part.sum[r];
+    const float inv = 1.0f / (part.sum[r] + sink_term(sinks, r, part.max[r]));
     for (int64_t d = 0; d < head_dim; ++d) out[r * head_dim + d] = store<scalar_t>(part.acc[r * head_dim + d] * inv);
   }
 }
@@ -145,7 +155,8 @@ void normalize(const Partial& part, int64_t rows, int64_t head_dim, scalar_t* ou
 // Merge a sequence's partial results (one per context partition) into its output:
 // rescale each partition to the global max, then divide by the global sum.
 template <typename scalar_t>
-void combine(const Partial* parts, int64_t num_parts, int64_t rows, int64_t head_dim, scalar_t* out) {
+void combine(const Partial* parts, int64_t num_parts, const float* sinks, int64_t rows, int64_t head_dim,
+             scalar_t* out) {
   std::vector<float> acc(head_dim);
   for (int64_t r = 0; r < rows; ++r) {
     float global_max = -std::numeric_limits<float>::infinity();
@@ -158,7 +169,7 @@ void combine(const Partial* parts, int64_t num_parts, int64_t rows, int64_t head
       total += parts[p].sum[r] * weight;
       for (int64_t d = 0; d < head_dim; ++d) acc[d] += parts[p].acc[r * head_dim + d] * weight;
     }
-    const float inv = 1.0f / total;
+    const float inv = 1.0f / (total + sink_term(sinks, r, global_max));
     for (int64_t d = 0; d < head_dim; ++d) out[r * head_dim + d] = store<scalar_t>(acc[d] * inv);
   }
 }
@@ -170,7 +181,8 @@ void run_decode(const torch::Tensor& query, const torch::Tensor& key_cache, cons
                 const float* key_scale, const float* value_scale, const scalar_t* tail_key,
                 const scalar_t* tail_value, const int64_t* tail_slots, const int64_t* bt, const int64_t* cl,
                 int64_t max_blocks, int64_t parts_per_seq, int64_t blocks_per_part, double scale,
-                int64_t sliding_window, double soft_cap, std::vector<Partial>& parts, torch::Tensor& out) {
+                int64_t sliding_window, double soft_cap, const float* sinks, std::vector<Partial>& parts,
+                torch::Tensor& out) {
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, query_stride = query.stride(0);
@@ -208,13 +220,14 @@ void run_decode(const torch::Tensor& query, const torch::Tensor& key_cache, cons
                static_cast<float>(soft_cap), after, dpbf16, scratch, parts[task]);
       // One partition per sequence (the usual decode batch): finish it here,
       // with its blocks' values still in cache and no second pass over the batch.
-      if (parts_per_seq == 1) normalize<scalar_t>(parts[task], num_heads, head_dim, o + b * num_heads * head_dim);
+      if (parts_per_seq == 1)
+        normalize<scalar_t>(parts[task], sinks, num_heads, head_dim, o + b * num_heads * head_dim);
     }
   });
   if (parts_per_seq == 1) return;
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
-      combine<scalar_t>(parts.data() + b * parts_per_seq, parts_per_seq, num_heads, head_dim,
+      combine<scalar_t>(parts.data() + b * parts_per_seq, parts_per_seq, sinks, num_heads, head_dim,
                         o + b * num_heads * head_dim);
   });
 }
@@ -279,13 +292,17 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                                      int64_t sliding_window, double logits_soft_cap,
                                      std::optional<torch::Tensor> tail_key, std::optional<torch::Tensor> tail_value,
-                                     std::optional<torch::Tensor> tail_slots) {
+                                     std::optional<torch::Tensor> tail_slots, std::optional<torch::Tensor> sinks) {
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
               "block_tables and context_lens must be int64");
   const PoolScales pool = checked_scales(query, key_cache, value_cache, key_scale, value_scale);
   const torch::Tensor slots = checked_tail_slots(query, key_cache, tail_key, tail_value, tail_slots);
   const bool tails = slots.defined();
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == torch::kFloat && sinks->is_contiguous() &&
+                                     sinks->numel() == num_heads),
+              "paged_decode_attention: sinks must be contiguous fp32 [num_heads]");
+  const float* sink_logits = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   auto out = torch::empty({batch, num_heads, head_dim}, query.options());
@@ -316,11 +333,11 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
                                    tails ? tail_key.value().data_ptr<scalar_t>() : nullptr,
                                    tails ? tail_value.value().data_ptr<scalar_t>() : nullptr,
                                    tails ? slots.data_ptr<int64_t>() : nullptr, bt, cl, max_blocks, parts_per_seq,
-                                   blocks_per_part, scale, sliding_window, logits_soft_cap, parts, out);
+                                   blocks_per_part, scale, sliding_window, logits_soft_cap, sink_logits, parts, out);
     else
       run_decode<scalar_t, scalar_t>(query, key_cache, value_cache, nullptr, nullptr, nullptr, nullptr, nullptr, bt,
-                                     cl, max_blocks,
-                                     parts_per_seq, blocks_per_part, scale, sliding_window, logits_soft_cap, parts, out);
+                                     cl, max_blocks, parts_per_seq, blocks_per_part, scale, sliding_window,
+                                     logits_soft_cap, sink_logits, parts, out);
   });
   return out;
 }

@@ -59,16 +59,13 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{indices[t, k]}(x[t]) for every token t of x [tokens, H]."""
-        # The Triton kernel has no bias term: gpt-oss's biased experts take the C++ grouped
-        # kernel (biases added after each projection) or the loop.
-        biased = self.gate_up_proj_bias is not None
-        if x.is_cuda and triton_available() and not biased:
-            return fused_experts(x, self.gate_up_proj, self.down_proj, indices, weights, self.act_and_mul)
+        biases = (self.gate_up_proj_bias, self.down_proj_bias)  # gpt-oss's, added after each projection
+        if x.is_cuda and triton_available():
+            return fused_experts(x, self.gate_up_proj, self.down_proj, indices, weights, self.act_and_mul, biases)
         gate_up, down = [dense_stack(self.gate_up_proj)], [dense_stack(self.down_proj)]
         kernels = grouped_kernels(x, gate_up, down) if self.gate_up_proj.dtype == x.dtype else None
         if kernels is not None:
-            return grouped_forward(kernels, x, indices, weights, gate_up, down, self.act_and_mul,
-                                   (self.gate_up_proj_bias, self.down_proj_bias))
+            return grouped_forward(kernels, x, indices, weights, gate_up, down, self.act_and_mul, biases)
         return loop_forward(x, indices, weights, self.num_experts, self.expert_forward)
 
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
