@@ -178,6 +178,24 @@ def tiny_reasoning_model(tmp_path_factory, tiny_model_dir) -> str:
     return str(folder)
 
 
+_HF_TEMPLATES: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
+
+
+def hf_model_copy(model: str | None = None, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """``load_hf_model(model, dtype)``, loaded once per session and handed out as a deep copy: a
+    GGUF's dequantizing load costs ~10 s, a copy ~1 s, and a copy may be changed (PEFT wraps its
+    layers in place) without touching the next test's model."""
+    import copy
+
+    from pagedllm.bench.hf_reference import load_hf_model
+    from pagedllm.model.loader import default_model_path
+
+    key = (os.path.abspath(model or default_model_path()), dtype)
+    if key not in _HF_TEMPLATES:
+        _HF_TEMPLATES[key] = load_hf_model(key[0], dtype)
+    return copy.deepcopy(_HF_TEMPLATES[key])
+
+
 def assert_pool_free_once_idle(llm, timeout_s: float = 30) -> None:
     """``assert_pool_free`` once the requests a server test left running (an aborted
     stream finishing its step) are gone."""

@@ -17,7 +17,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine.beam_search import BeamGroup
 from pagedllm.outputs import Logprob, RequestMetrics
-from tests.conftest import assert_pool_free
+from tests.conftest import assert_pool_free, hf_model_copy
 
 PROMPTS = [
     "The old lighthouse keeper climbed the stairs",
@@ -75,7 +75,7 @@ def test_tiny_model_beam_search_matches_hf(tiny_model_dir, params):
 @pytest.mark.slow
 def test_smollm2_beam_search_matches_hf():
     params = BeamSearchParams(beam_width=4, max_tokens=16)
-    check_against_hf(LLM(num_kv_blocks=256, debug_invariants=True), load_hf_model(None), params)
+    check_against_hf(LLM(num_kv_blocks=256, debug_invariants=True), hf_model_copy(None), params)
 
 
 def test_beams_share_prefix_blocks(tiny_model_dir):

@@ -7,6 +7,8 @@ prefill must not change a single token.
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ from pagedllm.bench.hf_reference import load_hf_model
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.model.packed_linear import PackedLinear, packing_supported
 from pagedllm_dev.differential.prompts import real_text_prompts
-from tests.conftest import assert_pool_free
+from tests.conftest import assert_pool_free, hf_model_copy
 
 TEXT = (
     "The history of computing is a story of layers. Early machines were programmed by rewiring "
@@ -124,22 +126,30 @@ def test_smollm2_gguf_matches_hf():
 BF16_MEAN_RATIO, BF16_PROMPT_RATIO, BF16_MAX_NATS = 1.15, 2.0, 0.35
 
 
+_TARGET_LOGPROBS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def target_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """The log-probability ``model`` gives each next token of ``prompt``. Memoized per model and
+    prompt: both cases of a parametrized test on one model ask for the same ones."""
+    memo = _TARGET_LOGPROBS.setdefault(model, {})
+    if tuple(prompt) not in memo:
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt])).logits[0].float()
+        memo[tuple(prompt)] = torch.log_softmax(logits, dim=-1)[torch.arange(len(prompt) - 1), prompt[1:]]
+    return memo[tuple(prompt)]
+
+
 def assert_bf16_close_to_hf(prompts, outputs, oracle, hf_bf16) -> None:
     """Our bf16 prompt logprobs against the fp32 oracle's: never BF16_MAX_NATS further off than
     HF bf16's worst token, and as close on average as Hugging Face's own bf16 model (see BF16_MEAN_RATIO)."""
     ratios = []
     with torch.inference_mode():
         for prompt, output in zip(prompts, outputs):
-            rows, targets = torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])
-
-            def target_logprobs(model) -> torch.Tensor:
-                logits = model(torch.tensor([prompt])).logits[0].float()
-                return torch.log_softmax(logits, dim=-1)[rows, targets]
-
-            reference = target_logprobs(oracle)
+            reference = target_logprobs(oracle, prompt)
             ours = torch.tensor([entry[prompt[i + 1]].logprob for i, entry in enumerate(output.prompt_logprobs[1:])])
             our_error = (ours - reference).abs()
-            hf_error = (target_logprobs(hf_bf16) - reference).abs()
+            hf_error = (target_logprobs(hf_bf16, prompt) - reference).abs()
             assert our_error.max() < hf_error.max() + BF16_MAX_NATS, (
                 f"prompt of {len(prompt)} tokens: {our_error.max():.3f} nats (HF bf16 {hf_error.max():.3f})"
             )
@@ -151,9 +161,16 @@ def assert_bf16_close_to_hf(prompts, outputs, oracle, hf_bf16) -> None:
     assert mean_ratio <= BF16_MEAN_RATIO, f"mean error {mean_ratio:.3f}x HF bf16's over {len(ratios)} prompts"
 
 
+@pytest.fixture(scope="module")
+def smollm2_fp32_and_bf16():
+    """Hugging Face's SmolLM2 in fp32 (the oracle) and in bf16, once for both packing cases (whose
+    Hugging Face logprobs are then computed once too: ``target_logprobs`` memoizes them)."""
+    return hf_model_copy(None, torch.float32), hf_model_copy(None, torch.bfloat16)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("packing_switch", ["auto", "0"])
-def test_smollm2_bfloat16_close_to_hf(packing_switch, monkeypatch):
+def test_smollm2_bfloat16_close_to_hf(packing_switch, monkeypatch, smollm2_fp32_and_bf16):
     # The bf16 engine against HF's bf16 model on the same (dequantized) weights, with the
     # matmuls on weights packed for VDPBF16PS where this CPU packs them, and on nn.Linear's layout.
     # GGUF weights kept in their blocks multiply in fp32 and round each output to bf16; on
@@ -168,5 +185,4 @@ def test_smollm2_bfloat16_close_to_hf(packing_switch, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_pool_free(llm)
-    oracle, hf_bf16 = load_hf_model(None, torch.float32), load_hf_model(None, torch.bfloat16)
-    assert_bf16_close_to_hf(prompts, outputs, oracle, hf_bf16)
+    assert_bf16_close_to_hf(prompts, outputs, *smollm2_fp32_and_bf16)

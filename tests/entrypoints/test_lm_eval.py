@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from pagedllm.bench.server_process import running_server
+from tests.conftest import hf_model_copy
 from tests.entrypoints.live_server import assert_server_pool_free
 
 pytestmark = pytest.mark.slow
@@ -51,11 +52,10 @@ def smollm_fp32(tmp_path_factory):
     """(folder, Hugging Face model): the default model dequantized to fp32 safetensors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagedllm.bench.hf_reference import load_hf_model
     from pagedllm.model.loader import default_model_path
 
     folder = tmp_path_factory.mktemp("smollm2-fp32")
-    model = load_hf_model(dtype=torch.float32)
+    model = hf_model_copy(None, torch.float32)  # its config is changed below: a copy
     # transformers refuses to save a model it read from GGUF; its weights are plain fp32 now.
     model.hf_quantizer = None
     del model.config.quantization_config

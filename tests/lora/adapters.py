@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 import torch
 
-from pagedllm.bench.hf_reference import load_hf_model
+from tests.conftest import hf_model_copy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -50,7 +50,7 @@ def make_peft_adapter(base_dir: str, out_dir: str, *, rank: int = 8, alpha: floa
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import LoraLayer
 
-    model = get_peft_model(load_hf_model(base_dir), LoraConfig(
+    model = get_peft_model(hf_model_copy(base_dir), LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora,
         init_lora_weights=False, lora_dropout=0.0))
     scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
@@ -77,7 +77,7 @@ def peft_greedy(base_dir: str, adapter_dir: str | None, prompts: list[str] | lis
     Generation stops at the model's EOS, the engine's default (no ``min_tokens``, no ``ignore_eos``);
     the EOS token, when reached, is kept as the last id (Hugging Face's ``generate`` keeps it).
     String prompts are tokenized with the base's tokenizer, without a chat template."""
-    model = load_hf_model(base_dir)
+    model = hf_model_copy(base_dir)
     if adapter_dir is not None:
         from peft import PeftModel
 

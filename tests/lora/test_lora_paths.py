@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from pagedllm import LLM, LoRARequest, SamplingParams
-from pagedllm.bench.hf_reference import load_hf_model
 from pagedllm.model.loader import default_model_path
 from pagedllm_dev.differential.prompts import real_text_prompts
-from tests.conftest import assert_pool_free
+from tests.conftest import assert_pool_free, hf_model_copy
 from tests.engine.test_hf_parity import assert_bf16_close_to_hf
 from tests.lora.adapters import make_peft_adapter, peft_greedy, write_gguf_lora
 from tests.model.test_quantized_engine import _tensor_type, _tiny_hf_model
@@ -94,6 +93,6 @@ def test_smollm2_bf16_with_an_adapter_is_as_close_to_peft_as_hf_bf16(smollm_adap
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                            lora_request=LoRARequest("mild16", 1, smollm_adapters["mild16"]))
     assert_pool_free(llm)
-    oracle = PeftModel.from_pretrained(load_hf_model(None, torch.float32), smollm_adapters["mild16"]).eval()
-    hf_bf16 = PeftModel.from_pretrained(load_hf_model(None, torch.bfloat16), smollm_adapters["mild16"]).eval()
+    oracle = PeftModel.from_pretrained(hf_model_copy(None, torch.float32), smollm_adapters["mild16"]).eval()
+    hf_bf16 = PeftModel.from_pretrained(hf_model_copy(None, torch.bfloat16), smollm_adapters["mild16"]).eval()
     assert_bf16_close_to_hf(prompts, outputs, oracle, hf_bf16)

@@ -3,6 +3,7 @@ model they were written from; Gemma's RMSNorm rounds as Hugging Face's does."""
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -53,15 +54,32 @@ def assert_hf_greedy(hf_model: PreTrainedModel, prompt: list[int], completion, e
     what catches a final soft cap: it never moves the argmax). ``eos_masked``: the EOS id that
     min_tokens kept from being chosen."""
     tokens = list(completion.token_ids)
-    with torch.inference_mode():
-        # only the positions that chose a token: a 262k vocabulary's logits over a long prompt are GBs
-        logits = hf_model(torch.tensor([prompt + tokens]), logits_to_keep=len(tokens) + 1).logits[0, :-1].float()
-        logprobs = torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens)), tokens]
-        if eos_masked is not None:
-            logits[:, eos_masked] = float("-inf")
-    assert tokens == logits.argmax(-1).tolist(), f"prompt of {len(prompt)} tokens"
+    choices, logprobs = _hf_choices(hf_model, tuple(prompt + tokens), len(tokens), eos_masked)
+    assert tokens == choices, f"prompt of {len(prompt)} tokens"
     ours = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
     assert torch.allclose(ours, logprobs, atol=atol), f"prompt of {len(prompt)} tokens: {(ours - logprobs).abs().max()}"
+
+
+_HF_CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _hf_choices(hf_model: PreTrainedModel, ids: tuple[int, ...], generated: int,
+                eos_masked: int | None) -> tuple[list[int], torch.Tensor]:
+    """HF's argmax at each of the last ``generated`` positions of ``ids`` and the logprob of the
+    token there. Memoized per model: cases that differ only in the engine (the hybrid KV manager on
+    and off) generate the same tokens, and the long prompts' forward is the costly half of a case."""
+    memo = _HF_CHOICES.setdefault(hf_model, {})
+    key = (ids, generated, eos_masked)
+    if key not in memo:
+        tokens = list(ids[len(ids) - generated:])
+        with torch.inference_mode():
+            # only the positions that chose a token: a 262k vocabulary's logits over a long prompt are GBs
+            logits = hf_model(torch.tensor([ids]), logits_to_keep=generated + 1).logits[0, :-1].float()
+            logprobs = torch.log_softmax(logits, dim=-1)[torch.arange(generated), tokens]
+            if eos_masked is not None:
+                logits[:, eos_masked] = float("-inf")
+        memo[key] = (logits.argmax(-1).tolist(), logprobs)
+    return memo[key]
 
 
 # --- GGUF, written as llama.cpp's converter writes Gemma ------------------------------------------
