@@ -30,7 +30,7 @@ class KVCacheBlock:
     is set once the block is full and registered in the prefix cache; from then
     on its contents never change. The ``prev_free`` / ``next_free`` links belong
     to :class:`FreeBlockQueue` and are only meaningful while the block is free.
-    ``origin`` (parent hash, token ids) is kept only while KV events are on:
+    ``origin`` (parent hash, token ids, image keys) is kept only while KV events are on:
     a tier that takes the block over announces it with them. ``owner`` is set
     while the block is a page of a resident LoRA adapter (``kv_managers.adapter_pages``).
     Only the pool sets ``owner`` (``take_run``) and clears it (``disown``).
@@ -46,7 +46,7 @@ class KVCacheBlock:
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
         self.cache_group = 0
-        self.origin: tuple[BlockHash | None, tuple[int, ...]] | None = None
+        self.origin: tuple[BlockHash | None, tuple[int, ...], tuple] | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
         self.owner: BlockOwner | None = None
@@ -253,7 +253,7 @@ class BlockPool:
         block.block_hash, block.cache_group = block_hash, group
         self.cached_blocks[(group, block_hash)] = block
         if self.events is not None and group == 0:
-            block.origin = (parent, tuple(token_ids))
+            block.origin = (parent, tuple(token_ids), image_keys)
             self.events.append(BlockStored([block_hash], parent, list(token_ids), len(token_ids), MEDIUM_POOL,
                                            image_keys))
         return True

@@ -173,8 +173,8 @@ class PrefixCache:
         return blocks
 
     def _offload(self, block: KVCacheBlock) -> None:
-        parent, token_ids = block.origin or (None, None)
-        self.tiers.offload(block.block_id, block.block_hash, parent, token_ids, block.cache_group)
+        parent, token_ids, images = block.origin or (None, None, ())
+        self.tiers.offload(block.block_id, block.block_hash, parent, token_ids, block.cache_group, images)
 
     def register(self, request: Request, record: BlockTableRecord, num_tokens: int, group: int = 0) -> None:
         """Register the blocks of group ``group``'s table that the request's first
@@ -197,7 +197,7 @@ class PrefixCache:
             images = block_image_keys(index, size, request.mm_spans) if described else ()
             if self.block_pool.cache_block(block, hashes[index], parent, block_tokens, group, images) \
                     and self.tiers is not None:
-                self.tiers.persist(block.block_id, hashes[index], parent, block_tokens or None, group)
+                self.tiers.persist(block.block_id, hashes[index], parent, block_tokens or None, group, images)
         record.num_registered = num_full
 
     def reset(self) -> int:

@@ -270,8 +270,9 @@ class TierIndex:
         self._shrink()
 
     def offload(self, block_id: int, block_hash: BlockHash, parent: BlockHash | None,
-                token_ids: Sequence[int] | None, group: int = 0) -> None:
-        """The pool evicts ``block_id`` (holding ``block_hash`` of ``group``): keep a copy in host memory."""
+                token_ids: Sequence[int] | None, group: int = 0, image_keys: tuple = ()) -> None:
+        """The pool evicts ``block_id`` (holding ``block_hash`` of ``group``): keep a copy in host memory.
+        ``parent``, ``token_ids`` and ``image_keys`` (the images it covers) are for the events."""
         key = tier_key(group, block_hash)
         if self.host_capacity_blocks == 0 or key in self._dropping or key in self._fetching:
             # An entry dropped this step: the runner drops after it offloads, so a new
@@ -284,11 +285,11 @@ class TierIndex:
         self._moves.add(TierOffload(block_id, key))
         self._host[key] = group
         self.counters.offloads += 1
-        self._announce(MEDIUM_HOST, group, block_hash, parent, token_ids)
+        self._announce(MEDIUM_HOST, group, block_hash, parent, token_ids, image_keys)
         self._shrink()
 
     def persist(self, block_id: int, block_hash: BlockHash, parent: BlockHash | None,
-                token_ids: Sequence[int] | None, group: int = 0) -> None:
+                token_ids: Sequence[int] | None, group: int = 0, image_keys: tuple = ()) -> None:
         """A block was just cached in the pool: write it to disk after this step's forward."""
         key = tier_key(group, block_hash)
         if not self.has_disk or key in self._on_disk:
@@ -296,7 +297,7 @@ class TierIndex:
         self._on_disk[key] = group
         self._moves.add(TierPersist(block_id, key))
         self.counters.persists += 1
-        self._announce(MEDIUM_DISK, group, block_hash, parent, token_ids)
+        self._announce(MEDIUM_DISK, group, block_hash, parent, token_ids, image_keys)
 
     def take_moves(self) -> BlockMovePlan:
         """The moves since the last call (the scheduler puts them in its output);
@@ -348,9 +349,10 @@ class TierIndex:
             self.events.append(BlockRemoved(announced, MEDIUM_HOST))
 
     def _announce(self, medium: str, group: int, block_hash: BlockHash, parent: BlockHash | None,
-                  token_ids: Sequence[int] | None) -> None:
+                  token_ids: Sequence[int] | None, image_keys: tuple) -> None:
         if self.events is not None and group == 0:
-            self.events.append(BlockStored([block_hash], parent, list(token_ids or ()), self.block_size, medium))
+            self.events.append(BlockStored([block_hash], parent, list(token_ids or ()), self.block_size, medium,
+                                           image_keys))
 
     def note_disk_removed(self, keys: list[BlockHash]) -> None:
         """The disk tier lost these files (evicted for its budget, or a write failed).

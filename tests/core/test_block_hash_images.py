@@ -53,21 +53,32 @@ def test_images_for_a_text_only_model_are_refused_on_the_way_to_an_engine_core_p
         tokenized(None, {"prompt": "<image>", "multi_modal_data": {"image": [object()]}})
 
 
-def test_a_pool_blocks_event_carries_the_images_it_covers_as_extra_keys():
+def test_a_blocks_events_carry_the_images_it_covers_as_extra_keys_in_the_pool_and_the_tiers():
     """vLLM's ``extra_keys`` per block: ["mm", content hash] for a block over an image, none otherwise
-    (and never the cache salt)."""
+    (and never the cache salt), when the pool caches it, when a disk tier persists it and when the
+    host tier takes it over from the pool."""
     from pagedllm.core.kv_cache_manager import KVCacheManager
-    from pagedllm.core.kv_events import BlockStored, KVEventLog
+    from pagedllm.core.kv_events import MEDIUM_DISK, MEDIUM_HOST, MEDIUM_POOL, BlockStored, KVEventLog
+    from pagedllm.core.tier_index import TierIndex
     from pagedllm.kv_tiers.event_wire import to_wire
+    from tests.kv_tiers.test_tier_index import DictDisk
 
     events = KVEventLog()
-    kv = KVCacheManager(8, 16, events=events)
+    tiers = TierIndex(host_capacity_blocks=8, disk=DictDisk(set()), events=events, block_size=16)
+    kv = KVCacheManager(8, 16, events=events, tiers=tiers)
     feature = MultiModalFeature("image", "image-a", PlaceholderRange(20, 20), embed_token_id=7, num_embeds=16)
     request = Request("r", TOKENS, SamplingParams(), eos_token_ids=[], max_tokens=1, cache_salt="salt",
                       mm_features=[feature])
     assert kv.allocate_slots("r", 0, len(TOKENS)) is not None
     kv.cache_full_blocks(request, len(TOKENS))
-    wire = to_wire([event for event in events.take() if isinstance(event, BlockStored)])
-    assert [event.extra_keys for event in wire] == [None, [[["mm", "image-a"]]], [[["mm", "image-a"]]], None]
-    assert [event.block_hashes[0] for event in wire] == hash_request_tokens(TOKENS, 16, "salt", mm_spans=[feature.span])
     kv.free("r")
+    assert kv.allocate_slots("other", 0, 8 * 16) is not None  # evicts r's cached blocks to the host tier
+    kv.free("other")
+    stored = [event for event in events.take() if isinstance(event, BlockStored)]
+    expected = [None, [[["mm", "image-a"]]], [[["mm", "image-a"]]], None]
+    hashes = hash_request_tokens(TOKENS, 16, "salt", mm_spans=[feature.span])
+    for medium in (MEDIUM_POOL, MEDIUM_DISK, MEDIUM_HOST):
+        wire = sorted(to_wire([event for event in stored if event.medium == medium]),
+                      key=lambda event: hashes.index(event.block_hashes[0]))
+        assert [event.block_hashes[0] for event in wire] == hashes, medium
+        assert [event.extra_keys for event in wire] == expected, medium
