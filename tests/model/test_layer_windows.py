@@ -20,6 +20,7 @@ from transformers import (
     AutoModelForCausalLM,
     Cohere2Config,
     Gemma2Config,
+    Gemma3Config,
     Gemma3TextConfig,
     GemmaConfig,
     GptOssConfig,
@@ -34,8 +35,10 @@ from transformers import (
     MixtralConfig,
     OlmoeConfig,
     Phi3Config,
+    Qwen2_5_VLConfig,
     Qwen2Config,
     Qwen2MoeConfig,
+    Qwen2VLConfig,
     Qwen3Config,
     Qwen3MoeConfig,
     SmolLM3Config,
@@ -46,6 +49,7 @@ from pagedllm.core.kv_groups import kv_group_layout
 from pagedllm.core.kv_managers.chunked_local import ChunkedLocal
 from pagedllm.model.registry import SUPPORTED_ARCHITECTURES, VISION_LANGUAGE_ARCHITECTURES
 from pagedllm.model.shapes import layer_attention_of, sliding_windows_of
+from pagedllm.model.vision.config import decoder_config_of
 
 WINDOW = 4
 SEQUENCE = 11  # longer than the window
@@ -158,9 +162,14 @@ def test_every_supported_family_is_checked():
     windows from its ``text_config`` (``model/vision/config.py``), a family of its own here."""
     checked = {CASES[case]().model_type for case in CASES}
     assert checked == set(SUPPORTED_ARCHITECTURES) - set(VISION_LANGUAGE_ARCHITECTURES)
-    vision_language = [Idefics3Config(), LlavaConfig(), LlavaNextConfig()]
-    assert {config.model_type for config in vision_language} == set(VISION_LANGUAGE_ARCHITECTURES)
+    vision_language = [Idefics3Config(), LlavaConfig(), LlavaNextConfig(), Gemma3Config()]
+    qwen_vl = [config(text_config=CASES["qwen2-max-window-layers"]().to_dict(), tie_word_embeddings=False)
+               for config in (Qwen2VLConfig, Qwen2_5_VLConfig)]
+    assert {config.model_type for config in vision_language + qwen_vl} == set(VISION_LANGUAGE_ARCHITECTURES)
     assert {config.text_config.model_type for config in vision_language} <= checked
+    # Qwen2-VL's decoder config is a type of its own, read with Qwen2's window rule.
+    qwen2_windows = sliding_windows_of(CASES["qwen2-max-window-layers"]())
+    assert all(sliding_windows_of(decoder_config_of(config)) == qwen2_windows for config in qwen_vl)
 
 
 @pytest.mark.parametrize("case, expected", [

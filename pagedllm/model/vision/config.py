@@ -16,5 +16,7 @@ def decoder_config_of(config: PretrainedConfig) -> PretrainedConfig:
         return config
     decoder = copy.copy(config.text_config)
     decoder.vision_language_config = config
-    decoder.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", decoder.tie_word_embeddings))
+    # Qwen2-VL's text config has no such attribute: the decoder's value only where the whole has none.
+    tied = getattr(config, "tie_word_embeddings", None)
+    decoder.tie_word_embeddings = bool(getattr(decoder, "tie_word_embeddings", False) if tied is None else tied)
     return decoder
